@@ -1,0 +1,173 @@
+# cython: language_level=3
+"""Declarations of the compiled tree: C types, the node struct, the tree class.
+
+Nodes live in one arena array and name each other by index. A node's tokens, device
+indices and host indices live at the same offset of three parallel buffers, so a split
+only moves offsets and never copies KV indices; chained page hashes live in a fourth
+buffer at ``offset / page_size`` pages.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+ctypedef int32_t token_t      # a token id
+ctypedef int64_t index_t      # a KV slot index (device or host pool)
+ctypedef int32_t node_t       # an arena index
+
+cdef enum:
+    NO_NODE = -1              # sentinel arena index
+    IO_IDLE = 0
+    IO_WRITING = 1            # device -> host backup in flight
+    IO_LOADING = 2            # host -> device load back in flight
+    DEVICE_SET = 0            # victim heap of L1 eviction
+    HOST_SET = 1              # victim heap of L2 eviction
+    DIGEST = 32               # bytes of one SHA-256 digest
+    NUM_FIELDS = 6            # policy key fields, see hiradix/policy.py
+
+cdef struct Node:
+    int64_t uid               # creation sequence number, never reused; final tie-break
+    int64_t key_off           # first token's offset in the token/value/host buffers
+    int64_t key_len           # tokens in the span; a positive multiple of page_size (0: root)
+    int64_t hit_count         # non-chunked insert hits
+    int64_t priority          # max request priority of inserts through this node
+    int64_t io_ticket         # transfer in flight (shared by the parts of a split), 0: none
+    int64_t sieve_lap         # SIEVE lap in which the hand next examines this node
+    double last_access_time   # injected clock at the last match/insert touching the node
+    double creation_time      # injected clock at creation (a split keeps the original's)
+    node_t parent             # NO_NODE for a root
+    node_t first_child        # intrusive doubly linked child list
+    node_t next_sibling
+    node_t prev_sibling
+    int32_t num_children
+    int32_t num_device_children  # children whose value is on the device
+    int32_t gen               # generation of this arena slot; handles carry it
+    int32_t lock_ref          # requests/transfers protecting the node (and its ancestors)
+    int32_t host_ref_counter  # protections of the host copy alone
+    int32_t ns                # namespace index: which seed the hash chain starts from
+    int32_t heap_pos[2]       # position in the device / host victim heap, -1 if absent
+    uint8_t alive             # slot holds a node
+    uint8_t is_root
+    uint8_t on_device         # value valid (L1 resident); 0 = evicted
+    uint8_t backed_up         # host_value valid (L2 resident)
+    uint8_t pending           # host buffer holds the slots of a backup in flight
+    uint8_t io_status         # IO_IDLE / IO_WRITING / IO_LOADING
+    uint8_t visited           # SIEVE visited bit
+
+
+cdef class HiRadixTree:
+    # configuration
+    cdef readonly int64_t page_size
+    cdef readonly str write_policy
+    cdef readonly object policy
+    cdef readonly int64_t write_through_threshold
+    cdef readonly bint enable_hash
+    cdef object _clock
+    cdef int _key_field[2]        # policy key fields (-1: unused)
+    cdef double _key_sign[2]
+    cdef bint _second_chance
+    cdef int64_t _slru_threshold
+    cdef bint _write_back
+
+    # node arena
+    cdef Node* nodes
+    cdef node_t n_used            # high-water mark of the arena
+    cdef node_t n_cap
+    cdef node_t* free_stack       # LIFO of freed slots (same order as the twin)
+    cdef node_t free_n
+
+    # span buffers, parallel, indexed by Node.key_off
+    cdef token_t* tokens
+    cdef index_t* dev
+    cdef index_t* host
+    cdef uint8_t* hashes          # DIGEST bytes per page, at key_off / page_size
+    cdef int64_t buf_len
+    cdef int64_t buf_cap
+    cdef int64_t buf_garbage      # tokens of deleted spans still in the buffers
+
+    # child table: open addressing on (parent, first page)
+    cdef uint64_t* ht_keys
+    cdef node_t* ht_vals
+    cdef int64_t ht_cap
+    cdef int64_t ht_count
+
+    # victim heaps (indexed binary heaps of arena indices)
+    cdef node_t* heap[2]
+    cdef node_t heap_n[2]
+
+    # scratch of int64 triples for evict/evict_host records and compaction
+    cdef int64_t* scratch
+    cdef int64_t scratch_cap
+
+    # namespaces
+    cdef dict _namespaces         # extra_key -> root arena index
+    cdef uint8_t* seeds           # DIGEST bytes per namespace (namespace 0: unused)
+    cdef int32_t ns_n
+    cdef int32_t ns_cap
+
+    # counters
+    cdef node_t root_idx
+    cdef int64_t _uid
+    cdef int64_t _time
+    cdef int64_t _ticket
+    cdef int64_t _sieve_lap
+    cdef int64_t _evictable
+    cdef int64_t _protected
+    cdef int64_t _host_size
+    cdef int64_t _num_nodes
+    cdef readonly int64_t nodes_allocated
+    cdef readonly int64_t nodes_freed
+
+    # arena and buffers
+    cdef int _grow_nodes(self) except -1 nogil
+    cdef int _reserve_span(self, int64_t n) except -1 nogil
+    cdef int _grow_table(self) except -1 nogil
+    cdef int _reserve_scratch(self, int64_t triples) except -1 nogil
+    cdef node_t _alloc(self) except -2 nogil
+    cdef void _release(self, node_t i) noexcept nogil
+    cdef int _compact(self) except -1 nogil
+    cdef node_t _new_root(self, int32_t ns) except -2 nogil
+    cdef node_t _node(self, object handle) except -2
+    cdef double _tick(self) except? -1
+    cdef node_t _ns_root(self, object extra_key) except -2
+
+    # child table
+    cdef uint64_t _page_hash(self, node_t parent, const token_t* page) noexcept nogil
+    cdef node_t _find_child(self, node_t parent, const token_t* page) noexcept nogil
+    cdef int _table_put(self, node_t child) except -1 nogil
+    cdef void _table_replace(self, node_t old, node_t new) noexcept nogil
+    cdef void _table_del(self, node_t child) noexcept nogil
+    cdef void _link_child(self, node_t parent, node_t child) noexcept nogil
+    cdef void _unlink_child(self, node_t child) noexcept nogil
+
+    # victim heaps
+    cdef double _field(self, node_t i, int f) noexcept nogil
+    cdef bint _less(self, node_t a, node_t b) noexcept nogil
+    cdef void _heap_swap(self, int s, node_t p, node_t q) noexcept nogil
+    cdef void _sift_up(self, int s, node_t pos) noexcept nogil
+    cdef void _sift_down(self, int s, node_t pos) noexcept nogil
+    cdef void _heap_push(self, int s, node_t i) noexcept nogil
+    cdef void _heap_remove(self, int s, node_t i) noexcept nogil
+    cdef void _heap_fix(self, int s, node_t i) noexcept nogil
+    cdef void _set_member(self, int s, node_t i, bint member) noexcept nogil
+    cdef void _refresh(self, node_t i) noexcept nogil
+    cdef node_t _pop_victim(self, int s) noexcept nogil
+
+    # structure
+    cdef void _touch(self, node_t i, double now) noexcept nogil
+    cdef void _size_delta(self, node_t i, int64_t tokens) noexcept nogil
+    cdef void _set_device(self, node_t i, bint on) noexcept nogil
+    cdef node_t _split(self, node_t child, int64_t split_len) except -2 nogil
+    cdef node_t _step(self, node_t node, const token_t* toks, int64_t remaining, double now,
+                      int64_t* plen) except -2 nogil
+    cdef node_t _new_child(self, node_t parent, const token_t* toks, int64_t n,
+                           double now) except -2 nogil
+    cdef void _delete_leaf(self, node_t i) noexcept nogil
+    cdef void _demote(self, node_t i) noexcept nogil
+    cdef int _backup_chain(self, node_t i, list out, set seen) except -1
+    cdef int _report_path(self, node_t root, node_t last, list out) except -1
+    cdef list _victims(self, int s)
+    cdef tuple _sort_key(self, node_t i)
+    cdef tuple _first_page(self, node_t i)
+    cdef int64_t _lock(self, node_t i, int sign) noexcept nogil
+    cdef object _gather(self, node_t top_exclusive, node_t bottom, bint host)
+    cdef object _spans(self, int64_t k, index_t* buf)
+    cdef list _io_group(self, node_t i, int status)

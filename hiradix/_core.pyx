@@ -1,0 +1,1606 @@
+# cython: language_level=3
+"""The compiled HiRadixTree: a triple-state radix tree over token ids.
+
+Same API and semantics as the pure-Python twin :mod:`hiradix._reference`, which
+documents every operation in prose; this module is about speed. Nodes are C structs in
+an arena (see ``_core.pxd``), token and KV-index spans sit in parallel buffers, children
+are found through one hash table, and both victim sets are indexed binary heaps, so a
+victim costs ``O(log n)`` and nothing is ever re-heapified. The walks and gathers run
+without the GIL.
+
+The tree is not thread-safe: callers serialize operations (HiRadixCache does).
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, qsort, realloc
+from libc.string cimport memcmp, memcpy, memmove, memset
+
+import hashlib
+
+import numpy as np
+
+from hiradix.policy import FIELDS, get_policy, write_through_threshold
+
+cnp.import_array()
+
+cdef extern from "_sha256.h" nogil:
+    void hr_sha256(const void* data, size_t length, uint8_t* out)
+    void hr_hash_pages(const int32_t* tokens, size_t n_pages, size_t page_size,
+                       const uint8_t* prev, uint8_t* out)
+    void hr_digest_hex(const uint8_t* digest, char* out)
+    int hr_sha256_accelerated()
+    void hr_sha256_set_portable(int on)
+
+ROOT = 0
+IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
+cdef int64_t INT32_MIN_ = -2147483648
+cdef int64_t INT32_MAX_ = 2147483647
+cdef int64_t COMPACT_MIN = 1 << 16     # tokens of garbage before compaction is considered
+
+
+# ----------------------------------------------------------------------------- inputs
+cdef cnp.ndarray _as_tokens(object key):
+    """Token ids as a C-contiguous 1-D int32 array, without per-token Python work."""
+    cdef cnp.ndarray arr
+    cdef cnp.ndarray out
+    cdef const int64_t* src
+    cdef int32_t* dst
+    cdef Py_ssize_t k, n
+    cdef int64_t t
+    if type(key) is np.ndarray:
+        arr = <cnp.ndarray>key
+    else:
+        arr = np.asarray(key)     # lists, array('q'), CPU torch tensors (__array__)
+    if cnp.PyArray_NDIM(arr) != 1:
+        if cnp.PyArray_SIZE(arr) == 0:
+            return np.empty(0, dtype=np.int32)
+        raise ValueError(f"token ids must be 1-D, got shape {(<object>arr).shape}")
+    if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32:
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            arr = np.ascontiguousarray(arr)
+        return arr
+    if cnp.PyArray_SIZE(arr) == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if cnp.PyArray_TYPE(arr) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+        if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > INT32_MAX_:
+            raise ValueError(f"token id out of int32 range: max {int(arr.max())}")
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+    n = cnp.PyArray_SIZE(arr)
+    out = np.empty(n, dtype=np.int32)
+    src = <const int64_t*>cnp.PyArray_DATA(arr)
+    dst = <int32_t*>cnp.PyArray_DATA(out)
+    cdef bint bad = False
+    with nogil:
+        for k in range(n):
+            t = src[k]
+            if t < INT32_MIN_ or t > INT32_MAX_:
+                bad = True
+                break
+            dst[k] = <int32_t>t
+    if bad:
+        raise ValueError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
+    return out
+
+
+cdef cnp.ndarray _as_indices(object value, str name):
+    """KV indices as a C-contiguous 1-D int64 array."""
+    cdef cnp.ndarray arr
+    if type(value) is np.ndarray:
+        arr = <cnp.ndarray>value
+    else:
+        arr = np.asarray(value)
+    if cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_TYPE(arr) == cnp.NPY_INT64:
+        if cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            return arr
+        return np.ascontiguousarray(arr)
+    if cnp.PyArray_SIZE(arr) == 0:
+        return np.empty(0, dtype=np.int64)
+    if cnp.PyArray_NDIM(arr) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {(<object>arr).shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+cdef inline int64_t _common_prefix(const token_t* a, const token_t* b, int64_t n,
+                                   int64_t page_size) noexcept nogil:
+    """Page-aligned length of the common prefix of two token spans of length ``n``."""
+    cdef int64_t i = 0
+    # memcmp compares 64 tokens at a time with vector instructions; the scalar loop
+    # only locates the mismatch inside the last block.
+    while i + 64 <= n and memcmp(a + i, b + i, 64 * sizeof(token_t)) == 0:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i - i % page_size
+
+
+# ----------------------------------------------------------------------------- hashing
+def get_hash_str(token_ids, prior_hash=None):
+    """SHA-256 of one page chained on ``prior_hash`` (SGLang's ``get_hash_str``).
+
+    >>> get_hash_str([1, 2, 3, 4])
+    'cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72'
+    """
+    cdef cnp.ndarray toks = _as_tokens(token_ids)
+    n = cnp.PyArray_SIZE(toks)
+    if n == 0:
+        h = hashlib.sha256(bytes.fromhex(prior_hash) if prior_hash else b"")
+        return h.hexdigest()
+    return page_hashes(toks, n, prior_hash)[0]
+
+
+def page_digests(tokens, Py_ssize_t page_size, prior_hash=None):
+    """Chained digests of every full page of ``tokens`` as an ``(n_pages, 32)`` uint8
+    array. Runs in C (SHA-NI when the CPU has it) without the GIL. ``O(len(tokens))``."""
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    cdef cnp.ndarray toks = _as_tokens(tokens)
+    cdef size_t pages = <size_t>(cnp.PyArray_SIZE(toks) // page_size)
+    cdef bytes prev_bytes = bytes.fromhex(prior_hash) if prior_hash else b""
+    if prior_hash and len(prev_bytes) != DIGEST:
+        raise ValueError("prior_hash must be 64 hex digits")
+    cdef cnp.ndarray out = np.empty((pages, DIGEST), dtype=np.uint8)
+    cdef const uint8_t* prev = <const uint8_t*>prev_bytes if prior_hash else NULL
+    cdef const int32_t* src = <const int32_t*>cnp.PyArray_DATA(toks)
+    cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(out)
+    with nogil:
+        hr_hash_pages(src, pages, <size_t>page_size, prev, dst)
+    return out
+
+
+def page_hashes(tokens, Py_ssize_t page_size, prior_hash=None):
+    """Chained hashes (lowercase hex) of every full page of ``tokens``."""
+    digests = page_digests(tokens, page_size, prior_hash)
+    return [row.tobytes().hex() for row in digests]
+
+
+def namespace_seed(str extra_key):
+    """Digest that seeds the hash chain of a namespace (hex)."""
+    return hashlib.sha256(b"hiradix-namespace\x00" + extra_key.encode()).hexdigest()
+
+
+def sha256_accelerated():
+    """Whether page hashing uses the CPU's SHA extensions."""
+    return bool(hr_sha256_accelerated())
+
+
+def _test_set_portable_sha256(bint on):
+    """Force the portable SHA-256 path (tests compare both paths)."""
+    hr_sha256_set_portable(on)
+
+
+# ----------------------------------------------------------------------------- results
+@cython.final
+cdef class MatchResult:
+    """See :class:`hiradix._results.MatchResult`."""
+    cdef readonly object device_indices
+    cdef readonly int64_t last_device_node
+    cdef readonly int64_t last_host_node
+    cdef readonly int64_t host_hit_length
+    cdef readonly int64_t last_node
+
+    def __repr__(self):
+        return (f"MatchResult(device_indices=<{len(self.device_indices)} indices>, "
+                f"last_device_node={self.last_device_node}, last_host_node={self.last_host_node}, "
+                f"host_hit_length={self.host_hit_length}, last_node={self.last_node})")
+
+
+@cython.final
+cdef class InsertResult:
+    """See :class:`hiradix._results.InsertResult`."""
+    cdef readonly int64_t prefix_len
+    cdef readonly int64_t last_node
+    cdef readonly tuple backup_nodes
+
+    def __repr__(self):
+        return (f"InsertResult(prefix_len={self.prefix_len}, last_node={self.last_node}, "
+                f"backup_nodes={self.backup_nodes})")
+
+
+@cython.final
+cdef class InsertHostResult:
+    """See :class:`hiradix._results.InsertHostResult`."""
+    cdef readonly int64_t matched_length
+    cdef readonly int64_t inserted_length
+    cdef readonly int64_t last_node
+
+    def __repr__(self):
+        return (f"InsertHostResult(matched_length={self.matched_length}, "
+                f"inserted_length={self.inserted_length}, last_node={self.last_node})")
+
+
+@cython.final
+cdef class EvictResult:
+    """See :class:`hiradix._results.EvictResult`."""
+    cdef readonly int64_t num_evicted
+    cdef readonly object device_indices
+    cdef readonly tuple write_back_nodes
+    cdef readonly tuple backup_nodes
+
+    def __repr__(self):
+        return (f"EvictResult(num_evicted={self.num_evicted}, "
+                f"device_indices=<{len(self.device_indices)} indices>, "
+                f"write_back_nodes={self.write_back_nodes}, backup_nodes={self.backup_nodes})")
+
+
+@cython.final
+cdef class EvictHostResult:
+    """See :class:`hiradix._results.EvictHostResult`."""
+    cdef readonly int64_t num_evicted
+    cdef readonly object host_indices
+
+    def __repr__(self):
+        return (f"EvictHostResult(num_evicted={self.num_evicted}, "
+                f"host_indices=<{len(self.host_indices)} indices>)")
+
+
+cdef inline int64_t _handle(Node* n, node_t i) noexcept nogil:
+    return <int64_t>i | (<int64_t>n.gen << 32)
+
+
+cdef int _cmp_first(const void* a, const void* b) noexcept nogil:
+    cdef int64_t x = (<const int64_t*>a)[0]
+    cdef int64_t y = (<const int64_t*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef class HiRadixTree:
+    """Triple-state radix tree over token ids (compiled core).
+
+    Parameters and semantics: see :class:`hiradix._reference.HiRadixTree`.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self.n_cap = 0
+        self.buf_cap = 0
+        self.ht_cap = 0
+        self.ns_cap = 0
+        self.scratch_cap = 0
+        self._grow_nodes()
+        self._grow_table()
+        self._reserve_scratch(64)
+        self._namespaces = {}
+
+    def __dealloc__(self):
+        # The only place memory is freed; grow helpers only ever realloc.
+        free(self.nodes)
+        free(self.free_stack)
+        free(self.heap[0])
+        free(self.heap[1])
+        free(self.tokens)
+        free(self.dev)
+        free(self.host)
+        free(self.hashes)
+        free(self.ht_keys)
+        free(self.ht_vals)
+        free(self.seeds)
+        free(self.scratch)
+
+    def __init__(self, page_size=1, *, eviction_policy="lru", write_policy="write_through",
+                 enable_hash=False, clock=None):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.policy = get_policy(eviction_policy)
+        self.write_policy = write_policy
+        self.write_through_threshold = write_through_threshold(write_policy)
+        self._write_back = write_policy == "write_back"
+        self.enable_hash = bool(enable_hash)
+        if clock is not None and not callable(clock):
+            raise TypeError("clock must be callable")
+        self._clock = clock
+        for c in range(2):
+            self._key_field[c] = -1
+            self._key_sign[c] = 1.0
+        for c, (field, sign) in enumerate(self.policy.key):
+            self._key_field[c] = FIELDS.index(field)
+            self._key_sign[c] = sign
+        self._second_chance = self.policy.second_chance
+        self._slru_threshold = self.policy.protected_threshold
+        self.buf_len = 0
+        self._reserve_span(1)     # sizes the hash buffer now that page_size is known
+        self.reset()
+
+    # ------------------------------------------------------------------ memory
+    cdef int _grow_nodes(self) except -1 nogil:
+        cdef node_t cap = 64 if self.n_cap == 0 else 2 * self.n_cap
+        cdef void* p
+        cdef int s
+        p = realloc(self.nodes, cap * sizeof(Node))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.nodes = <Node*>p
+        p = realloc(self.free_stack, cap * sizeof(node_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.free_stack = <node_t*>p
+        for s in range(2):
+            p = realloc(self.heap[s], cap * sizeof(node_t))
+            if p == NULL:
+                with gil:
+                    raise MemoryError()
+            self.heap[s] = <node_t*>p
+        self.n_cap = cap
+        return 0
+
+    cdef int _reserve_span(self, int64_t n) except -1 nogil:
+        cdef int64_t cap = self.buf_cap if self.buf_cap else 4096
+        cdef int64_t pages
+        cdef void* p
+        if self.buf_len + n <= self.buf_cap and self.hashes != NULL:
+            return 0
+        while cap < self.buf_len + n:
+            cap *= 2
+        pages = cap // self.page_size + 1
+        p = realloc(self.tokens, cap * sizeof(token_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.tokens = <token_t*>p
+        p = realloc(self.dev, cap * sizeof(index_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.dev = <index_t*>p
+        p = realloc(self.host, cap * sizeof(index_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.host = <index_t*>p
+        if self.enable_hash or self.hashes == NULL:
+            p = realloc(self.hashes, (pages if self.enable_hash else 1) * DIGEST)
+            if p == NULL:
+                with gil:
+                    raise MemoryError()
+            self.hashes = <uint8_t*>p
+        self.buf_cap = cap
+        return 0
+
+    cdef int _grow_table(self) except -1 nogil:
+        cdef int64_t cap = 1024 if self.ht_cap == 0 else 2 * self.ht_cap
+        cdef void* p
+        cdef node_t i
+        cdef int64_t k
+        p = realloc(self.ht_keys, cap * sizeof(uint64_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.ht_keys = <uint64_t*>p
+        p = realloc(self.ht_vals, cap * sizeof(node_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.ht_vals = <node_t*>p
+        self.ht_cap = cap
+        self.ht_count = 0
+        for k in range(cap):
+            self.ht_vals[k] = NO_NODE
+        for i in range(self.n_used):   # re-file every child
+            if self.nodes[i].alive and not self.nodes[i].is_root:
+                self._table_put(i)
+        return 0
+
+    cdef int _reserve_scratch(self, int64_t triples) except -1 nogil:
+        cdef int64_t cap = self.scratch_cap if self.scratch_cap else 64
+        cdef void* p
+        if triples <= self.scratch_cap:
+            return 0
+        while cap < triples:
+            cap *= 2
+        p = realloc(self.scratch, cap * 3 * sizeof(int64_t))
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.scratch = <int64_t*>p
+        self.scratch_cap = cap
+        return 0
+
+    cdef node_t _alloc(self) except -2 nogil:
+        cdef node_t i
+        cdef int32_t gen
+        cdef Node* n
+        if self.free_n > 0:
+            self.free_n -= 1
+            i = self.free_stack[self.free_n]
+            gen = self.nodes[i].gen
+        else:
+            if self.n_used == self.n_cap:
+                self._grow_nodes()
+            i = self.n_used
+            self.n_used += 1
+            gen = 0
+        n = &self.nodes[i]
+        memset(n, 0, sizeof(Node))
+        n.gen = gen
+        n.alive = 1
+        self._uid += 1
+        n.uid = self._uid
+        n.sieve_lap = self._sieve_lap
+        n.parent = NO_NODE
+        n.first_child = NO_NODE
+        n.next_sibling = NO_NODE
+        n.prev_sibling = NO_NODE
+        n.heap_pos[0] = -1
+        n.heap_pos[1] = -1
+        self.nodes_allocated += 1
+        return i
+
+    cdef void _release(self, node_t i) noexcept nogil:
+        cdef Node* n = &self.nodes[i]
+        if n.heap_pos[0] >= 0:
+            self._heap_remove(DEVICE_SET, i)
+        if n.heap_pos[1] >= 0:
+            self._heap_remove(HOST_SET, i)
+        n.alive = 0
+        n.gen = (n.gen + 1) & 0x7FFFFFFF
+        self.buf_garbage += n.key_len
+        if not n.is_root:
+            self._num_nodes -= 1
+        self.free_stack[self.free_n] = i
+        self.free_n += 1
+        self.nodes_freed += 1
+
+    cdef int _compact(self) except -1 nogil:
+        # Slide live spans down over deleted ones, in offset order. Runs only when more
+        # than half the buffers are garbage, so its O(live) cost is amortized over the
+        # deletions that made the garbage.
+        cdef int64_t k = 0
+        cdef int64_t j, off, ln, pos = 0
+        cdef node_t i
+        self._reserve_scratch(self.n_used)
+        for i in range(self.n_used):
+            if self.nodes[i].alive and self.nodes[i].key_len > 0:
+                self.scratch[2 * k] = self.nodes[i].key_off
+                self.scratch[2 * k + 1] = i
+                k += 1
+        qsort(self.scratch, k, 2 * sizeof(int64_t), _cmp_first)
+        for j in range(k):
+            i = <node_t>self.scratch[2 * j + 1]
+            off = self.nodes[i].key_off
+            ln = self.nodes[i].key_len
+            if off != pos:
+                memmove(self.tokens + pos, self.tokens + off, ln * sizeof(token_t))
+                memmove(self.dev + pos, self.dev + off, ln * sizeof(index_t))
+                memmove(self.host + pos, self.host + off, ln * sizeof(index_t))
+                if self.enable_hash:
+                    memmove(self.hashes + pos // self.page_size * DIGEST,
+                            self.hashes + off // self.page_size * DIGEST,
+                            ln // self.page_size * DIGEST)
+                self.nodes[i].key_off = pos
+            pos += ln
+        self.buf_len = pos
+        self.buf_garbage = 0
+        return 0
+
+    cdef node_t _new_root(self, int32_t ns) except -2 nogil:
+        cdef node_t i = self._alloc()
+        cdef Node* n = &self.nodes[i]
+        n.is_root = 1
+        n.on_device = 1
+        n.backed_up = 1
+        n.lock_ref = 1       # a root is never evicted
+        n.ns = ns
+        return i
+
+    cdef node_t _ns_root(self, object extra_key) except -2:
+        if extra_key is None:
+            return self.root_idx
+        root = self._namespaces.get(extra_key)
+        if root is not None:
+            return <node_t>root
+        if not isinstance(extra_key, str):
+            raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+        cdef void* p
+        cdef bytes seed = bytes.fromhex(namespace_seed(extra_key))
+        if self.ns_n == self.ns_cap:
+            p = realloc(self.seeds, (2 * self.ns_cap + 4) * DIGEST)
+            if p == NULL:
+                raise MemoryError()
+            self.seeds = <uint8_t*>p
+            self.ns_cap = 2 * self.ns_cap + 4
+        memcpy(self.seeds + self.ns_n * DIGEST, <const char*>seed, DIGEST)
+        cdef node_t r = self._new_root(self.ns_n)
+        self.ns_n += 1
+        self._namespaces[extra_key] = r
+        return r
+
+    cdef node_t _node(self, object handle) except -2:
+        cdef int64_t h = handle
+        cdef int64_t index = h & 0xFFFFFFFF
+        if h < 0 or index >= self.n_used:
+            raise KeyError(f"no node with handle {handle}")
+        if not self.nodes[index].alive or self.nodes[index].gen != (h >> 32):
+            raise KeyError(f"node handle {handle} is stale (its node was freed)")
+        return <node_t>index
+
+    cdef double _tick(self) except? -1:
+        if self._clock is not None:
+            return float(self._clock())
+        self._time += 1
+        return <double>self._time
+
+    # ------------------------------------------------------------------ structure
+    cdef void _touch(self, node_t i, double now) noexcept nogil:
+        self.nodes[i].last_access_time = now
+        self.nodes[i].visited = 1
+
+    cdef void _size_delta(self, node_t i, int64_t tokens) noexcept nogil:
+        if self.nodes[i].lock_ref > 0:
+            self._protected += tokens
+        else:
+            self._evictable += tokens
+
+    cdef void _set_device(self, node_t i, bint on) noexcept nogil:
+        cdef Node* n = &self.nodes[i]
+        if n.on_device == on:
+            return
+        n.on_device = on
+        self.nodes[n.parent].num_device_children += 1 if on else -1
+
+    cdef node_t _split(self, node_t child, int64_t split_len) except -2 nogil:
+        # The existing node keeps its handle and becomes the suffix, so handles held for
+        # locks and transfers in flight stay valid; the new node takes the prefix. All
+        # three states (and the hashes) are cut by moving one offset.
+        cdef node_t new = self._alloc()
+        cdef Node* c = &self.nodes[child]
+        cdef Node* nw = &self.nodes[new]
+        cdef node_t parent = c.parent
+        nw.key_off = c.key_off
+        nw.key_len = split_len
+        nw.ns = c.ns
+        nw.lock_ref = c.lock_ref
+        nw.hit_count = c.hit_count
+        nw.priority = c.priority
+        nw.last_access_time = c.last_access_time
+        nw.creation_time = c.creation_time
+        nw.io_status = c.io_status
+        nw.io_ticket = c.io_ticket
+        nw.visited = c.visited
+        nw.sieve_lap = c.sieve_lap
+        nw.on_device = c.on_device
+        nw.backed_up = c.backed_up
+        nw.pending = c.pending
+        self._table_replace(child, new)
+        # new takes child's place among the parent's children
+        nw.parent = parent
+        nw.prev_sibling = c.prev_sibling
+        nw.next_sibling = c.next_sibling
+        if c.prev_sibling != NO_NODE:
+            self.nodes[c.prev_sibling].next_sibling = new
+        else:
+            self.nodes[parent].first_child = new
+        if c.next_sibling != NO_NODE:
+            self.nodes[c.next_sibling].prev_sibling = new
+        # child hangs below new
+        c.key_off += split_len
+        c.key_len -= split_len
+        c.parent = new
+        c.prev_sibling = NO_NODE
+        c.next_sibling = NO_NODE
+        nw.first_child = child
+        nw.num_children = 1
+        nw.num_device_children = c.on_device
+        self._table_put(child)
+        self._refresh(new)
+        self._refresh(child)
+        return new
+
+    cdef node_t _step(self, node_t node, const token_t* toks, int64_t remaining, double now,
+                      int64_t* plen) except -2 nogil:
+        # One edge of a descent: find the child for the next page, stamp it, and split
+        # it where the match ends inside it. Returns NO_NODE when nothing matches.
+        cdef node_t child
+        cdef int64_t klen, n
+        if remaining < self.page_size:
+            return NO_NODE
+        child = self._find_child(node, toks)
+        if child == NO_NODE:
+            return NO_NODE
+        self._touch(child, now)
+        klen = self.nodes[child].key_len
+        n = klen if klen < remaining else remaining
+        n = _common_prefix(self.tokens + self.nodes[child].key_off, toks, n, self.page_size)
+        if n < klen:
+            child = self._split(child, n)
+        plen[0] = n
+        return child
+
+    cdef node_t _new_child(self, node_t parent, const token_t* toks, int64_t n,
+                           double now) except -2 nogil:
+        cdef node_t i
+        cdef Node* nd
+        cdef Node* p
+        cdef const uint8_t* prev
+        self._reserve_span(n)
+        i = self._alloc()
+        nd = &self.nodes[i]
+        p = &self.nodes[parent]
+        nd.key_off = self.buf_len
+        nd.key_len = n
+        nd.ns = p.ns
+        nd.last_access_time = now
+        nd.creation_time = now
+        self.buf_len += n
+        memcpy(self.tokens + nd.key_off, toks, n * sizeof(token_t))
+        if self.enable_hash:
+            if p.is_root:
+                prev = NULL if p.ns == 0 else self.seeds + p.ns * DIGEST
+            else:
+                prev = self.hashes + ((p.key_off + p.key_len) // self.page_size - 1) * DIGEST
+            hr_hash_pages(toks, n // self.page_size, self.page_size, prev,
+                          self.hashes + nd.key_off // self.page_size * DIGEST)
+        self._link_child(parent, i)
+        self._table_put(i)
+        self._num_nodes += 1
+        return i
+
+    cdef void _delete_leaf(self, node_t i) noexcept nogil:
+        cdef node_t parent = self.nodes[i].parent
+        self._table_del(i)
+        self._unlink_child(i)
+        self._release(i)
+        self._refresh(parent)
+
+    cdef void _demote(self, node_t i) noexcept nogil:
+        self._set_device(i, 0)
+        self._evictable -= self.nodes[i].key_len
+        self._refresh(i)
+        self._refresh(self.nodes[i].parent)
+
+    cdef int _backup_chain(self, node_t i, list out, set seen) except -1:
+        # ``i`` and its ancestors that are neither backed up nor being written, parents
+        # first, so backup continuity holds whatever order the copies finish in.
+        chain = []
+        cdef Node* n = &self.nodes[i]
+        while not n.is_root and not n.backed_up and n.io_status != IO_WRITING:
+            chain.append(_handle(n, i))
+            i = n.parent
+            n = &self.nodes[i]
+        for h in reversed(chain):
+            if h not in seen:
+                seen.add(h)
+                out.append(h)
+        return 0
+
+    cdef int64_t _lock(self, node_t i, int sign) noexcept nogil:
+        cdef int64_t delta = 0
+        cdef Node* n = &self.nodes[i]
+        while not n.is_root:
+            if n.on_device and n.lock_ref == (0 if sign > 0 else 1):
+                self._evictable -= sign * n.key_len
+                self._protected += sign * n.key_len
+                delta -= sign * n.key_len
+            n.lock_ref += sign
+            self._refresh(i)
+            i = n.parent
+            n = &self.nodes[i]
+        return delta
+
+    cdef object _gather(self, node_t top_exclusive, node_t bottom, bint host):
+        # Concatenated spans of the nodes strictly below ``top_exclusive`` down to
+        # ``bottom``, filled from the end so no reversal is needed.
+        cdef int64_t total = 0
+        cdef node_t i = bottom
+        cdef index_t* src = self.host if host else self.dev
+        while i != top_exclusive:
+            total += self.nodes[i].key_len
+            i = self.nodes[i].parent
+        cdef cnp.ndarray out = np.empty(total, dtype=np.int64)
+        cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
+        i = bottom
+        with nogil:
+            while i != top_exclusive:
+                total -= self.nodes[i].key_len
+                memcpy(dst + total, src + self.nodes[i].key_off,
+                       self.nodes[i].key_len * sizeof(index_t))
+                i = self.nodes[i].parent
+        return out
+
+    cdef object _spans(self, int64_t k, index_t* buf):
+        # Concatenate ``k`` (offset, length) records of the scratch buffer.
+        cdef int64_t j, total = 0, pos = 0
+        for j in range(k):
+            total += self.scratch[3 * j + 1]
+        cdef cnp.ndarray out = np.empty(total, dtype=np.int64)
+        cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for j in range(k):
+                memcpy(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
+                pos += self.scratch[3 * j + 1]
+        return out
+
+    cdef list _io_group(self, node_t i, int status):
+        # ``i`` and the ancestors split off it while its transfer was in flight.
+        if self.nodes[i].io_status != status:
+            raise ValueError(
+                f"node {_handle(&self.nodes[i], i)} has no {IO_NAMES[status]} transfer in flight")
+        cdef int64_t ticket = self.nodes[i].io_ticket
+        group = [i]
+        i = self.nodes[i].parent
+        while not self.nodes[i].is_root and self.nodes[i].io_ticket == ticket:
+            group.append(i)
+            i = self.nodes[i].parent
+        group.reverse()
+        return group
+
+    # ------------------------------------------------------------------ child table
+    # Children: a global open-addressing table keyed by (parent, first page of the child),
+    # plus an intrusive sibling list per node for enumeration.
+    #
+    # A lookup costs one hash of page_size tokens and, usually, one probe: a system prompt
+    # with hundreds of continuations is as cheap to descend as one with a single child.
+    # Linear probing with backward-shift deletion keeps the table free of tombstones.
+
+
+    cdef uint64_t _page_hash(self, node_t parent, const token_t* page) noexcept nogil:
+        cdef uint64_t h = (<uint64_t>parent + 1) * <uint64_t>0x9E3779B97F4A7C15
+        cdef int64_t k
+        for k in range(self.page_size):
+            h = (h ^ <uint32_t>page[k]) * <uint64_t>0x100000001B3
+        # splitmix64 finaliser: the low bits index the table, so mix the high ones down
+        h ^= h >> 30
+        h *= <uint64_t>0xBF58476D1CE4E5B9
+        h ^= h >> 27
+        h *= <uint64_t>0x94D049BB133111EB
+        h ^= h >> 31
+        return h
+
+
+    cdef node_t _find_child(self, node_t parent, const token_t* page) noexcept nogil:
+        cdef uint64_t h = self._page_hash(parent, page)
+        cdef uint64_t mask = <uint64_t>(self.ht_cap - 1)
+        cdef uint64_t slot = h & mask
+        cdef node_t c
+        while True:
+            c = self.ht_vals[slot]
+            if c == NO_NODE:
+                return NO_NODE
+            if (self.ht_keys[slot] == h and self.nodes[c].parent == parent
+                    and memcmp(self.tokens + self.nodes[c].key_off, page,
+                               self.page_size * sizeof(token_t)) == 0):
+                return c
+            slot = (slot + 1) & mask
+
+
+    cdef int _table_put(self, node_t child) except -1 nogil:
+        cdef uint64_t h, mask, slot
+        if 2 * (self.ht_count + 1) > self.ht_cap:
+            self._grow_table()
+        h = self._page_hash(self.nodes[child].parent, self.tokens + self.nodes[child].key_off)
+        mask = <uint64_t>(self.ht_cap - 1)
+        slot = h & mask
+        while self.ht_vals[slot] != NO_NODE:
+            slot = (slot + 1) & mask
+        self.ht_keys[slot] = h
+        self.ht_vals[slot] = child
+        self.ht_count += 1
+        return 0
+
+
+    cdef void _table_replace(self, node_t old, node_t new) noexcept nogil:
+        # ``new`` takes the entry of ``old``: same parent, same first page (a split).
+        cdef uint64_t h = self._page_hash(self.nodes[old].parent, self.tokens + self.nodes[old].key_off)
+        cdef uint64_t mask = <uint64_t>(self.ht_cap - 1)
+        cdef uint64_t slot = h & mask
+        while self.ht_vals[slot] != old:
+            slot = (slot + 1) & mask
+        self.ht_vals[slot] = new
+
+
+    cdef void _table_del(self, node_t child) noexcept nogil:
+        cdef uint64_t h = self._page_hash(self.nodes[child].parent, self.tokens + self.nodes[child].key_off)
+        cdef uint64_t mask = <uint64_t>(self.ht_cap - 1)
+        cdef uint64_t hole = h & mask
+        cdef uint64_t j, home
+        while self.ht_vals[hole] != child:
+            hole = (hole + 1) & mask
+        # Backward shift: pull later entries of the probe run into the hole when their home
+        # slot does not lie cyclically in (hole, j].
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            if self.ht_vals[j] == NO_NODE:
+                break
+            home = self.ht_keys[j] & mask
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                self.ht_keys[hole] = self.ht_keys[j]
+                self.ht_vals[hole] = self.ht_vals[j]
+                hole = j
+        self.ht_vals[hole] = NO_NODE
+        self.ht_count -= 1
+
+
+    cdef void _link_child(self, node_t parent, node_t child) noexcept nogil:
+        cdef Node* p = &self.nodes[parent]
+        cdef Node* c = &self.nodes[child]
+        c.parent = parent
+        c.prev_sibling = NO_NODE
+        c.next_sibling = p.first_child
+        if p.first_child != NO_NODE:
+            self.nodes[p.first_child].prev_sibling = child
+        p.first_child = child
+        p.num_children += 1
+        if c.on_device:
+            p.num_device_children += 1
+
+
+    cdef void _unlink_child(self, node_t child) noexcept nogil:
+        cdef Node* c = &self.nodes[child]
+        cdef Node* p = &self.nodes[c.parent]
+        if c.prev_sibling != NO_NODE:
+            self.nodes[c.prev_sibling].next_sibling = c.next_sibling
+        else:
+            p.first_child = c.next_sibling
+        if c.next_sibling != NO_NODE:
+            self.nodes[c.next_sibling].prev_sibling = c.prev_sibling
+        p.num_children -= 1
+        if c.on_device:
+            p.num_device_children -= 1
+        c.prev_sibling = NO_NODE
+        c.next_sibling = NO_NODE
+
+    # ------------------------------------------------------------------ victim heaps
+    # Victim heaps: two indexed binary min-heaps (device, host) of arena indices.
+    #
+    # Each node records its position in both heaps, so membership tests are O(1) and a
+    # key change, insertion or removal is one O(log n) sift. Nothing ever re-heapifies all
+    # leaves: SGLang's tree rebuilt a heap of every leaf on each evict() call, which cost up
+    # to 70 ms per call at 40k leaves.
+
+
+    cdef double _field(self, node_t i, int f) noexcept nogil:
+        cdef Node* n = &self.nodes[i]
+        if f == 0:
+            return n.last_access_time
+        if f == 1:
+            return n.creation_time
+        if f == 2:
+            return <double>n.hit_count
+        if f == 3:
+            return <double>n.priority
+        if f == 4:
+            return 1.0 if n.hit_count >= self._slru_threshold else 0.0
+        return <double>n.sieve_lap
+
+
+    cdef bint _less(self, node_t a, node_t b) noexcept nogil:
+        # Total order (k0, k1, uid), identical to EvictionPolicy.sort_key.
+        cdef double x, y
+        cdef int c
+        for c in range(2):
+            if self._key_field[c] < 0:
+                break
+            x = self._key_sign[c] * self._field(a, self._key_field[c])
+            y = self._key_sign[c] * self._field(b, self._key_field[c])
+            if x != y:
+                return x < y
+        return self.nodes[a].uid < self.nodes[b].uid
+
+
+    cdef void _heap_swap(self, int s, node_t p, node_t q) noexcept nogil:
+        cdef node_t* h = self.heap[s]
+        cdef node_t a = h[p]
+        cdef node_t b = h[q]
+        h[p] = b
+        h[q] = a
+        self.nodes[b].heap_pos[s] = p
+        self.nodes[a].heap_pos[s] = q
+
+
+    cdef void _sift_up(self, int s, node_t pos) noexcept nogil:
+        cdef node_t* h = self.heap[s]
+        cdef node_t up
+        while pos > 0:
+            up = (pos - 1) >> 1
+            if not self._less(h[pos], h[up]):
+                break
+            self._heap_swap(s, pos, up)
+            pos = up
+
+
+    cdef void _sift_down(self, int s, node_t pos) noexcept nogil:
+        cdef node_t* h = self.heap[s]
+        cdef node_t n = self.heap_n[s]
+        cdef node_t child, best
+        while True:
+            child = 2 * pos + 1
+            if child >= n:
+                break
+            best = child
+            if child + 1 < n and self._less(h[child + 1], h[child]):
+                best = child + 1
+            if not self._less(h[best], h[pos]):
+                break
+            self._heap_swap(s, pos, best)
+            pos = best
+
+
+    cdef void _heap_push(self, int s, node_t i) noexcept nogil:
+        # The heap arrays have the arena's capacity, so a push never reallocates.
+        cdef node_t pos = self.heap_n[s]
+        self.heap[s][pos] = i
+        self.nodes[i].heap_pos[s] = pos
+        self.heap_n[s] += 1
+        self._sift_up(s, pos)
+
+
+    cdef void _heap_remove(self, int s, node_t i) noexcept nogil:
+        cdef node_t pos = self.nodes[i].heap_pos[s]
+        cdef node_t last = self.heap_n[s] - 1
+        if pos != last:
+            self._heap_swap(s, pos, last)
+        self.heap_n[s] -= 1
+        self.nodes[i].heap_pos[s] = -1
+        if pos != last:
+            self._sift_up(s, pos)
+            self._sift_down(s, pos)
+
+
+    cdef void _heap_fix(self, int s, node_t i) noexcept nogil:
+        cdef node_t pos = self.nodes[i].heap_pos[s]
+        self._sift_up(s, pos)
+        self._sift_down(s, self.nodes[i].heap_pos[s])
+
+
+    cdef void _set_member(self, int s, node_t i, bint member) noexcept nogil:
+        if member:
+            if self.nodes[i].heap_pos[s] < 0:
+                self._heap_push(s, i)
+            else:
+                self._heap_fix(s, i)   # its key may have changed
+        elif self.nodes[i].heap_pos[s] >= 0:
+            self._heap_remove(s, i)
+
+
+    cdef void _refresh(self, node_t i) noexcept nogil:
+        # Recompute a node's membership of both victim sets after any change to it.
+        cdef Node* n = &self.nodes[i]
+        cdef bint free = not n.is_root and n.lock_ref == 0
+        self._set_member(DEVICE_SET, i, free and n.on_device and n.num_device_children == 0)
+        n = &self.nodes[i]
+        self._set_member(
+            HOST_SET, i,
+            free and not n.on_device and n.backed_up and n.host_ref_counter == 0
+            and n.num_children == 0,
+        )
+
+
+    cdef node_t _pop_victim(self, int s) noexcept nogil:
+        # Smallest member of a heap, removed from it. With SIEVE, a visited node loses its
+        # bit and moves to the next lap instead; every such step is paid for by an access.
+        cdef node_t i
+        cdef Node* n
+        while self.heap_n[s] > 0:
+            i = self.heap[s][0]
+            n = &self.nodes[i]
+            if self._second_chance:
+                self._sieve_lap = n.sieve_lap
+                if n.visited:
+                    n.visited = 0
+                    n.sieve_lap += 1
+                    self._refresh(i)
+                    continue
+            self._heap_remove(s, i)
+            return i
+        return NO_NODE
+
+    # ------------------------------------------------------------------ operations
+    def reset(self):
+        """Drop every node (the caller frees all KV first). Runtime complexity: ``O(n)``."""
+        cdef int64_t k
+        self.n_used = 0
+        self.free_n = 0
+        self.buf_len = 0
+        self.buf_garbage = 0
+        for k in range(self.ht_cap):
+            self.ht_vals[k] = NO_NODE
+        self.ht_count = 0
+        self.heap_n[0] = 0
+        self.heap_n[1] = 0
+        self._namespaces = {}
+        self.ns_n = 1
+        self._uid = 0
+        self._time = 0
+        self._ticket = 0
+        self._sieve_lap = 0
+        self._evictable = 0
+        self._protected = 0
+        self._host_size = 0
+        self._num_nodes = 0
+        self.nodes_allocated = 0
+        self.nodes_freed = 0
+        self.root_idx = self._new_root(0)
+
+    def match_prefix(self, key, extra_key=None):
+        """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""
+        cdef cnp.ndarray toks = _as_tokens(key)
+        cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
+        cdef int64_t n = cnp.PyArray_SIZE(toks)
+        cdef node_t root = self._ns_root(extra_key)
+        cdef double now = self._tick()
+        cdef node_t node = root, child, last_dev, last_host
+        cdef int64_t pos = 0, plen = 0, host_hit = 0
+        n -= n % self.page_size
+        with nogil:
+            while pos < n:
+                child = self._step(node, ptr + pos, n - pos, now, &plen)
+                if child == NO_NODE:
+                    break
+                self._refresh(child)
+                node = child
+                pos += plen
+            last_dev = node
+            while not self.nodes[last_dev].on_device:
+                host_hit += self.nodes[last_dev].key_len
+                last_dev = self.nodes[last_dev].parent
+            last_host = last_dev
+            while not self.nodes[last_host].backed_up:
+                last_host = self.nodes[last_host].parent
+        cdef MatchResult r = MatchResult.__new__(MatchResult)
+        r.device_indices = self._gather(root, last_dev, False)
+        r.last_device_node = _handle(&self.nodes[last_dev], last_dev)
+        r.last_host_node = _handle(&self.nodes[last_host], last_host)
+        r.host_hit_length = host_hit
+        r.last_node = _handle(&self.nodes[node], node)
+        return r
+
+    def insert(self, key, value, extra_key=None, *, int64_t priority=0, bint chunked=False):
+        """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``."""
+        cdef cnp.ndarray toks = _as_tokens(key)
+        cdef cnp.ndarray vals = _as_indices(value, "value")
+        if cnp.PyArray_SIZE(vals) != cnp.PyArray_SIZE(toks):
+            raise ValueError(
+                f"value has {cnp.PyArray_SIZE(vals)} indices for {cnp.PyArray_SIZE(toks)} tokens")
+        cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
+        cdef const index_t* vptr = <const index_t*>cnp.PyArray_DATA(vals)
+        cdef int64_t n = cnp.PyArray_SIZE(toks)
+        n -= n % self.page_size
+        cdef node_t root = self._ns_root(extra_key)
+        cdef double now = self._tick()
+        cdef node_t node = root, child, parent
+        cdef int64_t pos = 0, plen = 0, prefix_len = 0
+        cdef Node* c
+        with nogil:
+            if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
+                self._compact()
+            while pos < n:
+                child = self._step(node, ptr + pos, n - pos, now, &plen)
+                if child == NO_NODE:
+                    break
+                c = &self.nodes[child]
+                if priority > c.priority:
+                    c.priority = priority
+                if not c.on_device:
+                    # re-materialize: the recomputed KV replaces the evicted copy
+                    memcpy(self.dev + c.key_off, vptr + pos, plen * sizeof(index_t))
+                    self._set_device(child, 1)
+                    self._size_delta(child, plen)
+                    self._refresh(c.parent)
+                else:
+                    prefix_len += plen
+                    if not chunked:
+                        c.hit_count += 1
+                self._refresh(child)
+                node = child
+                pos += plen
+            if pos < n:
+                parent = node
+                node = self._new_child(parent, ptr + pos, n - pos, now)
+                c = &self.nodes[node]
+                memcpy(self.dev + c.key_off, vptr + pos, (n - pos) * sizeof(index_t))
+                c.priority = priority
+                if not chunked:
+                    c.hit_count = 1
+                self._set_device(node, 1)
+                self._evictable += n - pos
+                self._refresh(node)
+                self._refresh(parent)
+        backup = []
+        if self.write_through_threshold > 0 and not chunked:
+            self._report_path(root, node, backup)
+        cdef InsertResult r = InsertResult.__new__(InsertResult)
+        r.prefix_len = prefix_len
+        r.last_node = _handle(&self.nodes[node], node)
+        r.backup_nodes = tuple(backup)
+        return r
+
+    cdef int _report_path(self, node_t root, node_t last, list out) except -1:
+        # Nodes of the insert path whose hit count reached the write-through threshold,
+        # with their unbacked ancestors, parents first. Every node of the path was hit (or
+        # created, or re-materialized, and then it is backed up) by this insert, so
+        # checking the final state is the same as checking at each visit.
+        cdef node_t i = last
+        path = []
+        while i != root:
+            if (not self.nodes[i].backed_up and self.nodes[i].io_status != IO_WRITING
+                    and self.nodes[i].hit_count >= self.write_through_threshold):
+                path.append(i)
+            i = self.nodes[i].parent
+        seen = set()
+        for i in reversed(path):
+            self._backup_chain(i, out, seen)
+        return 0
+
+    def insert_host(self, node, key, host_value):
+        """Attach host-only KV below the backed-up ``node``; see the twin. ``O(len(key))``."""
+        cdef node_t mount = self._node(node)
+        if not self.nodes[mount].backed_up:
+            raise ValueError(f"insert_host below node {node}, which is not backed up")
+        cdef cnp.ndarray toks = _as_tokens(key)
+        cdef cnp.ndarray hosts = _as_indices(host_value, "host_value")
+        if cnp.PyArray_SIZE(hosts) != cnp.PyArray_SIZE(toks):
+            raise ValueError(
+                f"host_value has {cnp.PyArray_SIZE(hosts)} indices for {cnp.PyArray_SIZE(toks)} tokens")
+        cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
+        cdef const index_t* hptr = <const index_t*>cnp.PyArray_DATA(hosts)
+        cdef int64_t n = cnp.PyArray_SIZE(toks)
+        n -= n % self.page_size
+        cdef double now = self._tick()
+        cdef node_t last = mount, child
+        cdef int64_t pos = 0, plen = 0
+        cdef InsertHostResult r = InsertHostResult.__new__(InsertHostResult)
+        with nogil:
+            if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
+                self._compact()
+            self._touch(mount, now)
+            self._refresh(mount)
+            while pos < n:
+                child = self._step(last, ptr + pos, n - pos, now, &plen)
+                if child == NO_NODE:
+                    break
+                self._refresh(child)
+                last = child
+                pos += plen
+            if pos < n and self.nodes[last].backed_up:
+                child = self._new_child(last, ptr + pos, n - pos, now)
+                memcpy(self.host + self.nodes[child].key_off, hptr + pos, (n - pos) * sizeof(index_t))
+                self.nodes[child].backed_up = 1
+                self._host_size += n - pos
+                self._refresh(child)
+                self._refresh(last)
+                r.inserted_length = n - pos
+                last = child
+        r.matched_length = pos
+        r.last_node = _handle(&self.nodes[last], last)
+        return r
+
+    def inc_lock_ref(self, node):
+        """Protect ``node`` and its ancestors; returns the change of evictable_size. ``O(depth)``."""
+        return self._lock(self._node(node), 1)
+
+    def dec_lock_ref(self, node):
+        """Undo one :meth:`inc_lock_ref`. ``O(depth)``."""
+        cdef node_t i = self._node(node)
+        if not self.nodes[i].is_root and self.nodes[i].lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on node {node}, which is not locked")
+        return self._lock(i, -1)
+
+    def inc_host_ref(self, node):
+        """Protect a node's host copy. ``O(log n)``."""
+        cdef node_t i = self._node(node)
+        self.nodes[i].host_ref_counter += 1
+        self._refresh(i)
+
+    def dec_host_ref(self, node):
+        """Undo one :meth:`inc_host_ref`. ``O(log n)``."""
+        cdef node_t i = self._node(node)
+        if self.nodes[i].host_ref_counter <= 0:
+            raise RuntimeError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
+        self.nodes[i].host_ref_counter -= 1
+        self._refresh(i)
+
+    def evict(self, int64_t num_tokens):
+        """Free at least ``num_tokens`` device tokens if possible; see the twin.
+        ``O(k log n)`` for ``k`` victims."""
+        cdef int64_t evicted = 0, k = 0, ln
+        cdef node_t v
+        cdef bint write_back = self._write_back
+        with nogil:
+            while evicted < num_tokens:
+                v = self._pop_victim(DEVICE_SET)
+                if v == NO_NODE:
+                    break
+                ln = self.nodes[v].key_len
+                evicted += ln
+                self._reserve_scratch(k + 1)
+                self.scratch[3 * k] = self.nodes[v].key_off
+                self.scratch[3 * k + 1] = ln
+                self.scratch[3 * k + 2] = v
+                if self.nodes[v].backed_up:
+                    self._demote(v)
+                elif write_back:
+                    self.scratch[3 * k + 1] = 0     # nothing freed yet: back up first
+                else:
+                    self._evictable -= ln
+                    self._delete_leaf(v)
+                k += 1
+        write_back_nodes = []
+        backup = []
+        if write_back:
+            seen = set()
+            for j in range(k):
+                if self.scratch[3 * j + 1] == 0:
+                    v = <node_t>self.scratch[3 * j + 2]
+                    self._refresh(v)              # back in the victim set until backed up
+                    write_back_nodes.append(_handle(&self.nodes[v], v))
+                    self._backup_chain(v, backup, seen)
+        cdef EvictResult r = EvictResult.__new__(EvictResult)
+        r.num_evicted = evicted
+        r.device_indices = self._spans(k, self.dev)
+        r.write_back_nodes = tuple(write_back_nodes)
+        r.backup_nodes = tuple(backup)
+        return r
+
+    def demote(self, node):
+        """Drop the device copy of a backed-up, unlocked device leaf; returns the device
+        indices to free. ``O(log n)``."""
+        cdef node_t i = self._node(node)
+        cdef Node* n = &self.nodes[i]
+        if n.is_root or not n.on_device or not n.backed_up:
+            raise ValueError(f"demote: node {node} must be on the device and backed up")
+        if n.lock_ref or n.num_device_children:
+            raise ValueError(f"demote: node {node} is locked or has device children")
+        out = self._gather(n.parent, i, False)
+        self._demote(i)
+        return out
+
+    def evict_host(self, int64_t num_tokens):
+        """Delete at least ``num_tokens`` host-only tokens if possible, deepest first.
+        ``O(k log n)`` for ``k`` victims."""
+        cdef int64_t evicted = 0, k = 0, ln
+        cdef node_t v
+        with nogil:
+            while evicted < num_tokens:
+                v = self._pop_victim(HOST_SET)
+                if v == NO_NODE:
+                    break
+                ln = self.nodes[v].key_len
+                evicted += ln
+                self._reserve_scratch(k + 1)
+                self.scratch[3 * k] = self.nodes[v].key_off
+                self.scratch[3 * k + 1] = ln
+                k += 1
+                self._host_size -= ln
+                self._delete_leaf(v)
+        cdef EvictHostResult r = EvictHostResult.__new__(EvictHostResult)
+        r.num_evicted = evicted
+        r.host_indices = self._spans(k, self.host)
+        return r
+
+    # ------------------------------------------------------------------ tier moves
+    def begin_backup(self, node, host_indices):
+        """Start copying ``node`` to host slots ``host_indices``; see the twin. Returns the
+        device indices to copy. ``O(depth + len)``."""
+        cdef node_t i = self._node(node)
+        cdef cnp.ndarray hosts = _as_indices(host_indices, "host_indices")
+        cdef Node* n = &self.nodes[i]
+        if n.is_root or not n.on_device:
+            raise ValueError(f"begin_backup: node {node} is not on the device")
+        if n.backed_up or n.io_status != IO_IDLE:
+            raise ValueError(f"begin_backup: node {node} is already backed up or in flight")
+        cdef Node* p = &self.nodes[n.parent]
+        if not (p.backed_up or p.io_status == IO_WRITING):
+            raise ValueError(f"begin_backup: parent of node {node} is not backed up (continuity)")
+        if cnp.PyArray_SIZE(hosts) != n.key_len:
+            raise ValueError(
+                f"begin_backup: {cnp.PyArray_SIZE(hosts)} host indices for {n.key_len} tokens")
+        memcpy(self.host + n.key_off, cnp.PyArray_DATA(hosts), n.key_len * sizeof(index_t))
+        self._ticket += 1
+        n.pending = 1
+        n.io_status = IO_WRITING
+        n.io_ticket = self._ticket
+        self._lock(i, 1)
+        return self._gather(self.nodes[i].parent, i, False)
+
+    def commit_backup(self, node, ok=True):
+        """Finish :meth:`begin_backup`; returns whether the node is now backed up."""
+        cdef node_t i = self._node(node)
+        group = self._io_group(i, IO_WRITING)
+        cdef node_t top_parent = self.nodes[<node_t>group[0]].parent
+        cdef bint success = bool(ok) and self.nodes[top_parent].backed_up
+        cdef Node* m
+        for j in group:
+            m = &self.nodes[<node_t>j]
+            if success:
+                m.backed_up = 1
+                self._host_size += m.key_len
+            m.pending = 0
+            m.io_status = IO_IDLE
+            m.io_ticket = 0
+        self._lock(i, -1)
+        return success
+
+    def evicted_host_indices(self, node):
+        """Host indices of the evicted chain that ends at ``node`` (parents first)."""
+        cdef node_t i = self._node(node)
+        cdef node_t top = i
+        while not self.nodes[top].on_device:
+            top = self.nodes[top].parent
+        return self._gather(top, i, True)
+
+    def begin_load_back(self, node, device_indices):
+        """Give the evicted chain ending at ``node`` device slots and lock it while the
+        copy is in flight; returns the tokens loaded. ``O(depth + tokens)``."""
+        cdef node_t i = self._node(node)
+        cdef cnp.ndarray devs = _as_indices(device_indices, "device_indices")
+        cdef node_t top = i
+        cdef int64_t total = 0, off = 0
+        while not self.nodes[top].on_device:
+            total += self.nodes[top].key_len
+            top = self.nodes[top].parent
+        if top == i:
+            raise ValueError(f"begin_load_back: node {node} is not evicted")
+        if cnp.PyArray_SIZE(devs) != total:
+            raise ValueError(f"begin_load_back: {cnp.PyArray_SIZE(devs)} device indices for {total} tokens")
+        self._ticket += 1
+        cdef const index_t* src = <const index_t*>cnp.PyArray_DATA(devs)
+        cdef node_t m = i
+        off = total
+        while m != top:       # bottom-up, filling from the end
+            off -= self.nodes[m].key_len
+            memcpy(self.dev + self.nodes[m].key_off, src + off, self.nodes[m].key_len * sizeof(index_t))
+            self._set_device(m, 1)
+            self.nodes[m].io_status = IO_LOADING
+            self.nodes[m].io_ticket = self._ticket
+            self._size_delta(m, self.nodes[m].key_len)
+            m = self.nodes[m].parent
+        m = i
+        while m != top:
+            self._refresh(m)
+            m = self.nodes[m].parent
+        self._refresh(top)
+        self._lock(i, 1)
+        return total
+
+    def finish_load_back(self, node):
+        """Mark the load started by :meth:`begin_load_back` as landed and unlock."""
+        cdef node_t i = self._node(node)
+        for j in self._io_group(i, IO_LOADING):
+            self.nodes[<node_t>j].io_status = IO_IDLE
+            self.nodes[<node_t>j].io_ticket = 0
+        self._lock(i, -1)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def root(self):
+        return _handle(&self.nodes[self.root_idx], self.root_idx)
+
+    def namespace_root(self, extra_key):
+        """Handle of the root of a namespace (created on first use)."""
+        cdef node_t r = self._ns_root(extra_key)
+        return _handle(&self.nodes[r], r)
+
+    def evictable_size(self):
+        return self._evictable
+
+    def protected_size(self):
+        return self._protected
+
+    def host_size(self):
+        """Tokens backed up on the host (tombstones and device nodes alike)."""
+        return self._host_size
+
+    def device_size(self):
+        return self._evictable + self._protected
+
+    def num_nodes(self):
+        """Nodes in the tree, roots excluded. ``O(1)``."""
+        return self._num_nodes
+
+    cdef list _victims(self, int s):
+        cdef node_t k, i
+        entries = []
+        for k in range(self.heap_n[s]):
+            i = self.heap[s][k]
+            entries.append((self._sort_key(i), _handle(&self.nodes[i], i)))
+        entries.sort()
+        return [h for _, h in entries]
+
+    cdef tuple _sort_key(self, node_t i):
+        k0 = self._key_sign[0] * self._field(i, self._key_field[0])
+        k1 = self._key_sign[1] * self._field(i, self._key_field[1]) if self._key_field[1] >= 0 else 0.0
+        return (k0, k1, self.nodes[i].uid)
+
+    def evictable_leaves(self):
+        """Device victim set, in eviction order. ``O(n log n)``."""
+        return self._victims(DEVICE_SET)
+
+    def evictable_host_leaves(self):
+        """Host victim set, in eviction order. ``O(n log n)``."""
+        return self._victims(HOST_SET)
+
+    def is_alive(self, node):
+        try:
+            self._node(node)
+        except KeyError:
+            return False
+        return True
+
+    def parent(self, node):
+        """Parent handle, or -1 for a root."""
+        cdef node_t p = self.nodes[self._node(node)].parent
+        return -1 if p == NO_NODE else _handle(&self.nodes[p], p)
+
+    cdef tuple _first_page(self, node_t i):
+        cdef int64_t off = self.nodes[i].key_off
+        return tuple([self.tokens[off + k] for k in range(self.page_size)])
+
+    def children(self, node):
+        """Child handles ordered by their first page."""
+        cdef node_t c = self.nodes[self._node(node)].first_child
+        kids = []
+        while c != NO_NODE:
+            kids.append((self._first_page(c), _handle(&self.nodes[c], c)))
+            c = self.nodes[c].next_sibling
+        kids.sort()
+        return [h for _, h in kids]
+
+    def key(self, node):
+        cdef Node* n = &self.nodes[self._node(node)]
+        out = np.empty(n.key_len, dtype=np.int32)
+        if n.key_len:
+            memcpy(cnp.PyArray_DATA(out), self.tokens + n.key_off, n.key_len * sizeof(token_t))
+        return out
+
+    def value(self, node):
+        cdef node_t i = self._node(node)
+        if not self.nodes[i].on_device:
+            return None
+        if self.nodes[i].is_root:
+            return np.empty(0, dtype=np.int64)
+        return self._gather(self.nodes[i].parent, i, False)
+
+    def host_value(self, node):
+        cdef node_t i = self._node(node)
+        if self.nodes[i].is_root or not self.nodes[i].backed_up:
+            return None
+        return self._gather(self.nodes[i].parent, i, True)
+
+    def hash_value(self, node):
+        cdef node_t i = self._node(node)
+        cdef Node* n = &self.nodes[i]
+        if not self.enable_hash or n.is_root:
+            return None
+        cdef int64_t first = n.key_off // self.page_size
+        cdef int64_t pages = n.key_len // self.page_size
+        raw = PyBytes_FromStringAndSize(<char*>(self.hashes + first * DIGEST), pages * DIGEST)
+        return [raw[k * DIGEST:(k + 1) * DIGEST].hex() for k in range(pages)]
+
+    def node_info(self, node):
+        """Every field of a node, for debugging and tests."""
+        cdef node_t i = self._node(node)
+        cdef Node* n = &self.nodes[i]
+        return {
+            "handle": _handle(n, i),
+            "parent": -1 if n.parent == NO_NODE else _handle(&self.nodes[n.parent], n.parent),
+            "key_len": n.key_len,
+            "evicted": not n.on_device,
+            "backuped": bool(n.backed_up),
+            "lock_ref": n.lock_ref,
+            "host_ref_counter": n.host_ref_counter,
+            "hit_count": n.hit_count,
+            "priority": n.priority,
+            "last_access_time": n.last_access_time,
+            "creation_time": n.creation_time,
+            "io_status": IO_NAMES[n.io_status],
+            "num_children": n.num_children,
+        }
+
+    def debug_counters(self):
+        cdef node_t i
+        live = sum(1 for i in range(self.n_used) if self.nodes[i].alive)
+        return {"nodes_allocated": self.nodes_allocated, "nodes_freed": self.nodes_freed,
+                "nodes_live": live}
+
+    def _test_compact(self):
+        """Force a buffer compaction (tests check that nothing moves but offsets)."""
+        self._compact()
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self):
+        """Verify every structural invariant against a full recount; raise
+        ``AssertionError`` with the offending node's fields on failure. ``O(n log n)``."""
+        cdef node_t i, c, p
+        cdef Node* n
+        cdef int64_t evictable = 0, protected = 0, host = 0, live = 0, nonroot = 0
+        cdef int64_t kids, dev_kids, s, pos
+        cdef bint unlocked, want_dev, want_host
+        cdef uint8_t digest[32]
+        cdef const uint8_t* prev
+
+        def fail(msg, node_t i):
+            raise AssertionError(f"{msg}: {self.node_info(_handle(&self.nodes[i], i))}")
+
+        for i in range(self.n_used):
+            n = &self.nodes[i]
+            if not n.alive:
+                continue
+            live += 1
+            kids = dev_kids = 0
+            c = n.first_child
+            while c != NO_NODE:
+                if self.nodes[c].parent != i:
+                    fail("child's parent link is wrong", c)
+                if self._find_child(i, self.tokens + self.nodes[c].key_off) != c:
+                    fail("child is not filed under its first page", c)
+                kids += 1
+                dev_kids += self.nodes[c].on_device
+                c = self.nodes[c].next_sibling
+            if kids != n.num_children or dev_kids != n.num_device_children:
+                fail("child counters differ from a recount", i)
+            for s in range(2):
+                pos = n.heap_pos[s]
+                if pos >= 0 and (pos >= self.heap_n[s] or self.heap[s][pos] != i):
+                    fail("heap position is wrong", i)
+            if n.is_root:
+                if n.parent != NO_NODE or n.key_len or n.lock_ref != 1:
+                    fail("malformed root", i)
+                if n.heap_pos[0] >= 0 or n.heap_pos[1] >= 0:
+                    fail("root in a victim set", i)
+                continue
+            nonroot += 1
+            p = n.parent
+            if p == NO_NODE or not self.nodes[p].alive:
+                fail("dangling parent", i)
+            if n.key_len <= 0 or n.key_len % self.page_size or n.key_off % self.page_size:
+                fail("key span is not page aligned", i)
+            if n.key_off + n.key_len > self.buf_len:
+                fail("key span beyond the buffer", i)
+            if n.lock_ref < 0 or n.host_ref_counter < 0:
+                fail("negative reference count", i)
+            if n.lock_ref > self.nodes[p].lock_ref and not self.nodes[p].is_root:
+                fail("lock_ref exceeds its parent's", i)
+            if not n.on_device and not n.backed_up:
+                fail("node is neither on the device nor backed up", i)
+            if n.on_device and not self.nodes[p].on_device:
+                fail("device node under an evicted parent", i)
+            if n.backed_up and not self.nodes[p].backed_up:
+                fail("backup continuity broken: backed-up node under a parent that is not", i)
+            if (n.io_status == IO_WRITING) != n.pending or (n.pending and n.backed_up):
+                fail("pending host indices disagree with io_status", i)
+            if n.io_status != IO_IDLE and n.lock_ref == 0:
+                fail("transfer in flight on an unlocked node", i)
+            if self.enable_hash:
+                if self.nodes[p].is_root:
+                    prev = NULL if self.nodes[p].ns == 0 else self.seeds + self.nodes[p].ns * DIGEST
+                else:
+                    prev = self.hashes + ((self.nodes[p].key_off + self.nodes[p].key_len) // self.page_size - 1) * DIGEST
+                hr_hash_pages(self.tokens + n.key_off, 1, self.page_size, prev, digest)
+                if memcmp(digest, self.hashes + n.key_off // self.page_size * DIGEST, DIGEST) != 0:
+                    fail("hash chain broken at the first page", i)
+            if n.on_device:
+                if n.lock_ref:
+                    protected += n.key_len
+                else:
+                    evictable += n.key_len
+            if n.backed_up:
+                host += n.key_len
+            unlocked = n.lock_ref == 0
+            want_dev = unlocked and n.on_device and n.num_device_children == 0
+            want_host = (unlocked and not n.on_device and n.backed_up
+                         and n.host_ref_counter == 0 and n.num_children == 0)
+            if (n.heap_pos[0] >= 0) != want_dev:
+                fail("device victim set membership differs from a recount", i)
+            if (n.heap_pos[1] >= 0) != want_host:
+                fail("host victim set membership differs from a recount", i)
+        for s in range(2):
+            for pos in range(1, self.heap_n[s]):
+                if self._less(self.heap[s][pos], self.heap[s][(pos - 1) >> 1]):
+                    fail("heap order violated", self.heap[s][pos])
+        if (evictable, protected, host) != (self._evictable, self._protected, self._host_size):
+            raise AssertionError(
+                f"size counters (evictable, protected, host) = "
+                f"{(self._evictable, self._protected, self._host_size)}, recount {(evictable, protected, host)}")
+        if nonroot != self.ht_count or nonroot != self._num_nodes:
+            raise AssertionError(f"{nonroot} nodes, child table holds {self.ht_count}, counter {self._num_nodes}")
+        if live != self.nodes_allocated - self.nodes_freed:
+            raise AssertionError(
+                f"{live} live nodes, but {self.nodes_allocated} allocated - {self.nodes_freed} freed")

@@ -1,0 +1,944 @@
+"""Pure-Python twin of the Cython tree: the same API, written to be plainly correct.
+
+It is the oracle of the parity tests and the fallback when the extension is not built
+(``HIRADIX_PUREPYTHON=1``). Every state change ends in :meth:`HiRadixTree._refresh`,
+which recomputes a node's membership of both victim sets from scratch; the core keeps
+the same sets incrementally and must agree with this one victim for victim.
+
+Node handles are opaque integers ``index | generation << 32``: the index of an arena
+slot and how many times that slot has been freed, so a stale handle is detected
+instead of silently naming a newer node. Both implementations hand out slots from the
+same LIFO free list, so they agree on handles too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from hiradix._results import (
+    EvictHostResult,
+    EvictResult,
+    IndexArray,
+    InsertHostResult,
+    InsertResult,
+    MatchResult,
+)
+from hiradix.policy import EvictionPolicy, get_policy, write_through_threshold
+
+ROOT = 0
+IO_IDLE, IO_WRITING, IO_LOADING = 0, 1, 2
+_IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
+_EMPTY = np.empty(0, dtype=np.int64)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+# ----------------------------------------------------------------------------- inputs
+def as_tokens(key: Any) -> np.ndarray:
+    """Token ids as a 1-D int32 array (numpy, list, ``array('q')``, CPU torch tensor)."""
+    arr = np.asarray(key)
+    if arr.ndim != 1:
+        if arr.size == 0:
+            return np.empty(0, dtype=np.int32)
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < _INT32_MIN or hi > _INT32_MAX:
+            raise ValueError(f"token id out of int32 range: min {lo}, max {hi}")
+        arr = arr.astype(np.int32)
+    return arr
+
+
+def as_indices(value: Any, name: str = "value") -> IndexArray:
+    """KV indices as a 1-D int64 array."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+# ----------------------------------------------------------------------------- hashing
+def get_hash_str(token_ids: Iterable[int], prior_hash: str | None = None) -> str:
+    """SHA-256 of one page, chained on ``prior_hash`` (SGLang's ``get_hash_str``).
+
+    >>> get_hash_str([1, 2, 3, 4])
+    'cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72'
+    """
+    h = hashlib.sha256()
+    if prior_hash:
+        h.update(bytes.fromhex(prior_hash))
+    h.update(np.asarray(list(token_ids), dtype=np.int64).astype("<u4").tobytes())
+    return h.hexdigest()
+
+
+def _page_digests(tokens: np.ndarray, page_size: int, prev: bytes | None) -> list[bytes]:
+    out = []
+    data = tokens.astype("<u4")
+    for start in range(0, len(tokens), page_size):
+        h = hashlib.sha256()
+        if prev is not None:
+            h.update(prev)
+        h.update(data[start : start + page_size].tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def page_hashes(
+    tokens: Any, page_size: int, prior_hash: str | None = None
+) -> list[str]:
+    """Chained hashes (hex) of every full page of ``tokens``."""
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    arr = as_tokens(tokens)
+    arr = arr[: len(arr) // page_size * page_size]
+    prev = bytes.fromhex(prior_hash) if prior_hash else None
+    return [d.hex() for d in _page_digests(arr, page_size, prev)]
+
+
+def namespace_seed(extra_key: str) -> str:
+    """Digest that seeds the hash chain of a namespace (hex)."""
+    return hashlib.sha256(b"hiradix-namespace\x00" + extra_key.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- nodes
+class _Node:
+    __slots__ = (
+        "index", "gen", "uid", "parent", "children", "key", "value", "host_value",
+        "pending_host", "hashes", "lock_ref", "host_ref_counter", "hit_count", "priority",
+        "last_access_time", "creation_time", "io_status", "io_ticket", "visited",
+        "sieve_lap", "is_root", "seed", "dkey", "hkey",
+    )  # fmt: skip
+
+    def __init__(self, index: int, gen: int, uid: int) -> None:
+        self.index, self.gen, self.uid = index, gen, uid
+        self.parent: _Node | None = None
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.key = np.empty(0, dtype=np.int32)
+        self.value: IndexArray | None = None  # device indices; None = evicted from L1
+        self.host_value: IndexArray | None = None  # host indices; None = not backed up
+        self.pending_host: IndexArray | None = None  # host indices of a backup in flight
+        self.hashes: list[bytes] | None = None  # one chained digest per page
+        self.lock_ref = 0
+        self.host_ref_counter = 0
+        self.hit_count = 0
+        self.priority = 0
+        self.last_access_time = 0.0
+        self.creation_time = 0.0
+        self.io_status = IO_IDLE
+        self.io_ticket = 0
+        self.visited = False
+        self.sieve_lap = 0
+        self.is_root = False
+        self.seed: bytes | None = None  # roots only: digest the namespace chain starts from
+        self.dkey: tuple[float, float, int] | None = None  # key in the device victim set
+        self.hkey: tuple[float, float, int] | None = None  # key in the host victim set
+
+    @property
+    def handle(self) -> int:
+        return self.index | (self.gen << 32)
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        return self.is_root or self.host_value is not None
+
+
+class HiRadixTree:
+    """Triple-state radix tree over token ids (pure Python).
+
+    Parameters
+    ----------
+    page_size:
+        Tokens per KV page; keys are matched and split on page boundaries only.
+    eviction_policy:
+        Name from :mod:`hiradix.policy` or an :class:`~hiradix.policy.EvictionPolicy`.
+    write_policy:
+        ``write_through``, ``write_through_selective`` or ``write_back``.
+    enable_hash:
+        Keep one chained SHA-256 per page (``hash_value``), needed for an L3.
+    clock:
+        Callable returning the time stamped on accessed nodes, called once per
+        operation. By default a logical counter (1, 2, 3, ...), never wall time.
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        *,
+        eviction_policy: str | EvictionPolicy = "lru",
+        write_policy: str = "write_through",
+        enable_hash: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.policy = get_policy(eviction_policy)
+        self.write_policy = write_policy
+        self.write_through_threshold = write_through_threshold(write_policy)
+        self.enable_hash = bool(enable_hash)
+        self._clock = clock
+        self.reset()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def reset(self) -> None:
+        """Drop every node (the caller frees all KV first). Runtime complexity: ``O(n)``."""
+        self._slots: list[_Node | None] = []
+        self._gens: list[int] = []
+        self._free: list[int] = []
+        self._uid = 0
+        self._time = 0
+        self._ticket = 0
+        self._sieve_lap = 0
+        self._namespaces: dict[str, _Node] = {}
+        self._dev_set: SortedList = SortedList()
+        self._host_set: SortedList = SortedList()
+        self._evictable = 0
+        self._protected = 0
+        self._host_size = 0
+        self.nodes_allocated = 0
+        self.nodes_freed = 0
+        self._root = self._new_root(None)
+
+    def _alloc(self) -> _Node:
+        if self._free:
+            index = self._free.pop()
+        else:
+            index = len(self._slots)
+            self._slots.append(None)
+            self._gens.append(0)
+        self._uid += 1
+        node = _Node(index, self._gens[index], self._uid)
+        node.sieve_lap = self._sieve_lap
+        self._slots[index] = node
+        self.nodes_allocated += 1
+        return node
+
+    def _release(self, node: _Node) -> None:
+        self._set_membership(node, None, None)
+        self._slots[node.index] = None
+        self._gens[node.index] = (self._gens[node.index] + 1) & 0x7FFFFFFF
+        self._free.append(node.index)
+        self.nodes_freed += 1
+
+    def _new_root(self, extra_key: str | None) -> _Node:
+        root = self._alloc()
+        root.is_root = True
+        root.value = _EMPTY
+        root.lock_ref = 1  # a root is never evicted
+        if extra_key is not None:
+            root.seed = bytes.fromhex(namespace_seed(extra_key))
+        return root
+
+    def _namespace_root(self, extra_key: str | None) -> _Node:
+        if extra_key is None:
+            return self._root
+        if not isinstance(extra_key, str):
+            raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+        root = self._namespaces.get(extra_key)
+        if root is None:
+            root = self._namespaces[extra_key] = self._new_root(extra_key)
+        return root
+
+    def _node(self, handle: int) -> _Node:
+        index = handle & 0xFFFFFFFF
+        if handle < 0 or index >= len(self._slots):
+            raise KeyError(f"no node with handle {handle}")
+        node = self._slots[index]
+        if node is None or node.gen != handle >> 32:
+            raise KeyError(f"node handle {handle} is stale (its node was freed)")
+        return node
+
+    def _tick(self) -> float:
+        if self._clock is not None:
+            return float(self._clock())
+        self._time += 1
+        return float(self._time)
+
+    def _touch(self, node: _Node, now: float) -> None:
+        node.last_access_time = now
+        node.visited = True
+
+    # ------------------------------------------------------------------ victim sets
+    def _set_membership(
+        self, node: _Node, dkey: tuple[float, float, int] | None, hkey: tuple[float, float, int] | None
+    ) -> None:
+        if node.dkey != dkey:
+            if node.dkey is not None:
+                self._dev_set.remove(node.dkey + (node.index,))
+            if dkey is not None:
+                self._dev_set.add(dkey + (node.index,))
+            node.dkey = dkey
+        if node.hkey != hkey:
+            if node.hkey is not None:
+                self._host_set.remove(node.hkey + (node.index,))
+            if hkey is not None:
+                self._host_set.add(hkey + (node.index,))
+            node.hkey = hkey
+
+    def _is_device_leaf(self, node: _Node) -> bool:
+        return (
+            not node.is_root
+            and node.value is not None
+            and node.lock_ref == 0
+            and all(c.value is None for c in node.children.values())
+        )
+
+    def _is_host_leaf(self, node: _Node) -> bool:
+        return (
+            not node.is_root
+            and node.value is None
+            and node.host_value is not None
+            and node.lock_ref == 0
+            and node.host_ref_counter == 0
+            and not node.children
+        )
+
+    def _refresh(self, node: _Node) -> None:
+        key = self.policy.sort_key(node)
+        self._set_membership(
+            node,
+            key if self._is_device_leaf(node) else None,
+            key if self._is_host_leaf(node) else None,
+        )
+
+    def _pop_victim(self, victims: SortedList, skip: set[int]) -> _Node | None:
+        """Smallest entry of a victim set not in ``skip``; SIEVE gives visited nodes another lap."""
+        pos = 0
+        while pos < len(victims):
+            entry = victims[pos]
+            node = self._slots[entry[-1]]
+            assert node is not None
+            if node.index in skip:
+                pos += 1
+                continue
+            if self.policy.second_chance:
+                self._sieve_lap = node.sieve_lap
+                if node.visited:
+                    node.visited = False
+                    node.sieve_lap += 1
+                    self._refresh(node)
+                    continue
+            return node
+        return None
+
+    # ------------------------------------------------------------------ structure
+    def _page_key(self, tokens: np.ndarray, start: int) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size].tolist())
+
+    def _common_prefix(self, a: np.ndarray, b: np.ndarray) -> int:
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(a[:n] != b[:n])
+        common = int(diff[0]) if len(diff) else n
+        return common // self.page_size * self.page_size
+
+    def _size_delta(self, node: _Node, tokens: int) -> None:
+        if node.lock_ref > 0:
+            self._protected += tokens
+        else:
+            self._evictable += tokens
+
+    def _split(self, child: _Node, split_len: int) -> _Node:
+        """Cut ``child`` after ``split_len`` tokens; the new node takes the prefix.
+
+        The existing node keeps its handle (it is the suffix), so handles held for locks
+        and in-flight transfers stay valid. All three states are cut at the same place.
+        """
+        parent = child.parent
+        assert parent is not None and 0 < split_len < len(child.key)
+        new = self._alloc()
+        new.parent = parent
+        new.key, child.key = child.key[:split_len], child.key[split_len:]
+        if child.value is not None:
+            new.value, child.value = child.value[:split_len], child.value[split_len:]
+        if child.host_value is not None:
+            new.host_value, child.host_value = child.host_value[:split_len], child.host_value[split_len:]
+        if child.pending_host is not None:
+            new.pending_host = child.pending_host[:split_len]
+            child.pending_host = child.pending_host[split_len:]
+        if child.hashes is not None:
+            pages = split_len // self.page_size
+            new.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
+        for attr in (
+            "lock_ref", "hit_count", "priority", "last_access_time", "creation_time",
+            "io_status", "io_ticket", "visited", "sieve_lap",
+        ):  # fmt: skip
+            setattr(new, attr, getattr(child, attr))
+        parent.children[self._page_key(new.key, 0)] = new
+        new.children = {self._page_key(child.key, 0): child}
+        child.parent = new
+        self._refresh(new)
+        self._refresh(child)
+        return new
+
+    def _walk(
+        self, root: _Node, tokens: np.ndarray, now: float, on_node: Callable[[_Node, int, int], None] | None = None
+    ) -> tuple[_Node, int]:
+        """Follow ``tokens`` down from ``root``, splitting where the match ends inside a
+        node. Returns the deepest matched node and the matched length."""
+        node, pos, n = root, 0, len(tokens)
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            self._touch(child, now)
+            plen = self._common_prefix(child.key, tokens[pos:])
+            if plen < len(child.key):
+                child = self._split(child, plen)
+            if on_node is not None:
+                on_node(child, pos, plen)
+            self._refresh(child)
+            # After a split the next page differs from the suffix's first page, so the
+            # next lookup misses and the loop ends there.
+            node, pos = child, pos + plen
+        return node, pos
+
+    def _new_child(self, parent: _Node, tokens: np.ndarray, now: float) -> _Node:
+        node = self._alloc()
+        node.parent = parent
+        node.key = tokens.copy()
+        node.last_access_time = node.creation_time = now
+        node.visited = False
+        if self.enable_hash:
+            prev = parent.seed if parent.is_root else (parent.hashes[-1] if parent.hashes else None)
+            node.hashes = _page_digests(node.key, self.page_size, prev)
+        parent.children[self._page_key(tokens, 0)] = node
+        return node
+
+    def _delete_leaf(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[self._page_key(node.key, 0)]
+        self._release(node)
+        self._refresh(parent)
+
+    def _aligned(self, tokens: np.ndarray) -> np.ndarray:
+        return tokens[: len(tokens) // self.page_size * self.page_size]
+
+    def _backup_chain(self, node: _Node, out: dict[int, None]) -> None:
+        """Add ``node`` and its ancestors that are neither backed up nor being backed up,
+        parents first, so backup continuity holds whatever order acks arrive in."""
+        chain = []
+        while not node.is_root and node.host_value is None and node.io_status != IO_WRITING:
+            chain.append(node.handle)
+            node = node.parent  # type: ignore[assignment]
+        for handle in reversed(chain):
+            out.setdefault(handle, None)
+
+    # ------------------------------------------------------------------ operations
+    def match_prefix(self, key: Any, extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``key``.
+
+        Splits the last matched node if the match ends inside it, and stamps the access
+        time of every matched node. Runtime complexity: ``O(len(key))``.
+        """
+        tokens = self._aligned(as_tokens(key))
+        root = self._namespace_root(extra_key)
+        now = self._tick()
+        node, _ = self._walk(root, tokens, now)
+        last_device = node
+        host_hit = 0
+        while last_device.value is None:
+            host_hit += len(last_device.key)
+            last_device = last_device.parent  # type: ignore[assignment]
+        # The seed's worked example fixes last_host_node at the device-resident end of
+        # the match (Node_A), the anchor the evicted tail hangs from; the tail's own end
+        # is reported as last_node.
+        last_host = last_device
+        while not last_host.backuped:
+            last_host = last_host.parent  # type: ignore[assignment]
+        parts = []
+        walk = last_device
+        while not walk.is_root:
+            parts.append(walk.value)
+            walk = walk.parent  # type: ignore[assignment]
+        device = np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
+        return MatchResult(device, last_device.handle, last_host.handle, host_hit, node.handle)
+
+    def insert(
+        self,
+        key: Any,
+        value: Any,
+        extra_key: str | None = None,
+        *,
+        priority: int = 0,
+        chunked: bool = False,
+    ) -> InsertResult:
+        """Insert ``key`` with device indices ``value`` (same length).
+
+        Only the page-aligned prefix is inserted. Evicted nodes on the path take the new
+        indices (re-materialization) instead of being duplicated. Runtime complexity:
+        ``O(len(key))``.
+        """
+        tokens = as_tokens(key)
+        values = as_indices(value)
+        if len(values) != len(tokens):
+            raise ValueError(f"value has {len(values)} indices for {len(tokens)} tokens")
+        tokens = self._aligned(tokens)
+        n = len(tokens)
+        root = self._namespace_root(extra_key)
+        now = self._tick()
+        prefix_len = 0
+        backup: dict[int, None] = {}
+        report = self.write_through_threshold > 0 and not chunked
+
+        def visit(node: _Node, pos: int, plen: int) -> None:
+            nonlocal prefix_len
+            node.priority = max(node.priority, priority)
+            if node.value is None:
+                node.value = values[pos : pos + plen].copy()
+                self._size_delta(node, plen)
+                self._refresh(node.parent)  # type: ignore[arg-type]
+            else:
+                prefix_len += plen
+                if not chunked:
+                    node.hit_count += 1
+                    if report and node.hit_count >= self.write_through_threshold:
+                        self._backup_chain(node, backup)
+
+        node, pos = self._walk(root, tokens, now, visit)
+        if pos < n:
+            parent = node
+            node = self._new_child(parent, tokens[pos:], now)
+            node.value = values[pos:n].copy()
+            node.priority = priority
+            self._evictable += n - pos
+            if not chunked:
+                node.hit_count = 1
+                if report and node.hit_count >= self.write_through_threshold:
+                    self._backup_chain(node, backup)
+            self._refresh(node)
+            self._refresh(parent)
+        return InsertResult(prefix_len, node.handle, tuple(backup))
+
+    def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult:
+        """Attach host-only KV (an L3 prefetch result) below the backed-up ``node``.
+
+        ``key`` continues the prefix that ends at ``node``. Tokens already in the tree are
+        matched (split if needed); the rest becomes one tombstone with ``host_value`` and
+        its page hashes, unless the match ends at a node that is not backed up, in which
+        case nothing is attached (backup continuity). Runtime complexity: ``O(len(key))``.
+        """
+        mount = self._node(node)
+        if not mount.backuped:
+            raise ValueError(f"insert_host below node {node}, which is not backed up")
+        tokens = as_tokens(key)
+        hosts = as_indices(host_value, "host_value")
+        if len(hosts) != len(tokens):
+            raise ValueError(f"host_value has {len(hosts)} indices for {len(tokens)} tokens")
+        tokens = self._aligned(tokens)
+        now = self._tick()
+        self._touch(mount, now)
+        self._refresh(mount)
+        last, pos = self._walk(mount, tokens, now)
+        if pos == len(tokens) or not last.backuped:
+            return InsertHostResult(pos, 0, last.handle)
+        child = self._new_child(last, tokens[pos:], now)
+        child.host_value = hosts[pos : len(tokens)].copy()
+        self._host_size += len(tokens) - pos
+        self._refresh(child)
+        self._refresh(last)
+        return InsertHostResult(pos, len(tokens) - pos, child.handle)
+
+    def inc_lock_ref(self, node: int) -> int:
+        """Protect ``node`` and its ancestors from eviction; returns the change of
+        ``evictable_size``. Runtime complexity: ``O(depth)``."""
+        walk = self._node(node)
+        delta = 0
+        while not walk.is_root:
+            if walk.lock_ref == 0 and walk.value is not None:
+                self._evictable -= len(walk.key)
+                self._protected += len(walk.key)
+                delta -= len(walk.key)
+            walk.lock_ref += 1
+            self._refresh(walk)
+            walk = walk.parent  # type: ignore[assignment]
+        return delta
+
+    def dec_lock_ref(self, node: int) -> int:
+        """Undo one :meth:`inc_lock_ref`. Runtime complexity: ``O(depth)``."""
+        walk = self._node(node)
+        if not walk.is_root and walk.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on node {node}, which is not locked")
+        delta = 0
+        while not walk.is_root:
+            if walk.lock_ref == 1 and walk.value is not None:
+                self._evictable += len(walk.key)
+                self._protected -= len(walk.key)
+                delta += len(walk.key)
+            walk.lock_ref -= 1
+            self._refresh(walk)
+            walk = walk.parent  # type: ignore[assignment]
+        return delta
+
+    def inc_host_ref(self, node: int) -> None:
+        """Protect a node's host copy (e.g. a prefetch mount point). ``O(1)``."""
+        walk = self._node(node)
+        walk.host_ref_counter += 1
+        self._refresh(walk)
+
+    def dec_host_ref(self, node: int) -> None:
+        """Undo one :meth:`inc_host_ref`. ``O(1)``."""
+        walk = self._node(node)
+        if walk.host_ref_counter <= 0:
+            raise RuntimeError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
+        walk.host_ref_counter -= 1
+        self._refresh(walk)
+
+    def evict(self, num_tokens: int) -> EvictResult:
+        """Free at least ``num_tokens`` device tokens if possible, leaves first.
+
+        A backed-up leaf becomes a tombstone; one that is not is deleted (write_through)
+        or reported for write-back. Runtime complexity: ``O(k log n)`` for ``k`` victims.
+        """
+        freed: list[IndexArray] = []
+        write_back: list[int] = []
+        backup: dict[int, None] = {}
+        skip: set[int] = set()
+        evicted = 0
+        while evicted < num_tokens:
+            victim = self._pop_victim(self._dev_set, skip)
+            if victim is None:
+                break
+            evicted += len(victim.key)
+            if victim.host_value is not None:
+                freed.append(self._demote(victim))
+            elif self.write_policy == "write_back":
+                skip.add(victim.index)
+                write_back.append(victim.handle)
+                self._backup_chain(victim, backup)
+            else:
+                assert victim.value is not None and not victim.children
+                freed.append(victim.value)
+                self._evictable -= len(victim.key)
+                self._delete_leaf(victim)
+        device = np.concatenate(freed) if freed else _EMPTY.copy()
+        return EvictResult(evicted, device, tuple(write_back), tuple(backup))
+
+    def _demote(self, node: _Node) -> IndexArray:
+        value = node.value
+        assert value is not None and node.lock_ref == 0
+        node.value = None
+        self._evictable -= len(node.key)
+        self._refresh(node)
+        self._refresh(node.parent)  # type: ignore[arg-type]
+        return value
+
+    def demote(self, node: int) -> IndexArray:
+        """Drop the device copy of a backed-up, unlocked device leaf; returns the device
+        indices to free. Completes write-back eviction. ``O(log n)``."""
+        target = self._node(node)
+        if target.is_root or target.value is None or target.host_value is None:
+            raise ValueError(f"demote: node {node} must be on the device and backed up")
+        if target.lock_ref or any(c.value is not None for c in target.children.values()):
+            raise ValueError(f"demote: node {node} is locked or has device children")
+        return self._demote(target)
+
+    def evict_host(self, num_tokens: int) -> EvictHostResult:
+        """Delete at least ``num_tokens`` host-only tokens if possible, deepest first.
+        Runtime complexity: ``O(k log n)`` for ``k`` victims."""
+        freed: list[IndexArray] = []
+        evicted = 0
+        while evicted < num_tokens:
+            victim = self._pop_victim(self._host_set, set())
+            if victim is None:
+                break
+            assert victim.host_value is not None
+            evicted += len(victim.key)
+            freed.append(victim.host_value)
+            self._host_size -= len(victim.key)
+            self._delete_leaf(victim)
+        host = np.concatenate(freed) if freed else _EMPTY.copy()
+        return EvictHostResult(evicted, host)
+
+    # ------------------------------------------------------------------ tier moves
+    def begin_backup(self, node: int, host_indices: Any) -> IndexArray:
+        """Start copying ``node`` to host slots ``host_indices``; locks it.
+
+        The parent must be backed up or being backed up. Returns the device indices to
+        copy. The node counts as backed up only after :meth:`commit_backup`.
+        """
+        target = self._node(node)
+        hosts = as_indices(host_indices, "host_indices")
+        if target.is_root or target.value is None:
+            raise ValueError(f"begin_backup: node {node} is not on the device")
+        if target.host_value is not None or target.io_status != IO_IDLE:
+            raise ValueError(f"begin_backup: node {node} is already backed up or in flight")
+        parent = target.parent
+        assert parent is not None
+        if not (parent.backuped or parent.io_status == IO_WRITING):
+            raise ValueError(f"begin_backup: parent of node {node} is not backed up (continuity)")
+        if len(hosts) != len(target.key):
+            raise ValueError(f"begin_backup: {len(hosts)} host indices for {len(target.key)} tokens")
+        self._ticket += 1
+        target.pending_host = hosts.copy()
+        target.io_status = IO_WRITING
+        target.io_ticket = self._ticket
+        self.inc_lock_ref(node)
+        return target.value.copy()
+
+    def _io_group(self, node: _Node, status: int) -> list[_Node]:
+        """``node`` and the ancestors split off it while its transfer was in flight."""
+        if node.io_status != status:
+            raise ValueError(f"node {node.handle} has no {_IO_NAMES[status]} transfer in flight")
+        group = [node]
+        walk = node.parent
+        while walk is not None and not walk.is_root and walk.io_ticket == node.io_ticket:
+            group.append(walk)
+            walk = walk.parent
+        return group[::-1]
+
+    def commit_backup(self, node: int, ok: bool = True) -> bool:
+        """Finish :meth:`begin_backup`. Returns whether the node is now backed up: a
+        failed copy, or a parent whose own backup failed, leaves it as it was before
+        ``begin_backup`` (the caller frees the host slots). Commit parents first."""
+        target = self._node(node)
+        group = self._io_group(target, IO_WRITING)
+        top_parent = group[0].parent
+        assert top_parent is not None
+        success = bool(ok) and top_parent.backuped
+        for member in group:
+            if success:
+                member.host_value = member.pending_host
+                self._host_size += len(member.key)
+            member.pending_host = None
+            member.io_status = IO_IDLE
+            member.io_ticket = 0
+        self.dec_lock_ref(node)
+        return success
+
+    def evicted_host_indices(self, node: int) -> IndexArray:
+        """Host indices of the evicted chain that ends at ``node`` (parents first): what
+        :meth:`begin_load_back` will make device-resident. ``O(depth + tokens)``."""
+        walk = self._node(node)
+        parts = []
+        while walk.value is None:
+            parts.append(walk.host_value)
+            walk = walk.parent  # type: ignore[assignment]
+        return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
+
+    def begin_load_back(self, node: int, device_indices: Any) -> int:
+        """Give the evicted chain ending at ``node`` the device slots ``device_indices``
+        (one per token of :meth:`evicted_host_indices`) and lock it while the host to
+        device copy is in flight. Returns the number of tokens loaded."""
+        target = self._node(node)
+        devs = as_indices(device_indices, "device_indices")
+        chain = []
+        walk = target
+        while walk.value is None:
+            chain.append(walk)
+            walk = walk.parent  # type: ignore[assignment]
+        total = sum(len(n.key) for n in chain)
+        if not chain:
+            raise ValueError(f"begin_load_back: node {node} is not evicted")
+        if len(devs) != total:
+            raise ValueError(f"begin_load_back: {len(devs)} device indices for {total} tokens")
+        self._ticket += 1
+        offset = 0
+        for member in reversed(chain):
+            member.value = devs[offset : offset + len(member.key)].copy()
+            offset += len(member.key)
+            member.io_status = IO_LOADING
+            member.io_ticket = self._ticket
+            self._size_delta(member, len(member.key))
+            self._refresh(member)
+            self._refresh(member.parent)  # type: ignore[arg-type]
+        self.inc_lock_ref(node)
+        return total
+
+    def finish_load_back(self, node: int) -> None:
+        """Mark the load started by :meth:`begin_load_back` as landed and unlock."""
+        target = self._node(node)
+        for member in self._io_group(target, IO_LOADING):
+            member.io_status = IO_IDLE
+            member.io_ticket = 0
+        self.dec_lock_ref(node)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def root(self) -> int:
+        return self._root.handle
+
+    def namespace_root(self, extra_key: str | None) -> int:
+        """Handle of the root of a namespace (created on first use)."""
+        return self._namespace_root(extra_key).handle
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def host_size(self) -> int:
+        """Tokens backed up on the host (tombstones and device nodes alike)."""
+        return self._host_size
+
+    def device_size(self) -> int:
+        return self._evictable + self._protected
+
+    def num_nodes(self) -> int:
+        """Nodes in the tree, roots excluded."""
+        return sum(1 for n in self._slots if n is not None and not n.is_root)
+
+    def evictable_leaves(self) -> list[int]:
+        """Device victim set, in eviction order."""
+        return [self._slots[e[-1]].handle for e in self._dev_set]  # type: ignore[union-attr]
+
+    def evictable_host_leaves(self) -> list[int]:
+        """Host victim set, in eviction order."""
+        return [self._slots[e[-1]].handle for e in self._host_set]  # type: ignore[union-attr]
+
+    def is_alive(self, node: int) -> bool:
+        try:
+            self._node(node)
+        except KeyError:
+            return False
+        return True
+
+    def parent(self, node: int) -> int:
+        """Parent handle, or -1 for a root."""
+        p = self._node(node).parent
+        return -1 if p is None else p.handle
+
+    def children(self, node: int) -> list[int]:
+        """Child handles ordered by their first token."""
+        kids = self._node(node).children
+        return [kids[k].handle for k in sorted(kids)]
+
+    def key(self, node: int) -> np.ndarray:
+        return self._node(node).key.copy()
+
+    def value(self, node: int) -> IndexArray | None:
+        v = self._node(node).value
+        return None if v is None else v.copy()
+
+    def host_value(self, node: int) -> IndexArray | None:
+        n = self._node(node)
+        return None if n.is_root or n.host_value is None else n.host_value.copy()
+
+    def hash_value(self, node: int) -> list[str] | None:
+        h = self._node(node).hashes
+        return None if h is None else [d.hex() for d in h]
+
+    def node_info(self, node: int) -> dict[str, Any]:
+        """Every field of a node, for debugging and tests."""
+        n = self._node(node)
+        return {
+            "handle": n.handle,
+            "parent": -1 if n.parent is None else n.parent.handle,
+            "key_len": len(n.key),
+            "evicted": n.evicted,
+            "backuped": n.backuped,
+            "lock_ref": n.lock_ref,
+            "host_ref_counter": n.host_ref_counter,
+            "hit_count": n.hit_count,
+            "priority": n.priority,
+            "last_access_time": n.last_access_time,
+            "creation_time": n.creation_time,
+            "io_status": _IO_NAMES[n.io_status],
+            "num_children": len(n.children),
+        }
+
+    def debug_counters(self) -> dict[str, int]:
+        live = sum(1 for n in self._slots if n is not None)
+        return {"nodes_allocated": self.nodes_allocated, "nodes_freed": self.nodes_freed, "nodes_live": live}
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Verify every structural invariant against a full recount; raise
+        ``AssertionError`` with a dump of the offending node on failure. ``O(n log n)``."""
+        evictable = protected = host = 0
+        dev_expected: set[tuple[Any, ...]] = set()
+        host_expected: set[tuple[Any, ...]] = set()
+        live = 0
+        for node in self._slots:
+            if node is None:
+                continue
+            live += 1
+
+            def fail(msg: str, node: _Node = node) -> None:
+                raise AssertionError(f"{msg}: {self.node_info(node.handle)}")
+
+            for k, child in node.children.items():
+                if child.parent is not node:
+                    fail("child's parent link is wrong")
+                if k != self._page_key(child.key, 0):
+                    fail("child is filed under the wrong key")
+            if node.is_root:
+                if node.parent is not None or len(node.key) or node.lock_ref != 1:
+                    fail("malformed root")
+                continue
+            if node.parent is None or self._slots[node.parent.index] is not node.parent:
+                fail("dangling parent")
+            if node not in node.parent.children.values():
+                fail("node missing from its parent's children")
+            n = len(node.key)
+            if n == 0 or n % self.page_size:
+                fail("key length is not a positive multiple of page_size")
+            if node.lock_ref < 0 or node.host_ref_counter < 0:
+                fail("negative reference count")
+            if node.lock_ref > node.parent.lock_ref and not node.parent.is_root:
+                fail("lock_ref exceeds its parent's")
+            if node.value is not None and len(node.value) != n:
+                fail("value length differs from key length")
+            if node.host_value is not None and len(node.host_value) != n:
+                fail("host_value length differs from key length")
+            if node.value is None and node.host_value is None:
+                fail("node is neither on the device nor backed up")
+            if node.value is not None and node.parent.value is None:
+                fail("device node under an evicted parent")
+            if node.host_value is not None and not node.parent.backuped:
+                fail("backup continuity broken: backed-up node under a parent that is not")
+            if (node.io_status == IO_WRITING) != (node.pending_host is not None):
+                fail("pending host indices disagree with io_status")
+            if node.io_status != IO_IDLE and node.lock_ref == 0:
+                fail("transfer in flight on an unlocked node")
+            if self.enable_hash:
+                if node.hashes is None or len(node.hashes) != n // self.page_size:
+                    fail("not one hash per page")
+                prev = node.parent.seed if node.parent.is_root else node.parent.hashes[-1]  # type: ignore[index]
+                if _page_digests(node.key[: self.page_size], self.page_size, prev)[0] != node.hashes[0]:
+                    fail("hash chain broken at the first page")
+            if node.value is not None:
+                if node.lock_ref:
+                    protected += n
+                else:
+                    evictable += n
+            if node.host_value is not None:
+                host += n
+            key = self.policy.sort_key(node)
+            if self._is_device_leaf(node):
+                dev_expected.add(key + (node.index,))
+            if self._is_host_leaf(node):
+                host_expected.add(key + (node.index,))
+            if node.dkey is not None and node.dkey != key:
+                fail("stale key in the device victim set")
+            if node.hkey is not None and node.hkey != key:
+                fail("stale key in the host victim set")
+        if (evictable, protected, host) != (self._evictable, self._protected, self._host_size):
+            raise AssertionError(
+                f"size counters (evictable, protected, host) = "
+                f"{(self._evictable, self._protected, self._host_size)}, recount {(evictable, protected, host)}"
+            )
+        if set(self._dev_set) != dev_expected:
+            raise AssertionError(f"device victim set differs from recount: {set(self._dev_set) ^ dev_expected}")
+        if set(self._host_set) != host_expected:
+            raise AssertionError(f"host victim set differs from recount: {set(self._host_set) ^ host_expected}")
+        if live != self.nodes_allocated - self.nodes_freed:
+            raise AssertionError(f"{live} live nodes, but {self.nodes_allocated} allocated - {self.nodes_freed} freed")

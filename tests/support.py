@@ -1,0 +1,295 @@
+"""Helpers shared by the test modules: which tree implementations exist, parity
+comparison of results and whole trees, teardown checks, index allocators, and the
+operation counter that the stress and property tests report at the end of a session.
+
+Kept out of ``conftest.py`` so that test modules can import it by name; ``conftest.py``
+puts this folder on ``sys.path`` first, so this works under every pytest import mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import hiradix._reference as reference
+from hiradix import _results
+
+# ----------------------------------------------------------------------- implementations
+PUREPYTHON = os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0")
+# Harness self-test: with the core missing, pair the reference with a second reference
+# tree so that the parity machinery itself can be exercised. Never set in CI.
+PARITY_SELFTEST = os.environ.get("HIRADIX_PARITY_SELFTEST", "") not in ("", "0")
+
+try:
+    core: Any = importlib.import_module("hiradix._core")
+    CORE_IMPORT_ERROR: BaseException | None = None
+except ImportError as exc:  # not built (yet): the reference alone is tested
+    core = None
+    CORE_IMPORT_ERROR = exc
+
+_PKG = Path(reference.__file__).resolve().parent
+CORE_BUILT = any(_PKG.glob("_core*.so")) or any(_PKG.glob("_core*.pyd"))
+CORE_ENABLED = core is not None and not PUREPYTHON
+
+if PUREPYTHON:
+    CORE_SKIP_REASON: str | None = "HIRADIX_PUREPYTHON is set: the compiled core is disabled"
+elif core is None:
+    CORE_SKIP_REASON = f"hiradix._core is not importable ({CORE_IMPORT_ERROR}); run `pip install -e .`"
+else:
+    CORE_SKIP_REASON = None
+
+IMPLEMENTATIONS: dict[str, Any] = {"reference": reference}
+if CORE_ENABLED:
+    IMPLEMENTATIONS["core"] = core
+
+
+def require_core() -> Any:
+    """The core module, or skip the calling test (fail if the core is built but broken)."""
+    if CORE_ENABLED:
+        return core
+    if PARITY_SELFTEST and not PUREPYTHON:
+        return reference
+    if CORE_BUILT and not PUREPYTHON:
+        pytest.fail(f"hiradix._core is built but does not import: {CORE_IMPORT_ERROR!r}")
+    pytest.skip(CORE_SKIP_REASON or "core unavailable")
+
+
+def parity_available() -> bool:
+    return CORE_ENABLED or (PARITY_SELFTEST and not PUREPYTHON)
+
+
+def make_pair(**kwargs: Any) -> tuple[Any, Any]:
+    """``(core_tree, reference_tree)`` built with the same arguments, for parity tests.
+
+    A ``clock`` argument must be a zero-argument *factory* of clocks here (each tree needs
+    its own, called the same number of times), passed as ``clock_factory``.
+    """
+    core_mod = require_core()
+    factory = kwargs.pop("clock_factory", None)
+    kw_core = dict(kwargs, clock=factory()) if factory else kwargs
+    kw_ref = dict(kwargs, clock=factory()) if factory else kwargs
+    return core_mod.HiRadixTree(**kw_core), reference.HiRadixTree(**kw_ref)
+
+
+# ----------------------------------------------------------------------- clocks
+class FakeClock:
+    """Injected clock (cachetools' fake ``Timer``): returns ``now``; tests move it."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = float(now)
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.now
+
+    def advance(self, dt: float = 1.0) -> float:
+        self.now += dt
+        return self.now
+
+
+class CoarseClock:
+    """A clock with many ties: ``calls // 3``. Ties make the uid tie-break matter."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return float(self.calls // 3)
+
+
+# ----------------------------------------------------------------------- normalization
+RESULT_FIELDS: dict[str, tuple[str, ...]] = {
+    cls.__name__: tuple(f.name for f in dataclasses.fields(cls))
+    for cls in (
+        _results.MatchResult,
+        _results.InsertResult,
+        _results.InsertHostResult,
+        _results.EvictResult,
+        _results.EvictHostResult,
+    )
+}
+
+
+def normalize(x: Any) -> Any:
+    """A plain, comparable form of a tree's answer (results attribute by attribute)."""
+    name = type(x).__name__
+    if name in RESULT_FIELDS:
+        return (name, {f: normalize(getattr(x, f)) for f in RESULT_FIELDS[name]})
+    if isinstance(x, np.ndarray):
+        return ("ndarray", str(x.dtype), x.tolist())
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [normalize(v) for v in x])
+    if isinstance(x, dict):
+        return {k: normalize(v) for k, v in x.items()}
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x)
+    return x
+
+
+def assert_same(core_value: Any, ref_value: Any, what: str) -> None:
+    a, b = normalize(core_value), normalize(ref_value)
+    if a != b:
+        raise AssertionError(f"parity: {what} differs\n core: {a!r}\n  ref: {b!r}")
+
+
+def result_fields(result: Any) -> dict[str, Any]:
+    """Attributes of a result record as plain values (works for both implementations)."""
+    return normalize(result)[1]
+
+
+# ----------------------------------------------------------------------- tree walks
+def roots_of(tree: Any, extra_keys: Any = ()) -> list[int]:
+    """Handles of the default root and of the (already used) namespace roots."""
+    return [tree.root] + [tree.namespace_root(k) for k in extra_keys if k is not None]
+
+
+def all_nodes(tree: Any, extra_keys: Any = ()) -> list[int]:
+    """Every non-root handle reachable from the given roots, parents first."""
+    out: list[int] = []
+    stack = list(reversed(roots_of(tree, extra_keys)))
+    while stack:
+        h = stack.pop()
+        kids = tree.children(h)
+        out.extend(kids)
+        stack.extend(reversed(kids))
+    return out
+
+
+def tree_snapshot(tree: Any, extra_keys: Any = ()) -> list[Any]:
+    """Full structural dump: every node's fields, key and the three tiers' state."""
+    snap = []
+    for root in roots_of(tree, extra_keys):
+        stack = [root]
+        while stack:
+            h = stack.pop()
+            kids = tree.children(h)
+            snap.append(
+                (
+                    normalize(tree.node_info(h)),
+                    normalize(tree.key(h)),
+                    normalize(tree.value(h)),
+                    normalize(tree.host_value(h)),
+                    normalize(tree.hash_value(h)),
+                    kids,
+                )
+            )
+            stack.extend(reversed(kids))
+    return snap
+
+
+def sizes(tree: Any) -> dict[str, Any]:
+    return {
+        "evictable_size": tree.evictable_size(),
+        "protected_size": tree.protected_size(),
+        "device_size": tree.device_size(),
+        "host_size": tree.host_size(),
+        "num_nodes": tree.num_nodes(),
+        "evictable_leaves": list(tree.evictable_leaves()),
+        "evictable_host_leaves": list(tree.evictable_host_leaves()),
+    }
+
+
+def assert_trees_equal(core_tree: Any, ref_tree: Any, extra_keys: Any = ()) -> None:
+    assert_same(sizes(core_tree), sizes(ref_tree), "sizes and victim sets")
+    assert_same(tree_snapshot(core_tree, extra_keys), tree_snapshot(ref_tree, extra_keys), "tree structure")
+
+
+# ----------------------------------------------------------------------- teardown
+def assert_counters_consistent(tree: Any) -> None:
+    c = tree.debug_counters()
+    assert c["nodes_live"] == c["nodes_allocated"] - c["nodes_freed"], f"node counters leak: {c}"
+
+
+def assert_clean_teardown(tree: Any) -> None:
+    """End-of-test check: invariants and node counters hold, and after ``reset()`` the tree
+    is empty and holds no locks."""
+    tree.check_invariants()
+    assert_counters_consistent(tree)
+    tree.reset()
+    tree.check_invariants()
+    assert_counters_consistent(tree)
+    assert tree.protected_size() == 0, "locks are still held after reset()"
+    assert (tree.evictable_size(), tree.host_size(), tree.num_nodes()) == (0, 0, 0)
+    assert list(tree.evictable_leaves()) == [] and list(tree.evictable_host_leaves()) == []
+
+
+# ----------------------------------------------------------------------- allocation
+class Allocator:
+    """Hands out unique, increasing KV indices (never reused): enough for parity runs."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def __call__(self, n: int) -> np.ndarray:
+        out = np.arange(self.next, self.next + n, dtype=np.int64)
+        self.next += n
+        return out
+
+
+# ----------------------------------------------------------------------- lockstep proxy
+def call_both(core_tree: Any, ref_tree: Any, name: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+    """Call ``name`` on both trees; the outcomes must agree (same result, or the same
+    exception type). Returns ``(ok, result)``."""
+    outcome = []
+    for t in (core_tree, ref_tree):
+        try:
+            outcome.append((True, getattr(t, name)(*args, **kwargs)))
+        except (KeyError, ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
+            outcome.append((False, exc))
+    (ok_c, res_c), (ok_r, res_r) = outcome
+    call = f"{name}{args!r}{kwargs!r}"
+    if ok_c != ok_r:
+        raise AssertionError(
+            f"parity: {call} raised in one implementation only\n core: {res_c!r}\n  ref: {res_r!r}"
+        )
+    if not ok_c:
+        if type(res_c) is not type(res_r):
+            raise AssertionError(f"parity: {call} raised different exceptions\n core: {res_c!r}\n  ref: {res_r!r}")
+        return False, res_r
+    assert_same(res_c, res_r, call)
+    return True, res_c
+
+
+class LockstepTree:
+    """Looks like one tree; every method call runs on the core and on the reference and
+    their answers (or exception types) must agree. Exceptions are re-raised."""
+
+    def __init__(self, core_tree: Any, ref_tree: Any) -> None:
+        self.core = core_tree
+        self.ref = ref_tree
+
+    @property
+    def root(self) -> int:
+        assert_same(self.core.root, self.ref.root, "root")
+        return self.ref.root
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+        self.ref.check_invariants()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def both(*args: Any, **kwargs: Any) -> Any:
+            ok, res = call_both(self.core, self.ref, name, *args, **kwargs)
+            if not ok:
+                raise res
+            return res
+
+        return both
+
+
+# ----------------------------------------------------------------------- op counting
+#: Random operations run by the stress and property tests, by suite; printed at the end.
+OPS: Counter[str] = Counter()

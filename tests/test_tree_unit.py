@@ -1,0 +1,1039 @@
+"""Unit tests of the tree's semantics, run against every implementation (``tree_cls``).
+
+``hiradix/_reference.py`` is the specification; the seed document (``shared/seeds/000_*``,
+sections HiRadixTree / Prefix Match / Insert / Eviction / State Transition) is quoted where
+a test pins one of its examples.
+"""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import pytest
+
+from hiradix._reference import get_hash_str
+from support import FakeClock, all_nodes, result_fields
+
+
+# ----------------------------------------------------------------------------- helpers
+def seq(start: int, n: int) -> list[int]:
+    """``n`` distinct token ids from ``start``."""
+    return list(range(start, start + n))
+
+
+def idx(start: int, n: int) -> np.ndarray:
+    """``n`` KV indices from ``start``."""
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+def backup(tree, node: int, host_start: int, ok: bool = True) -> bool:
+    """Back up ``node`` to host slots from ``host_start`` in one begin/commit round."""
+    n = len(tree.key(node))
+    tree.begin_backup(node, idx(host_start, n))
+    return tree.commit_backup(node, ok)
+
+
+def insert_backed_up(tree, key, dev_start: int, host_start: int, **kw) -> int:
+    """Insert ``key`` and back up every node the insert reports; returns its last node."""
+    res = tree.insert(key, idx(dev_start, len(key)), **kw)
+    for i, node in enumerate(res.backup_nodes):
+        assert backup(tree, node, host_start + 1000 * i)
+    return res.last_node
+
+
+def info(tree, node: int) -> dict:
+    return tree.node_info(node)
+
+
+def whole_state(tree) -> dict:
+    """Everything observable about a tree (for before/after comparisons)."""
+    return {
+        "nodes": [
+            (info(tree, h), tree.key(h).tolist(),
+             None if tree.value(h) is None else tree.value(h).tolist(),
+             None if tree.host_value(h) is None else tree.host_value(h).tolist())
+            for h in all_nodes(tree)
+        ],
+        "sizes": (tree.evictable_size(), tree.protected_size(), tree.host_size(), tree.num_nodes()),
+        "leaves": (list(tree.evictable_leaves()), list(tree.evictable_host_leaves())),
+    }
+
+
+def hash_chain(tokens, page_size, prior=None) -> list[str]:
+    """SGLang's chain: one ``get_hash_str`` per full page, each seeded by the previous."""
+    out = []
+    for start in range(0, len(tokens) // page_size * page_size, page_size):
+        prior = get_hash_str(tokens[start : start + page_size], prior)
+        out.append(prior)
+    return out
+
+
+A, B, C = seq(100, 32), seq(200, 128), seq(400, 64)
+
+
+def build_worked_example(tree):
+    """The seed's example: root -> Node_A (device + backed up) -> Node_B (evicted, 128 tok)
+    -> Node_C (evicted, 64 tok), built with insert / backup / evict only."""
+    node_a = insert_backed_up(tree, A, 0, 10_000)
+    node_b = insert_backed_up(tree, A + B, 100, 20_000)
+    node_c = insert_backed_up(tree, A + B + C, 300, 30_000)
+    tree.inc_lock_ref(node_a)  # keep Node_A on the device while its subtree goes
+    assert tree.evict(len(B) + len(C)).num_evicted == len(B) + len(C)
+    tree.dec_lock_ref(node_a)
+    return node_a, node_b, node_c
+
+
+# ----------------------------------------------------------------------------- prefix match
+def test_worked_example_reports_the_host_hit_below_node_a(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    assert info(tree, node_b)["evicted"] and info(tree, node_c)["evicted"]
+    m = tree.match_prefix(A + B + C)
+    assert m.host_hit_length == 192
+    assert m.last_host_node == node_a
+    assert m.last_device_node == node_a
+    assert m.last_node == node_c
+    assert np.array_equal(m.device_indices, tree.value(node_a))
+    assert np.array_equal(m.device_indices, idx(0, len(A)))
+
+
+def test_match_of_nothing_returns_the_root_and_no_indices(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2, 3], idx(0, 3))
+    m = tree.match_prefix([9, 9])
+    assert result_fields(m) == {
+        "device_indices": ("ndarray", "int64", []),
+        "last_device_node": tree.root,
+        "last_host_node": tree.root,
+        "host_hit_length": 0,
+        "last_node": tree.root,
+    }
+
+
+def test_match_device_indices_are_int64(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2, 3], np.array([7, 8, 9], dtype=np.int32))
+    assert tree.match_prefix([1, 2, 3]).device_indices.dtype == np.int64
+
+
+def test_match_splits_a_node_where_the_match_ends(tree_cls):
+    tree = tree_cls(1)
+    whole = tree.insert([1, 2, 3, 4], idx(0, 4)).last_node
+    m = tree.match_prefix([1, 2, 9])
+    assert m.last_node != whole
+    assert tree.key(m.last_node).tolist() == [1, 2]
+    assert tree.key(whole).tolist() == [3, 4]
+    assert tree.parent(whole) == m.last_node
+    assert tree.num_nodes() == 2
+
+
+def test_last_host_node_is_the_deepest_backed_up_ancestor(tree_cls):
+    tree = tree_cls(1)
+    node_a = insert_backed_up(tree, [1, 2], 0, 100)
+    tree.insert([1, 2, 3, 4], idx(10, 4))  # [3, 4]: on the device, not backed up yet
+    m = tree.match_prefix([1, 2, 3, 4])
+    assert m.last_host_node == node_a
+    assert m.host_hit_length == 0
+    assert len(m.device_indices) == 4
+
+
+# ----------------------------------------------------------------------------- page size
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_insert_truncates_the_key_to_whole_pages(tree_cls, page_size):
+    tree = tree_cls(page_size)
+    n = 2 * page_size + page_size // 2 + 1  # two pages and a partial one
+    res = tree.insert(seq(0, n), idx(0, n))
+    assert len(tree.key(res.last_node)) == (n // page_size) * page_size
+    assert np.array_equal(tree.value(res.last_node), idx(0, (n // page_size) * page_size))
+    assert tree.device_size() == (n // page_size) * page_size
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_a_mismatch_inside_a_page_does_not_match_that_page(tree_cls, page_size):
+    tree = tree_cls(page_size)
+    key = seq(0, 3 * page_size)
+    tree.insert(key, idx(0, len(key)))
+    probe = key[: 2 * page_size - 1] + [-1] + key[2 * page_size :]  # last token of page 2 differs
+    m = tree.match_prefix(probe)
+    assert len(m.device_indices) == page_size
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_a_mismatch_in_the_first_page_matches_nothing(tree_cls, page_size):
+    tree = tree_cls(page_size)
+    key = seq(0, 2 * page_size)
+    tree.insert(key, idx(0, len(key)))
+    m = tree.match_prefix([key[0] + 1000] + key[1:])
+    assert len(m.device_indices) == 0 and m.last_node == tree.root
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_splits_happen_only_on_page_boundaries(tree_cls, page_size):
+    tree = tree_cls(page_size)
+    key = seq(0, 4 * page_size)
+    tree.insert(key, idx(0, len(key)))
+    for cut in range(1, len(key)):  # diverge at every token position
+        other = key[:cut] + [5000 + cut] + key[cut + 1 :]
+        tree.insert(other, idx(10_000 * cut, len(other)))
+    for h in all_nodes(tree):
+        assert len(tree.key(h)) % page_size == 0 and len(tree.key(h)) > 0
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_match_of_a_partial_page_is_truncated(tree_cls, page_size):
+    tree = tree_cls(page_size)
+    key = seq(0, 2 * page_size)
+    tree.insert(key, idx(0, len(key)))
+    m = tree.match_prefix(key[: 2 * page_size - 1])
+    assert len(m.device_indices) == ((2 * page_size - 1) // page_size) * page_size
+
+
+# ----------------------------------------------------------------------------- split
+def test_split_keeps_value_host_value_and_hashes_aligned(tree_cls):
+    page = 4
+    tree = tree_cls(page, enable_hash=True)
+    key = seq(0, 4 * page)
+    node = insert_backed_up(tree, key, 0, 500)
+    hashes = tree.hash_value(node)
+    tree.match_prefix(key[: 2 * page] + [-7] * page)  # split after two pages
+    top = tree.parent(node)
+    assert top != tree.root
+    assert tree.key(top).tolist() == key[: 2 * page]
+    assert tree.value(top).tolist() == idx(0, 2 * page).tolist()
+    assert tree.host_value(top).tolist() == idx(500, 2 * page).tolist()
+    assert tree.hash_value(top) == hashes[:2]
+    assert tree.key(node).tolist() == key[2 * page :]
+    assert tree.value(node).tolist() == idx(2 * page, 2 * page).tolist()
+    assert tree.host_value(node).tolist() == idx(500 + 2 * page, 2 * page).tolist()
+    assert tree.hash_value(node) == hashes[2:]
+
+
+def test_split_node_keeps_the_original_handle_as_the_suffix(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    tree.inc_lock_ref(node)
+    tree.match_prefix([1, 9])
+    assert tree.key(node).tolist() == [2, 3]
+    assert info(tree, tree.parent(node))["lock_ref"] == 1  # the lock covers the new prefix
+    assert tree.dec_lock_ref(node) == 3
+
+
+def test_split_keeps_the_creation_time_of_the_original(tree_cls):
+    clock = FakeClock(5)
+    tree = tree_cls(1, clock=clock)
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    clock.now = 9
+    tree.match_prefix([1, 4])
+    top = tree.parent(node)
+    assert info(tree, top)["creation_time"] == 5.0
+    assert info(tree, node)["creation_time"] == 5.0
+
+
+# ----------------------------------------------------------------------------- insert
+def test_insert_of_a_new_key_reports_no_prefix(tree_cls):
+    tree = tree_cls(1)
+    res = tree.insert([1, 2, 3], idx(0, 3))
+    assert res.prefix_len == 0
+    assert tree.key(res.last_node).tolist() == [1, 2, 3]
+    assert tree.evictable_size() == 3
+
+
+def test_insert_of_an_existing_prefix_reports_it_for_freeing(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2, 3], idx(0, 3))
+    res = tree.insert([1, 2, 3, 4, 5], idx(100, 5))
+    assert res.prefix_len == 3
+    assert tree.value(res.last_node).tolist() == [103, 104]  # only the new tokens are adopted
+    assert tree.match_prefix([1, 2, 3, 4, 5]).device_indices.tolist() == [0, 1, 2, 103, 104]
+
+
+def test_insert_rematerializes_an_evicted_node_instead_of_duplicating_it(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    nodes_before = tree.num_nodes()
+    host_b = tree.host_value(node_b).tolist()
+    res = tree.insert(A + B + C, idx(5000, len(A) + len(B) + len(C)))
+    assert res.prefix_len == len(A)  # only Node_A's tokens were already on the device
+    assert res.last_node == node_c
+    assert tree.num_nodes() == nodes_before
+    assert tree.value(node_b).tolist() == idx(5000 + len(A), len(B)).tolist()
+    assert tree.host_value(node_b).tolist() == host_b
+    assert tree.match_prefix(A + B + C).host_hit_length == 0
+    assert tree.device_size() == len(A) + len(B) + len(C)
+
+
+def test_insert_in_the_middle_of_an_evicted_node_splits_it_and_rematerializes_the_prefix(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, _ = build_worked_example(tree)
+    res = tree.insert(A + B[:10], idx(7000, len(A) + 10))
+    assert res.prefix_len == len(A)
+    top = res.last_node
+    assert tree.key(top).tolist() == B[:10]
+    assert tree.value(top).tolist() == idx(7000 + len(A), 10).tolist()
+    assert tree.value(node_b) is None  # the rest of B stays a tombstone
+
+
+def test_insert_value_may_be_any_integer_dtype(tree_cls):
+    tree = tree_cls(1)
+    res = tree.insert([1, 2], np.array([3, 4], dtype=np.uint16))
+    assert tree.value(res.last_node).dtype == np.int64
+
+
+# ----------------------------------------------------------------------------- hit counts
+@pytest.mark.parametrize(
+    ("write_policy", "reported_on_hit"),
+    [("write_through", 1), ("write_through_selective", 2), ("write_back", None)],
+)
+def test_insert_reports_backups_from_the_write_through_threshold(tree_cls, write_policy, reported_on_hit):
+    tree = tree_cls(1, write_policy=write_policy)
+    reported = []
+    for hit in (1, 2, 3):
+        res = tree.insert([1, 2, 3], idx(10 * hit, 3))
+        if res.backup_nodes:
+            reported.append(hit)
+            assert res.backup_nodes == (res.last_node,)
+    expected = [] if reported_on_hit is None else list(range(reported_on_hit, 4))
+    assert reported == expected
+    assert info(tree, res.last_node)["hit_count"] == 3
+
+
+def test_chunked_inserts_neither_count_hits_nor_report_backups(tree_cls):
+    tree = tree_cls(1, write_policy="write_through")
+    res = tree.insert([1, 2, 3], idx(0, 3), chunked=True)
+    assert res.backup_nodes == ()
+    assert info(tree, res.last_node)["hit_count"] == 0
+    res = tree.insert([1, 2, 3], idx(0, 3), chunked=True)
+    assert info(tree, res.last_node)["hit_count"] == 0 and res.backup_nodes == ()
+
+
+def test_match_does_not_count_a_hit(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    tree.match_prefix([1, 2, 3])
+    assert info(tree, node)["hit_count"] == 1
+
+
+def test_already_backed_up_nodes_are_not_reported_again(tree_cls):
+    tree = tree_cls(1)
+    insert_backed_up(tree, [1, 2, 3], 0, 100)
+    assert tree.insert([1, 2, 3], idx(10, 3)).backup_nodes == ()
+
+
+def test_nodes_in_flight_are_not_reported_again(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    tree.begin_backup(node, idx(100, 3))
+    assert tree.insert([1, 2, 3], idx(10, 3)).backup_nodes == ()
+    assert tree.commit_backup(node)
+
+
+def test_backup_nodes_come_parents_first_and_include_unbacked_ancestors(tree_cls):
+    tree = tree_cls(1, write_policy="write_through")
+    top = tree.insert([1, 2], idx(0, 2), chunked=True).last_node  # never reported
+    res = tree.insert([1, 2, 3, 4], idx(10, 4))
+    assert res.backup_nodes == (top, res.last_node)
+
+
+def test_selective_write_through_reports_the_ancestor_chain_of_a_hot_node(tree_cls):
+    tree = tree_cls(1, write_policy="write_through_selective")
+    tree.insert([1, 2, 3, 4], idx(0, 4))
+    tree.insert([1, 2, 7], idx(10, 3))  # splits: [1, 2] now has two hits
+    res = tree.insert([1, 2, 3, 4], idx(20, 4))
+    top = tree.parent(res.last_node)
+    assert tree.key(top).tolist() == [1, 2]
+    assert res.backup_nodes == (top, res.last_node)
+
+
+# ----------------------------------------------------------------------------- backup
+def test_begin_backup_returns_the_device_indices_and_locks_the_node(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], idx(40, 3)).last_node
+    assert tree.begin_backup(node, idx(100, 3)).tolist() == [40, 41, 42]
+    assert info(tree, node)["io_status"] == "writing"
+    assert info(tree, node)["lock_ref"] == 1
+    assert not info(tree, node)["backuped"]  # only after the commit
+    assert tree.protected_size() == 3
+    assert tree.commit_backup(node)
+    assert info(tree, node)["backuped"] and info(tree, node)["io_status"] == "idle"
+    assert tree.host_value(node).tolist() == [100, 101, 102]
+    assert tree.host_size() == 3 and tree.protected_size() == 0
+
+
+def test_begin_backup_refuses_a_node_whose_parent_is_not_backed_up(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    top = tree.insert([1, 2], idx(0, 2)).last_node
+    child = tree.insert([1, 2, 3], idx(10, 3)).last_node
+    before = whole_state(tree)
+    with pytest.raises(ValueError):
+        tree.begin_backup(child, idx(100, 1))
+    assert whole_state(tree) == before
+    tree.begin_backup(top, idx(200, 2))  # a parent in flight is good enough
+    tree.begin_backup(child, idx(100, 1))
+    assert tree.commit_backup(top) and tree.commit_backup(child)
+
+
+@pytest.mark.parametrize("case", ["not on device", "already backed up", "in flight", "wrong length", "root"])
+def test_begin_backup_refuses_bad_requests(tree_cls, case):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    hosts = idx(100, 3)
+    if case == "not on device":
+        backup(tree, node, 100)
+        tree.evict(3)
+        hosts = idx(200, 3)
+    elif case == "already backed up":
+        backup(tree, node, 100)
+    elif case == "in flight":
+        tree.begin_backup(node, idx(100, 3))
+    elif case == "wrong length":
+        hosts = idx(100, 2)
+    elif case == "root":
+        node = tree.root
+    before = whole_state(tree)
+    with pytest.raises(ValueError):
+        tree.begin_backup(node, hosts)
+    assert whole_state(tree) == before
+    if case == "in flight":
+        tree.commit_backup(node)
+
+
+def test_failed_commit_leaves_the_tree_as_before_begin(tree_cls):
+    tree = tree_cls(1)
+    insert_backed_up(tree, [1, 2], 0, 100)
+    node = tree.insert([1, 2, 3, 4], idx(10, 4)).last_node
+    tree.insert([1, 2, 3, 4, 5], idx(20, 5))
+    before = whole_state(tree)
+    tree.begin_backup(node, idx(300, 2))
+    assert whole_state(tree) != before
+    assert tree.commit_backup(node, ok=False) is False
+    assert whole_state(tree) == before
+
+
+def test_child_commit_fails_when_its_parents_commit_failed(tree_cls):
+    tree = tree_cls(1)
+    top = tree.insert([1, 2], idx(0, 2)).last_node
+    child = tree.insert([1, 2, 3], idx(10, 3)).last_node
+    tree.begin_backup(top, idx(100, 2))
+    tree.begin_backup(child, idx(200, 1))
+    assert tree.commit_backup(top, ok=False) is False
+    assert tree.commit_backup(child, ok=True) is False
+    assert not info(tree, child)["backuped"] and not info(tree, top)["backuped"]
+    assert tree.host_size() == 0 and tree.protected_size() == 0
+
+
+def test_commit_without_a_backup_in_flight_is_refused(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    with pytest.raises(ValueError):
+        tree.commit_backup(node)
+
+
+def test_a_split_during_backup_commits_the_whole_group(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3, 4], idx(0, 4)).last_node
+    tree.begin_backup(node, idx(100, 4))
+    tree.match_prefix([1, 2, 9])  # splits the node in flight
+    top = tree.parent(node)
+    assert info(tree, top)["io_status"] == "writing"
+    assert tree.commit_backup(node)
+    assert tree.host_value(top).tolist() == [100, 101]
+    assert tree.host_value(node).tolist() == [102, 103]
+    assert info(tree, top)["io_status"] == "idle" and info(tree, top)["lock_ref"] == 0
+    assert tree.host_size() == 4
+
+
+def test_a_failed_commit_after_a_split_leaves_both_parts_unbacked(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3, 4], idx(0, 4)).last_node
+    tree.begin_backup(node, idx(100, 4))
+    tree.insert([1, 2, 8], idx(10, 3))  # splits and adds a sibling
+    top = tree.parent(node)
+    assert tree.commit_backup(node, ok=False) is False
+    assert not info(tree, top)["backuped"] and not info(tree, node)["backuped"]
+    assert tree.host_size() == 0 and tree.protected_size() == 0
+
+
+# ----------------------------------------------------------------------------- insert_host
+def test_insert_host_attaches_a_tombstone_below_the_root(tree_cls):
+    tree = tree_cls(1)
+    res = tree.insert_host(tree.root, [1, 2, 3], idx(100, 3))
+    assert (res.matched_length, res.inserted_length) == (0, 3)
+    assert tree.value(res.last_node) is None
+    assert tree.host_value(res.last_node).tolist() == [100, 101, 102]
+    assert tree.host_size() == 3 and tree.device_size() == 0
+    m = tree.match_prefix([1, 2, 3])
+    assert (m.host_hit_length, m.last_node, m.last_host_node) == (3, res.last_node, tree.root)
+
+
+def test_insert_host_matches_existing_nodes_and_attaches_the_rest(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2, 3], 0, 100)
+    res = tree.insert_host(node, [4, 5], idx(200, 2))
+    assert (res.matched_length, res.inserted_length) == (0, 2)
+    assert tree.parent(res.last_node) == node
+    res = tree.insert_host(tree.root, [1, 2, 3, 4, 5, 6], idx(300, 6))
+    assert (res.matched_length, res.inserted_length) == (5, 1)
+    assert tree.host_value(res.last_node).tolist() == [305]
+    assert tree.host_size() == 6
+
+
+def test_insert_host_of_a_known_key_inserts_nothing(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2, 3], 0, 100)
+    nodes = tree.num_nodes()
+    res = tree.insert_host(tree.root, [1, 2, 3], idx(300, 3))
+    assert (res.matched_length, res.inserted_length, res.last_node) == (3, 0, node)
+    assert tree.num_nodes() == nodes
+
+
+def test_insert_host_attaches_nothing_below_a_node_that_is_not_backed_up(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    res = tree.insert_host(tree.root, [1, 2, 3, 4, 5], idx(100, 5))
+    assert (res.matched_length, res.inserted_length, res.last_node) == (3, 0, node)
+    assert tree.num_nodes() == 1 and tree.host_size() == 0
+
+
+def test_insert_host_refuses_a_mount_node_that_is_not_backed_up(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    before = whole_state(tree)
+    with pytest.raises(ValueError):
+        tree.insert_host(node, [4, 5], idx(100, 2))
+    assert whole_state(tree) == before
+
+
+def test_insert_host_splits_a_node_where_the_match_ends(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2, 3, 4], 0, 100)
+    res = tree.insert_host(tree.root, [1, 2, 7, 8], idx(300, 4))
+    assert (res.matched_length, res.inserted_length) == (2, 2)
+    top = tree.parent(node)
+    assert tree.parent(res.last_node) == top
+    assert tree.host_value(top).tolist() == [100, 101]
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_insert_host_is_page_aligned_and_hashed(tree_cls, page_size):
+    tree = tree_cls(page_size, enable_hash=True)
+    key = seq(0, 2 * page_size + 1)
+    res = tree.insert_host(tree.root, key, idx(100, len(key)))
+    assert res.inserted_length == 2 * page_size
+    assert tree.hash_value(res.last_node) == hash_chain(key, page_size)
+
+
+def test_insert_host_value_length_must_match_the_key(tree_cls):
+    tree = tree_cls(1)
+    with pytest.raises(ValueError):
+        tree.insert_host(tree.root, [1, 2, 3], idx(100, 2))
+
+
+# ----------------------------------------------------------------------------- locks
+def test_lock_ref_deltas_move_tokens_between_evictable_and_protected(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2], idx(0, 2))
+    leaf = tree.insert([1, 2, 3, 4, 5], idx(10, 5)).last_node
+    assert (tree.evictable_size(), tree.protected_size()) == (5, 0)
+    assert tree.inc_lock_ref(leaf) == -5
+    assert (tree.evictable_size(), tree.protected_size()) == (0, 5)
+    assert tree.inc_lock_ref(leaf) == 0  # already protected
+    assert tree.dec_lock_ref(leaf) == 0
+    assert tree.dec_lock_ref(leaf) == 5
+    assert (tree.evictable_size(), tree.protected_size()) == (5, 0)
+
+
+def test_lock_ref_counts_only_device_tokens(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    assert tree.inc_lock_ref(node_c) == -len(A)
+    assert info(tree, node_c)["lock_ref"] == 1 and info(tree, node_b)["lock_ref"] == 1
+    assert tree.dec_lock_ref(node_c) == len(A)
+
+
+def test_locked_nodes_are_not_evicted(tree_cls):
+    tree = tree_cls(1)
+    leaf = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    tree.inc_lock_ref(leaf)
+    assert tree.evictable_leaves() == []
+    assert tree.evict(3).num_evicted == 0
+    tree.dec_lock_ref(leaf)
+    assert tree.evict(3).num_evicted == 3
+
+
+def test_dec_lock_ref_on_an_unlocked_node_raises_and_changes_nothing(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2], idx(0, 2))
+    leaf = tree.insert([1, 2, 3], idx(10, 3)).last_node
+    before = whole_state(tree)
+    with pytest.raises(RuntimeError):
+        tree.dec_lock_ref(leaf)
+    assert whole_state(tree) == before
+
+
+def test_lock_on_the_root_is_a_no_op(tree_cls):
+    tree = tree_cls(1)
+    assert tree.inc_lock_ref(tree.root) == 0
+    assert tree.dec_lock_ref(tree.root) == 0
+    assert tree.protected_size() == 0
+
+
+def test_dec_host_ref_without_a_reference_raises(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    with pytest.raises(RuntimeError):
+        tree.dec_host_ref(node)
+
+
+# ----------------------------------------------------------------------------- evict
+def test_evict_of_a_backed_up_leaf_leaves_a_tombstone(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2, 3], 0, 100)
+    res = tree.evict(1)
+    assert res.num_evicted == 3
+    assert res.device_indices.tolist() == [0, 1, 2]
+    assert (res.write_back_nodes, res.backup_nodes) == ((), ())
+    assert tree.is_alive(node) and tree.value(node) is None
+    assert tree.host_value(node).tolist() == [100, 101, 102]
+    assert tree.evictable_host_leaves() == [node]
+    assert (tree.device_size(), tree.host_size()) == (0, 3)
+
+
+def test_write_through_evict_of_an_unbacked_leaf_deletes_it(tree_cls):
+    tree = tree_cls(1, write_policy="write_through")
+    node = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    res = tree.evict(3)
+    assert res.device_indices.tolist() == [0, 1, 2]
+    assert not tree.is_alive(node)
+    assert tree.num_nodes() == 0 and tree.device_size() == 0
+
+
+def test_evict_moves_up_to_parents_that_become_leaves(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2], idx(0, 2))
+    tree.insert([1, 2, 3], idx(10, 3))
+    res = tree.evict(3)
+    assert sorted(res.device_indices.tolist()) == [0, 1, 12]
+    assert tree.num_nodes() == 0
+
+
+def test_write_back_evict_reports_nodes_and_demote_completes_it(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    top = tree.insert([1, 2], idx(0, 2)).last_node
+    leaf = tree.insert([1, 2, 3, 4], idx(10, 4)).last_node
+    res = tree.evict(2)
+    assert res.num_evicted == 2
+    assert res.device_indices.tolist() == []
+    assert res.write_back_nodes == (leaf,)
+    assert res.backup_nodes == (top, leaf)  # parents first, unbacked ancestors included
+    assert tree.value(leaf) is not None  # nothing freed yet
+    for i, node in enumerate(res.backup_nodes):
+        assert backup(tree, node, 100 + 10 * i)
+    assert tree.demote(leaf).tolist() == [12, 13]
+    assert tree.value(leaf) is None and tree.host_value(leaf).tolist() == [110, 111]
+    assert tree.evictable_leaves() == [top]
+    assert tree.evictable_host_leaves() == [leaf]
+
+
+def test_write_back_evict_reports_each_victim_once(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    tree.insert([1], idx(0, 1))
+    tree.insert([2], idx(1, 1))
+    res = tree.evict(100)
+    assert sorted(res.write_back_nodes) == sorted(set(res.write_back_nodes))
+    assert len(res.write_back_nodes) == 2 and res.num_evicted == 2
+
+
+@pytest.mark.parametrize("case", ["not backed up", "has device children", "locked", "evicted", "root"])
+def test_demote_refuses_nodes_that_cannot_leave_the_device(tree_cls, case):
+    tree = tree_cls(1)
+    top = insert_backed_up(tree, [1, 2], 0, 100)
+    target = top
+    if case == "not backed up":
+        target = tree.insert([5, 6], idx(20, 2), chunked=True).last_node
+    elif case == "has device children":
+        tree.insert([1, 2, 3], idx(10, 3), chunked=True)
+    elif case == "locked":
+        tree.inc_lock_ref(top)
+    elif case == "evicted":
+        tree.evict(2)
+    elif case == "root":
+        target = tree.root
+    before = whole_state(tree)
+    with pytest.raises(ValueError):
+        tree.demote(target)
+    assert whole_state(tree) == before
+    if case == "locked":
+        tree.dec_lock_ref(top)
+
+
+def test_evict_zero_tokens_does_nothing(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2], idx(0, 2))
+    res = tree.evict(0)
+    assert res.num_evicted == 0 and res.device_indices.tolist() == []
+    assert tree.device_size() == 2
+
+
+# ----------------------------------------------------------------------------- evict_host
+def tombstone_chain(tree):
+    """root -> [1, 2] -> [3, 4] -> [5, 6], all backed up and evicted."""
+    nodes = [insert_backed_up(tree, [1, 2, 3, 4, 5, 6][: 2 * (i + 1)], 10 * i, 100 * (i + 1)) for i in range(3)]
+    tree.evict(6)
+    assert all(tree.value(n) is None for n in nodes)
+    return nodes
+
+
+def test_evict_host_removes_the_deepest_tombstone_first(tree_cls):
+    tree = tree_cls(1)
+    n1, n2, n3 = tombstone_chain(tree)
+    assert tree.evictable_host_leaves() == [n3]
+    res = tree.evict_host(1)
+    assert res.num_evicted == 2
+    assert res.host_indices.tolist() == [300, 301]
+    assert not tree.is_alive(n3)
+    assert tree.evictable_host_leaves() == [n2]
+
+
+def test_evict_host_cascades_to_parents_that_become_childless_tombstones(tree_cls):
+    tree = tree_cls(1)
+    n1, n2, n3 = tombstone_chain(tree)
+    res = tree.evict_host(6)
+    assert res.num_evicted == 6
+    assert res.host_indices.tolist() == [300, 301, 200, 201, 100, 101]
+    assert tree.num_nodes() == 0 and tree.host_size() == 0
+
+
+def test_evict_host_never_removes_device_nodes(tree_cls):
+    tree = tree_cls(1)
+    insert_backed_up(tree, [1, 2], 0, 100)
+    res = tree.evict_host(100)
+    assert res.num_evicted == 0 and res.host_indices.tolist() == []
+    assert tree.host_size() == 2
+
+
+def test_host_ref_counter_protects_a_tombstone_from_evict_host(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2], 0, 100)
+    tree.evict(2)
+    tree.inc_host_ref(node)
+    assert tree.evictable_host_leaves() == []
+    assert tree.evict_host(2).num_evicted == 0
+    tree.dec_host_ref(node)
+    assert tree.evictable_host_leaves() == [node]
+    assert tree.evict_host(2).num_evicted == 2
+
+
+def test_a_locked_tombstone_is_not_host_evictable(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, [1, 2], 0, 100)
+    tree.evict(2)
+    tree.inc_lock_ref(node)
+    assert tree.evict_host(2).num_evicted == 0
+    tree.dec_lock_ref(node)
+
+
+# ----------------------------------------------------------------------------- load back
+def test_load_back_restores_the_device_state(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    hosts = tree.evicted_host_indices(node_c)
+    assert hosts.tolist() == tree.host_value(node_b).tolist() + tree.host_value(node_c).tolist()
+    assert tree.begin_load_back(node_c, idx(9000, 192)) == 192
+    assert tree.value(node_b).tolist() == idx(9000, 128).tolist()
+    assert tree.value(node_c).tolist() == idx(9128, 64).tolist()
+    assert info(tree, node_b)["io_status"] == "loading"
+    m = tree.match_prefix(A + B + C)
+    assert m.host_hit_length == 0 and m.last_device_node == node_c
+    assert len(m.device_indices) == len(A) + 192
+    tree.finish_load_back(node_c)
+    assert info(tree, node_b)["io_status"] == "idle"
+    assert tree.protected_size() == 0 and tree.evictable_size() == len(A) + 192
+
+
+def test_nodes_being_loaded_are_locked(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    tree.begin_load_back(node_c, idx(9000, 192))
+    assert info(tree, node_c)["lock_ref"] == 1 and info(tree, node_a)["lock_ref"] == 1
+    assert tree.protected_size() == len(A) + 192
+    assert tree.evict(10_000).num_evicted == 0
+    tree.finish_load_back(node_c)
+    assert tree.evict(10_000).num_evicted == len(A) + 192
+
+
+def test_load_back_of_a_node_on_the_device_is_refused(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    assert tree.evicted_host_indices(node).tolist() == []
+    with pytest.raises(ValueError):
+        tree.begin_load_back(node, idx(0, 0))
+
+
+def test_load_back_needs_one_device_index_per_token(tree_cls):
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    with pytest.raises(ValueError):
+        tree.begin_load_back(node_c, idx(0, 191))
+
+
+def test_finish_load_back_without_a_load_is_refused(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    with pytest.raises(ValueError):
+        tree.finish_load_back(node)
+
+
+def test_a_split_during_load_back_finishes_the_whole_group(tree_cls):
+    tree = tree_cls(1)
+    _, node_b, node_c = build_worked_example(tree)
+    tree.begin_load_back(node_c, idx(9000, 192))
+    tree.match_prefix(A + B[:5] + [-1])
+    top = tree.parent(node_b)
+    assert info(tree, top)["io_status"] == "loading"
+    tree.finish_load_back(node_c)
+    assert info(tree, top)["io_status"] == "idle" and tree.protected_size() == 0
+
+
+# ----------------------------------------------------------------------------- namespaces
+def test_identical_tokens_in_different_namespaces_never_share_a_node(tree_cls):
+    tree = tree_cls(1)
+    plain = tree.insert([1, 2, 3], idx(0, 3)).last_node
+    a = tree.insert([1, 2, 3], idx(10, 3), extra_key="tenant-a").last_node
+    b = tree.insert([1, 2, 3], idx(20, 3), extra_key="tenant-b").last_node
+    assert len({plain, a, b}) == 3
+    assert tree.parent(a) == tree.namespace_root("tenant-a") != tree.root
+    assert tree.match_prefix([1, 2, 3], extra_key="tenant-a").device_indices.tolist() == [10, 11, 12]
+    assert tree.match_prefix([1, 2, 3], extra_key="tenant-c").device_indices.tolist() == []
+    assert tree.match_prefix([1, 2, 3]).device_indices.tolist() == [0, 1, 2]
+    assert tree.num_nodes() == 3
+
+
+def test_namespaces_have_different_hash_chains(tree_cls, impl_module):
+    tree = tree_cls(4, enable_hash=True)
+    key = seq(0, 8)
+    plain = tree.insert(key, idx(0, 8)).last_node
+    a = tree.insert(key, idx(10, 8), extra_key="a").last_node
+    b = tree.insert(key, idx(20, 8), extra_key="b").last_node
+    chains = [tree.hash_value(n) for n in (plain, a, b)]
+    assert len({tuple(c) for c in chains}) == 3
+    assert chains[1] == hash_chain(key, 4, impl_module.namespace_seed("a"))
+
+
+def test_namespace_root_is_stable(tree_cls):
+    tree = tree_cls(1)
+    assert tree.namespace_root(None) == tree.root
+    assert tree.namespace_root("x") == tree.namespace_root("x")
+
+
+def test_extra_key_must_be_a_string(tree_cls):
+    tree = tree_cls(1)
+    with pytest.raises(TypeError):
+        tree.match_prefix([1, 2], extra_key=5)
+
+
+# ----------------------------------------------------------------------------- hashes
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_hash_value_is_sglangs_chain(tree_cls, page_size):
+    tree = tree_cls(page_size, enable_hash=True)
+    key = seq(7, 3 * page_size)
+    tree.insert(key[: page_size], idx(0, page_size))
+    node = tree.insert(key, idx(0, len(key))).last_node
+    parent = tree.parent(node)
+    assert tree.hash_value(parent) + tree.hash_value(node) == hash_chain(key, page_size)
+
+
+def test_hash_value_is_none_without_enable_hash(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    assert tree.hash_value(node) is None
+
+
+# ----------------------------------------------------------------------------- clock
+def test_injected_clock_stamps_creation_and_access_times(tree_cls):
+    clock = FakeClock(100)
+    tree = tree_cls(1, clock=clock)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    assert (info(tree, node)["creation_time"], info(tree, node)["last_access_time"]) == (100.0, 100.0)
+    clock.now = 250.5
+    tree.match_prefix([1, 2])
+    assert (info(tree, node)["creation_time"], info(tree, node)["last_access_time"]) == (100.0, 250.5)
+
+
+def test_injected_clock_is_called_once_per_operation(tree_cls):
+    clock = FakeClock(1)
+    tree = tree_cls(1, clock=clock)
+    tree.insert([1, 2, 3], idx(0, 3))
+    tree.match_prefix([1, 2, 4])
+    tree.insert_host(tree.root, [9], idx(100, 1))
+    assert clock.calls == 3
+
+
+def test_default_clock_is_a_logical_counter(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    assert info(tree, node)["creation_time"] == 1.0
+    tree.match_prefix([1, 2])
+    assert info(tree, node)["last_access_time"] == 2.0
+    tree.insert([1, 2], idx(0, 2))
+    assert info(tree, node)["last_access_time"] == 3.0
+
+
+def test_reset_restarts_the_logical_clock(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1], idx(0, 1))
+    tree.reset()
+    node = tree.insert([2], idx(0, 1)).last_node
+    assert info(tree, node)["creation_time"] == 1.0
+
+
+# ----------------------------------------------------------------------------- inputs
+TOKEN_INPUTS = {
+    "list": lambda xs: list(xs),
+    "numpy int32": lambda xs: np.array(xs, dtype=np.int32),
+    "numpy int64": lambda xs: np.array(xs, dtype=np.int64),
+    "numpy uint16": lambda xs: np.array(xs, dtype=np.uint16),
+    "array q": lambda xs: array.array("q", xs),
+    "tuple": lambda xs: tuple(xs),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TOKEN_INPUTS))
+def test_token_inputs_of_every_supported_kind_are_equivalent(tree_cls, kind):
+    tree = tree_cls(1)
+    convert = TOKEN_INPUTS[kind]
+    res = tree.insert(convert([5, 6, 7]), convert([1, 2, 3]))
+    assert tree.key(res.last_node).tolist() == [5, 6, 7]
+    assert tree.match_prefix(convert([5, 6, 7, 8])).device_indices.tolist() == [1, 2, 3]
+    assert tree.insert(convert([5, 6]), convert([8, 9])).prefix_len == 2
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_torch_cpu_tensors_are_accepted(tree_cls, dtype):
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+    tree = tree_cls(1)
+    key = torch.tensor([5, 6, 7], dtype=getattr(torch, dtype))
+    res = tree.insert(key, torch.tensor([1, 2, 3], dtype=torch.int64))
+    assert tree.key(res.last_node).tolist() == [5, 6, 7]
+    assert tree.match_prefix(key).device_indices.tolist() == [1, 2, 3]
+
+
+def test_empty_key_inserts_and_matches_nothing(tree_cls):
+    tree = tree_cls(1)
+    res = tree.insert([], [])
+    assert (res.prefix_len, res.last_node, res.backup_nodes) == (0, tree.root, ())
+    assert tree.match_prefix(np.array([], dtype=np.int64)).last_node == tree.root
+    assert tree.num_nodes() == 0
+
+
+def test_a_two_dimensional_key_is_refused(tree_cls):
+    tree = tree_cls(1)
+    with pytest.raises(ValueError):
+        tree.insert(np.ones((2, 2), dtype=np.int32), idx(0, 4))
+    with pytest.raises(ValueError):
+        tree.match_prefix(np.ones((2, 2), dtype=np.int32))
+
+
+def test_a_float_key_is_refused(tree_cls):
+    tree = tree_cls(1)
+    with pytest.raises(TypeError):
+        tree.match_prefix(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError):
+        tree.insert([1, 2], np.array([1.5, 2.5]))
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**40])
+def test_a_token_out_of_int32_range_is_refused(tree_cls, bad):
+    tree = tree_cls(1)
+    with pytest.raises(ValueError):
+        tree.insert(np.array([1, bad], dtype=np.int64), idx(0, 2))
+    with pytest.raises(ValueError):
+        tree.match_prefix(np.array([1, bad], dtype=np.int64))
+    assert tree.num_nodes() == 0
+
+
+def test_int32_extremes_are_valid_tokens(tree_cls):
+    tree = tree_cls(1)
+    key = np.array([2**31 - 1, -(2**31)], dtype=np.int64)
+    node = tree.insert(key, idx(0, 2)).last_node
+    assert tree.key(node).tolist() == key.tolist()
+
+
+@pytest.mark.parametrize("n_values", [2, 4])
+def test_a_value_of_the_wrong_length_is_refused(tree_cls, n_values):
+    tree = tree_cls(1)
+    with pytest.raises(ValueError):
+        tree.insert([1, 2, 3], idx(0, n_values))
+    assert tree.num_nodes() == 0
+
+
+def test_a_stale_handle_raises_key_error(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    tree.evict(2)  # deletes the node (write_through, not backed up)
+    newer = tree.insert([3, 4], idx(0, 2)).last_node  # may reuse the arena slot
+    assert newer != node
+    assert not tree.is_alive(node) and tree.is_alive(newer)
+    for call in (tree.value, tree.key, tree.node_info, tree.inc_lock_ref, tree.parent, tree.children):
+        with pytest.raises(KeyError):
+            call(node)
+    with pytest.raises(KeyError):
+        tree.insert_host(node, [1], idx(0, 1))
+
+
+@pytest.mark.parametrize("handle", [-1, 2**20, 12345 << 32])
+def test_an_unknown_handle_raises_key_error(tree_cls, handle):
+    tree = tree_cls(1)
+    assert not tree.is_alive(handle)
+    with pytest.raises(KeyError):
+        tree.node_info(handle)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"eviction_policy": "no-such-policy"},
+        {"write_policy": "write_sometimes"},
+        {"page_size": 0},
+        {"page_size": -4},
+    ],
+    ids=["unknown policy", "unknown write policy", "page_size 0", "negative page_size"],
+)
+def test_bad_construction_arguments_raise_value_error(tree_cls, kwargs):
+    with pytest.raises(ValueError):
+        tree_cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- queries
+def test_children_are_ordered_by_first_token(tree_cls):
+    tree = tree_cls(1)
+    for first in (9, 3, 5):
+        tree.insert([first, 1], idx(10 * first, 2))
+    assert [tree.key(h)[0] for h in tree.children(tree.root)] == [3, 5, 9]
+
+
+def test_root_has_no_parent(tree_cls):
+    tree = tree_cls(1)
+    assert tree.parent(tree.root) == -1
+    assert tree.value(tree.root) is not None and len(tree.value(tree.root)) == 0
+    assert tree.host_value(tree.root) is None
+
+
+def test_node_counters_account_for_every_freed_node(tree_cls):
+    tree = tree_cls(1)
+    for i in range(5):
+        tree.insert([i, 1, 2], idx(10 * i, 3))
+    tree.evict(100)
+    counters = tree.debug_counters()
+    assert counters["nodes_live"] == 1  # the root
+    assert counters["nodes_allocated"] - counters["nodes_freed"] == 1
+
+
+def test_reset_forgets_everything(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2), extra_key="ns").last_node
+    tree.inc_lock_ref(node)
+    tree.reset()
+    assert tree.num_nodes() == 0 and tree.protected_size() == 0
+    assert not tree.is_alive(node)
