@@ -52,6 +52,12 @@ cdef struct Node:
     uint8_t io_status         # IO_IDLE / IO_WRITING / IO_LOADING
     uint8_t visited           # SIEVE visited bit
 
+cdef struct HeapEntry:
+    double k0                 # first key component (signed), cached: may be stale low
+    double k1                 # second key component (signed), 0 when unused
+    int64_t uid               # node uid: the final tie-break
+    node_t node               # arena index
+
 
 cdef class HiRadixTree:
     # configuration
@@ -90,7 +96,7 @@ cdef class HiRadixTree:
     cdef int64_t ht_count
 
     # victim heaps (indexed binary heaps of arena indices)
-    cdef node_t* heap[2]
+    cdef HeapEntry* heap[2]
     cdef node_t heap_n[2]
 
     # scratch of int64 triples for evict/evict_host records and compaction
@@ -140,13 +146,12 @@ cdef class HiRadixTree:
 
     # victim heaps
     cdef double _field(self, node_t i, int f) noexcept nogil
-    cdef bint _less(self, node_t a, node_t b) noexcept nogil
+    cdef void _key(self, node_t i, HeapEntry* e) noexcept nogil
     cdef void _heap_swap(self, int s, node_t p, node_t q) noexcept nogil
     cdef void _sift_up(self, int s, node_t pos) noexcept nogil
     cdef void _sift_down(self, int s, node_t pos) noexcept nogil
     cdef void _heap_push(self, int s, node_t i) noexcept nogil
     cdef void _heap_remove(self, int s, node_t i) noexcept nogil
-    cdef void _heap_fix(self, int s, node_t i) noexcept nogil
     cdef void _set_member(self, int s, node_t i, bint member) noexcept nogil
     cdef void _refresh(self, node_t i) noexcept nogil
     cdef node_t _pop_victim(self, int s) noexcept nogil
@@ -163,7 +168,7 @@ cdef class HiRadixTree:
     cdef void _delete_leaf(self, node_t i) noexcept nogil
     cdef void _demote(self, node_t i) noexcept nogil
     cdef int _backup_chain(self, node_t i, list out, set seen) except -1
-    cdef int _report_path(self, node_t root, node_t last, list out) except -1
+    cdef tuple _report_path(self, node_t root, node_t last)
     cdef list _victims(self, int s)
     cdef tuple _sort_key(self, node_t i)
     cdef tuple _first_page(self, node_t i)

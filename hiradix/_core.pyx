@@ -14,6 +14,8 @@ The tree is not thread-safe: callers serialize operations (HiRadixCache does).
 cimport cython
 cimport numpy as cnp
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -33,6 +35,9 @@ cdef extern from "_sha256.h" nogil:
     void hr_digest_hex(const uint8_t* digest, char* out)
     int hr_sha256_accelerated()
     void hr_sha256_set_portable(int on)
+
+cdef extern from "_platform.h" nogil:
+    void hr_advise_huge(void* p, size_t n)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
@@ -107,6 +112,11 @@ cdef cnp.ndarray _as_indices(object value, str name):
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+cdef inline cnp.ndarray _empty(int64_t n, int typenum):
+    cdef cnp.npy_intp dims = n
+    return cnp.PyArray_EMPTY(1, &dims, typenum, 0)
+
+
 cdef inline int64_t _common_prefix(const token_t* a, const token_t* b, int64_t n,
                                    int64_t page_size) noexcept nogil:
     """Page-aligned length of the common prefix of two token spans of length ``n``."""
@@ -177,6 +187,7 @@ def _test_set_portable_sha256(bint on):
 
 # ----------------------------------------------------------------------------- results
 @cython.final
+@cython.freelist(16)
 cdef class MatchResult:
     """See :class:`hiradix._results.MatchResult`."""
     cdef readonly object device_indices
@@ -192,6 +203,7 @@ cdef class MatchResult:
 
 
 @cython.final
+@cython.freelist(16)
 cdef class InsertResult:
     """See :class:`hiradix._results.InsertResult`."""
     cdef readonly int64_t prefix_len
@@ -204,6 +216,7 @@ cdef class InsertResult:
 
 
 @cython.final
+@cython.freelist(16)
 cdef class InsertHostResult:
     """See :class:`hiradix._results.InsertHostResult`."""
     cdef readonly int64_t matched_length
@@ -216,6 +229,7 @@ cdef class InsertHostResult:
 
 
 @cython.final
+@cython.freelist(16)
 cdef class EvictResult:
     """See :class:`hiradix._results.EvictResult`."""
     cdef readonly int64_t num_evicted
@@ -230,6 +244,7 @@ cdef class EvictResult:
 
 
 @cython.final
+@cython.freelist(16)
 cdef class EvictHostResult:
     """See :class:`hiradix._results.EvictHostResult`."""
     cdef readonly int64_t num_evicted
@@ -242,6 +257,15 @@ cdef class EvictHostResult:
 
 cdef inline int64_t _handle(Node* n, node_t i) noexcept nogil:
     return <int64_t>i | (<int64_t>n.gen << 32)
+
+
+cdef inline bint _entry_less(const HeapEntry* a, const HeapEntry* b) noexcept nogil:
+    # Total order (k0, k1, uid), identical to EvictionPolicy.sort_key.
+    if a.k0 != b.k0:
+        return a.k0 < b.k0
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    return a.uid < b.uid
 
 
 cdef int _cmp_first(const void* a, const void* b) noexcept nogil:
@@ -323,12 +347,13 @@ cdef class HiRadixTree:
                 raise MemoryError()
         self.free_stack = <node_t*>p
         for s in range(2):
-            p = realloc(self.heap[s], cap * sizeof(node_t))
+            p = realloc(self.heap[s], cap * sizeof(HeapEntry))
             if p == NULL:
                 with gil:
                     raise MemoryError()
-            self.heap[s] = <node_t*>p
+            self.heap[s] = <HeapEntry*>p
         self.n_cap = cap
+        hr_advise_huge(self.nodes, cap * sizeof(Node))
         return 0
 
     cdef int _reserve_span(self, int64_t n) except -1 nogil:
@@ -362,6 +387,9 @@ cdef class HiRadixTree:
                     raise MemoryError()
             self.hashes = <uint8_t*>p
         self.buf_cap = cap
+        hr_advise_huge(self.tokens, cap * sizeof(token_t))
+        hr_advise_huge(self.dev, cap * sizeof(index_t))
+        hr_advise_huge(self.host, cap * sizeof(index_t))
         return 0
 
     cdef int _grow_table(self) except -1 nogil:
@@ -500,7 +528,7 @@ cdef class HiRadixTree:
             raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
         cdef void* p
         cdef bytes seed = bytes.fromhex(namespace_seed(extra_key))
-        if self.ns_n == self.ns_cap:
+        if self.ns_n >= self.ns_cap:
             p = realloc(self.seeds, (2 * self.ns_cap + 4) * DIGEST)
             if p == NULL:
                 raise MemoryError()
@@ -553,6 +581,7 @@ cdef class HiRadixTree:
         cdef Node* c = &self.nodes[child]
         cdef Node* nw = &self.nodes[new]
         cdef node_t parent = c.parent
+        self._num_nodes += 1
         nw.key_off = c.key_off
         nw.key_len = split_len
         nw.ns = c.ns
@@ -693,7 +722,7 @@ cdef class HiRadixTree:
         while i != top_exclusive:
             total += self.nodes[i].key_len
             i = self.nodes[i].parent
-        cdef cnp.ndarray out = np.empty(total, dtype=np.int64)
+        cdef cnp.ndarray out = _empty(total, cnp.NPY_INT64)
         cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
         i = bottom
         with nogil:
@@ -709,7 +738,7 @@ cdef class HiRadixTree:
         cdef int64_t j, total = 0, pos = 0
         for j in range(k):
             total += self.scratch[3 * j + 1]
-        cdef cnp.ndarray out = np.empty(total, dtype=np.int64)
+        cdef cnp.ndarray out = _empty(total, cnp.NPY_INT64)
         cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
         with nogil:
             for j in range(k):
@@ -870,44 +899,33 @@ cdef class HiRadixTree:
             return 1.0 if n.hit_count >= self._slru_threshold else 0.0
         return <double>n.sieve_lap
 
-
-    cdef bint _less(self, node_t a, node_t b) noexcept nogil:
-        # Total order (k0, k1, uid), identical to EvictionPolicy.sort_key.
-        cdef double x, y
-        cdef int c
-        for c in range(2):
-            if self._key_field[c] < 0:
-                break
-            x = self._key_sign[c] * self._field(a, self._key_field[c])
-            y = self._key_sign[c] * self._field(b, self._key_field[c])
-            if x != y:
-                return x < y
-        return self.nodes[a].uid < self.nodes[b].uid
-
+    cdef void _key(self, node_t i, HeapEntry* e) noexcept nogil:
+        # The node's current ordering key (k0, k1, uid), as EvictionPolicy.sort_key.
+        e.k0 = self._key_sign[0] * self._field(i, self._key_field[0])
+        e.k1 = self._key_sign[1] * self._field(i, self._key_field[1]) if self._key_field[1] >= 0 else 0.0
+        e.uid = self.nodes[i].uid
+        e.node = i
 
     cdef void _heap_swap(self, int s, node_t p, node_t q) noexcept nogil:
-        cdef node_t* h = self.heap[s]
-        cdef node_t a = h[p]
-        cdef node_t b = h[q]
-        h[p] = b
-        h[q] = a
-        self.nodes[b].heap_pos[s] = p
-        self.nodes[a].heap_pos[s] = q
-
+        cdef HeapEntry* h = self.heap[s]
+        cdef HeapEntry tmp = h[p]
+        h[p] = h[q]
+        h[q] = tmp
+        self.nodes[h[p].node].heap_pos[s] = p
+        self.nodes[h[q].node].heap_pos[s] = q
 
     cdef void _sift_up(self, int s, node_t pos) noexcept nogil:
-        cdef node_t* h = self.heap[s]
+        cdef HeapEntry* h = self.heap[s]
         cdef node_t up
         while pos > 0:
             up = (pos - 1) >> 1
-            if not self._less(h[pos], h[up]):
+            if not _entry_less(&h[pos], &h[up]):
                 break
             self._heap_swap(s, pos, up)
             pos = up
 
-
     cdef void _sift_down(self, int s, node_t pos) noexcept nogil:
-        cdef node_t* h = self.heap[s]
+        cdef HeapEntry* h = self.heap[s]
         cdef node_t n = self.heap_n[s]
         cdef node_t child, best
         while True:
@@ -915,22 +933,20 @@ cdef class HiRadixTree:
             if child >= n:
                 break
             best = child
-            if child + 1 < n and self._less(h[child + 1], h[child]):
+            if child + 1 < n and _entry_less(&h[child + 1], &h[child]):
                 best = child + 1
-            if not self._less(h[best], h[pos]):
+            if not _entry_less(&h[best], &h[pos]):
                 break
             self._heap_swap(s, pos, best)
             pos = best
 
-
     cdef void _heap_push(self, int s, node_t i) noexcept nogil:
         # The heap arrays have the arena's capacity, so a push never reallocates.
         cdef node_t pos = self.heap_n[s]
-        self.heap[s][pos] = i
+        self._key(i, &self.heap[s][pos])
         self.nodes[i].heap_pos[s] = pos
         self.heap_n[s] += 1
         self._sift_up(s, pos)
-
 
     cdef void _heap_remove(self, int s, node_t i) noexcept nogil:
         cdef node_t pos = self.nodes[i].heap_pos[s]
@@ -943,22 +959,24 @@ cdef class HiRadixTree:
             self._sift_up(s, pos)
             self._sift_down(s, pos)
 
-
-    cdef void _heap_fix(self, int s, node_t i) noexcept nogil:
-        cdef node_t pos = self.nodes[i].heap_pos[s]
-        self._sift_up(s, pos)
-        self._sift_down(s, self.nodes[i].heap_pos[s])
-
-
     cdef void _set_member(self, int s, node_t i, bint member) noexcept nogil:
+        # Heap entries cache their key. A key that went down (MRU's touch) is sifted up
+        # at once; one that went up (an LRU touch, a hit) is left stale and sifted down
+        # only if it reaches the top (_pop_victim). Cached keys never exceed true ones,
+        # so the top is the true minimum once its own key is fresh, and a touch of a
+        # leaf costs no heap traffic at all.
+        cdef HeapEntry e
+        cdef node_t pos = self.nodes[i].heap_pos[s]
         if member:
-            if self.nodes[i].heap_pos[s] < 0:
+            if pos < 0:
                 self._heap_push(s, i)
             else:
-                self._heap_fix(s, i)   # its key may have changed
-        elif self.nodes[i].heap_pos[s] >= 0:
+                self._key(i, &e)
+                if _entry_less(&e, &self.heap[s][pos]):
+                    self.heap[s][pos] = e
+                    self._sift_up(s, pos)
+        elif pos >= 0:
             self._heap_remove(s, i)
-
 
     cdef void _refresh(self, node_t i) noexcept nogil:
         # Recompute a node's membership of both victim sets after any change to it.
@@ -972,21 +990,26 @@ cdef class HiRadixTree:
             and n.num_children == 0,
         )
 
-
     cdef node_t _pop_victim(self, int s) noexcept nogil:
-        # Smallest member of a heap, removed from it. With SIEVE, a visited node loses its
-        # bit and moves to the next lap instead; every such step is paid for by an access.
+        # Smallest member of a heap, removed from it. A stale top gets its fresh key and
+        # sinks. With SIEVE, a visited node loses its bit and moves to the next lap
+        # instead of being evicted; every such step is paid for by an earlier access.
         cdef node_t i
         cdef Node* n
+        cdef HeapEntry e
         while self.heap_n[s] > 0:
-            i = self.heap[s][0]
+            i = self.heap[s][0].node
+            self._key(i, &e)
+            if _entry_less(&self.heap[s][0], &e):
+                self.heap[s][0] = e
+                self._sift_down(s, 0)
+                continue
             n = &self.nodes[i]
             if self._second_chance:
                 self._sieve_lap = n.sieve_lap
                 if n.visited:
                     n.visited = 0
                     n.sieve_lap += 1
-                    self._refresh(i)
                     continue
             self._heap_remove(s, i)
             return i
@@ -1103,31 +1126,45 @@ cdef class HiRadixTree:
                 self._evictable += n - pos
                 self._refresh(node)
                 self._refresh(parent)
-        backup = []
-        if self.write_through_threshold > 0 and not chunked:
-            self._report_path(root, node, backup)
         cdef InsertResult r = InsertResult.__new__(InsertResult)
         r.prefix_len = prefix_len
         r.last_node = _handle(&self.nodes[node], node)
-        r.backup_nodes = tuple(backup)
+        if self.write_through_threshold > 0 and not chunked:
+            r.backup_nodes = self._report_path(root, node)
+        else:
+            r.backup_nodes = ()
         return r
 
-    cdef int _report_path(self, node_t root, node_t last, list out) except -1:
-        # Nodes of the insert path whose hit count reached the write-through threshold,
-        # with their unbacked ancestors, parents first. Every node of the path was hit (or
-        # created, or re-materialized, and then it is backed up) by this insert, so
-        # checking the final state is the same as checking at each visit.
+    cdef tuple _report_path(self, node_t root, node_t last):
+        # Nodes the write-through policy wants backed up after an insert: every path node
+        # whose hit count reached the threshold, with the run of ancestors that are
+        # neither backed up nor being written above it, parents first. Every node of the
+        # path was hit, created or re-materialized (then it is backed up) by this insert,
+        # so the final state decides. Walking up, a qualifying node opens a run and a
+        # backed-up (or writing) node closes it; the union of runs needs no dedup.
         cdef node_t i = last
-        path = []
+        cdef int64_t k = 0, j
+        cdef bint in_run = False, eligible
+        cdef Node* n
         while i != root:
-            if (not self.nodes[i].backed_up and self.nodes[i].io_status != IO_WRITING
-                    and self.nodes[i].hit_count >= self.write_through_threshold):
-                path.append(i)
-            i = self.nodes[i].parent
-        seen = set()
-        for i in reversed(path):
-            self._backup_chain(i, out, seen)
-        return 0
+            n = &self.nodes[i]
+            eligible = not n.backed_up and n.io_status != IO_WRITING
+            if eligible and n.hit_count >= self.write_through_threshold:
+                in_run = True
+            if eligible and in_run:
+                self._reserve_scratch(k + 1)
+                self.scratch[k] = _handle(n, i)
+                k += 1
+            elif not eligible:
+                in_run = False
+            i = n.parent
+        cdef object item
+        cdef tuple out = PyTuple_New(k)
+        for j in range(k):
+            item = self.scratch[k - 1 - j]
+            Py_INCREF(item)
+            PyTuple_SET_ITEM(out, j, item)
+        return out
 
     def insert_host(self, node, key, host_value):
         """Attach host-only KV below the backed-up ``node``; see the twin. ``O(len(key))``."""
@@ -1399,15 +1436,15 @@ cdef class HiRadixTree:
         cdef node_t k, i
         entries = []
         for k in range(self.heap_n[s]):
-            i = self.heap[s][k]
+            i = self.heap[s][k].node
             entries.append((self._sort_key(i), _handle(&self.nodes[i], i)))
         entries.sort()
         return [h for _, h in entries]
 
     cdef tuple _sort_key(self, node_t i):
-        k0 = self._key_sign[0] * self._field(i, self._key_field[0])
-        k1 = self._key_sign[1] * self._field(i, self._key_field[1]) if self._key_field[1] >= 0 else 0.0
-        return (k0, k1, self.nodes[i].uid)
+        cdef HeapEntry e
+        self._key(i, &e)
+        return (e.k0, e.k1, e.uid)
 
     def evictable_leaves(self):
         """Device victim set, in eviction order. ``O(n log n)``."""
@@ -1513,6 +1550,7 @@ cdef class HiRadixTree:
         cdef int64_t evictable = 0, protected = 0, host = 0, live = 0, nonroot = 0
         cdef int64_t kids, dev_kids, s, pos
         cdef bint unlocked, want_dev, want_host
+        cdef HeapEntry fresh
         cdef uint8_t digest[32]
         cdef const uint8_t* prev
 
@@ -1538,8 +1576,12 @@ cdef class HiRadixTree:
                 fail("child counters differ from a recount", i)
             for s in range(2):
                 pos = n.heap_pos[s]
-                if pos >= 0 and (pos >= self.heap_n[s] or self.heap[s][pos] != i):
+                if pos >= 0 and (pos >= self.heap_n[s] or self.heap[s][pos].node != i):
                     fail("heap position is wrong", i)
+                if pos >= 0:
+                    self._key(i, &fresh)
+                    if (_entry_less(&fresh, &self.heap[s][pos]) or fresh.uid != self.heap[s][pos].uid):
+                        fail("cached heap key exceeds the node's key", i)
             if n.is_root:
                 if n.parent != NO_NODE or n.key_len or n.lock_ref != 1:
                     fail("malformed root", i)
@@ -1593,8 +1635,8 @@ cdef class HiRadixTree:
                 fail("host victim set membership differs from a recount", i)
         for s in range(2):
             for pos in range(1, self.heap_n[s]):
-                if self._less(self.heap[s][pos], self.heap[s][(pos - 1) >> 1]):
-                    fail("heap order violated", self.heap[s][pos])
+                if _entry_less(&self.heap[s][pos], &self.heap[s][(pos - 1) >> 1]):
+                    fail("heap order violated", self.heap[s][pos].node)
         if (evictable, protected, host) != (self._evictable, self._protected, self._host_size):
             raise AssertionError(
                 f"size counters (evictable, protected, host) = "
