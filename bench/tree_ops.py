@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +74,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "nproc": os.cpu_count(),
-            "python": platform.python_version()}
+    return {"platform": platform.platform(), "cpu": cpu, "nproc": os.cpu_count(), "python": platform.python_version()}
 
 
 # ----------------------------------------------------------------------------- hiradix
@@ -101,14 +99,14 @@ class HiradixRunner:
         t0 = time.perf_counter()
         if self.variant == "hi":
             begin, commit, key_len = tree.begin_backup, tree.commit_backup, tree.node_info
-            for k, v in zip(keys, values):
+            for k, v in zip(keys, values, strict=True):
                 for node in insert(k, v).backup_nodes:
                     n = key_len(node)["key_len"]
                     begin(node, np.arange(host_next, host_next + n))
                     commit(node)
                     host_next += n
         else:
-            for k, v in zip(keys, values):
+            for k, v in zip(keys, values, strict=True):
                 insert(k, v)
         return tree, time.perf_counter() - t0
 
@@ -164,7 +162,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def bench_hiradix(tree_cls, page_size, variant, keys, values, long_key, repeats, warm) -> dict:
     runner = HiradixRunner(tree_cls, page_size, variant)
-    runner.run_once(*warm)          # warm-up on a small slice
+    runner.run_once(*warm)  # warm-up on a small slice
     runs = []
     for r in range(repeats):
         runs.append(runner.run_once(keys, values, long_key))
@@ -181,8 +179,20 @@ def bench_sglang(name: str, page_size: int, repeats: int, scale: float) -> dict 
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [str(py), str(HERE / "sglang_baselines.py"), "--impl", impl, "--page-size", str(page_size),
-               "--repeats", str(repeats), "--scale", str(scale), "--json", str(out)]
+        cmd = [
+            str(py),
+            str(HERE / "sglang_baselines.py"),
+            "--impl",
+            impl,
+            "--page-size",
+            str(page_size),
+            "--repeats",
+            str(repeats),
+            "--scale",
+            str(scale),
+            "--json",
+            str(out),
+        ]
         env = dict(os.environ, PYTHONPATH=str(VENVS / "stubs"))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -213,36 +223,47 @@ def fmt(metric: str, v: float) -> str:
 
 
 def report(results: dict, meta: dict) -> str:
-    lines = [f"## tree_ops — {meta['machine']['cpu']} ({meta['machine']['nproc']} cores), "
-             f"{meta['date']}",
-             "",
-             f"Workload: {meta['workload']['count']} sequences, {meta['workload']['total_tokens']:,} tokens "
-             f"(scale {meta['scale']}); {meta['repeats']} repeats, medians; command `{meta['command']}`.",
-             "Speed-ups (×) are medians of ours over theirs, measured in this run "
-             "(for times: theirs / ours).", ""]
+    lines = [
+        f"## tree_ops — {meta['machine']['cpu']} ({meta['machine']['nproc']} cores), {meta['date']}",
+        "",
+        f"Workload: {meta['workload']['count']} sequences, {meta['workload']['total_tokens']:,} tokens "
+        f"(scale {meta['scale']}); {meta['repeats']} repeats, medians; command `{meta['command']}`.",
+        "Speed-ups (×) are medians of ours over theirs, measured in this run (for times: theirs / ours).",
+        "",
+    ]
     for ps, by_impl in results.items():
-        lines += [f"### page size {ps}", "",
-                  "| implementation | " + " | ".join(METRICS) + " |",
-                  "|---|" + "---|" * len(METRICS)]
+        lines += [
+            f"### page size {ps}",
+            "",
+            "| implementation | " + " | ".join(METRICS) + " |",
+            "|---|" + "---|" * len(METRICS),
+        ]
         for name, res in by_impl.items():
             if res is None:
                 continue
-            lines.append(f"| {name} | " + " | ".join(
-                fmt(m, res[m]["median"]) if m in res else "n/a" for m in METRICS) + " |")
+            lines.append(
+                f"| {name} | " + " | ".join(fmt(m, res[m]["median"]) if m in res else "n/a" for m in METRICS) + " |"
+            )
         lines.append("")
-        pairs = [("hiradix core (plain)", "hiradix twin (plain)"),
-                 ("hiradix core (hi)", "hiradix twin (hi)"),
-                 ("hiradix core (plain)", "sglang-0.5.18 RadixCache"),
-                 ("hiradix core (hi)", "sglang-0.5.18 HiRadixCache"),
-                 ("hiradix core (plain)", "sglang-0.5.23 UnifiedRadixCache (Rust)")]
+        pairs = [
+            ("hiradix core (plain)", "hiradix twin (plain)"),
+            ("hiradix core (hi)", "hiradix twin (hi)"),
+            ("hiradix core (plain)", "sglang-0.5.18 RadixCache"),
+            ("hiradix core (hi)", "sglang-0.5.18 HiRadixCache"),
+            ("hiradix core (plain)", "sglang-0.5.23 UnifiedRadixCache (Rust)"),
+        ]
         lines += ["| ours vs theirs | " + " | ".join(METRICS) + " |", "|---|" + "---|" * len(METRICS)]
         for ours, theirs in pairs:
             a, b = by_impl.get(ours), by_impl.get(theirs)
             if not a or not b:
                 continue
-            lines.append(f"| {ours} / {theirs} | " + " | ".join(
-                f"{ratio(a[m]['median'], b[m]['median'], m):,.1f}×" if m in a and m in b else "n/a"
-                for m in METRICS) + " |")
+            lines.append(
+                f"| {ours} / {theirs} | "
+                + " | ".join(
+                    f"{ratio(a[m]['median'], b[m]['median'], m):,.1f}×" if m in a and m in b else "n/a" for m in METRICS
+                )
+                + " |"
+            )
         core = by_impl.get("hiradix core (plain)")
         if core:
             c = core["evict_chunks_s"]["median"] / core["evict_all_s"]["median"]
@@ -278,9 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     seqs = make_workload(n_prompts=n_prompts)
     long_key = make_long_key()
     small = make_workload(seed=7, n_prompts=5, n_cont=20)
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "scale": args.scale,
-            "repeats": args.repeats, "workload": describe(seqs),
-            "command": "python bench/tree_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "scale": args.scale,
+        "repeats": args.repeats,
+        "workload": describe(seqs),
+        "command": "python bench/tree_ops.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     log(f"workload: {meta['workload']}")
     results: dict = {}
     for ps in (int(p) for p in args.page_sizes.split(",")):
@@ -295,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in ("plain", "hi"):
             log(f"page {ps}: hiradix core ({variant})")
             by_impl[f"hiradix core ({variant})"] = bench_hiradix(
-                _core.HiRadixTree, ps, variant, keys, values, long_key, args.repeats, warm)
+                _core.HiRadixTree, ps, variant, keys, values, long_key, args.repeats, warm
+            )
             if not args.no_twin:
                 log(f"page {ps}: hiradix twin ({variant})")
                 by_impl[f"hiradix twin ({variant})"] = bench_hiradix(
-                    _reference.HiRadixTree, ps, variant, keys, values, long_key, args.twin_repeats, warm)
+                    _reference.HiRadixTree, ps, variant, keys, values, long_key, args.twin_repeats, warm
+                )
         if not args.no_sglang:
             for name in SGLANG_IMPLS:
                 log(f"page {ps}: {name}")

@@ -17,6 +17,7 @@ if os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0"):
         HiRadixTree,
         get_hash_str,
         namespace_seed,
+        page_digests,
         page_hashes,
     )
 
@@ -28,6 +29,7 @@ else:
             HiRadixTree,
             get_hash_str,
             namespace_seed,
+            page_digests,
             page_hashes,
         )
 
@@ -38,6 +40,7 @@ else:
             HiRadixTree,
             get_hash_str,
             namespace_seed,
+            page_digests,
             page_hashes,
         )
 
@@ -51,6 +54,7 @@ __all__ = [
     "get_hash_str",
     "get_policy",
     "namespace_seed",
+    "page_digests",
     "page_hashes",
     "policy_names",
     "register_policy",

@@ -768,7 +768,6 @@ cdef class HiRadixTree:
     # with hundreds of continuations is as cheap to descend as one with a single child.
     # Linear probing with backward-shift deletion keeps the table free of tombstones.
 
-
     cdef uint64_t _page_hash(self, node_t parent, const token_t* page) noexcept nogil:
         cdef uint64_t h = (<uint64_t>parent + 1) * <uint64_t>0x9E3779B97F4A7C15
         cdef int64_t k
@@ -781,7 +780,6 @@ cdef class HiRadixTree:
         h *= <uint64_t>0x94D049BB133111EB
         h ^= h >> 31
         return h
-
 
     cdef node_t _find_child(self, node_t parent, const token_t* page) noexcept nogil:
         cdef uint64_t h = self._page_hash(parent, page)
@@ -798,7 +796,6 @@ cdef class HiRadixTree:
                 return c
             slot = (slot + 1) & mask
 
-
     cdef int _table_put(self, node_t child) except -1 nogil:
         cdef uint64_t h, mask, slot
         if 2 * (self.ht_count + 1) > self.ht_cap:
@@ -813,7 +810,6 @@ cdef class HiRadixTree:
         self.ht_count += 1
         return 0
 
-
     cdef void _table_replace(self, node_t old, node_t new) noexcept nogil:
         # ``new`` takes the entry of ``old``: same parent, same first page (a split).
         cdef uint64_t h = self._page_hash(self.nodes[old].parent, self.tokens + self.nodes[old].key_off)
@@ -822,7 +818,6 @@ cdef class HiRadixTree:
         while self.ht_vals[slot] != old:
             slot = (slot + 1) & mask
         self.ht_vals[slot] = new
-
 
     cdef void _table_del(self, node_t child) noexcept nogil:
         cdef uint64_t h = self._page_hash(self.nodes[child].parent, self.tokens + self.nodes[child].key_off)
@@ -846,7 +841,6 @@ cdef class HiRadixTree:
         self.ht_vals[hole] = NO_NODE
         self.ht_count -= 1
 
-
     cdef void _link_child(self, node_t parent, node_t child) noexcept nogil:
         cdef Node* p = &self.nodes[parent]
         cdef Node* c = &self.nodes[child]
@@ -859,7 +853,6 @@ cdef class HiRadixTree:
         p.num_children += 1
         if c.on_device:
             p.num_device_children += 1
-
 
     cdef void _unlink_child(self, node_t child) noexcept nogil:
         cdef Node* c = &self.nodes[child]
@@ -883,7 +876,6 @@ cdef class HiRadixTree:
     # key change, insertion or removal is one O(log n) sift. Nothing ever re-heapifies all
     # leaves: SGLang's tree rebuilt a heap of every leaf on each evict() call, which cost up
     # to 70 ms per call at 40k leaves.
-
 
     cdef double _field(self, node_t i, int f) noexcept nogil:
         cdef Node* n = &self.nodes[i]
@@ -981,12 +973,12 @@ cdef class HiRadixTree:
     cdef void _refresh(self, node_t i) noexcept nogil:
         # Recompute a node's membership of both victim sets after any change to it.
         cdef Node* n = &self.nodes[i]
-        cdef bint free = not n.is_root and n.lock_ref == 0
-        self._set_member(DEVICE_SET, i, free and n.on_device and n.num_device_children == 0)
+        cdef bint unlocked = not n.is_root and n.lock_ref == 0
+        self._set_member(DEVICE_SET, i, unlocked and n.on_device and n.num_device_children == 0)
         n = &self.nodes[i]
         self._set_member(
             HOST_SET, i,
-            free and not n.on_device and n.backed_up and n.host_ref_counter == 0
+            unlocked and not n.on_device and n.backed_up and n.host_ref_counter == 0
             and n.num_children == 0,
         )
 
@@ -1614,7 +1606,8 @@ cdef class HiRadixTree:
                 if self.nodes[p].is_root:
                     prev = NULL if self.nodes[p].ns == 0 else self.seeds + self.nodes[p].ns * DIGEST
                 else:
-                    prev = self.hashes + ((self.nodes[p].key_off + self.nodes[p].key_len) // self.page_size - 1) * DIGEST
+                    prev = self.hashes + DIGEST * (
+                        (self.nodes[p].key_off + self.nodes[p].key_len) // self.page_size - 1)
                 hr_hash_pages(self.tokens + n.key_off, 1, self.page_size, prev, digest)
                 if memcmp(digest, self.hashes + n.key_off // self.page_size * DIGEST, DIGEST) != 0:
                     fail("hash chain broken at the first page", i)

@@ -96,16 +96,22 @@ def _page_digests(tokens: np.ndarray, page_size: int, prev: bytes | None) -> lis
     return out
 
 
-def page_hashes(
-    tokens: Any, page_size: int, prior_hash: str | None = None
-) -> list[str]:
-    """Chained hashes (hex) of every full page of ``tokens``."""
+def page_digests(tokens: Any, page_size: int, prior_hash: str | None = None) -> np.ndarray:
+    """Chained digests of every full page of ``tokens`` as an ``(n_pages, 32)`` uint8 array."""
     if page_size < 1:
         raise ValueError("page_size must be >= 1")
     arr = as_tokens(tokens)
     arr = arr[: len(arr) // page_size * page_size]
     prev = bytes.fromhex(prior_hash) if prior_hash else None
-    return [d.hex() for d in _page_digests(arr, page_size, prev)]
+    if prev is not None and len(prev) != 32:
+        raise ValueError("prior_hash must be 64 hex digits")
+    digests = _page_digests(arr, page_size, prev)
+    return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), 32)
+
+
+def page_hashes(tokens: Any, page_size: int, prior_hash: str | None = None) -> list[str]:
+    """Chained hashes (lowercase hex) of every full page of ``tokens``."""
+    return [row.tobytes().hex() for row in page_digests(tokens, page_size, prior_hash)]
 
 
 def namespace_seed(extra_key: str) -> str:
@@ -116,10 +122,30 @@ def namespace_seed(extra_key: str) -> str:
 # ----------------------------------------------------------------------------- nodes
 class _Node:
     __slots__ = (
-        "index", "gen", "uid", "parent", "children", "key", "value", "host_value",
-        "pending_host", "hashes", "lock_ref", "host_ref_counter", "hit_count", "priority",
-        "last_access_time", "creation_time", "io_status", "io_ticket", "visited",
-        "sieve_lap", "is_root", "seed", "dkey", "hkey",
+        "children",
+        "creation_time",
+        "dkey",
+        "gen",
+        "hashes",
+        "hit_count",
+        "hkey",
+        "host_ref_counter",
+        "host_value",
+        "index",
+        "io_status",
+        "io_ticket",
+        "is_root",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "parent",
+        "pending_host",
+        "priority",
+        "seed",
+        "sieve_lap",
+        "uid",
+        "value",
+        "visited",
     )  # fmt: skip
 
     def __init__(self, index: int, gen: int, uid: int) -> None:

@@ -109,9 +109,7 @@ def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     try:
         return _REGISTRY[policy]
     except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {policy!r}; registered: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise ValueError(f"unknown eviction policy {policy!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
 
 
 def policy_names() -> list[str]:
@@ -146,6 +144,4 @@ def write_through_threshold(write_policy: str) -> int:
     try:
         return thresholds[write_policy]
     except KeyError:
-        raise ValueError(
-            f"unknown write policy {write_policy!r}; choose from {', '.join(WRITE_POLICIES)}"
-        ) from None
+        raise ValueError(f"unknown write policy {write_policy!r}; choose from {', '.join(WRITE_POLICIES)}") from None
