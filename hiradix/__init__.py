@@ -24,7 +24,7 @@ if os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0"):
     IMPLEMENTATION = "python"
 else:
     try:
-        from hiradix._core import (  # type: ignore[no-redef]
+        from hiradix._core import (  # type: ignore[assignment]
             ROOT,
             HiRadixTree,
             get_hash_str,

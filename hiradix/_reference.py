@@ -489,9 +489,10 @@ class HiRadixTree:
         last_host = last_device
         while not last_host.backuped:
             last_host = last_host.parent  # type: ignore[assignment]
-        parts = []
+        parts: list[IndexArray] = []
         walk = last_device
         while not walk.is_root:
+            assert walk.value is not None
             parts.append(walk.value)
             walk = walk.parent  # type: ignore[assignment]
         device = np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
@@ -753,8 +754,9 @@ class HiRadixTree:
         """Host indices of the evicted chain that ends at ``node`` (parents first): what
         :meth:`begin_load_back` will make device-resident. ``O(depth + tokens)``."""
         walk = self._node(node)
-        parts = []
+        parts: list[IndexArray] = []
         while walk.value is None:
+            assert walk.host_value is not None
             parts.append(walk.host_value)
             walk = walk.parent  # type: ignore[assignment]
         return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
@@ -910,16 +912,17 @@ class HiRadixTree:
                 if node.parent is not None or len(node.key) or node.lock_ref != 1:
                     fail("malformed root")
                 continue
-            if node.parent is None or self._slots[node.parent.index] is not node.parent:
-                fail("dangling parent")
-            if node not in node.parent.children.values():
+            parent = node.parent
+            if parent is None or self._slots[parent.index] is not parent:
+                raise AssertionError(f"dangling parent: {self.node_info(node.handle)}")
+            if node not in parent.children.values():
                 fail("node missing from its parent's children")
             n = len(node.key)
             if n == 0 or n % self.page_size:
                 fail("key length is not a positive multiple of page_size")
             if node.lock_ref < 0 or node.host_ref_counter < 0:
                 fail("negative reference count")
-            if node.lock_ref > node.parent.lock_ref and not node.parent.is_root:
+            if node.lock_ref > parent.lock_ref and not parent.is_root:
                 fail("lock_ref exceeds its parent's")
             if node.value is not None and len(node.value) != n:
                 fail("value length differs from key length")
@@ -927,9 +930,9 @@ class HiRadixTree:
                 fail("host_value length differs from key length")
             if node.value is None and node.host_value is None:
                 fail("node is neither on the device nor backed up")
-            if node.value is not None and node.parent.value is None:
+            if node.value is not None and parent.value is None:
                 fail("device node under an evicted parent")
-            if node.host_value is not None and not node.parent.backuped:
+            if node.host_value is not None and not parent.backuped:
                 fail("backup continuity broken: backed-up node under a parent that is not")
             if (node.io_status == IO_WRITING) != (node.pending_host is not None):
                 fail("pending host indices disagree with io_status")
@@ -938,7 +941,8 @@ class HiRadixTree:
             if self.enable_hash:
                 if node.hashes is None or len(node.hashes) != n // self.page_size:
                     fail("not one hash per page")
-                prev = node.parent.seed if node.parent.is_root else node.parent.hashes[-1]  # type: ignore[index]
+                    continue
+                prev = parent.seed if parent.is_root or parent.hashes is None else parent.hashes[-1]
                 if _page_digests(node.key[: self.page_size], self.page_size, prev)[0] != node.hashes[0]:
                     fail("hash chain broken at the first page")
             if node.value is not None:
