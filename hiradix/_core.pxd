@@ -88,6 +88,7 @@ cdef class HiRadixTree:
     cdef int64_t buf_len
     cdef int64_t buf_cap
     cdef int64_t buf_garbage      # tokens of deleted spans still in the buffers
+    cdef int64_t hash_bytes       # capacity of the hash buffer in bytes
 
     # child table: open addressing on (parent, first page)
     cdef uint64_t* ht_keys

@@ -37,7 +37,8 @@ cdef extern from "_sha256.h" nogil:
     void hr_sha256_set_portable(int on)
 
 cdef extern from "_platform.h" nogil:
-    void hr_advise_huge(void* p, size_t n)
+    void* hr_buf_grow(void* old, size_t old_bytes, size_t new_bytes)
+    void hr_buf_free(void* p, size_t bytes)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
@@ -63,7 +64,7 @@ cdef cnp.ndarray _as_tokens(object key):
         if cnp.PyArray_SIZE(arr) == 0:
             return np.empty(0, dtype=np.int32)
         raise ValueError(f"token ids must be 1-D, got shape {(<object>arr).shape}")
-    if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32:
+    if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32 and cnp.PyArray_ISNOTSWAPPED(arr):
         if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
             arr = np.ascontiguousarray(arr)
         return arr
@@ -71,7 +72,8 @@ cdef cnp.ndarray _as_tokens(object key):
         return np.empty(0, dtype=np.int32)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
-    if cnp.PyArray_TYPE(arr) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+    if (cnp.PyArray_TYPE(arr) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
+            or not cnp.PyArray_ISNOTSWAPPED(arr)):
         if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > INT32_MAX_:
             raise ValueError(f"token id out of int32 range: max {int(arr.max())}")
         arr = np.ascontiguousarray(arr, dtype=np.int64)
@@ -99,7 +101,8 @@ cdef cnp.ndarray _as_indices(object value, str name):
         arr = <cnp.ndarray>value
     else:
         arr = np.asarray(value)
-    if cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_TYPE(arr) == cnp.NPY_INT64:
+    if (cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_TYPE(arr) == cnp.NPY_INT64
+            and cnp.PyArray_ISNOTSWAPPED(arr)):
         if cnp.PyArray_IS_C_CONTIGUOUS(arr):
             return arr
         return np.ascontiguousarray(arr)
@@ -292,15 +295,15 @@ cdef class HiRadixTree:
         self._namespaces = {}
 
     def __dealloc__(self):
-        # The only place memory is freed; grow helpers only ever realloc.
-        free(self.nodes)
+        # The only place memory is freed; grow helpers only ever grow.
+        hr_buf_free(self.nodes, self.n_cap * sizeof(Node))
         free(self.free_stack)
-        free(self.heap[0])
-        free(self.heap[1])
-        free(self.tokens)
-        free(self.dev)
-        free(self.host)
-        free(self.hashes)
+        hr_buf_free(self.heap[0], self.n_cap * sizeof(HeapEntry))
+        hr_buf_free(self.heap[1], self.n_cap * sizeof(HeapEntry))
+        hr_buf_free(self.tokens, self.buf_cap * sizeof(token_t))
+        hr_buf_free(self.dev, self.buf_cap * sizeof(index_t))
+        hr_buf_free(self.host, self.buf_cap * sizeof(index_t))
+        hr_buf_free(self.hashes, self.hash_bytes)
         free(self.ht_keys)
         free(self.ht_vals)
         free(self.seeds)
@@ -336,7 +339,7 @@ cdef class HiRadixTree:
         cdef node_t cap = 64 if self.n_cap == 0 else 2 * self.n_cap
         cdef void* p
         cdef int s
-        p = realloc(self.nodes, cap * sizeof(Node))
+        p = hr_buf_grow(self.nodes, self.n_cap * sizeof(Node), cap * sizeof(Node))
         if p == NULL:
             with gil:
                 raise MemoryError()
@@ -347,49 +350,47 @@ cdef class HiRadixTree:
                 raise MemoryError()
         self.free_stack = <node_t*>p
         for s in range(2):
-            p = realloc(self.heap[s], cap * sizeof(HeapEntry))
+            p = hr_buf_grow(self.heap[s], self.n_cap * sizeof(HeapEntry), cap * sizeof(HeapEntry))
             if p == NULL:
                 with gil:
                     raise MemoryError()
             self.heap[s] = <HeapEntry*>p
         self.n_cap = cap
-        hr_advise_huge(self.nodes, cap * sizeof(Node))
         return 0
 
     cdef int _reserve_span(self, int64_t n) except -1 nogil:
         cdef int64_t cap = self.buf_cap if self.buf_cap else 4096
-        cdef int64_t pages
+        cdef int64_t pages, hash_bytes
         cdef void* p
         if self.buf_len + n <= self.buf_cap and self.hashes != NULL:
             return 0
         while cap < self.buf_len + n:
             cap *= 2
         pages = cap // self.page_size + 1
-        p = realloc(self.tokens, cap * sizeof(token_t))
+        p = hr_buf_grow(self.tokens, self.buf_cap * sizeof(token_t), cap * sizeof(token_t))
         if p == NULL:
             with gil:
                 raise MemoryError()
         self.tokens = <token_t*>p
-        p = realloc(self.dev, cap * sizeof(index_t))
+        p = hr_buf_grow(self.dev, self.buf_cap * sizeof(index_t), cap * sizeof(index_t))
         if p == NULL:
             with gil:
                 raise MemoryError()
         self.dev = <index_t*>p
-        p = realloc(self.host, cap * sizeof(index_t))
+        p = hr_buf_grow(self.host, self.buf_cap * sizeof(index_t), cap * sizeof(index_t))
         if p == NULL:
             with gil:
                 raise MemoryError()
         self.host = <index_t*>p
-        if self.enable_hash or self.hashes == NULL:
-            p = realloc(self.hashes, (pages if self.enable_hash else 1) * DIGEST)
+        hash_bytes = (pages if self.enable_hash else 1) * DIGEST
+        if hash_bytes > self.hash_bytes:
+            p = hr_buf_grow(self.hashes, self.hash_bytes, hash_bytes)
             if p == NULL:
                 with gil:
                     raise MemoryError()
             self.hashes = <uint8_t*>p
+            self.hash_bytes = hash_bytes
         self.buf_cap = cap
-        hr_advise_huge(self.tokens, cap * sizeof(token_t))
-        hr_advise_huge(self.dev, cap * sizeof(index_t))
-        hr_advise_huge(self.host, cap * sizeof(index_t))
         return 0
 
     cdef int _grow_table(self) except -1 nogil:
@@ -799,7 +800,9 @@ cdef class HiRadixTree:
     cdef int _table_put(self, node_t child) except -1 nogil:
         cdef uint64_t h, mask, slot
         if 2 * (self.ht_count + 1) > self.ht_cap:
-            self._grow_table()
+            # Growing re-files every linked node, ``child`` included (callers link it
+            # to its parent first), so there is nothing left to add.
+            return self._grow_table()
         h = self._page_hash(self.nodes[child].parent, self.tokens + self.nodes[child].key_off)
         mask = <uint64_t>(self.ht_cap - 1)
         slot = h & mask

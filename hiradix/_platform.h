@@ -1,30 +1,91 @@
-/* Small platform helpers for the tree core. */
+/* Buffer allocation for the tree core's large arrays.
+ *
+ * The span buffers grow to hundreds of MB on real traces. With 4 KiB pages the page
+ * faults of first touch cost several times more than the inserts that write them
+ * (measured: 0.45 s of system time against 0.05 s of user time for 10k inserts), so on
+ * Linux the buffers are anonymous mappings advised for transparent huge pages and grown
+ * with mremap, which moves page tables instead of copying data. Elsewhere they are plain
+ * realloc/free. Sizes are whatever the caller passes; the mapping rounds them up.
+ */
 #ifndef HIRADIX_PLATFORM_H
 #define HIRADIX_PLATFORM_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #if defined(__linux__)
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <sys/mman.h>
 #endif
 
-/* Ask for transparent huge pages on the 2 MiB-aligned interior of a large buffer.
- * The span buffers grow to hundreds of MB on real traces; with 4 KiB pages the page
- * faults of first touch cost more than the inserts that write them. A no-op where
- * madvise or MADV_HUGEPAGE is unavailable, or when the kernel says no. */
-static inline void hr_advise_huge(void *p, size_t n)
+#define HR_HUGE ((size_t)2 << 20)
+
+static inline size_t hr_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+#if defined(__linux__) && defined(MREMAP_MAYMOVE)
+static inline void hr_advise(void *p, size_t n)
 {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1);
-    uintptr_t hi = ((uintptr_t)p + n) & ~(huge - 1);
-    if (p != NULL && hi > lo)
-        (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, n, MADV_HUGEPAGE);
 #else
     (void)p;
     (void)n;
 #endif
 }
+
+/* Grow (or create, when old is NULL) a buffer from old_bytes to new_bytes, keeping its
+ * contents. Returns NULL on failure, leaving the old buffer intact. Buffers under 2 MiB
+ * stay on the heap, so the many small trees of a test suite cost no huge pages. */
+static inline void *hr_buf_grow(void *old, size_t old_bytes, size_t new_bytes)
+{
+    void *p;
+    size_t n;
+    if (new_bytes < HR_HUGE)
+        return realloc(old, new_bytes ? new_bytes : 1);
+    n = hr_round_up(new_bytes, HR_HUGE);
+    if (old_bytes < HR_HUGE) {
+        p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        hr_advise(p, n);
+        if (old != NULL) {
+            memcpy(p, old, old_bytes);
+            free(old);
+        }
+        return p;
+    }
+    p = mremap(old, hr_round_up(old_bytes, HR_HUGE), n, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED)
+        return NULL;
+    hr_advise(p, n);
+    return p;
+}
+
+static inline void hr_buf_free(void *p, size_t bytes)
+{
+    if (p == NULL)
+        return;
+    if (bytes < HR_HUGE)
+        free(p);
+    else
+        munmap(p, hr_round_up(bytes, HR_HUGE));
+}
+#else
+static inline void *hr_buf_grow(void *old, size_t old_bytes, size_t new_bytes)
+{
+    (void)old_bytes;
+    return realloc(old, new_bytes ? new_bytes : 1);
+}
+
+static inline void hr_buf_free(void *p, size_t bytes)
+{
+    (void)bytes;
+    free(p);
+}
+#endif
 
 #endif

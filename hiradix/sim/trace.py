@@ -81,8 +81,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_line(text: str) -> TraceRequest:
-    """Parse and validate one trace line (without its line number, which is set to 0).
+def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
+    """Parse and validate one trace line; ``line`` is recorded in the result.
 
     Raises :class:`ValueError` naming the problem: invalid JSON, not an object, a missing
     field, a wrong type, a negative number, a block id over :data:`MAX_BLOCK_ID`, or a
@@ -91,6 +91,8 @@ def parse_line(text: str) -> TraceRequest:
     """
     try:
         record = json.loads(text)
+    except UnicodeDecodeError:  # a ValueError too, but its message reads badly
+        raise ValueError("not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(record, dict):
@@ -122,7 +124,7 @@ def parse_line(text: str) -> TraceRequest:
             f"block id {bad} is out of range 0..{MAX_BLOCK_ID} "
             "(its token ids would not fit in int32)"
         )
-    return TraceRequest(0, timestamp, input_length, record["output_length"], tuple(hash_ids))
+    return TraceRequest(line, timestamp, input_length, record["output_length"], tuple(hash_ids))
 
 
 class MooncakeTrace:
@@ -162,18 +164,15 @@ class MooncakeTrace:
                 if not raw.strip():
                     continue
                 try:
-                    request = parse_line(raw.decode("utf-8"))
-                except (ValueError, UnicodeDecodeError) as exc:
-                    problem = str(exc) if isinstance(exc, ValueError) else "not valid UTF-8"
-                    error = TraceError(str(self.path), number, problem)
+                    request = parse_line(raw, number)
+                except ValueError as exc:
+                    error = TraceError(str(self.path), number, str(exc))
                     if not self.skip_bad:
                         raise error from None
                     self.bad_lines += 1
                     self.first_error = self.first_error or error
                     continue
-                yield TraceRequest(
-                    number, request.timestamp, request.input_length, request.output_length, request.hash_ids
-                )
+                yield request
                 served += 1
                 if served == self.limit:
                     return
