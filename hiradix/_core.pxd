@@ -115,7 +115,7 @@ cdef class HiRadixTree:
     cdef int64_t _uid
     cdef int64_t _time
     cdef int64_t _ticket
-    cdef int64_t _sieve_lap
+    cdef int64_t _sieve_hand[2]   # SIEVE: lap of the hand of each victim set
     cdef int64_t _evictable
     cdef int64_t _protected
     cdef int64_t _host_size

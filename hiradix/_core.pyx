@@ -452,7 +452,6 @@ cdef class HiRadixTree:
         n.alive = 1
         self._uid += 1
         n.uid = self._uid
-        n.sieve_lap = self._sieve_lap
         n.parent = NO_NODE
         n.first_child = NO_NODE
         n.next_sibling = NO_NODE
@@ -964,6 +963,8 @@ cdef class HiRadixTree:
         cdef node_t pos = self.nodes[i].heap_pos[s]
         if member:
             if pos < 0:
+                if self._second_chance:   # a node entering a victim set joins its hand's lap
+                    self.nodes[i].sieve_lap = self._sieve_hand[s]
                 self._heap_push(s, i)
             else:
                 self._key(i, &e)
@@ -1001,7 +1002,7 @@ cdef class HiRadixTree:
                 continue
             n = &self.nodes[i]
             if self._second_chance:
-                self._sieve_lap = n.sieve_lap
+                self._sieve_hand[s] = n.sieve_lap
                 if n.visited:
                     n.visited = 0
                     n.sieve_lap += 1
@@ -1028,7 +1029,8 @@ cdef class HiRadixTree:
         self._uid = 0
         self._time = 0
         self._ticket = 0
-        self._sieve_lap = 0
+        self._sieve_hand[0] = 0
+        self._sieve_hand[1] = 0
         self._evictable = 0
         self._protected = 0
         self._host_size = 0
@@ -1261,7 +1263,9 @@ cdef class HiRadixTree:
             for j in range(k):
                 if self.scratch[3 * j + 1] == 0:
                     v = <node_t>self.scratch[3 * j + 2]
-                    self._refresh(v)              # back in the victim set until backed up
+                    # Back in the victim set until backed up, as it was (a SIEVE lap
+                    # included): nothing in this loop touched it after the pop.
+                    self._heap_push(DEVICE_SET, v)
                     write_back_nodes.append(_handle(&self.nodes[v], v))
                     self._backup_chain(v, backup, seen)
         cdef EvictResult r = EvictResult.__new__(EvictResult)
@@ -1282,6 +1286,20 @@ cdef class HiRadixTree:
             raise ValueError(f"demote: node {node} is locked or has device children")
         out = self._gather(n.parent, i, False)
         self._demote(i)
+        return out
+
+    def drop(self, node):
+        """Delete an unlocked device leaf that is not backed up; returns its device
+        indices to free. ``O(log n)``."""
+        cdef node_t i = self._node(node)
+        cdef Node* n = &self.nodes[i]
+        if n.is_root or not n.on_device or n.backed_up:
+            raise ValueError(f"drop: node {node} must be on the device and not backed up")
+        if n.lock_ref or n.io_status != IO_IDLE or n.num_children:
+            raise ValueError(f"drop: node {node} is locked, in flight or has children")
+        out = self._gather(n.parent, i, False)
+        self._evictable -= n.key_len
+        self._delete_leaf(i)
         return out
 
     def evict_host(self, int64_t num_tokens):
@@ -1474,6 +1492,10 @@ cdef class HiRadixTree:
             c = self.nodes[c].next_sibling
         kids.sort()
         return [h for _, h in kids]
+
+    def key_len(self, node):
+        """Tokens in a node's span. ``O(1)``."""
+        return self.nodes[self._node(node)].key_len
 
     def key(self, node):
         cdef Node* n = &self.nodes[self._node(node)]

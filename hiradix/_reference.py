@@ -231,7 +231,7 @@ class HiRadixTree:
         self._uid = 0
         self._time = 0
         self._ticket = 0
-        self._sieve_lap = 0
+        self._sieve_hand = [0, 0]  # SIEVE: lap of the hand of the device / host set
         self._namespaces: dict[str, _Node] = {}
         self._dev_set: SortedList = SortedList()
         self._host_set: SortedList = SortedList()
@@ -251,7 +251,6 @@ class HiRadixTree:
             self._gens.append(0)
         self._uid += 1
         node = _Node(index, self._gens[index], self._uid)
-        node.sieve_lap = self._sieve_lap
         self._slots[index] = node
         self.nodes_allocated += 1
         return node
@@ -337,15 +336,19 @@ class HiRadixTree:
         )
 
     def _refresh(self, node: _Node) -> None:
+        dev, host = self._is_device_leaf(node), self._is_host_leaf(node)
+        if self.policy.second_chance:  # a node entering a victim set joins its hand's lap
+            if dev and node.dkey is None:
+                node.sieve_lap = self._sieve_hand[0]
+            elif host and node.hkey is None:
+                node.sieve_lap = self._sieve_hand[1]
         key = self.policy.sort_key(node)
-        self._set_membership(
-            node,
-            key if self._is_device_leaf(node) else None,
-            key if self._is_host_leaf(node) else None,
-        )
+        self._set_membership(node, key if dev else None, key if host else None)
 
-    def _pop_victim(self, victims: SortedList, skip: set[int]) -> _Node | None:
-        """Smallest entry of a victim set not in ``skip``; SIEVE gives visited nodes another lap."""
+    def _pop_victim(self, s: int, skip: set[int]) -> _Node | None:
+        """Smallest entry of victim set ``s`` (0: device, 1: host) not in ``skip``; SIEVE
+        gives visited nodes another lap."""
+        victims = self._dev_set if s == 0 else self._host_set
         pos = 0
         while pos < len(victims):
             entry = victims[pos]
@@ -355,7 +358,7 @@ class HiRadixTree:
                 pos += 1
                 continue
             if self.policy.second_chance:
-                self._sieve_lap = node.sieve_lap
+                self._sieve_hand[s] = node.sieve_lap
                 if node.visited:
                     node.visited = False
                     node.sieve_lap += 1
@@ -640,7 +643,7 @@ class HiRadixTree:
         skip: set[int] = set()
         evicted = 0
         while evicted < num_tokens:
-            victim = self._pop_victim(self._dev_set, skip)
+            victim = self._pop_victim(0, skip)
             if victim is None:
                 break
             evicted += len(victim.key)
@@ -677,13 +680,27 @@ class HiRadixTree:
             raise ValueError(f"demote: node {node} is locked or has device children")
         return self._demote(target)
 
+    def drop(self, node: int) -> IndexArray:
+        """Delete an unlocked device leaf that is not backed up; returns its device
+        indices to free. The way out of write-back eviction when no host slot can be
+        had for the backup. ``O(log n)``."""
+        target = self._node(node)
+        if target.is_root or target.value is None or target.host_value is not None:
+            raise ValueError(f"drop: node {node} must be on the device and not backed up")
+        if target.lock_ref or target.io_status != IO_IDLE or target.children:
+            raise ValueError(f"drop: node {node} is locked, in flight or has children")
+        value = target.value
+        self._evictable -= len(target.key)
+        self._delete_leaf(target)
+        return value
+
     def evict_host(self, num_tokens: int) -> EvictHostResult:
         """Delete at least ``num_tokens`` host-only tokens if possible, deepest first.
         Runtime complexity: ``O(k log n)`` for ``k`` victims."""
         freed: list[IndexArray] = []
         evicted = 0
         while evicted < num_tokens:
-            victim = self._pop_victim(self._host_set, set())
+            victim = self._pop_victim(1, set())
             if victim is None:
                 break
             assert victim.host_value is not None
@@ -848,6 +865,10 @@ class HiRadixTree:
         """Child handles ordered by their first token."""
         kids = self._node(node).children
         return [kids[k].handle for k in sorted(kids)]
+
+    def key_len(self, node: int) -> int:
+        """Tokens in a node's span. ``O(1)``."""
+        return len(self._node(node).key)
 
     def key(self, node: int) -> np.ndarray:
         return self._node(node).key.copy()

@@ -21,8 +21,11 @@ Fields a key may use:
 
 ``second_chance`` turns on SIEVE: a popped victim whose *visited* bit is set (any access
 since it was last examined) has the bit cleared, moves to the next lap, and the search goes
-on. With the key ``(sieve_lap, creation_time)`` this is exactly SIEVE's hand sweeping from
-the oldest to the newest entry and wrapping around, at ``O(log n)`` per examined node.
+on. Each victim set has its own hand, and a node entering a set joins the lap its hand is
+in. With the key ``(sieve_lap, creation_time)`` this is SIEVE's hand sweeping from the
+oldest to the newest entry and wrapping around, at ``O(log n)`` per examined node. (A node
+that becomes a leaf again, after its children left, is examined in the current lap in age
+order, where a flat SIEVE queue would have it behind the hand.)
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ caches whole pages only; the unaligned tail is always recomputed).
   without the tree: a request's blocks count only up to its first never-seen block, and
   those blocks are turned into page-aligned prompt tokens and blocks as above. At
   ``page_size=1`` the block ideal is the trace README's (0.3664 on the conversation
-  trace); at larger pages it leaves out the seen tail blocks shorter than a page, which
-  no tree can serve. With unbounded capacities the tree reaches the ideal exactly when
-  ``page_size`` divides 512.
+  trace); at larger pages it counts only what whole pages can hold (not, for example,
+  a seen tail block shorter than a page). With unbounded capacities the tree reaches
+  the ideal exactly, at any page size.
 * Hits are counted at match time, so a request too large for the device still counts
   what the tree held for it; it is then not inserted.
 """
@@ -277,7 +277,7 @@ class Replayer:
         # Tokens between our match and insert's prefix_len were cached meanwhile by
         # someone else (never, when requests run one at a time): ours are duplicates.
         matched = device_hit + host_hit
-        self._free_device(slots[host_hit : host_hit + inserted.prefix_len - matched])
+        self.device.free(slots[host_hit : host_hit + inserted.prefix_len - matched])
         self._back_up(inserted.backup_nodes)
         tree.dec_lock_ref(match.last_device_node)
         return Served(device_hit, host_hit, fitted=True)
@@ -294,7 +294,9 @@ class Replayer:
 
     def _alloc_device(self, n: int) -> np.ndarray | None:
         """``n`` device slots, evicting unlocked device KV as needed; ``None`` if the
-        device cannot hold them even then (nothing is taken)."""
+        device cannot hold them even then (nothing is taken, nothing is evicted)."""
+        if n > self.device.free_count + self.tree.evictable_size():
+            return None  # hopeless: keep the cache as it is
         short = n - self.device.free_count
         while short > 0:
             freed = self._evict_device(short)

@@ -120,10 +120,7 @@ def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
         )
     if hash_ids and (min(hash_ids) < 0 or max(hash_ids) > MAX_BLOCK_ID):
         bad = min(hash_ids) if min(hash_ids) < 0 else max(hash_ids)
-        raise ValueError(
-            f"block id {bad} is out of range 0..{MAX_BLOCK_ID} "
-            "(its token ids would not fit in int32)"
-        )
+        raise ValueError(f"block id {bad} is out of range 0..{MAX_BLOCK_ID} (its token ids would not fit in int32)")
     return TraceRequest(line, timestamp, input_length, record["output_length"], tuple(hash_ids))
 
 
