@@ -1013,31 +1013,42 @@ cdef class HiRadixTree:
 
     # ------------------------------------------------------------------ operations
     def reset(self):
-        """Drop every node (the caller frees all KV first). Runtime complexity: ``O(n)``."""
+        """Drop every node but the root (the caller frees all KV first). Handles of the
+        dropped nodes go stale; the logical clock restarts, node counters and uids run
+        on. ``O(n)``."""
         cdef int64_t k
-        self.n_used = 0
-        self.free_n = 0
-        self.buf_len = 0
-        self.buf_garbage = 0
+        self._time = 0
+        cdef node_t i
+        cdef Node* root
+        self.heap_n[0] = 0
+        self.heap_n[1] = 0
+        if self.n_used == 0:                 # first call, from __init__
+            self.root_idx = self._new_root(0)
+        else:
+            for i in range(self.n_used):     # ascending, as the twin frees them
+                if self.nodes[i].alive and i != self.root_idx:
+                    self.nodes[i].heap_pos[0] = -1
+                    self.nodes[i].heap_pos[1] = -1
+                    self._release(i)
+        root = &self.nodes[self.root_idx]
+        root.first_child = NO_NODE
+        root.num_children = 0
+        root.num_device_children = 0
+        root.host_ref_counter = 0
+        root.last_access_time = 0
         for k in range(self.ht_cap):
             self.ht_vals[k] = NO_NODE
         self.ht_count = 0
-        self.heap_n[0] = 0
-        self.heap_n[1] = 0
+        self.buf_len = 0
+        self.buf_garbage = 0
         self._namespaces = {}
         self.ns_n = 1
-        self._uid = 0
-        self._time = 0
-        self._ticket = 0
         self._sieve_hand[0] = 0
         self._sieve_hand[1] = 0
         self._evictable = 0
         self._protected = 0
         self._host_size = 0
         self._num_nodes = 0
-        self.nodes_allocated = 0
-        self.nodes_freed = 0
-        self.root_idx = self._new_root(0)
 
     def match_prefix(self, key, extra_key=None):
         """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""

@@ -220,11 +220,28 @@ class HiRadixTree:
         self.write_through_threshold = write_through_threshold(write_policy)
         self.enable_hash = bool(enable_hash)
         self._clock = clock
-        self.reset()
+        self._init_state()
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
-        """Drop every node (the caller frees all KV first). Runtime complexity: ``O(n)``."""
+        """Drop every node but the root (the caller frees all KV first). Handles of the
+        dropped nodes go stale; the logical clock restarts, node counters and uids run
+        on. ``O(n)``."""
+        self._time = 0
+        self._dev_set.clear()
+        self._host_set.clear()
+        for node in self._slots:
+            if node is not None and node is not self._root:
+                node.dkey = node.hkey = None
+                self._release(node)
+        self._root.children = {}
+        self._root.host_ref_counter = 0
+        self._root.last_access_time = 0.0
+        self._namespaces = {}
+        self._sieve_hand = [0, 0]
+        self._evictable = self._protected = self._host_size = 0
+
+    def _init_state(self) -> None:
         self._slots: list[_Node | None] = []
         self._gens: list[int] = []
         self._free: list[int] = []
