@@ -12,8 +12,9 @@ import dataclasses
 import importlib
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,12 +131,13 @@ def normalize(x: Any) -> Any:
         return (type(x).__name__, [normalize(v) for v in x])
     if isinstance(x, dict):
         return {k: normalize(v) for k, v in x.items()}
+    # Tagged so that 1 vs 1.0 vs True count as different answers.
     if isinstance(x, (bool, np.bool_)):
-        return bool(x)
+        return ("bool", bool(x))
     if isinstance(x, (int, np.integer)):
         return int(x)
     if isinstance(x, (float, np.floating)):
-        return float(x)
+        return ("float", float(x))
     return x
 
 
@@ -252,9 +254,7 @@ def call_both(core_tree: Any, ref_tree: Any, name: str, *args: Any, **kwargs: An
     (ok_c, res_c), (ok_r, res_r) = outcome
     call = f"{name}{args!r}{kwargs!r}"
     if ok_c != ok_r:
-        raise AssertionError(
-            f"parity: {call} raised in one implementation only\n core: {res_c!r}\n  ref: {res_r!r}"
-        )
+        raise AssertionError(f"parity: {call} raised in one implementation only\n core: {res_c!r}\n  ref: {res_r!r}")
     if not ok_c:
         if type(res_c) is not type(res_r):
             raise AssertionError(f"parity: {call} raised different exceptions\n core: {res_c!r}\n  ref: {res_r!r}")

@@ -9,9 +9,9 @@ import struct
 
 import numpy as np
 import pytest
+from support import IMPLEMENTATIONS
 
 import hiradix
-from support import IMPLEMENTATIONS
 
 HASH_OF_1234 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 
@@ -63,6 +63,13 @@ def test_page_hashes_match_the_hashlib_chain(impl, page_size):
 def test_page_hashes_accept_numpy_tokens(impl, page_size):
     tokens = np.arange(7, 7 + 2 * page_size, dtype=np.int64)
     assert impl.page_hashes(tokens, page_size) == oracle_chain(tokens.tolist(), page_size)
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">i8", "<u2"])
+def test_page_hashes_read_tokens_of_any_byte_order_by_value(impl, dtype):
+    tokens = np.array([1, 2, 3, 4], dtype=dtype)
+    assert impl.page_hashes(tokens, 4) == [HASH_OF_1234]
+    assert impl.get_hash_str(tokens) == HASH_OF_1234
 
 
 def test_page_hashes_ignore_a_partial_last_page(impl):

@@ -11,9 +11,9 @@ import array
 
 import numpy as np
 import pytest
+from support import FakeClock, all_nodes, result_fields
 
 from hiradix._reference import get_hash_str
-from support import FakeClock, all_nodes, result_fields
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -50,9 +50,12 @@ def whole_state(tree) -> dict:
     """Everything observable about a tree (for before/after comparisons)."""
     return {
         "nodes": [
-            (info(tree, h), tree.key(h).tolist(),
-             None if tree.value(h) is None else tree.value(h).tolist(),
-             None if tree.host_value(h) is None else tree.host_value(h).tolist())
+            (
+                info(tree, h),
+                tree.key(h).tolist(),
+                None if tree.value(h) is None else tree.value(h).tolist(),
+                None if tree.host_value(h) is None else tree.host_value(h).tolist(),
+            )
             for h in all_nodes(tree)
         ],
         "sizes": (tree.evictable_size(), tree.protected_size(), tree.host_size(), tree.num_nodes()),
@@ -251,7 +254,7 @@ def test_insert_of_an_existing_prefix_reports_it_for_freeing(tree_cls):
 
 def test_insert_rematerializes_an_evicted_node_instead_of_duplicating_it(tree_cls):
     tree = tree_cls(1)
-    node_a, node_b, node_c = build_worked_example(tree)
+    _node_a, node_b, node_c = build_worked_example(tree)
     nodes_before = tree.num_nodes()
     host_b = tree.host_value(node_b).tolist()
     res = tree.insert(A + B + C, idx(5000, len(A) + len(B) + len(C)))
@@ -266,7 +269,7 @@ def test_insert_rematerializes_an_evicted_node_instead_of_duplicating_it(tree_cl
 
 def test_insert_in_the_middle_of_an_evicted_node_splits_it_and_rematerializes_the_prefix(tree_cls):
     tree = tree_cls(1)
-    node_a, node_b, _ = build_worked_example(tree)
+    _node_a, node_b, _ = build_worked_example(tree)
     res = tree.insert(A + B[:10], idx(7000, len(A) + 10))
     assert res.prefix_len == len(A)
     top = res.last_node
@@ -546,7 +549,7 @@ def test_lock_ref_deltas_move_tokens_between_evictable_and_protected(tree_cls):
 
 def test_lock_ref_counts_only_device_tokens(tree_cls):
     tree = tree_cls(1)
-    node_a, node_b, node_c = build_worked_example(tree)
+    _node_a, node_b, node_c = build_worked_example(tree)
     assert tree.inc_lock_ref(node_c) == -len(A)
     assert info(tree, node_c)["lock_ref"] == 1 and info(tree, node_b)["lock_ref"] == 1
     assert tree.dec_lock_ref(node_c) == len(A)
@@ -676,6 +679,62 @@ def test_evict_zero_tokens_does_nothing(tree_cls):
     assert tree.device_size() == 2
 
 
+def test_drop_deletes_an_unbacked_leaf_and_returns_its_indices(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    top = tree.insert([1, 2], idx(0, 2)).last_node
+    leaf = tree.insert([1, 2, 3], idx(10, 3)).last_node
+    assert tree.drop(leaf).tolist() == [12]
+    assert not tree.is_alive(leaf)
+    assert tree.evictable_leaves() == [top]
+    assert (tree.device_size(), tree.num_nodes()) == (2, 1)
+
+
+def test_drop_is_the_way_out_of_a_write_back_eviction(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    leaf = tree.insert([1, 2], idx(0, 2)).last_node
+    res = tree.evict(2)
+    assert res.write_back_nodes == (leaf,)
+    assert tree.drop(leaf).tolist() == [0, 1]  # no host slot could be had for the backup
+    assert tree.num_nodes() == 0
+
+
+@pytest.mark.parametrize("case", ["backed up", "locked", "in flight", "has children", "evicted", "root"])
+def test_drop_refuses_nodes_it_must_not_delete(tree_cls, case):
+    tree = tree_cls(1, write_policy="write_back")
+    target = tree.insert([1, 2], idx(0, 2)).last_node
+    if case == "backed up":
+        backup(tree, target, 100)
+    elif case == "locked":
+        tree.inc_lock_ref(target)
+    elif case == "in flight":
+        tree.begin_backup(target, idx(100, 2))
+    elif case == "has children":
+        tree.insert([1, 2, 3], idx(10, 3))
+    elif case == "evicted":
+        backup(tree, target, 100)
+        tree.evict(2)
+    elif case == "root":
+        target = tree.root
+    before = whole_state(tree)
+    with pytest.raises(ValueError):
+        tree.drop(target)
+    assert whole_state(tree) == before
+    if case == "locked":
+        tree.dec_lock_ref(target)
+    elif case == "in flight":
+        tree.commit_backup(target)
+
+
+def test_key_len_is_the_length_of_a_nodes_span(tree_cls):
+    tree = tree_cls(4)
+    node = tree.insert(seq(0, 11), idx(0, 11)).last_node
+    assert tree.key_len(node) == 8 == len(tree.key(node))
+    assert tree.key_len(tree.root) == 0
+    tree.evict(8)
+    with pytest.raises(KeyError):
+        tree.key_len(node)
+
+
 # ----------------------------------------------------------------------------- evict_host
 def tombstone_chain(tree):
     """root -> [1, 2] -> [3, 4] -> [5, 6], all backed up and evicted."""
@@ -687,7 +746,7 @@ def tombstone_chain(tree):
 
 def test_evict_host_removes_the_deepest_tombstone_first(tree_cls):
     tree = tree_cls(1)
-    n1, n2, n3 = tombstone_chain(tree)
+    _n1, n2, n3 = tombstone_chain(tree)
     assert tree.evictable_host_leaves() == [n3]
     res = tree.evict_host(1)
     assert res.num_evicted == 2
@@ -698,7 +757,7 @@ def test_evict_host_removes_the_deepest_tombstone_first(tree_cls):
 
 def test_evict_host_cascades_to_parents_that_become_childless_tombstones(tree_cls):
     tree = tree_cls(1)
-    n1, n2, n3 = tombstone_chain(tree)
+    _n1, _n2, _n3 = tombstone_chain(tree)
     res = tree.evict_host(6)
     assert res.num_evicted == 6
     assert res.host_indices.tolist() == [300, 301, 200, 201, 100, 101]
@@ -737,7 +796,7 @@ def test_a_locked_tombstone_is_not_host_evictable(tree_cls):
 # ----------------------------------------------------------------------------- load back
 def test_load_back_restores_the_device_state(tree_cls):
     tree = tree_cls(1)
-    node_a, node_b, node_c = build_worked_example(tree)
+    _node_a, node_b, node_c = build_worked_example(tree)
     hosts = tree.evicted_host_indices(node_c)
     assert hosts.tolist() == tree.host_value(node_b).tolist() + tree.host_value(node_c).tolist()
     assert tree.begin_load_back(node_c, idx(9000, 192)) == 192
@@ -754,7 +813,7 @@ def test_load_back_restores_the_device_state(tree_cls):
 
 def test_nodes_being_loaded_are_locked(tree_cls):
     tree = tree_cls(1)
-    node_a, node_b, node_c = build_worked_example(tree)
+    node_a, _node_b, node_c = build_worked_example(tree)
     tree.begin_load_back(node_c, idx(9000, 192))
     assert info(tree, node_c)["lock_ref"] == 1 and info(tree, node_a)["lock_ref"] == 1
     assert tree.protected_size() == len(A) + 192
@@ -838,7 +897,7 @@ def test_extra_key_must_be_a_string(tree_cls):
 def test_hash_value_is_sglangs_chain(tree_cls, page_size):
     tree = tree_cls(page_size, enable_hash=True)
     key = seq(7, 3 * page_size)
-    tree.insert(key[: page_size], idx(0, page_size))
+    tree.insert(key[:page_size], idx(0, page_size))
     node = tree.insert(key, idx(0, len(key))).last_node
     parent = tree.parent(node)
     assert tree.hash_value(parent) + tree.hash_value(node) == hash_chain(key, page_size)
@@ -896,7 +955,16 @@ TOKEN_INPUTS = {
     "numpy uint16": lambda xs: np.array(xs, dtype=np.uint16),
     "array q": lambda xs: array.array("q", xs),
     "tuple": lambda xs: tuple(xs),
+    "numpy strided": lambda xs: np.repeat(np.array(xs, dtype=np.int64), 2)[::2],
+    "numpy big-endian int32": lambda xs: np.array(xs, dtype=">i4"),
+    "numpy big-endian int64": lambda xs: np.array(xs, dtype=">i8"),
+    "numpy read-only": lambda xs: _read_only(np.array(xs, dtype=np.int32)),
 }
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
 
 
 @pytest.mark.parametrize("kind", sorted(TOKEN_INPUTS))
@@ -982,6 +1050,17 @@ def test_a_stale_handle_raises_key_error(tree_cls):
         tree.insert_host(node, [1], idx(0, 1))
 
 
+def test_a_handle_from_before_reset_is_stale_afterwards(tree_cls):
+    """The module docstring: a handle carries its slot's generation, "so a stale handle is
+    detected instead of silently naming a newer node". reset() frees every node."""
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    tree.reset()
+    newer = tree.insert([3, 4], idx(0, 2)).last_node
+    assert newer != node
+    assert not tree.is_alive(node)
+
+
 @pytest.mark.parametrize("handle", [-1, 2**20, 12345 << 32])
 def test_an_unknown_handle_raises_key_error(tree_cls, handle):
     tree = tree_cls(1)
@@ -1008,9 +1087,16 @@ def test_bad_construction_arguments_raise_value_error(tree_cls, kwargs):
 # ----------------------------------------------------------------------------- queries
 def test_children_are_ordered_by_first_token(tree_cls):
     tree = tree_cls(1)
-    for first in (9, 3, 5):
-        tree.insert([first, 1], idx(10 * first, 2))
-    assert [tree.key(h)[0] for h in tree.children(tree.root)] == [3, 5, 9]
+    for first in (9, 3, -5, 2**31 - 1, 0, -(2**31)):
+        tree.insert([first, 1], idx(0, 2))
+    assert [int(tree.key(h)[0]) for h in tree.children(tree.root)] == [-(2**31), -5, 0, 3, 9, 2**31 - 1]
+
+
+def test_children_are_ordered_by_their_whole_first_page(tree_cls):
+    tree = tree_cls(2)
+    for page in ([1, 9], [1, -3], [0, 5], [1, 0]):
+        tree.insert(page, idx(0, 2))
+    assert [tree.key(h).tolist() for h in tree.children(tree.root)] == [[0, 5], [1, -3], [1, 0], [1, 9]]
 
 
 def test_root_has_no_parent(tree_cls):
@@ -1037,3 +1123,67 @@ def test_reset_forgets_everything(tree_cls):
     tree.reset()
     assert tree.num_nodes() == 0 and tree.protected_size() == 0
     assert not tree.is_alive(node)
+
+
+# ----------------------------------------------------------------------------- more edges
+def test_result_records_are_read_only(tree_cls):
+    tree = tree_cls(1)
+    res = tree.insert([1, 2], idx(0, 2))
+    m = tree.match_prefix([1, 2])
+    with pytest.raises(AttributeError):
+        m.host_hit_length = 5
+    with pytest.raises(AttributeError):
+        res.prefix_len = 1
+
+
+def test_handles_may_be_numpy_integers(tree_cls):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    assert tree.key(np.int64(node)).tolist() == [1, 2]
+    assert tree.inc_lock_ref(np.int64(node)) == -2
+    assert tree.dec_lock_ref(np.int64(node)) == 2
+
+
+def test_a_fractional_page_size_is_refused(tree_cls):
+    with pytest.raises(ValueError):
+        tree_cls(2.5)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_hash_value_of_negative_and_extreme_tokens_follows_the_uint32_chain(tree_cls, page_size):
+    tree = tree_cls(page_size, enable_hash=True)
+    key = [-1, 2**31 - 1, -(2**31), 0]
+    node = tree.insert(key, idx(0, 4)).last_node
+    assert tree.hash_value(node) == hash_chain(key, page_size)
+
+
+def test_an_integer_clock_is_stamped_as_float(tree_cls):
+    tree = tree_cls(1, clock=lambda: 7)
+    node = tree.insert([1], idx(0, 1)).last_node
+    assert info(tree, node)["creation_time"] == 7.0
+    assert isinstance(info(tree, node)["creation_time"], float)
+
+
+def test_evict_of_a_negative_amount_does_nothing(tree_cls):
+    tree = tree_cls(1)
+    tree.insert([1, 2], idx(0, 2))
+    assert tree.evict(-5).num_evicted == 0
+    assert tree.evict_host(-5).num_evicted == 0
+    assert tree.device_size() == 2
+
+
+def test_many_namespaces_each_get_a_root(tree_cls):
+    tree = tree_cls(4, enable_hash=True)
+    nodes = [tree.insert(seq(0, 8), idx(0, 8), extra_key=f"ns{i}").last_node for i in range(40)]
+    assert len({tuple(tree.hash_value(n)) for n in nodes}) == 40
+    assert len({tree.parent(n) for n in nodes}) == 40
+
+
+def test_a_deep_chain_of_splits_matches_token_by_token(tree_cls):
+    tree = tree_cls(1)
+    key = seq(0, 200)
+    tree.insert(key, idx(0, 200))
+    for cut in range(199, 0, -7):
+        tree.match_prefix(key[:cut] + [-1])
+    assert tree.match_prefix(key).device_indices.tolist() == list(range(200))
+    assert tree.num_nodes() > 20
