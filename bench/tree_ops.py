@@ -98,10 +98,10 @@ class HiradixRunner:
         gc.collect()
         t0 = time.perf_counter()
         if self.variant == "hi":
-            begin, commit, key_len = tree.begin_backup, tree.commit_backup, tree.node_info
+            begin, commit, key_len = tree.begin_backup, tree.commit_backup, tree.key_len
             for k, v in zip(keys, values, strict=True):
                 for node in insert(k, v).backup_nodes:
-                    n = key_len(node)["key_len"]
+                    n = key_len(node)
                     begin(node, np.arange(host_next, host_next + n))
                     commit(node)
                     host_next += n
@@ -160,9 +160,11 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def bench_hiradix(tree_cls, page_size, variant, keys, values, long_key, repeats, warm) -> dict:
+def bench_hiradix(tree_cls, page_size, variant, keys, values, long_key, repeats, warm, full_warmup) -> dict:
     runner = HiradixRunner(tree_cls, page_size, variant)
     runner.run_once(*warm)  # warm-up on a small slice
+    if full_warmup:  # and at full size: the first big buffers of a process fault in fresh pages
+        runner.run_once(keys, values, long_key)
     runs = []
     for r in range(repeats):
         runs.append(runner.run_once(keys, values, long_key))
@@ -199,13 +201,12 @@ def bench_sglang(name: str, page_size: int, repeats: int, scale: float) -> dict 
             log(f"  {name}: failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
             return None
         data = json.loads(out.read_text())
-    res = {}
+    res: dict = {"version": data.get("sglang_version", "")}
     for m in METRICS:
-        fig = data.get("results", data).get(m)
-        if fig is None:
-            continue
-        res[m] = {"median": fig["median"], "best": fig.get("min", fig.get("best", fig["median"]))}
-    res["version"] = data.get("sglang_version", "")
+        fig = data["metrics"].get(m)
+        if fig is not None:
+            best = fig["max"] if HIGHER_IS_BETTER.get(m) else fig["min"]
+            res[m] = {"median": fig["median"], "best": best}
     return res
 
 
@@ -310,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {meta['workload']}")
     results: dict = {}
     for ps in (int(p) for p in args.page_sizes.split(",")):
-        keys = [s[: len(s) // ps * ps] for s in seqs]
+        # Each implementation gets its inputs in its own format, prepared before timing and
+        # laid out in workload order (the SGLang runner does the same with its lists and
+        # tensors): here fresh contiguous int32 arrays.
+        keys = [np.array(s[: len(s) // ps * ps]) for s in seqs]
         values, start = [], 0
         for k in keys:
             values.append(np.arange(start, start + len(k), dtype=np.int64))
@@ -319,14 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         warm = (wkeys, [np.arange(len(k), dtype=np.int64) + 10**9 for k in wkeys], long_key[:4096])
         by_impl: dict = {}
         for variant in ("plain", "hi"):
+            gc.collect()
             log(f"page {ps}: hiradix core ({variant})")
             by_impl[f"hiradix core ({variant})"] = bench_hiradix(
-                _core.HiRadixTree, ps, variant, keys, values, long_key, args.repeats, warm
+                _core.HiRadixTree, ps, variant, keys, values, long_key, args.repeats, warm, True
             )
             if not args.no_twin:
                 log(f"page {ps}: hiradix twin ({variant})")
                 by_impl[f"hiradix twin ({variant})"] = bench_hiradix(
-                    _reference.HiRadixTree, ps, variant, keys, values, long_key, args.twin_repeats, warm
+                    _reference.HiRadixTree, ps, variant, keys, values, long_key, args.twin_repeats, warm, False
                 )
         if not args.no_sglang:
             for name in SGLANG_IMPLS:

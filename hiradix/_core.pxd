@@ -175,5 +175,9 @@ cdef class HiRadixTree:
     cdef tuple _first_page(self, node_t i)
     cdef int64_t _lock(self, node_t i, int sign) noexcept nogil
     cdef object _gather(self, node_t top_exclusive, node_t bottom, bint host)
+    cdef void _fill(self, node_t top_exclusive, node_t i, const index_t* src, index_t* dst,
+                    int64_t total) noexcept nogil
+    cdef node_t _descend(self, node_t node, const token_t* ptr, int64_t n, double now,
+                         int64_t* pos) except -2 nogil
     cdef object _spans(self, int64_t k, index_t* buf)
     cdef list _io_group(self, node_t i, int status)
