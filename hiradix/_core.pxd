@@ -180,4 +180,5 @@ cdef class HiRadixTree:
     cdef node_t _descend(self, node_t node, const token_t* ptr, int64_t n, double now,
                          int64_t* pos) except -2 nogil
     cdef object _spans(self, int64_t k, index_t* buf)
-    cdef list _io_group(self, node_t i, int status)
+    cdef node_t _io_group_top(self, node_t i, int status) except -2
+    cdef void _io_finish(self, node_t i, node_t top, bint backed_up) noexcept nogil

@@ -770,19 +770,33 @@ cdef class HiRadixTree:
                 pos += self.scratch[3 * j + 1]
         return out
 
-    cdef list _io_group(self, node_t i, int status):
-        # ``i`` and the ancestors split off it while its transfer was in flight.
+    cdef node_t _io_group_top(self, node_t i, int status) except -2:
+        # The topmost node of ``i``'s transfer group: ``i`` and the ancestors split off it
+        # while the transfer was in flight all carry its ticket.
         if self.nodes[i].io_status != status:
             raise ValueError(
                 f"node {_handle(&self.nodes[i], i)} has no {IO_NAMES[status]} transfer in flight")
         cdef int64_t ticket = self.nodes[i].io_ticket
-        group = [i]
-        i = self.nodes[i].parent
-        while not self.nodes[i].is_root and self.nodes[i].io_ticket == ticket:
-            group.append(i)
-            i = self.nodes[i].parent
-        group.reverse()
-        return group
+        cdef node_t p = self.nodes[i].parent
+        while not self.nodes[p].is_root and self.nodes[p].io_ticket == ticket:
+            i = p
+            p = self.nodes[i].parent
+        return i
+
+    cdef void _io_finish(self, node_t i, node_t top, bint backed_up) noexcept nogil:
+        # Close the transfer of the group from ``i`` up to ``top``.
+        cdef Node* m
+        while True:
+            m = &self.nodes[i]
+            if backed_up:
+                m.backed_up = 1
+                self._host_size += m.key_len
+            m.pending = 0
+            m.io_status = IO_IDLE
+            m.io_ticket = 0
+            if i == top:
+                break
+            i = m.parent
 
     # ------------------------------------------------------------------ child table
     # Children: a global open-addressing table keyed by (parent, first page of the child),
@@ -1385,18 +1399,9 @@ cdef class HiRadixTree:
     def commit_backup(self, node, ok=True):
         """Finish :meth:`begin_backup`; returns whether the node is now backed up."""
         cdef node_t i = self._node(node)
-        group = self._io_group(i, IO_WRITING)
-        cdef node_t top_parent = self.nodes[<node_t>group[0]].parent
-        cdef bint success = bool(ok) and self.nodes[top_parent].backed_up
-        cdef Node* m
-        for j in group:
-            m = &self.nodes[<node_t>j]
-            if success:
-                m.backed_up = 1
-                self._host_size += m.key_len
-            m.pending = 0
-            m.io_status = IO_IDLE
-            m.io_ticket = 0
+        cdef node_t top = self._io_group_top(i, IO_WRITING)
+        cdef bint success = bool(ok) and self.nodes[self.nodes[top].parent].backed_up
+        self._io_finish(i, top, success)
         self._lock(i, -1)
         return success
 
@@ -1445,9 +1450,7 @@ cdef class HiRadixTree:
     def finish_load_back(self, node):
         """Mark the load started by :meth:`begin_load_back` as landed and unlock."""
         cdef node_t i = self._node(node)
-        for j in self._io_group(i, IO_LOADING):
-            self.nodes[<node_t>j].io_status = IO_IDLE
-            self.nodes[<node_t>j].io_ticket = 0
+        self._io_finish(i, self._io_group_top(i, IO_LOADING), False)
         self._lock(i, -1)
 
     # ------------------------------------------------------------------ queries
