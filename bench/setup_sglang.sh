@@ -133,6 +133,17 @@ check_imports() {
   (cd /tmp && PYTHONPATH="$STUBS" "$venv/bin/python" -W ignore -c "import $mods" 2>&1) || return 1
 }
 
+# pip's noise on this kind of machine (extra local indexes that do not exist,
+# and resolver complaints about sglang's deliberately missing dependencies).
+PIP_NOISE="WARNING: Location .* is ignored|dependency resolver|requires .*which is not installed|^sglang .* requires|but you have"
+
+# pip install, filtering the noise; the pipeline keeps pip's exit status.
+pip_install() {
+  local venv="$1"; shift
+  "$venv/bin/python" -m pip --disable-pip-version-check install -q "$@" 2>&1 \
+    | { grep -v -E "$PIP_NOISE" || true; }
+}
+
 setup_one() {
   local ver="$1" venv="$2" mods="$3"
   echo "== sglang $ver in $venv"
@@ -141,15 +152,14 @@ setup_one() {
   fi
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check)
   if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    "${pip[@]}" install -q "$TORCH_PIN"
+    pip_install "$venv" "$TORCH_PIN"
   fi
   if [ "$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null)" != "$ver" ]; then
-    "${pip[@]}" install -q --no-deps "sglang==$ver"
+    pip_install "$venv" --no-deps "sglang==$ver"
   fi
   # shellcheck disable=SC2086
   mapfile -t reqs < <(pin_from_metadata "$venv" $IMPORT_DEPS)
-  "${pip[@]}" install -q -c "$CONSTRAINTS" "${reqs[@]}" 2>&1 \
-    | grep -v -E "dependency resolver|requires .*which is not installed|^sglang .* requires|but you have" || true
+  pip_install "$venv" -c "$CONSTRAINTS" "${reqs[@]}"
   # A real torchvision wheel (pulled in by something) cannot load with CPU torch.
   "${pip[@]}" uninstall -q -y torchvision 2>/dev/null || true
   # Fallback: install whatever else the import chain still misses (new sglang versions).
@@ -163,8 +173,7 @@ setup_one() {
     pkg="${PIPNAME[$m]:-$m}"
     pkg=$(pin_from_metadata "$venv" "$pkg")
     echo "   installing missing import dependency: $pkg"
-    "${pip[@]}" install -q -c "$CONSTRAINTS" "$pkg" 2>&1 \
-      | grep -v -E "dependency resolver|requires .*which is not installed|^sglang .* requires|but you have" || true
+    pip_install "$venv" -c "$CONSTRAINTS" "$pkg"
     "${pip[@]}" uninstall -q -y torchvision 2>/dev/null || true
   done
   check_imports "$venv" "$mods" >/dev/null || { echo "imports still fail for sglang $ver" >&2; return 1; }
@@ -176,7 +185,7 @@ write_torchvision_stub
 
 WANT="${1:-all}"
 MODS_018="sglang.srt.mem_cache.radix_cache, sglang.srt.mem_cache.hiradix_cache, sglang.srt.mem_cache.memory_pool, sglang.srt.mem_cache.memory_pool_host"
-MODS_023="sglang.srt.mem_cache.unified_radix_cache"
+MODS_023="sglang.srt.mem_cache.unified_radix_cache, sglang.srt.mem_cache.rust_tree_core.adapter"
 if [ "$WANT" = all ] || [ "$WANT" = 0.5.18 ]; then setup_one 0.5.18 "$V018" "$MODS_018"; fi
 if [ "$WANT" = all ] || [ "$WANT" = 0.5.23 ]; then setup_one 0.5.23 "$V023" "$MODS_023"; fi
 

@@ -202,7 +202,7 @@ def bench_sglang(name: str, page_size: int, repeats: int, scale: float) -> dict 
             return None
         data = json.loads(out.read_text())
     res: dict = {"version": data.get("sglang_version", "")}
-    for m in METRICS:
+    for m in (*METRICS, "match_prefix_only_per_s"):
         fig = data["metrics"].get(m)
         if fig is not None:
             best = fig["max"] if HIGHER_IS_BETTER.get(m) else fig["min"]
@@ -265,7 +265,15 @@ def report(results: dict, meta: dict) -> str:
                 )
                 + " |"
             )
+        rust = by_impl.get("sglang-0.5.23 UnifiedRadixCache (Rust)") or {}
         core = by_impl.get("hiradix core (plain)")
+        if core and "match_prefix_only_per_s" in rust:
+            alone = rust["match_prefix_only_per_s"]["median"]
+            lines.append(
+                f"\nThe Rust core's `match_prefix` alone, without gathering device indices: "
+                f"{fmt('match_per_s', alone)}/s; hiradix core (plain) match, indices included, is "
+                f"{core['match_per_s']['median'] / alone:.1f}× that."
+            )
         if core:
             c = core["evict_chunks_s"]["median"] / core["evict_all_s"]["median"]
             lines.append(f"\nhiradix core (plain): evicting in 1000 chunks costs {c:.2f}× one call.")

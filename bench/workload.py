@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["make_workload", "make_long_key", "describe"]
+__all__ = ["describe", "make_long_key", "make_workload"]
 
 
-def make_workload(
-    seed: int = 0, n_prompts: int = 200, n_cont: int = 100, vocab: int = 32000
-) -> list[np.ndarray]:
+def make_workload(seed: int = 0, n_prompts: int = 200, n_cont: int = 100, vocab: int = 32000) -> list[np.ndarray]:
     """Return the shuffled list of ``n_prompts * n_cont`` int32 token arrays."""
     rng = np.random.default_rng(seed)
     prompts = []
