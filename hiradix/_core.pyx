@@ -196,6 +196,10 @@ def _test_set_portable_sha256(bint on):
 @cython.freelist(16)
 cdef class MatchResult:
     """See :class:`hiradix._results.MatchResult`."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
+
     cdef readonly object device_indices
     cdef readonly int64_t last_device_node
     cdef readonly int64_t last_host_node
@@ -212,6 +216,10 @@ cdef class MatchResult:
 @cython.freelist(16)
 cdef class InsertResult:
     """See :class:`hiradix._results.InsertResult`."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
+
     cdef readonly int64_t prefix_len
     cdef readonly int64_t last_node
     cdef readonly tuple backup_nodes
@@ -225,6 +233,10 @@ cdef class InsertResult:
 @cython.freelist(16)
 cdef class InsertHostResult:
     """See :class:`hiradix._results.InsertHostResult`."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
+
     cdef readonly int64_t matched_length
     cdef readonly int64_t inserted_length
     cdef readonly int64_t last_node
@@ -238,6 +250,10 @@ cdef class InsertHostResult:
 @cython.freelist(16)
 cdef class EvictResult:
     """See :class:`hiradix._results.EvictResult`."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
+
     cdef readonly int64_t num_evicted
     cdef readonly object device_indices
     cdef readonly tuple write_back_nodes
@@ -253,6 +269,10 @@ cdef class EvictResult:
 @cython.freelist(16)
 cdef class EvictHostResult:
     """See :class:`hiradix._results.EvictHostResult`."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
+
     cdef readonly int64_t num_evicted
     cdef readonly object host_indices
 
