@@ -203,6 +203,9 @@ class HiRadixTree:
         operation. By default a logical counter (1, 2, 3, ...), never wall time.
     """
 
+    _root: _Node
+    _namespaces: dict[str, _Node]
+
     def __init__(
         self,
         page_size: int = 1,
@@ -249,7 +252,7 @@ class HiRadixTree:
         self._time = 0
         self._ticket = 0
         self._sieve_hand = [0, 0]  # SIEVE: lap of the hand of the device / host set
-        self._namespaces: dict[str, _Node] = {}
+        self._namespaces = {}
         self._dev_set: SortedList = SortedList()
         self._host_set: SortedList = SortedList()
         self._evictable = 0
