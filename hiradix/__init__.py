@@ -8,43 +8,26 @@ is set or the extension was not built, in which case the pure-Python twin
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from hiradix.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
-if os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0"):
-    from hiradix._reference import (
-        ROOT,
-        HiRadixTree,
-        get_hash_str,
-        namespace_seed,
-        page_digests,
-        page_hashes,
-    )
-
-    IMPLEMENTATION = "python"
-else:
+_impl: Any = None
+if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
     try:
-        from hiradix._core import (  # type: ignore[assignment]
-            ROOT,
-            HiRadixTree,
-            get_hash_str,
-            namespace_seed,
-            page_digests,
-            page_hashes,
-        )
-
-        IMPLEMENTATION = "cython"
+        from hiradix import _core as _impl
     except ImportError:  # no compiler at install time: msgpack-style fallback
-        from hiradix._reference import (  # type: ignore[assignment]
-            ROOT,
-            HiRadixTree,
-            get_hash_str,
-            namespace_seed,
-            page_digests,
-            page_hashes,
-        )
+        _impl = None
+if _impl is None:
+    from hiradix import _reference as _impl
 
-        IMPLEMENTATION = "python"
+IMPLEMENTATION = "cython" if _impl.__name__ == "hiradix._core" else "python"
+ROOT: int = _impl.ROOT
+HiRadixTree = _impl.HiRadixTree
+get_hash_str = _impl.get_hash_str
+namespace_seed = _impl.namespace_seed
+page_digests = _impl.page_digests
+page_hashes = _impl.page_hashes
 
 __all__ = [
     "IMPLEMENTATION",

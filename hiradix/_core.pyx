@@ -24,7 +24,7 @@ import hashlib
 
 import numpy as np
 
-from hiradix.policy import FIELDS, get_policy, write_through_threshold
+from hiradix.policy import FIELDS, check_tree_args, get_policy, write_through_threshold
 
 cnp.import_array()
 
@@ -334,16 +334,13 @@ cdef class HiRadixTree:
 
     def __init__(self, page_size=1, *, eviction_policy="lru", write_policy="write_through",
                  enable_hash=False, clock=None):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        check_tree_args(page_size, clock)
         self.page_size = page_size
         self.policy = get_policy(eviction_policy)
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold(write_policy)
         self._write_back = write_policy == "write_back"
         self.enable_hash = bool(enable_hash)
-        if clock is not None and not callable(clock):
-            raise TypeError("clock must be callable")
         self._clock = clock
         for c in range(2):
             self._key_field[c] = -1

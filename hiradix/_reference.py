@@ -28,7 +28,7 @@ from hiradix._results import (
     InsertResult,
     MatchResult,
 )
-from hiradix.policy import EvictionPolicy, get_policy, write_through_threshold
+from hiradix.policy import EvictionPolicy, check_tree_args, get_policy, write_through_threshold
 
 ROOT = 0
 IO_IDLE, IO_WRITING, IO_LOADING = 0, 1, 2
@@ -215,8 +215,7 @@ class HiRadixTree:
         enable_hash: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        check_tree_args(page_size, clock)
         self.page_size = page_size
         self.policy = get_policy(eviction_policy)
         self.write_policy = write_policy

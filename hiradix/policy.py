@@ -148,3 +148,11 @@ def write_through_threshold(write_policy: str) -> int:
         return thresholds[write_policy]
     except KeyError:
         raise ValueError(f"unknown write policy {write_policy!r}; choose from {', '.join(WRITE_POLICIES)}") from None
+
+
+def check_tree_args(page_size: object, clock: object) -> None:
+    """Validate the tree constructor arguments shared by both implementations."""
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if clock is not None and not callable(clock):
+        raise TypeError("clock must be callable")
