@@ -1,0 +1,483 @@
+"""Device (L1) and host (L2) KV pools.
+
+A pool is a set of typed buffers indexed by KV slot. Its shape is described by one small
+frozen record, :class:`MHAShape` (a K and a V buffer per layer) or :class:`MLAShape` (one
+latent buffer per layer, ``kv_lora_rank + qk_rope_head_dim`` wide). Internally both are a
+list of *components* per layer (``(K, V)`` or ``(latent,)``), each with a per-token shape,
+so the host layouts below are written once for both attention kinds.
+
+Host layouts (``HostKVPool(layout=...)``), with ``E`` a component's per-token element count:
+
+``layer_first``
+    One region per component ``[layers, slots, *shape]``, as SGLang's
+    ``[2, layers, size, heads, dim]``. A layer is one contiguous ``[slots, *shape]``
+    tensor per component (:meth:`HostKVPool.get_layer_view`); a page is ``layers x
+    components`` separate runs.
+``page_first``
+    Token major, ``[slots, layers, components, *shape]``: SGLang's ``page_first``
+    (``[size, layers, ...]``). Slots are page aligned, so every page is one contiguous
+    run of bytes, and a token's KV for all layers sits together (what a per-token transfer
+    kernel wants); one layer of one page is ``page_size`` strided runs.
+``page_first_direct``
+    ``[pages, layers, components, page_size, *shape]``: SGLang's ``page_first_direct``
+    (``[page_num, layers, page_size, ...]``). A page is one contiguous run and, inside it,
+    one layer of one component is again one contiguous run, so a layer-by-layer load is
+    one plain copy per (page, layer, component): the "direct" I/O backend.
+
+The K/V split sits *inside* the page in both page-first layouts (SGLang puts it outermost),
+so that a page is a single run of bytes for L3 storage. ``get_page_bytes`` hands out that
+run as a zero-copy view; for ``layer_first`` it gathers a copy in ``page_first_direct``
+order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from hiradix.memory.allocator import PagedSlotAllocator
+
+__all__ = [
+    "HOST_LAYOUTS",
+    "DeviceKVPool",
+    "HostKVPool",
+    "HostLayout",
+    "KVShape",
+    "MHAShape",
+    "MLAShape",
+    "fp8_dtypes",
+    "read_meminfo",
+]
+
+HostLayout = Literal["layer_first", "page_first", "page_first_direct"]
+HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first", "page_first_direct")
+GB = 10**9  # SGLang's --hicache-size is in GB (1e9 bytes), not GiB.
+GIB = 1 << 30
+_DEFAULT_RESERVE_MIN = 2 * GIB
+
+
+def fp8_dtypes() -> tuple[torch.dtype, ...]:
+    """The fp8 dtypes this torch build has (possibly none)."""
+    names = ("float8_e4m3fn", "float8_e5m2")
+    return tuple(d for d in (getattr(torch, n, None) for n in names) if isinstance(d, torch.dtype))
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclass(frozen=True, slots=True)
+class MHAShape:
+    """Multi-head attention KV: per layer a K ``[slots, head_num, head_dim]`` and a V
+    ``[slots, head_num, v_head_dim]`` buffer (``v_head_dim`` defaults to ``head_dim``).
+
+    >>> MHAShape(layer_num=2, head_num=4, head_dim=8).elems_per_token
+    128
+    """
+
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive(layer_num=self.layer_num, head_num=self.head_num, head_dim=self.head_dim)
+        if self.v_head_dim is not None:
+            _check_positive(v_head_dim=self.v_head_dim)
+
+    @property
+    def components(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shape of each buffer of one layer: ``(K, V)``."""
+        v = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        return ((self.head_num, self.head_dim), (self.head_num, v))
+
+    @property
+    def elems_per_token(self) -> int:
+        """Elements one token occupies over all layers and components."""
+        return self.layer_num * sum(math.prod(c) for c in self.components)
+
+
+@dataclass(frozen=True, slots=True)
+class MLAShape:
+    """Multi-head latent attention KV: per layer one latent buffer
+    ``[slots, 1, kv_lora_rank + qk_rope_head_dim]``.
+
+    >>> MLAShape(layer_num=2, kv_lora_rank=512, qk_rope_head_dim=64).components
+    ((1, 576),)
+    """
+
+    layer_num: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    def __post_init__(self) -> None:
+        _check_positive(layer_num=self.layer_num, kv_lora_rank=self.kv_lora_rank,
+                        qk_rope_head_dim=self.qk_rope_head_dim)
+
+    @property
+    def components(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shape of the one latent buffer of a layer."""
+        return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+
+    @property
+    def elems_per_token(self) -> int:
+        """Elements one token occupies over all layers."""
+        return self.layer_num * sum(math.prod(c) for c in self.components)
+
+
+KVShape = MHAShape | MLAShape
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_layer(layer: int, layer_num: int) -> int:
+    if not 0 <= layer < layer_num:
+        raise IndexError(f"layer {layer} out of range [0, {layer_num})")
+    return layer
+
+
+# ----------------------------------------------------------------------------- device
+class DeviceKVPool:
+    """The L1 pool: KV buffers on a torch device (``cuda`` or ``cpu``).
+
+    ``size`` usable slots (rounded down to a page multiple) plus one leading padding page,
+    as SGLang: buffers have :attr:`total_slots` ``= size + page_size`` rows and a
+    :class:`PagedSlotAllocator` of the same ``size`` and ``page_size`` hands out slots
+    ``page_size .. total_slots - 1``. Buffers start zeroed.
+
+    >>> pool = DeviceKVPool(MHAShape(2, 4, 8), size=16, page_size=4, dtype=torch.float16)
+    >>> tuple(pool.k_buffer(1).shape), pool.bytes_per_token
+    ((20, 4, 8), 256)
+    """
+
+    def __init__(self, shape: KVShape, size: int, page_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        if not isinstance(shape, MHAShape | MLAShape):
+            raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
+        _check_positive(page_size=page_size)
+        self.shape = shape
+        self.page_size = page_size
+        self.size = (int(size) // page_size) * page_size
+        if self.size < page_size:
+            raise ValueError(f"size {size} holds no whole page of {page_size} slots")
+        self.dtype = dtype
+        self.itemsize = _itemsize(dtype)
+        self.device = torch.device(device)
+        self.layer_num = shape.layer_num
+        self.total_slots = self.size + page_size
+        # _buffers[component][layer]: separate per-layer tensors, as SGLang, so a layer's
+        # attention kernel gets a plain contiguous [slots, *shape] buffer.
+        self._buffers: list[list[torch.Tensor]] = [
+            [torch.zeros((self.total_slots, *comp), dtype=dtype, device=self.device) for _ in range(self.layer_num)]
+            for comp in shape.components
+        ]
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether this is an MLA (single latent buffer) pool."""
+        return isinstance(self.shape, MLAShape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's KV occupies over all layers. ``O(1)``."""
+        return self.shape.elems_per_token * self.itemsize
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of all buffers, padding page included."""
+        return self.total_slots * self.bytes_per_token
+
+    def make_allocator(self) -> PagedSlotAllocator:
+        """A fresh allocator over this pool's slots (page 0 reserved as padding)."""
+        return PagedSlotAllocator(self.size, self.page_size, self.device, reserve_first_page=True)
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K buffer ``[total_slots, heads, head_dim]``; for MLA the
+        latent buffer (SGLang's ``get_key_buffer``). ``O(1)``."""
+        return self._buffers[0][_check_layer(layer, self.layer_num)]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V buffer; for MLA the view ``latent[..., :kv_lora_rank]``
+        (SGLang's ``get_value_buffer``). ``O(1)``."""
+        _check_layer(layer, self.layer_num)
+        if isinstance(self.shape, MLAShape):
+            return self._buffers[0][layer][..., : self.shape.kv_lora_rank]
+        return self._buffers[1][layer]
+
+    def kv_buffer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s MLA latent buffer ``[total_slots, 1, rank + rope]``. ``O(1)``.
+
+        Raises ``TypeError`` on an MHA pool, whose K and V are separate
+        (:meth:`k_buffer`, :meth:`v_buffer`).
+        """
+        if not isinstance(self.shape, MLAShape):
+            raise TypeError("kv_buffer() is for MLA pools; an MHA pool has k_buffer() and v_buffer()")
+        return self._buffers[0][_check_layer(layer, self.layer_num)]
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """All buffers of one layer in component order: ``(K, V)`` or ``(latent,)``."""
+        _check_layer(layer, self.layer_num)
+        return tuple(comp[layer] for comp in self._buffers)
+
+    def __repr__(self) -> str:
+        return (f"DeviceKVPool({self.shape}, size={self.size}, page_size={self.page_size}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+# ----------------------------------------------------------------------------- host memory
+def read_meminfo(path: str = "/proc/meminfo") -> tuple[int, int]:
+    """``(MemAvailable, MemTotal)`` in bytes, from ``path`` or, where it does not exist,
+    from ``os.sysconf`` (available = free physical pages there)."""
+    try:
+        with open(path) as f:
+            fields = {}
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    scale = 1024 if len(parts) > 1 and parts[1] == "kB" else 1
+                    fields[name.strip()] = int(parts[0]) * scale
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        if path != "/proc/meminfo":
+            raise ValueError(f"cannot read MemAvailable/MemTotal from {path}") from None
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def _bytes_like(data: Any) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        flat = data.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    if isinstance(data, bytes | bytearray | memoryview):
+        # bytearray(): torch.frombuffer wants a writable buffer.
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    raise TypeError(f"page data must be bytes-like or a tensor, got {type(data).__name__}")
+
+
+class HostKVPool:
+    """The L2 pool: host KV buffers with the shapes of a device pool, and their allocator.
+
+    Build it from a device pool with :meth:`for_device` (``ratio`` or ``size_gb``) or
+    directly. The whole pool is one flat buffer of ``dtype`` (pinned when CUDA is
+    available, unless ``pin_memory`` says otherwise); typed views of it give each layout
+    (module docstring). Host slots are ``0 .. size - 1``: no padding page.
+
+    Before allocating, the size is checked against ``MemAvailable`` minus a reserve
+    (``reserve_bytes``; default the larger of 10% of ``MemTotal`` and 2 GiB), and a pool
+    that does not fit raises ``ValueError`` naming the sizes, instead of being OOM killed
+    later when its pages are first touched.
+
+    >>> dev = DeviceKVPool(MLAShape(2, 8, 4), size=8, page_size=4, dtype=torch.float32)
+    >>> host = HostKVPool.for_device(dev, ratio=2.0, layout="page_first")
+    >>> host.size, host.page_bytes, host.alloc(8).tolist()
+    (16, 384, [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+
+    def __init__(self, shape: KVShape, size: int, page_size: int, dtype: torch.dtype,
+                 layout: HostLayout = "layer_first", *, pin_memory: bool | None = None,
+                 reserve_bytes: int | None = None, meminfo_path: str = "/proc/meminfo") -> None:
+        if not isinstance(shape, MHAShape | MLAShape):
+            raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
+        if layout not in HOST_LAYOUTS:
+            raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        _check_positive(page_size=page_size)
+        self.shape = shape
+        self.layout: HostLayout = layout
+        self.page_size = page_size
+        self.size = (int(size) // page_size) * page_size
+        if self.size < page_size:
+            raise ValueError(f"host pool size {size} holds no whole page of {page_size} slots")
+        self.dtype = dtype
+        self.itemsize = _itemsize(dtype)
+        self.layer_num = shape.layer_num
+        self.page_num = self.size // page_size
+        self._comp_shapes = shape.components
+        self._comp_elems = tuple(math.prod(c) for c in self._comp_shapes)
+        self._comp_offsets = tuple(sum(self._comp_elems[:i]) for i in range(len(self._comp_elems)))
+        self._elems_per_layer = sum(self._comp_elems)  # per token, one layer, all components
+        self._elems_per_token = self.layer_num * self._elems_per_layer
+        self._page_elems = page_size * self._elems_per_token
+
+        need = self.size * self.bytes_per_token
+        avail, total = read_meminfo(meminfo_path)
+        reserve = max(total // 10, _DEFAULT_RESERVE_MIN) if reserve_bytes is None else int(reserve_bytes)
+        if reserve < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {reserve}")
+        allowed = max(0, avail - reserve)
+        if need > allowed:
+            raise ValueError(
+                f"host KV pool of {self.size} tokens x {self.bytes_per_token} B = {need} B ({need / GIB:.2f} GiB) "
+                f"does not fit: MemAvailable {avail} B ({avail / GIB:.2f} GiB) minus reserve {reserve} B "
+                f"({reserve / GIB:.2f} GiB) leaves {allowed} B ({allowed / GIB:.2f} GiB); "
+                f"lower the ratio / size_gb or reserve_bytes"
+            )
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        # torch.empty, not zeros: zeroing would touch every page of a pool sized in tens
+        # of GB at start-up; slots are written before they are read.
+        self._buf = torch.empty(self.size * self._elems_per_token, dtype=dtype, pin_memory=self.pin_memory)
+        self.allocator = PagedSlotAllocator(self.size, page_size, "cpu", reserve_first_page=False)
+
+    @classmethod
+    def for_device(cls, device_pool: DeviceKVPool, *, ratio: float | None = None, size_gb: float | None = None,
+                   layout: HostLayout = "layer_first", pin_memory: bool | None = None,
+                   reserve_bytes: int | None = None, meminfo_path: str = "/proc/meminfo") -> HostKVPool:
+        """A host pool shaped like ``device_pool``, of ``ratio x device_pool.size`` tokens or
+        of ``size_gb`` GB (1e9 bytes, SGLang's ``--hicache-size``); give at most one
+        (default ``ratio=2.0``, SGLang's ``--hicache-ratio`` default). Rounded down to
+        whole pages.
+        """
+        if ratio is not None and size_gb is not None:
+            raise ValueError("give ratio or size_gb, not both")
+        if size_gb is not None:
+            if not size_gb > 0:
+                raise ValueError(f"size_gb must be > 0, got {size_gb}")
+            size = int(size_gb * GB) // device_pool.bytes_per_token
+        else:
+            r = 2.0 if ratio is None else ratio
+            if not r > 0:
+                raise ValueError(f"ratio must be > 0, got {r}")
+            size = int(device_pool.size * r)
+        return cls(device_pool.shape, size, device_pool.page_size, device_pool.dtype, layout,
+                   pin_memory=pin_memory, reserve_bytes=reserve_bytes, meminfo_path=meminfo_path)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def is_mla(self) -> bool:
+        """Whether this is an MLA (single latent buffer) pool."""
+        return isinstance(self.shape, MLAShape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's KV occupies over all layers. ``O(1)``."""
+        return self.shape.elems_per_token * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers. ``O(1)``."""
+        return self.page_size * self.bytes_per_token
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.size * self.bytes_per_token
+
+    # ------------------------------------------------------------------ allocation
+    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+        """Page-aligned host slots for ``n_tokens`` (a page multiple), or ``None``.
+        See :meth:`PagedSlotAllocator.alloc`."""
+        return self.allocator.alloc(n_tokens)
+
+    def free(self, indices: Any) -> None:
+        """Free the pages of ``indices``; ``ValueError`` on double free or out of range,
+        changing nothing. See :meth:`PagedSlotAllocator.free`."""
+        self.allocator.free(indices)
+
+    def available_size(self) -> int:
+        """Free host slots. ``O(1)``."""
+        return self.allocator.available_size()
+
+    def clear(self) -> None:
+        """Free every slot (the data is left as it is). ``O(pages)``."""
+        self.allocator.clear()
+
+    # ------------------------------------------------------------------ views
+    def get_layer_view(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer`` as one ``[size, *shape]`` view per component, ``(K, V)`` or
+        ``(latent,)``. Only ``layer_first`` stores a layer as one strided block; the
+        page-first layouts raise ``ValueError``. ``O(1)``.
+        """
+        _check_layer(layer, self.layer_num)
+        if self.layout != "layer_first":
+            raise ValueError(f"layout {self.layout!r} interleaves layers inside each page; "
+                             "only 'layer_first' has a per-layer view")
+        return tuple(self._layer_first_view(layer, c) for c in range(len(self._comp_shapes)))
+
+    def get_page_layer_view(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer`` as one ``[page_num, page_size, *shape]`` view per component, in
+        every layout (strided for the page-first ones): host slot ``s`` of the layer is
+        ``view[s // page_size, s % page_size]``. The copy engine's per-layer target. ``O(1)``.
+        """
+        _check_layer(layer, self.layer_num)
+        views = []
+        for c, comp_shape in enumerate(self._comp_shapes):
+            if self.layout == "layer_first":
+                views.append(self._layer_first_view(layer, c).view(self.page_num, self.page_size, *comp_shape))
+                continue
+            inner = tuple(math.prod(comp_shape[i + 1:]) for i in range(len(comp_shape)))
+            if self.layout == "page_first":
+                offset = layer * self._elems_per_layer + self._comp_offsets[c]
+                token_stride = self._elems_per_token
+            else:  # page_first_direct
+                offset = self.page_size * (layer * self._elems_per_layer + self._comp_offsets[c])
+                token_stride = self._comp_elems[c]
+            views.append(self._buf.as_strided((self.page_num, self.page_size, *comp_shape),
+                                              (self._page_elems, token_stride, *inner), offset))
+        return tuple(views)
+
+    def _layer_first_view(self, layer: int, comp: int) -> torch.Tensor:
+        # Component regions [layers, slots, E_c] follow each other.
+        base = self.size * self.layer_num * self._comp_offsets[comp]
+        n = self.size * self._comp_elems[comp]
+        start = base + layer * n
+        return self._buf[start:start + n].view(self.size, *self._comp_shapes[comp])
+
+    def _page_id(self, host_index: int) -> int:
+        host_index = int(host_index)
+        if not 0 <= host_index < self.size or host_index % self.page_size:
+            raise ValueError(f"host_index {host_index} is not a page start in [0, {self.size}) "
+                             f"with page_size {self.page_size}")
+        return host_index // self.page_size
+
+    def _page_runs(self, page: int) -> list[torch.Tensor]:
+        # The page's bytes as views, in page_first_direct order (layer, component).
+        if self.layout == "layer_first":
+            s = page * self.page_size
+            return [self._layer_first_view(layer, c)[s:s + self.page_size].reshape(-1).view(torch.uint8)
+                    for layer in range(self.layer_num) for c in range(len(self._comp_shapes))]
+        start = page * self._page_elems
+        return [self._buf[start:start + self._page_elems].view(torch.uint8)]
+
+    def get_page_bytes(self, host_index: int) -> torch.Tensor:
+        """The bytes of the page starting at slot ``host_index``, as a 1-D uint8 tensor
+        of :attr:`page_bytes`.
+
+        Page-first layouts return a zero-copy view of the pool (write to it and the pool
+        changes); ``layer_first`` returns a copy, gathered in ``page_first_direct`` order.
+        Runtime complexity: ``O(1)`` for a view, ``O(page_bytes)`` for a copy.
+        """
+        runs = self._page_runs(self._page_id(host_index))
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+    def set_page_bytes(self, host_index: int, data: Any) -> None:
+        """Overwrite the page starting at slot ``host_index`` with ``data`` (bytes-like or a
+        tensor of exactly :attr:`page_bytes` bytes, in the order :meth:`get_page_bytes`
+        returns). Runtime complexity: ``O(page_bytes)``.
+        """
+        page = self._page_id(host_index)
+        src = _bytes_like(data)
+        if src.numel() != self.page_bytes:
+            raise ValueError(f"page data has {src.numel()} bytes, a page has {self.page_bytes}")
+        src = src.cpu()
+        off = 0
+        for run in self._page_runs(page):
+            n = run.numel()
+            run.copy_(src[off:off + n])
+            off += n
+
+    def __repr__(self) -> str:
+        return (f"HostKVPool({self.shape}, size={self.size}, page_size={self.page_size}, dtype={self.dtype}, "
+                f"layout={self.layout!r}, pinned={self.pin_memory})")
