@@ -218,8 +218,9 @@ def test_device_pool_shapes(kind: str, dtype: torch.dtype, page_size: int) -> No
             assert pool.v_buffer(layer).shape == (pool.total_slots, 1, shape.kv_lora_rank)
     expected = shape.layer_num * sum(math.prod(c) for c in shape.components) * item
     assert pool.bytes_per_token == expected
-    assert sum(b.numel() * item for layer in range(shape.layer_num) for b in pool.layer_buffers(layer)) == \
-        pool.size_bytes
+    assert (
+        sum(b.numel() * item for layer in range(shape.layer_num) for b in pool.layer_buffers(layer)) == pool.size_bytes
+    )
     with pytest.raises(IndexError):
         pool.k_buffer(shape.layer_num)
 
@@ -322,7 +323,7 @@ def test_host_layout_byte_order(kind: str, layout: str) -> None:
             start = t * shape.layer_num * per_layer + layer * per_layer + off_c
         else:  # page_first_direct order, also what layer_first's copy uses: [layers, comps, page_size, ...]
             start = page_size * (layer * per_layer + off_c) + t * elems[c]
-        assert torch.equal(flat[start:start + elems[c]], val.reshape(-1))
+        assert torch.equal(flat[start : start + elems[c]], val.reshape(-1))
         if layout == "layer_first":
             assert torch.equal(host.get_layer_view(layer)[c][page * page_size + t], val)
 

@@ -48,8 +48,9 @@ class PagedSlotAllocator:
     4
     """
 
-    def __init__(self, size: int, page_size: int, device: str | torch.device = "cpu",
-                 reserve_first_page: bool = True) -> None:
+    def __init__(
+        self, size: int, page_size: int, device: str | torch.device = "cpu", reserve_first_page: bool = True
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if size < 0:
@@ -130,9 +131,7 @@ class PagedSlotAllocator:
         lo, hi = int(idx.min()), int(idx.max())
         first_slot = self._first_page * self.page_size
         if lo < first_slot or hi >= self.total_slots:
-            raise ValueError(
-                f"slot index out of range: min {lo}, max {hi}, valid [{first_slot}, {self.total_slots})"
-            )
+            raise ValueError(f"slot index out of range: min {lo}, max {hi}, valid [{first_slot}, {self.total_slots})")
         pages = torch.unique(idx // self.page_size)
         state = self._allocated[pages]
         if not bool(state.all()):
@@ -166,5 +165,7 @@ class PagedSlotAllocator:
         return idx
 
     def __repr__(self) -> str:
-        return (f"PagedSlotAllocator(size={self.size}, page_size={self.page_size}, "
-                f"available={self.available_size()}, device={self.device})")
+        return (
+            f"PagedSlotAllocator(size={self.size}, page_size={self.page_size}, "
+            f"available={self.available_size()}, device={self.device})"
+        )

@@ -118,8 +118,9 @@ class MLAShape:
     qk_rope_head_dim: int
 
     def __post_init__(self) -> None:
-        _check_positive(layer_num=self.layer_num, kv_lora_rank=self.kv_lora_rank,
-                        qk_rope_head_dim=self.qk_rope_head_dim)
+        _check_positive(
+            layer_num=self.layer_num, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
+        )
 
     @property
     def components(self) -> tuple[tuple[int, ...], ...]:
@@ -161,8 +162,9 @@ class DeviceKVPool:
     ((20, 4, 8), 256)
     """
 
-    def __init__(self, shape: KVShape, size: int, page_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, shape: KVShape, size: int, page_size: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> None:
         if not isinstance(shape, MHAShape | MLAShape):
             raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
         _check_positive(page_size=page_size)
@@ -231,8 +233,10 @@ class DeviceKVPool:
         return tuple(comp[layer] for comp in self._buffers)
 
     def __repr__(self) -> str:
-        return (f"DeviceKVPool({self.shape}, size={self.size}, page_size={self.page_size}, "
-                f"dtype={self.dtype}, device={self.device})")
+        return (
+            f"DeviceKVPool({self.shape}, size={self.size}, page_size={self.page_size}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -287,9 +291,18 @@ class HostKVPool:
     (16, 384, [0, 1, 2, 3, 4, 5, 6, 7])
     """
 
-    def __init__(self, shape: KVShape, size: int, page_size: int, dtype: torch.dtype,
-                 layout: HostLayout = "layer_first", *, pin_memory: bool | None = None,
-                 reserve_bytes: int | None = None, meminfo_path: str = "/proc/meminfo") -> None:
+    def __init__(
+        self,
+        shape: KVShape,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layout: HostLayout = "layer_first",
+        *,
+        pin_memory: bool | None = None,
+        reserve_bytes: int | None = None,
+        meminfo_path: str = "/proc/meminfo",
+    ) -> None:
         if not isinstance(shape, MHAShape | MLAShape):
             raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
         if layout not in HOST_LAYOUTS:
@@ -332,9 +345,17 @@ class HostKVPool:
         self.allocator = PagedSlotAllocator(self.size, page_size, "cpu", reserve_first_page=False)
 
     @classmethod
-    def for_device(cls, device_pool: DeviceKVPool, *, ratio: float | None = None, size_gb: float | None = None,
-                   layout: HostLayout = "layer_first", pin_memory: bool | None = None,
-                   reserve_bytes: int | None = None, meminfo_path: str = "/proc/meminfo") -> HostKVPool:
+    def for_device(
+        cls,
+        device_pool: DeviceKVPool,
+        *,
+        ratio: float | None = None,
+        size_gb: float | None = None,
+        layout: HostLayout = "layer_first",
+        pin_memory: bool | None = None,
+        reserve_bytes: int | None = None,
+        meminfo_path: str = "/proc/meminfo",
+    ) -> HostKVPool:
         """A host pool shaped like ``device_pool``, of ``ratio x device_pool.size`` tokens or
         of ``size_gb`` GB (1e9 bytes, SGLang's ``--hicache-size``); give at most one
         (default ``ratio=2.0``, SGLang's ``--hicache-ratio`` default). Rounded down to
@@ -351,8 +372,16 @@ class HostKVPool:
             if not r > 0:
                 raise ValueError(f"ratio must be > 0, got {r}")
             size = int(device_pool.size * r)
-        return cls(device_pool.shape, size, device_pool.page_size, device_pool.dtype, layout,
-                   pin_memory=pin_memory, reserve_bytes=reserve_bytes, meminfo_path=meminfo_path)
+        return cls(
+            device_pool.shape,
+            size,
+            device_pool.page_size,
+            device_pool.dtype,
+            layout,
+            pin_memory=pin_memory,
+            reserve_bytes=reserve_bytes,
+            meminfo_path=meminfo_path,
+        )
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -402,8 +431,9 @@ class HostKVPool:
         """
         _check_layer(layer, self.layer_num)
         if self.layout != "layer_first":
-            raise ValueError(f"layout {self.layout!r} interleaves layers inside each page; "
-                             "only 'layer_first' has a per-layer view")
+            raise ValueError(
+                f"layout {self.layout!r} interleaves layers inside each page; only 'layer_first' has a per-layer view"
+            )
         return tuple(self._layer_first_view(layer, c) for c in range(len(self._comp_shapes)))
 
     def get_page_layer_view(self, layer: int) -> tuple[torch.Tensor, ...]:
@@ -417,15 +447,18 @@ class HostKVPool:
             if self.layout == "layer_first":
                 views.append(self._layer_first_view(layer, c).view(self.page_num, self.page_size, *comp_shape))
                 continue
-            inner = tuple(math.prod(comp_shape[i + 1:]) for i in range(len(comp_shape)))
+            inner = tuple(math.prod(comp_shape[i + 1 :]) for i in range(len(comp_shape)))
             if self.layout == "page_first":
                 offset = layer * self._elems_per_layer + self._comp_offsets[c]
                 token_stride = self._elems_per_token
             else:  # page_first_direct
                 offset = self.page_size * (layer * self._elems_per_layer + self._comp_offsets[c])
                 token_stride = self._comp_elems[c]
-            views.append(self._buf.as_strided((self.page_num, self.page_size, *comp_shape),
-                                              (self._page_elems, token_stride, *inner), offset))
+            views.append(
+                self._buf.as_strided(
+                    (self.page_num, self.page_size, *comp_shape), (self._page_elems, token_stride, *inner), offset
+                )
+            )
         return tuple(views)
 
     def _layer_first_view(self, layer: int, comp: int) -> torch.Tensor:
@@ -433,23 +466,27 @@ class HostKVPool:
         base = self.size * self.layer_num * self._comp_offsets[comp]
         n = self.size * self._comp_elems[comp]
         start = base + layer * n
-        return self._buf[start:start + n].view(self.size, *self._comp_shapes[comp])
+        return self._buf[start : start + n].view(self.size, *self._comp_shapes[comp])
 
     def _page_id(self, host_index: int) -> int:
         host_index = int(host_index)
         if not 0 <= host_index < self.size or host_index % self.page_size:
-            raise ValueError(f"host_index {host_index} is not a page start in [0, {self.size}) "
-                             f"with page_size {self.page_size}")
+            raise ValueError(
+                f"host_index {host_index} is not a page start in [0, {self.size}) with page_size {self.page_size}"
+            )
         return host_index // self.page_size
 
     def _page_runs(self, page: int) -> list[torch.Tensor]:
         # The page's bytes as views, in page_first_direct order (layer, component).
         if self.layout == "layer_first":
             s = page * self.page_size
-            return [self._layer_first_view(layer, c)[s:s + self.page_size].reshape(-1).view(torch.uint8)
-                    for layer in range(self.layer_num) for c in range(len(self._comp_shapes))]
+            return [
+                self._layer_first_view(layer, c)[s : s + self.page_size].reshape(-1).view(torch.uint8)
+                for layer in range(self.layer_num)
+                for c in range(len(self._comp_shapes))
+            ]
         start = page * self._page_elems
-        return [self._buf[start:start + self._page_elems].view(torch.uint8)]
+        return [self._buf[start : start + self._page_elems].view(torch.uint8)]
 
     def get_page_bytes(self, host_index: int) -> torch.Tensor:
         """The bytes of the page starting at slot ``host_index``, as a 1-D uint8 tensor
@@ -475,9 +512,11 @@ class HostKVPool:
         off = 0
         for run in self._page_runs(page):
             n = run.numel()
-            run.copy_(src[off:off + n])
+            run.copy_(src[off : off + n])
             off += n
 
     def __repr__(self) -> str:
-        return (f"HostKVPool({self.shape}, size={self.size}, page_size={self.page_size}, dtype={self.dtype}, "
-                f"layout={self.layout!r}, pinned={self.pin_memory})")
+        return (
+            f"HostKVPool({self.shape}, size={self.size}, page_size={self.page_size}, dtype={self.dtype}, "
+            f"layout={self.layout!r}, pinned={self.pin_memory})"
+        )
