@@ -1,6 +1,16 @@
-"""KV memory: the paged slot allocator and the device (L1) and host (L2) KV pools."""
+"""KV memory: the paged slot allocator, the device (L1) and host (L2) KV pools, and the
+copy engine between them."""
 
 from hiradix.memory.allocator import PagedSlotAllocator
+from hiradix.memory.copy import (
+    CopyEngine,
+    CopyError,
+    CopyHandle,
+    CudaCopyEngine,
+    LoadHandle,
+    ThreadCopyEngine,
+    make_copy_engine,
+)
 from hiradix.memory.pools import (
     HOST_LAYOUTS,
     DeviceKVPool,
@@ -15,13 +25,20 @@ from hiradix.memory.pools import (
 
 __all__ = [
     "HOST_LAYOUTS",
+    "CopyEngine",
+    "CopyError",
+    "CopyHandle",
+    "CudaCopyEngine",
     "DeviceKVPool",
     "HostKVPool",
     "HostLayout",
     "KVShape",
+    "LoadHandle",
     "MHAShape",
     "MLAShape",
     "PagedSlotAllocator",
+    "ThreadCopyEngine",
     "fp8_dtypes",
+    "make_copy_engine",
     "read_meminfo",
 ]

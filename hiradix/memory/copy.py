@@ -1,0 +1,547 @@
+"""Copy engine: KV transfers between a :class:`DeviceKVPool` and a :class:`HostKVPool`.
+
+Two operations, both asynchronous, both returning a handle:
+
+``backup(device_pool, host_pool, device_indices, host_indices)``
+    Device -> host, all layers (SGLang's write / backup).
+``load(host_pool, device_pool, host_indices, device_indices)``
+    Host -> device, layer by layer. The :class:`LoadHandle` is SGLang's
+    ``LayerDoneCounter`` for one load: the forward pass calls ``wait_until(i)`` before it
+    computes layer ``i``, so layer ``i`` may run as soon as its KV has landed while later
+    layers are still copying.
+
+Operations of one engine complete in submission order (one FIFO queue or one stream).
+
+:class:`ThreadCopyEngine` (CPU, or any device, without CUDA streams) runs the copies on one
+worker thread; per-layer completion is a condition plus a landed-layer counter.
+:class:`CudaCopyEngine` issues them on a dedicated copy stream and records one CUDA event
+per layer; ``wait_until`` makes the *current stream* wait on the event instead of blocking
+the host.
+
+The per-layer copy is a gather on one side and a scatter on the other: on the device side
+``index_select`` / ``index_copy_`` over the ``[slots, *shape]`` buffer, on the host side
+advanced indexing over :meth:`HostKVPool.get_page_layer_view` (``[pages, page_size,
+*shape]``, strided for the page-first layouts), indexed by whole pages when the host
+indices are whole aligned pages and by ``(page, offset)`` pairs otherwise. The torch ops
+release the GIL in their kernels; the worker holds it only between ops.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hiradix.memory.pools import DeviceKVPool, HostKVPool
+
+__all__ = [
+    "CopyEngine",
+    "CopyError",
+    "CopyHandle",
+    "CudaCopyEngine",
+    "LoadHandle",
+    "ThreadCopyEngine",
+    "make_copy_engine",
+]
+
+LayerHook = Callable[[str, int, int], None]
+"""``hook(kind, op_id, layer)``: called by the worker before it copies ``layer`` of
+operation ``op_id`` (``kind`` is ``"backup"`` or ``"load"``). A test seam: a hook that
+waits on an event lets a test hold the worker between layers; a hook that raises
+injects a copy failure."""
+
+
+class CopyError(RuntimeError):
+    """A copy operation failed on the engine's worker; ``__cause__`` is the original error."""
+
+
+# ----------------------------------------------------------------------------- handles
+class CopyHandle(ABC):
+    """An operation submitted to a :class:`CopyEngine`.
+
+    The destination's bytes are valid once :meth:`wait` returns or :meth:`done` (the
+    engine's ``query``) has returned ``True`` without an :attr:`error`.
+    """
+
+    op_id: int
+    kind: str
+    layer_num: int
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the operation has finished, successfully or not. Never blocks. ``O(1)``."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every layer has landed. Raises :class:`CopyError` if the operation
+        failed and ``TimeoutError`` if ``timeout`` seconds pass first."""
+
+    @property
+    @abstractmethod
+    def error(self) -> BaseException | None:
+        """The failure of a finished operation, or ``None``."""
+
+
+class LoadHandle(CopyHandle):
+    """A host -> device load, signalled layer by layer (SGLang's ``LayerDoneCounter``)."""
+
+    @abstractmethod
+    def wait_until(self, layer: int, timeout: float | None = None) -> None:
+        """Return once layer ``layer`` of this load is usable by the forward pass.
+
+        Raises :class:`CopyError` if that layer did not land (the operation failed at or
+        before it) and ``TimeoutError`` if ``timeout`` seconds pass first.
+        """
+
+
+def _check_layer_arg(layer: int, layer_num: int) -> None:
+    if not 0 <= layer < layer_num:
+        raise IndexError(f"layer {layer} out of range [0, {layer_num})")
+
+
+class _ThreadHandle(LoadHandle):
+    """Completion state of one :class:`ThreadCopyEngine` operation: a condition and the
+    count of layers landed so far. A failure records the error and releases every waiter;
+    layers that landed before it stay good."""
+
+    def __init__(self, op_id: int, kind: str, layer_num: int) -> None:
+        self.op_id = op_id
+        self.kind = kind
+        self.layer_num = layer_num
+        self._cond = threading.Condition()
+        self._landed = 0  # layers 0 .. _landed - 1 are in the destination
+        self._finished = False
+        self._error: BaseException | None = None
+
+    # ---- worker side
+    def _mark_layer(self, layer: int) -> None:
+        with self._cond:
+            self._landed = layer + 1
+            if self._landed == self.layer_num:
+                self._finished = True
+            self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._finished = True
+            self._cond.notify_all()
+
+    # ---- caller side
+    def done(self) -> bool:
+        with self._cond:
+            return self._finished
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._cond:
+            return self._error
+
+    def _raise(self) -> None:
+        raise CopyError(f"{self.kind} #{self.op_id} failed: {self._error!r}") from self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished, timeout):
+                raise TimeoutError(f"{self.kind} #{self.op_id} not done after {timeout} s")
+            if self._error is not None:
+                self._raise()
+
+    def wait_until(self, layer: int, timeout: float | None = None) -> None:
+        _check_layer_arg(layer, self.layer_num)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._landed > layer or self._finished, timeout):
+                raise TimeoutError(f"{self.kind} #{self.op_id} layer {layer} not landed after {timeout} s")
+            if self._landed <= layer:
+                self._raise()
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} #{self.op_id}: {self._landed}/{self.layer_num} layers, error={self._error!r}>"
+
+
+# ----------------------------------------------------------------------------- validation
+@dataclass(frozen=True, slots=True)
+class _HostIndex:
+    """Host slots of one transfer, pre-split for indexing ``get_page_layer_view``:
+    ``pages`` when the slots are whole aligned pages (index the page dim only), else
+    ``(page, offset)`` per slot."""
+
+    n: int
+    pages: torch.Tensor | None
+    page: torch.Tensor | None
+    offset: torch.Tensor | None
+
+
+def _as_index(indices: Any, name: str) -> torch.Tensor:
+    t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices, dtype=torch.int64)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer, got {t.dtype}")
+    return t.to(torch.int64)
+
+
+def _check_range(t: torch.Tensor, hi: int, name: str) -> None:
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= hi):
+        raise IndexError(f"{name} out of range [0, {hi}): min {int(t.min())}, max {int(t.max())}")
+
+
+def _prepare(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+) -> tuple[torch.Tensor, _HostIndex]:
+    if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
+        raise TypeError("expected a DeviceKVPool and a HostKVPool")
+    if device_pool.shape.components != host_pool.shape.components or device_pool.layer_num != host_pool.layer_num:
+        raise ValueError(f"pool shapes differ: device {device_pool.shape}, host {host_pool.shape}")
+    if device_pool.dtype != host_pool.dtype:
+        raise ValueError(f"pool dtypes differ: device {device_pool.dtype}, host {host_pool.dtype}")
+    dev = _as_index(device_indices, "device_indices")
+    host = _as_index(host_indices, "host_indices").cpu()
+    if dev.numel() != host.numel():
+        raise ValueError(f"{dev.numel()} device indices but {host.numel()} host indices")
+    if dev.device.type == "cpu":  # a check of CUDA indices would sync; index_copy_ asserts there
+        _check_range(dev, device_pool.total_slots, "device_indices")
+    _check_range(host, host_pool.size, "host_indices")
+    # Own the indices: the caller may reuse its tensors while the copy is queued.
+    dev = dev.to(device_pool.device).clone()
+    ps = host_pool.page_size
+    n = host.numel()
+    if n % ps == 0:
+        rows = host.view(-1, ps)
+        starts = rows[:, 0]
+        if bool((starts % ps == 0).all()) and bool((rows == starts[:, None] + torch.arange(ps)).all()):
+            return dev, _HostIndex(n, (starts // ps).clone(), None, None)
+    return dev, _HostIndex(n, None, host // ps, host % ps)
+
+
+def _host_gather(view: torch.Tensor, hidx: _HostIndex) -> torch.Tensor:
+    """Rows of a ``[pages, page_size, *shape]`` host view as a contiguous ``[n, *shape]``."""
+    if hidx.pages is not None:
+        return view.index_select(0, hidx.pages).view(hidx.n, *view.shape[2:])
+    return view[hidx.page, hidx.offset]
+
+
+def _host_scatter(view: torch.Tensor, hidx: _HostIndex, src: torch.Tensor) -> None:
+    """Write ``src`` ``[n, *shape]`` into the host rows (through the strided view)."""
+    if hidx.pages is not None:
+        view.index_copy_(0, hidx.pages, src.view(-1, *view.shape[1:]))
+    else:
+        view[hidx.page, hidx.offset] = src
+
+
+def _backup_layer(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, hidx: _HostIndex, layer: int
+) -> None:
+    for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
+        _host_scatter(hview, hidx, dbuf.index_select(0, dev).cpu())
+
+
+def _load_layer(
+    host_pool: HostKVPool, device_pool: DeviceKVPool, hidx: _HostIndex, dev: torch.Tensor, layer: int
+) -> None:
+    for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
+        dbuf.index_copy_(0, dev, _host_gather(hview, hidx).to(dbuf.device))
+
+
+# ----------------------------------------------------------------------------- engines
+class CopyEngine(ABC):
+    """Moves KV pages between a device pool and a host pool, asynchronously and in
+    submission order. Use as a context manager or call :meth:`close`."""
+
+    @abstractmethod
+    def backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> CopyHandle:
+        """Queue a device -> host copy of slots ``device_indices`` into ``host_indices``
+        (equal length, paired in order), all layers. Runtime: ``O(n)`` to validate; the
+        copy itself is ``O(n x bytes_per_token)`` on the engine."""
+
+    @abstractmethod
+    def load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
+    ) -> LoadHandle:
+        """Queue a host -> device copy, layer by layer; the handle signals each layer as it
+        lands. Runtime as :meth:`backup`."""
+
+    def query(self, handle: CopyHandle) -> bool:
+        """Whether ``handle`` has finished (successfully or not). Never blocks. ``O(1)``."""
+        return handle.done()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the queued operations and release the engine. Idempotent."""
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_STOP = object()
+
+
+class ThreadCopyEngine(CopyEngine):
+    """Copy engine backed by one worker thread and a FIFO queue (any torch device; the
+    engine for CPU pools and for CI).
+
+    ``layer_hook`` (see :data:`LayerHook`) is a test seam called by the worker before each
+    layer. An exception in an operation (from a copy or the hook) fails that operation
+    only: its waiters are released with a :class:`CopyError` and the next operation runs.
+
+    >>> from hiradix.memory import MHAShape
+    >>> dev = DeviceKVPool(MHAShape(2, 1, 4), size=4, page_size=2, dtype=torch.float32)
+    >>> host = HostKVPool.for_device(dev, ratio=1.0, reserve_bytes=0)
+    >>> dev.k_buffer(1)[2:4] = 1.0
+    >>> with ThreadCopyEngine() as eng:
+    ...     eng.backup(dev, host, [2, 3], [0, 1]).wait()
+    ...     _ = dev.k_buffer(1).zero_()
+    ...     h = eng.load(host, dev, [0, 1], [4, 5])
+    ...     h.wait_until(1)
+    >>> dev.k_buffer(1)[4:6].sum().item()
+    8.0
+    """
+
+    def __init__(self, *, layer_hook: LayerHook | None = None, name: str = "hiradix-copy") -> None:
+        self._hook = layer_hook
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _closed/_next_id; submission order = queue order
+        self._closed = False
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _submit(self, kind: str, layer_num: int, step: Callable[[int], None]) -> _ThreadHandle:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("copy engine is closed")
+            handle = _ThreadHandle(self._next_id, kind, layer_num)
+            self._next_id += 1
+            self._queue.put((handle, step))
+        return handle
+
+    def backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> CopyHandle:
+        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        return self._submit(
+            "backup", device_pool.layer_num, lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
+        )
+
+    def load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
+    ) -> LoadHandle:
+        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        return self._submit(
+            "load", device_pool.layer_num, lambda layer: _load_layer(host_pool, device_pool, hidx, dev, layer)
+        )
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            handle, step = item
+            try:
+                for layer in range(handle.layer_num):
+                    if self._hook is not None:
+                        self._hook(handle.kind, handle.op_id, layer)
+                    step(layer)
+                    handle._mark_layer(layer)
+            except BaseException as exc:  # handed to the waiters, never swallowed
+                handle._fail(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+# ----------------------------------------------------------------------------- CUDA
+class _CudaHandle(LoadHandle):
+    """One operation on a :class:`CudaCopyEngine`: a CUDA event per layer, recorded on the
+    copy stream after that layer's copy. ``finalize`` (for backups) scatters the pinned
+    staging buffers into the host pool once the last event has fired."""
+
+    def __init__(
+        self,
+        op_id: int,
+        kind: str,
+        events: list[torch.cuda.Event],
+        device: torch.device,
+        keep_alive: list[torch.Tensor],
+        finalize: Callable[[], None] | None = None,
+    ) -> None:
+        self.op_id = op_id
+        self.kind = kind
+        self.layer_num = len(events)
+        self._events = events
+        self._device = device
+        self._keep_alive = keep_alive  # pinned staging and device temporaries in flight
+        self._finalize = finalize
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._finalize is not None and self._error is None:
+                fin, self._finalize = self._finalize, None
+                try:
+                    fin()
+                except BaseException as exc:  # re-raised by wait()
+                    self._error = exc
+            self._keep_alive = []
+
+    def done(self) -> bool:
+        if not self._events[-1].query():
+            return False
+        self._complete()
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        # CUDA events have no timed wait; timeout is accepted for interface parity.
+        self._events[-1].synchronize()
+        self._complete()
+        if self._error is not None:
+            raise CopyError(f"{self.kind} #{self.op_id} failed: {self._error!r}") from self._error
+
+    def wait_until(self, layer: int, timeout: float | None = None) -> None:
+        """Make the *current stream* wait for layer ``layer``'s event; does not block the host."""
+        _check_layer_arg(layer, self.layer_num)
+        torch.cuda.current_stream(self._device).wait_event(self._events[layer])
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copy engine on a dedicated CUDA copy stream, one event per layer.
+
+    Every operation first makes the copy stream wait on the current stream (so it sees
+    the KV the compute stream wrote and does not overwrite slots still being read).
+    A load gathers each layer's host rows into a pinned staging buffer on the calling
+    thread, copies it to the device with ``non_blocking=True`` and scatters it with
+    ``index_copy_``, all on the copy stream; the host gathers of later layers overlap the
+    device copies of earlier ones. A backup gathers on the device, copies into pinned
+    staging asynchronously and scatters into the host pool when the handle is first seen
+    done (``query``/``wait``).
+
+    Index validation runs on the host: CUDA index tensors are read back once (a sync);
+    pass CPU indices to avoid it. Not yet optimised: host rows are gathered and then
+    pinned (two host copies per layer) rather than gathered straight into pinned memory.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaCopyEngine needs CUDA, but torch.cuda.is_available() is False; use ThreadCopyEngine "
+                "(or make_copy_engine('cpu'))"
+            )
+        dev = torch.device("cuda" if device is None else device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaCopyEngine needs a cuda device, got {dev}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._closed = False
+
+    def _begin(self, device_pool: DeviceKVPool) -> int:
+        if self._closed:
+            raise RuntimeError("copy engine is closed")
+        if device_pool.device != self.device:
+            raise ValueError(f"device pool is on {device_pool.device}, engine on {self.device}")
+        op_id = self._next_id
+        self._next_id += 1
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return op_id
+
+    def _on_copy_stream(self, dev: torch.Tensor) -> torch.Tensor:
+        # _prepare put the indices on the pool's device from the current stream; the copy
+        # stream waits on that stream (_begin) and must keep the memory alive until it is done.
+        dev.record_stream(self._stream)
+        return dev
+
+    def load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
+    ) -> LoadHandle:
+        dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
+        with self._lock:
+            op_id = self._begin(device_pool)
+            events: list[torch.cuda.Event] = []
+            keep: list[torch.Tensor] = []
+            with torch.cuda.stream(self._stream):
+                dev_idx = self._on_copy_stream(dev)
+                keep.append(dev_idx)
+                for layer in range(device_pool.layer_num):
+                    bufs = device_pool.layer_buffers(layer)
+                    for dbuf, hview in zip(bufs, host_pool.get_page_layer_view(layer), strict=True):
+                        staged = _host_gather(hview, hidx)
+                        if not staged.is_pinned():
+                            staged = staged.pin_memory()
+                        on_dev = staged.to(self.device, non_blocking=True)
+                        dbuf.index_copy_(0, dev_idx, on_dev)
+                        keep += [staged, on_dev]
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    events.append(ev)
+        return _CudaHandle(op_id, "load", events, self.device, keep)
+
+    def backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> CopyHandle:
+        dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
+        with self._lock:
+            op_id = self._begin(device_pool)
+            events: list[torch.cuda.Event] = []
+            keep: list[torch.Tensor] = []
+            staged_all: list[tuple[int, int, torch.Tensor]] = []
+            with torch.cuda.stream(self._stream):
+                dev_idx = self._on_copy_stream(dev)
+                keep.append(dev_idx)
+                for layer in range(device_pool.layer_num):
+                    for c, dbuf in enumerate(device_pool.layer_buffers(layer)):
+                        gathered = dbuf.index_select(0, dev_idx)
+                        staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                        staged.copy_(gathered, non_blocking=True)
+                        keep += [gathered, staged]
+                        staged_all.append((layer, c, staged))
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    events.append(ev)
+
+        def finalize() -> None:
+            for layer, c, staged in staged_all:
+                _host_scatter(host_pool.get_page_layer_view(layer)[c], hidx, staged)
+
+        return _CudaHandle(op_id, "backup", events, self.device, keep, finalize)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._stream.synchronize()
+
+
+def make_copy_engine(device: str | torch.device, **kwargs: Any) -> CopyEngine:
+    """The copy engine for a device pool on ``device``: :class:`CudaCopyEngine` for a CUDA
+    device, :class:`ThreadCopyEngine` otherwise (``kwargs`` go to the constructor).
+
+    >>> eng = make_copy_engine("cpu")
+    >>> type(eng).__name__
+    'ThreadCopyEngine'
+    >>> eng.close()
+    """
+    if torch.device(device).type == "cuda":
+        return CudaCopyEngine(device, **kwargs)
+    return ThreadCopyEngine(**kwargs)
