@@ -149,7 +149,24 @@ def _check_layer(layer: int, layer_num: int) -> int:
 
 
 # ----------------------------------------------------------------------------- device
-class DeviceKVPool:
+class _KVPoolBase:
+    """What device and host pools share: a KV shape and a dtype."""
+
+    shape: KVShape
+    itemsize: int
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether this is an MLA (single latent buffer) pool."""
+        return isinstance(self.shape, MLAShape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's KV occupies over all layers. ``O(1)``."""
+        return self.shape.elems_per_token * self.itemsize
+
+
+class DeviceKVPool(_KVPoolBase):
     """The L1 pool: KV buffers on a torch device (``cuda`` or ``cpu``).
 
     ``size`` usable slots (rounded down to a page multiple) plus one leading padding page,
@@ -184,16 +201,6 @@ class DeviceKVPool:
             [torch.zeros((self.total_slots, *comp), dtype=dtype, device=self.device) for _ in range(self.layer_num)]
             for comp in shape.components
         ]
-
-    @property
-    def is_mla(self) -> bool:
-        """Whether this is an MLA (single latent buffer) pool."""
-        return isinstance(self.shape, MLAShape)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's KV occupies over all layers. ``O(1)``."""
-        return self.shape.elems_per_token * self.itemsize
 
     @property
     def size_bytes(self) -> int:
@@ -272,7 +279,7 @@ def _bytes_like(data: Any) -> torch.Tensor:
     raise TypeError(f"page data must be bytes-like or a tensor, got {type(data).__name__}")
 
 
-class HostKVPool:
+class HostKVPool(_KVPoolBase):
     """The L2 pool: host KV buffers with the shapes of a device pool, and their allocator.
 
     Build it from a device pool with :meth:`for_device` (``ratio`` or ``size_gb``) or
@@ -384,16 +391,6 @@ class HostKVPool:
         )
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def is_mla(self) -> bool:
-        """Whether this is an MLA (single latent buffer) pool."""
-        return isinstance(self.shape, MLAShape)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's KV occupies over all layers. ``O(1)``."""
-        return self.shape.elems_per_token * self.itemsize
-
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers. ``O(1)``."""
