@@ -1,4 +1,4 @@
-"""Build script: one extension, ``hiradix._core``, with directives set once for the project.
+"""Build script: the Cython extensions, with directives set once for the project.
 
 Environment switches:
 - ``HIRADIX_PUREPYTHON=1``: build no extension; ``hiradix`` falls back to ``_reference``.
@@ -9,6 +9,11 @@ Environment switches:
 import os
 
 from setuptools import Extension, setup
+
+# (module, sources). Every extension is built with the same directives and flags.
+EXTENSIONS: list[tuple[str, list[str]]] = [
+    ("hiradix._core", ["hiradix/_core.pyx"]),
+]
 
 
 def _flag(name: str) -> bool:
@@ -35,14 +40,17 @@ def extensions() -> list:
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     if debug:
         macros.append(("CYTHON_TRACE_NOGIL", "1"))
-    ext = Extension(
-        "hiradix._core",
-        ["hiradix/_core.pyx"],
-        include_dirs=[numpy.get_include(), "hiradix"],
-        define_macros=macros,
-        extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
-    )
-    return cythonize([ext], compiler_directives=directives, annotate=_flag("HIRADIX_ANNOTATE"))
+    exts = [
+        Extension(
+            name,
+            sources,
+            include_dirs=[numpy.get_include(), "hiradix"],
+            define_macros=macros,
+            extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
+        )
+        for name, sources in EXTENSIONS
+    ]
+    return cythonize(exts, compiler_directives=directives, annotate=_flag("HIRADIX_ANNOTATE"))
 
 
 setup(ext_modules=extensions())
