@@ -1,0 +1,218 @@
+"""Consistent-hash ring that places directory entries on nodes.
+
+Every node owns ``vnodes`` points on a 64-bit circle; a key belongs to the first point at or
+after its own hash (wrapping at the top), and its replica owners are the next *distinct* nodes
+met walking clockwise from there. Writers and readers build the same ring from the same
+membership list, so they agree on a key's owners without asking anyone.
+
+Hashes are the first 8 bytes of BLAKE2b (big-endian), never Python's ``hash()``, which is
+salted per process: two processes (or two runs) must place every key identically.
+
+With ``N`` nodes and ``V`` virtual nodes each, adding a node moves about ``1 / (N + 1)`` of
+the keys' primary owners, all of them to the new node, and removing one moves only the keys
+it owned; :func:`moved_keys` lists which keys' owner sets change.
+
+>>> ring = HashRing(["a", "b", "c"])
+>>> ring.owners("some-key", 2) == HashRing(["c", "b", "a"]).owners("some-key", 2)
+True
+>>> len(set(ring.owners("some-key", 5)))
+3
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_VNODES", "HashRing", "Move", "hash64", "moved_keys", "owner_counts"]
+
+DEFAULT_VNODES = 160  # virtual nodes per node (the seed's default)
+
+Key = str | bytes
+
+
+def hash64(data: Key) -> int:
+    """Deterministic 64-bit hash of ``data`` (``str`` is hashed as its UTF-8 bytes).
+
+    Runtime complexity: ``O(len(data))``.
+
+    >>> hash64("abc") == hash64(b"abc")
+    True
+    """
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True)
+class Move:
+    """How one key's owner list changes between two rings.
+
+    ``old`` and ``new`` are the owner tuples (primary first). ``gained`` are owners in ``new``
+    but not in ``old`` (they must receive the entry); ``lost`` are owners in ``old`` but not
+    in ``new`` (they may drop it).
+    """
+
+    old: tuple[str, ...]
+    new: tuple[str, ...]
+
+    @property
+    def gained(self) -> tuple[str, ...]:
+        return tuple(n for n in self.new if n not in self.old)
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        return tuple(n for n in self.old if n not in self.new)
+
+
+class HashRing:
+    """A consistent-hash ring over node ids.
+
+    Parameters
+    ----------
+    nodes:
+        Initial node ids (strings; order does not matter).
+    vnodes:
+        Points per node on the circle (``>= 1``, default 160). More points give better
+        balance and cost ``O(N * V)`` memory.
+
+    The ring is not thread-safe for mutation; callers that change membership while other
+    threads read should build a new ring (:meth:`copy` then :meth:`add_node`) and swap the
+    reference, which is atomic in Python.
+    """
+
+    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES) -> None:
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
+            raise ValueError(f"vnodes must be an int >= 1, got {vnodes!r}")
+        self.vnodes = vnodes
+        self._nodes: set[str] = set()
+        self._points: list[int] = []  # sorted vnode hashes
+        self._owners: list[str] = []  # node of each point, parallel to _points
+        for node in nodes:
+            self.add_node(node)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def nodes(self) -> frozenset[str]:
+        """The member node ids."""
+        return frozenset(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    def __repr__(self) -> str:
+        return f"HashRing(nodes={sorted(self._nodes)!r}, vnodes={self.vnodes})"
+
+    def _vnode_points(self, node: str) -> list[int]:
+        return [hash64(f"{node}#{i}") for i in range(self.vnodes)]
+
+    def add_node(self, node: str) -> None:
+        """Add ``node`` (``ValueError`` if already a member).
+
+        Runtime complexity: ``O(N * V)`` (the parallel arrays are rebuilt by merge).
+        """
+        if not isinstance(node, str) or not node:
+            raise ValueError(f"node id must be a non-empty str, got {node!r}")
+        if node in self._nodes:
+            raise ValueError(f"node {node!r} is already on the ring")
+        self._nodes.add(node)
+        merged = sorted([*zip(self._points, self._owners, strict=True), *((p, node) for p in self._vnode_points(node))])
+        # Ties between two nodes' points (a 2^-64 event) are broken by node id, so the
+        # result does not depend on insertion order.
+        self._points = [p for p, _ in merged]
+        self._owners = [n for _, n in merged]
+
+    def remove_node(self, node: str) -> None:
+        """Remove ``node`` (``KeyError`` if not a member).
+
+        Runtime complexity: ``O(N * V)``.
+        """
+        if node not in self._nodes:
+            raise KeyError(f"node {node!r} is not on the ring")
+        self._nodes.remove(node)
+        kept = [(p, n) for p, n in zip(self._points, self._owners, strict=True) if n != node]
+        self._points = [p for p, _ in kept]
+        self._owners = [n for _, n in kept]
+
+    def copy(self) -> HashRing:
+        """An independent ring with the same members.
+
+        Runtime complexity: ``O(N * V)``.
+        """
+        other = HashRing(vnodes=self.vnodes)
+        other._nodes = set(self._nodes)
+        other._points = list(self._points)
+        other._owners = list(self._owners)
+        return other
+
+    # ------------------------------------------------------------------ lookup
+    def owners(self, key: Key, n: int = 1) -> tuple[str, ...]:
+        """The primary owner of ``key`` followed by the next distinct owners, ``n`` at most.
+
+        Returns fewer than ``n`` when the ring has fewer nodes, and ``()`` when it is empty.
+
+        Runtime complexity: ``O(log(N * V))`` to find the primary, plus the clockwise walk,
+        ``O(n)`` expected and ``O(N * V)`` at worst.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not self._points:
+            return ()
+        want = min(n, len(self._nodes))
+        i = bisect.bisect_left(self._points, hash64(key))
+        out: list[str] = []
+        total = len(self._points)
+        for step in range(total):
+            node = self._owners[(i + step) % total]
+            if node not in out:
+                out.append(node)
+                if len(out) == want:
+                    break
+        return tuple(out)
+
+    def owner(self, key: Key) -> str:
+        """The primary owner of ``key`` (``LookupError`` on an empty ring).
+
+        Runtime complexity: ``O(log(N * V))``.
+        """
+        if not self._points:
+            raise LookupError("the ring has no nodes")
+        i = bisect.bisect_left(self._points, hash64(key))
+        return self._owners[i % len(self._points)]
+
+
+def moved_keys(keys: Iterable[Key], old: HashRing, new: HashRing, n: int = 1) -> dict[Key, Move]:
+    """Keys whose ``n``-owner list differs between ``old`` and ``new``, with the change.
+
+    Use ``n = directory_replicas``. A key whose owner *set* is unchanged but reordered (e.g. a
+    replica became primary) is reported too, since its ``gained``/``lost`` are empty the
+    caller can skip it cheaply.
+
+    Runtime complexity: ``O(K * log(N * V))`` for ``K`` keys.
+
+    >>> old = HashRing(["a", "b"]); new = old.copy(); new.add_node("c")
+    >>> all(m.new[0] == "c" for m in moved_keys([str(i) for i in range(100)], old, new).values())
+    True
+    """
+    out: dict[Key, Move] = {}
+    for key in keys:
+        before = old.owners(key, n) if len(old) else ()
+        after = new.owners(key, n) if len(new) else ()
+        if before != after:
+            out[key] = Move(before, after)
+    return out
+
+
+def owner_counts(keys: Iterable[Key], ring: HashRing) -> Mapping[str, int]:
+    """How many of ``keys`` each node owns as primary (every member appears, maybe with 0).
+
+    Runtime complexity: ``O(K * log(N * V))``.
+    """
+    counts = dict.fromkeys(ring.nodes, 0)
+    for key in keys:
+        counts[ring.owner(key)] += 1
+    return counts
