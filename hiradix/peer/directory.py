@@ -1,0 +1,467 @@
+"""The location directory: one shard per node, and the client view that spans them.
+
+A producer publishes where a page lives (:class:`DirEntry`: node, address, rkey, length,
+generation, resident) to the ``directory_replicas`` owners the ring picks for the key; a
+reader asks those owners in ring order and falls through to the next replica when one fails.
+Only these small records move; the page bytes stay in the producer's published pool.
+
+The shard (:class:`DirectoryShard`) is a locked dictionary with batch operations and a
+:meth:`~DirectoryShard.dispatch` entry point that an RPC server routes the ``dir_*`` methods
+to. The client (:class:`DirectoryView`) takes the transport as an injected ``call(owner,
+method, args)`` function, so it is tested without sockets; calls to the local node skip the
+RPC and go straight to the local shard.
+
+Conditional updates. Deletes and residency changes carry the ``(node, generation)`` of the
+copy they are about, so a late eviction callback for an old copy never removes the entry of a
+newer one, and a stale re-publish from the same node never replaces a newer entry.
+
+Wire format. An entry travels as the list ``[node, addr, rkey, length, generation,
+resident]`` (msgpack-friendly: no pickled objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from hiradix.peer.ring import HashRing, moved_keys
+
+__all__ = [
+    "DIR_METHODS",
+    "CallFn",
+    "DirEntry",
+    "DirectoryShard",
+    "DirectoryView",
+    "republish_plan",
+]
+
+log = logging.getLogger(__name__)
+
+DIR_METHODS = ("dir_put", "dir_get", "dir_delete", "dir_set_resident")
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    """Where one page lives.
+
+    Attributes
+    ----------
+    node:
+        Node id of the producer holding the page.
+    addr, rkey:
+        Remote address of the page's slot (header first) in the producer's published pool,
+        and the key that lets a peer READ it.
+    length:
+        Payload bytes (the READ covers the slot header plus ``length``).
+    generation:
+        The slot generation written with the page; a reader rejects any fetched slot whose
+        header carries another generation.
+    resident:
+        ``False`` when the page left the pool but is on the producer's disk tier, so a reader
+        must ask the producer to promote it first.
+    """
+
+    node: str
+    addr: int
+    rkey: int
+    length: int
+    generation: int
+    resident: bool = True
+
+    def to_wire(self) -> list[Any]:
+        """Entry as a plain list for msgpack. Runtime complexity: ``O(1)``."""
+        return [self.node, self.addr, self.rkey, self.length, self.generation, self.resident]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[Any]) -> DirEntry:
+        """Inverse of :meth:`to_wire`; ``ValueError`` on a malformed record.
+
+        Runtime complexity: ``O(1)``.
+
+        >>> e = DirEntry("n1", 4096, 7, 100, 3)
+        >>> DirEntry.from_wire(e.to_wire()) == e
+        True
+        """
+        if not isinstance(wire, (list, tuple)) or len(wire) != 6:
+            raise ValueError(f"malformed directory entry {wire!r}")
+        node, addr, rkey, length, generation, resident = wire
+        if not isinstance(node, str) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (addr, rkey, length, generation)
+        ):
+            raise ValueError(f"malformed directory entry {wire!r}")
+        return cls(node, addr, rkey, length, generation, bool(resident))
+
+
+def _matches(entry: DirEntry, node: str | None, generation: int | None) -> bool:
+    return (node is None or entry.node == node) and (generation is None or entry.generation == generation)
+
+
+class DirectoryShard:
+    """This node's share of the directory: ``key -> DirEntry``, thread-safe.
+
+    >>> s = DirectoryShard()
+    >>> s.put("k", DirEntry("n1", 0, 1, 10, 5))
+    True
+    >>> s.delete("k", node="n1", generation=4)   # an older copy: no-op
+    False
+    >>> s.get("k").generation
+    5
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, DirEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    # ------------------------------------------------------------------ single ops
+    def put(self, key: str, entry: DirEntry) -> bool:
+        """Store ``entry`` unless the current entry is a newer copy from the same node.
+
+        Returns whether the entry was stored. Runtime complexity: ``O(1)``.
+        """
+        with self._lock:
+            return self._put_locked(key, entry)
+
+    def _put_locked(self, key: str, entry: DirEntry) -> bool:
+        cur = self._entries.get(key)
+        if cur is not None and cur.node == entry.node and cur.generation > entry.generation:
+            return False
+        self._entries[key] = entry
+        return True
+
+    def get(self, key: str) -> DirEntry | None:
+        """The entry for ``key`` or ``None``. Runtime complexity: ``O(1)``."""
+        return self._entries.get(key)  # a single dict read is atomic under the GIL
+
+    def delete(self, key: str, node: str | None = None, generation: int | None = None) -> bool:
+        """Delete ``key`` if its entry matches ``node``/``generation`` (``None`` matches any).
+
+        Runtime complexity: ``O(1)``.
+        """
+        with self._lock:
+            return self._delete_locked(key, node, generation)
+
+    def _delete_locked(self, key: str, node: str | None, generation: int | None) -> bool:
+        cur = self._entries.get(key)
+        if cur is None or not _matches(cur, node, generation):
+            return False
+        del self._entries[key]
+        return True
+
+    def set_resident(self, key: str, resident: bool, node: str | None = None, generation: int | None = None) -> bool:
+        """Flip the ``resident`` flag of a matching entry. Runtime complexity: ``O(1)``."""
+        with self._lock:
+            return self._set_resident_locked(key, resident, node, generation)
+
+    def _set_resident_locked(self, key: str, resident: bool, node: str | None, generation: int | None) -> bool:
+        cur = self._entries.get(key)
+        if cur is None or not _matches(cur, node, generation):
+            return False
+        if cur.resident != resident:
+            self._entries[key] = DirEntry(cur.node, cur.addr, cur.rkey, cur.length, cur.generation, resident)
+        return True
+
+    # ------------------------------------------------------------------ batch ops
+    def batch_put(self, items: Iterable[tuple[str, DirEntry]]) -> int:
+        """:meth:`put` each item under one lock; returns how many were stored.
+
+        Runtime complexity: ``O(k)``.
+        """
+        with self._lock:
+            return sum(self._put_locked(k, e) for k, e in items)
+
+    def batch_get(self, keys: Iterable[str]) -> list[DirEntry | None]:
+        """:meth:`get` for each key, in order. Runtime complexity: ``O(k)``."""
+        with self._lock:
+            return [self._entries.get(k) for k in keys]
+
+    def batch_delete(self, items: Iterable[tuple[str, str | None, int | None]]) -> int:
+        """Conditional deletes of ``(key, node, generation)``; returns how many happened.
+
+        Runtime complexity: ``O(k)``.
+        """
+        with self._lock:
+            return sum(self._delete_locked(k, n, g) for k, n, g in items)
+
+    def batch_set_resident(self, items: Iterable[tuple[str, str | None, int | None, bool]]) -> int:
+        """Conditional residency updates of ``(key, node, generation, resident)``.
+
+        Runtime complexity: ``O(k)``.
+        """
+        with self._lock:
+            return sum(self._set_resident_locked(k, r, n, g) for k, n, g, r in items)
+
+    # ------------------------------------------------------------------ maintenance
+    def drop_node(self, node: str) -> int:
+        """Delete every entry published by ``node`` (it left the cluster).
+
+        Runtime complexity: ``O(len(shard))``.
+        """
+        with self._lock:
+            gone = [k for k, e in self._entries.items() if e.node == node]
+            for k in gone:
+                del self._entries[k]
+            return len(gone)
+
+    def prune_unowned(self, ring: HashRing, self_node: str, replicas: int) -> list[str]:
+        """Delete and return the keys this node no longer owns under ``ring``.
+
+        Call after a membership change once producers have re-published.
+        Runtime complexity: ``O(len(shard) * log(N * V))``.
+        """
+        with self._lock:
+            gone = [k for k in self._entries if self_node not in ring.owners(k, replicas)]
+            for k in gone:
+                del self._entries[k]
+            return gone
+
+    def snapshot(self) -> dict[str, DirEntry]:
+        """A copy of all entries. Runtime complexity: ``O(len(shard))``."""
+        with self._lock:
+            return dict(self._entries)
+
+    # ------------------------------------------------------------------ RPC entry point
+    def dispatch(self, method: str, args: Sequence[Any]) -> Any:
+        """Run one of :data:`DIR_METHODS` on wire-format ``args``; the RPC server's hook.
+
+        ``dir_put``: ``[[key, entry_wire], ...]`` -> stored count.
+        ``dir_get``: ``[key, ...]`` -> ``[entry_wire | None, ...]``.
+        ``dir_delete``: ``[[key, node|None, generation|None], ...]`` -> deleted count.
+        ``dir_set_resident``: ``[[key, node|None, generation|None, resident], ...]`` -> count.
+
+        Raises ``ValueError`` for an unknown method or malformed arguments.
+        Runtime complexity: ``O(k)`` for ``k`` items.
+        """
+        try:
+            if method == "dir_put":
+                return self.batch_put([(_key(k), DirEntry.from_wire(w)) for k, w in args])
+            if method == "dir_get":
+                return [None if e is None else e.to_wire() for e in self.batch_get([_key(k) for k in args])]
+            if method == "dir_delete":
+                return self.batch_delete([(_key(k), n, g) for k, n, g in args])
+            if method == "dir_set_resident":
+                return self.batch_set_resident([(_key(k), n, g, bool(r)) for k, n, g, r in args])
+        except (TypeError, ValueError) as exc:  # unpacking a malformed item
+            raise ValueError(f"malformed arguments for {method}: {exc}") from exc
+        raise ValueError(f"unknown directory method {method!r}; expected one of {DIR_METHODS}")
+
+
+def _key(k: Any) -> str:
+    if not isinstance(k, str):
+        raise ValueError(f"directory keys are str, got {type(k).__name__}")
+    return k
+
+
+def _list_of(n: int) -> Callable[[Any], bool]:
+    def check(result: Any) -> bool:
+        return isinstance(result, list) and len(result) == n
+
+    return check
+
+
+class CallFn(Protocol):
+    """``call(owner, method, args) -> result``: one RPC to ``owner``; raises on failure."""
+
+    def __call__(self, owner: str, method: str, args: list[Any]) -> Any: ...
+
+
+def republish_plan(keys: Iterable[str], old: HashRing | None, new: HashRing, replicas: int) -> dict[str, list[str]]:
+    """Which of a producer's ``keys`` it must re-PUT to which owners after a membership change.
+
+    A key goes to every owner it *gained* between ``old`` and ``new`` (all of its owners when
+    ``old`` is ``None``, i.e. a fresh start); owners that already held it are skipped.
+
+    Runtime complexity: ``O(K * log(N * V))``.
+
+    >>> old = HashRing(["a", "b"]); new = old.copy(); new.add_node("c")
+    >>> plan = republish_plan([str(i) for i in range(50)], old, new, 2)
+    >>> sorted(plan)
+    ['c']
+    """
+    plan: dict[str, list[str]] = defaultdict(list)
+    if old is None or len(old) == 0:
+        for k in keys:
+            for owner in new.owners(k, replicas) if len(new) else ():
+                plan[owner].append(k)
+        return dict(plan)
+    for moved, move in moved_keys(keys, old, new, replicas).items():
+        for owner in move.gained:
+            plan[owner].append(cast(str, moved))
+    return dict(plan)
+
+
+class DirectoryView:
+    """Client side of the directory: writes to all replica owners, reads with fallback.
+
+    Parameters
+    ----------
+    ring:
+        The current ring. Replace :attr:`ring` (a plain attribute) on a membership change.
+    call:
+        ``call(owner, method, args)``, the injected RPC. Any exception in ``call_errors``
+        counts as that owner failing.
+    replicas:
+        Owners per key (``directory_replicas``, default 2).
+    local_node, local_shard:
+        When the owner is ``local_node``, ``local_shard.dispatch`` is used directly.
+    fallback_on_miss:
+        Also try the next replica when an owner answers "no entry" (helps right after a
+        membership change, before re-publishing finishes; costs ``replicas`` round trips on
+        a true miss). Default ``False``: only failures fall through.
+    call_errors:
+        Exception types that mean "owner failed". The default is ``(Exception,)`` on purpose:
+        the directory is advisory and every failure must become a miss (recompute), never a
+        crash in serving. Failures are counted in :attr:`failures` and logged at debug level.
+    """
+
+    def __init__(
+        self,
+        ring: HashRing,
+        call: CallFn,
+        *,
+        replicas: int = 2,
+        local_node: str | None = None,
+        local_shard: DirectoryShard | None = None,
+        fallback_on_miss: bool = False,
+        call_errors: tuple[type[BaseException], ...] = (Exception,),
+    ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if not callable(call):
+            raise TypeError("call must be callable: call(owner, method, args)")
+        self.ring = ring
+        self._call = call
+        self.replicas = replicas
+        self.local_node = local_node
+        self.local_shard = local_shard
+        self.fallback_on_miss = fallback_on_miss
+        self._errors = call_errors
+        self.failures = 0  # owner calls that raised or answered malformed data
+
+    def _invoke(self, owner: str, method: str, args: list[Any]) -> Any:
+        if self.local_shard is not None and owner == self.local_node:
+            return self.local_shard.dispatch(method, args)
+        return self._call(owner, method, args)
+
+    def _try(self, owner: str, method: str, args: list[Any], check: Callable[[Any], bool]) -> tuple[bool, Any]:
+        try:
+            result = self._invoke(owner, method, args)
+        except self._errors as exc:
+            self.failures += 1
+            log.debug("directory %s on %s failed: %r", method, owner, exc)
+            return False, None
+        if not check(result):
+            self.failures += 1
+            log.debug("directory %s on %s answered malformed %r", method, owner, result)
+            return False, None
+        return True, result
+
+    # ------------------------------------------------------------------ writes
+    def _fan_out(self, method: str, items: Sequence[tuple[str, list[Any]]]) -> list[int]:
+        """Send each ``(key, wire_item)`` to all of the key's owners, one call per owner."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, (key, _) in enumerate(items):
+            for owner in self.ring.owners(key, self.replicas) if len(self.ring) else ():
+                groups[owner].append(i)
+        acks = [0] * len(items)
+        for owner, idxs in groups.items():
+            ok, _ = self._try(owner, method, [items[i][1] for i in idxs], lambda r: isinstance(r, int))
+            if ok:
+                for i in idxs:
+                    acks[i] += 1
+        return acks
+
+    def put(self, key: str, entry: DirEntry) -> int:
+        """Publish ``entry`` to every owner of ``key``; returns how many owners answered.
+
+        Runtime complexity: ``O(replicas)`` calls.
+        """
+        return self.batch_put([(key, entry)])[0]
+
+    def batch_put(self, items: Sequence[tuple[str, DirEntry]]) -> list[int]:
+        """Publish many entries with one call per owner; per-key count of owners that answered.
+
+        An owner answering means it received the entry (it may still have kept a newer copy
+        from the same node). Runtime complexity: ``O(k * replicas)`` plus one call per owner.
+        """
+        return self._fan_out("dir_put", [(k, [k, e.to_wire()]) for k, e in items])
+
+    def delete(self, key: str, node: str | None = None, generation: int | None = None) -> int:
+        """Conditionally delete ``key`` on all of its owners; returns owners that answered."""
+        return self.batch_delete([(key, node, generation)])[0]
+
+    def batch_delete(self, items: Sequence[tuple[str, str | None, int | None]]) -> list[int]:
+        """Conditional deletes fanned out to every owner. Runtime: one call per owner."""
+        return self._fan_out("dir_delete", [(k, [k, n, g]) for k, n, g in items])
+
+    def set_resident(self, key: str, resident: bool, node: str | None = None, generation: int | None = None) -> int:
+        """Conditionally mark ``key`` (non-)resident on all of its owners."""
+        return self._fan_out("dir_set_resident", [(key, [key, node, generation, resident])])[0]
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str) -> DirEntry | None:
+        """The entry for ``key``, or ``None`` on a miss or when every owner failed.
+
+        Runtime complexity: one call, up to ``replicas`` when owners fail.
+        """
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[str]) -> list[DirEntry | None]:
+        """Entries for ``keys`` in order; misses and all-owners-failed are ``None``.
+
+        Round ``r`` asks every key's ``r``-th owner, grouped into one call per owner; only the
+        keys whose owner failed (or missed, with ``fallback_on_miss``) go to round ``r + 1``.
+        Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
+        """
+        results: list[DirEntry | None] = [None] * len(keys)
+        owners = [self.ring.owners(k, self.replicas) if len(self.ring) else () for k in keys]
+        pending = list(range(len(keys)))
+        for rnd in range(self.replicas):
+            groups: dict[str, list[int]] = defaultdict(list)
+            for i in pending:
+                if rnd < len(owners[i]):
+                    groups[owners[i][rnd]].append(i)
+            pending = []
+            for owner, idxs in groups.items():
+                ok, wires = self._try(owner, "dir_get", [keys[i] for i in idxs], _list_of(len(idxs)))
+                if not ok:
+                    pending.extend(idxs)
+                    continue
+                for i, wire in zip(idxs, wires, strict=True):
+                    try:
+                        results[i] = None if wire is None else DirEntry.from_wire(wire)
+                    except ValueError:
+                        self.failures += 1
+                        results[i] = None
+                        pending.append(i)
+                        continue
+                    if wire is None and self.fallback_on_miss:
+                        pending.append(i)
+            if not pending:
+                break
+        return results
+
+    # ------------------------------------------------------------------ membership
+    def republish(self, entries: Mapping[str, DirEntry], old: HashRing | None, new: HashRing) -> int:
+        """Re-PUT this producer's ``entries`` to the owners they gained from ``old`` to ``new``.
+
+        Also makes ``new`` the current ring. Returns the number of (key, owner) puts that
+        were answered. Runtime complexity: ``O(K * log(N * V))`` plus one call per owner.
+        """
+        self.ring = new
+        plan = republish_plan(entries.keys(), old, new, self.replicas)
+        done = 0
+        for owner, keys in plan.items():
+            ok, _ = self._try(owner, "dir_put", [[k, entries[k].to_wire()] for k in keys], lambda r: isinstance(r, int))
+            if ok:
+                done += len(keys)
+        return done

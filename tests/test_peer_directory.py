@@ -1,0 +1,224 @@
+"""Directory shard and client view: conditional ops, replica writes, read fallback, re-publish."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgpack
+import pytest
+
+from hiradix.peer.directory import DirectoryShard, DirectoryView, DirEntry, republish_plan
+from hiradix.peer.ring import HashRing
+
+KEYS = [f"{i:064x}" for i in range(300)]
+
+
+def entry(gen: int = 1, node: str = "p", resident: bool = True) -> DirEntry:
+    return DirEntry(node, 4096 * gen, 7, 100, gen, resident)
+
+
+class Cluster:
+    """Shards behind an in-process ``call`` that round-trips through msgpack and can fail."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        self.shards = {n: DirectoryShard() for n in nodes}
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    def call(self, owner: str, method: str, args: list[Any]) -> Any:
+        self.calls.append((owner, method))
+        if owner in self.down:
+            raise ConnectionError(f"{owner} is down")
+        wire_args = msgpack.unpackb(msgpack.packb(args))
+        return msgpack.unpackb(msgpack.packb(self.shards[owner].dispatch(method, wire_args)))
+
+
+# ---------------------------------------------------------------------- shard
+def test_shard_put_get_delete_conditional() -> None:
+    s = DirectoryShard()
+    assert s.put("k", entry(2))
+    assert not s.put("k", entry(1))  # stale re-publish from the same node
+    assert s.get("k") == entry(2)
+    assert s.put("k", entry(1, node="q"))  # another producer: last writer wins
+    assert not s.delete("k", node="p", generation=2)  # p's eviction of its old copy
+    assert s.delete("k", node="q", generation=1)
+    assert s.get("k") is None and len(s) == 0
+    assert not s.delete("k")
+
+
+def test_shard_resident_and_batch_ops() -> None:
+    s = DirectoryShard()
+    assert s.batch_put([(k, entry(1)) for k in KEYS[:10]]) == 10
+    assert s.set_resident(KEYS[0], False, node="p", generation=1)
+    assert s.get(KEYS[0]) == entry(1, resident=False)
+    assert not s.set_resident(KEYS[0], True, node="p", generation=9)
+    assert s.batch_set_resident([(KEYS[1], "p", 1, False), (KEYS[2], "x", None, False)]) == 1
+    assert s.batch_get([KEYS[0], "nope"]) == [entry(1, resident=False), None]
+    assert s.batch_delete([(k, "p", None) for k in KEYS[:5]]) == 5
+    assert len(s) == 5
+    s.put("q", entry(1, node="q"))
+    assert s.drop_node("p") == 5 and set(s.snapshot()) == {"q"}
+
+
+def test_shard_dispatch_errors_are_clear() -> None:
+    s = DirectoryShard()
+    with pytest.raises(ValueError, match="unknown directory method"):
+        s.dispatch("dir_nuke", [])
+    with pytest.raises(ValueError, match="malformed"):
+        s.dispatch("dir_put", [["k", [1, 2]]])
+    with pytest.raises(ValueError, match="malformed"):
+        s.dispatch("dir_get", [3])
+    with pytest.raises(ValueError, match="malformed"):
+        DirEntry.from_wire(["n", -1, 0, 0, 0, True])
+
+
+def test_shard_is_thread_safe() -> None:
+    s = DirectoryShard()
+    start = threading.Barrier(4)
+
+    def worker(t: int) -> None:
+        start.wait(timeout=10)
+        for i in range(2000):
+            k = f"k{i % 50}"
+            s.put(k, entry(i, node=f"n{t}"))
+            s.get(k)
+            s.set_resident(k, i % 2 == 0, node=f"n{t}")
+            s.delete(k, node=f"n{t}", generation=i - 1)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    assert all(isinstance(e, DirEntry) for e in s.snapshot().values())
+
+
+def test_prune_unowned() -> None:
+    nodes = ["a", "b", "c"]
+    s = DirectoryShard()
+    s.batch_put([(k, entry()) for k in KEYS])
+    ring = HashRing(nodes)
+    gone = s.prune_unowned(ring, "a", 2)
+    assert all("a" not in ring.owners(k, 2) for k in gone)
+    assert all("a" in ring.owners(k, 2) for k in s.snapshot())
+
+
+# ---------------------------------------------------------------------- view
+def test_view_writes_to_all_replicas_and_reads_primary() -> None:
+    nodes = ["a", "b", "c", "d"]
+    cl = Cluster(nodes)
+    ring = HashRing(nodes)
+    view = DirectoryView(ring, cl.call, replicas=2)
+    acks = view.batch_put([(k, entry()) for k in KEYS])
+    assert acks == [2] * len(KEYS)
+    for k in KEYS:
+        holders = {n for n, s in cl.shards.items() if k in s}
+        assert holders == set(ring.owners(k, 2))
+    # one call per owner, not per key
+    assert len([c for c in cl.calls if c[1] == "dir_put"]) == len(nodes)
+    cl.calls.clear()
+    assert view.batch_get(KEYS) == [entry()] * len(KEYS)
+    assert len(cl.calls) == len(nodes)
+
+
+def test_view_falls_back_through_replicas() -> None:
+    nodes = ["a", "b", "c"]
+    cl = Cluster(nodes)
+    ring = HashRing(nodes)
+    view = DirectoryView(ring, cl.call, replicas=2)
+    view.batch_put([(k, entry()) for k in KEYS])
+    cl.down = {"a"}
+    assert view.batch_get(KEYS) == [entry()] * len(KEYS)
+    assert view.get(KEYS[0]) == entry()
+    assert view.failures > 0
+    # both owners of some key down -> a miss, never an exception
+    k = next(k for k in KEYS if set(ring.owners(k, 2)) == {"a", "b"})
+    cl.down = {"a", "b"}
+    assert view.get(k) is None
+    # writes count only the owners that answered
+    assert view.put(k, entry(5)) == 0
+
+
+def test_view_malformed_answers_are_failures() -> None:
+    ring = HashRing(["a", "b"])
+    good = DirectoryShard()
+    good.put("k", entry())
+
+    def call(owner: str, method: str, args: list[Any]) -> Any:
+        if owner == ring.owner("k"):
+            return ["garbage"] * len(args) if method == "dir_get" else "??"
+        return good.dispatch(method, args)
+
+    view = DirectoryView(ring, call, replicas=2)
+    assert view.get("k") == entry()
+    assert view.put("k", entry()) == 1
+
+
+def test_view_miss_fallback_option() -> None:
+    ring = HashRing(["a", "b"])
+    cl = Cluster(["a", "b"])
+    k = KEYS[0]
+    secondary = ring.owners(k, 2)[1]
+    cl.shards[secondary].put(k, entry())
+    assert DirectoryView(ring, cl.call, replicas=2).get(k) is None
+    assert DirectoryView(ring, cl.call, replicas=2, fallback_on_miss=True).get(k) == entry()
+
+
+def test_view_local_shard_short_circuits() -> None:
+    ring = HashRing(["me"])
+    local = DirectoryShard()
+
+    def call(owner: str, method: str, args: list[Any]) -> Any:
+        raise AssertionError("no RPC to self")
+
+    view = DirectoryView(ring, call, replicas=2, local_node="me", local_shard=local)
+    assert view.put("k", entry()) == 1
+    assert view.get("k") == entry()
+    assert view.set_resident("k", False, node="p", generation=1) == 1
+    assert local.get("k") == entry(resident=False)
+    assert view.delete("k", node="p") == 1 and len(local) == 0
+
+
+def test_view_empty_ring_and_bad_args() -> None:
+    view = DirectoryView(HashRing(), lambda o, m, a: None)
+    assert view.get("k") is None and view.put("k", entry()) == 0
+    with pytest.raises(ValueError):
+        DirectoryView(HashRing(), lambda o, m, a: None, replicas=0)
+    with pytest.raises(TypeError):
+        DirectoryView(HashRing(), None)  # type: ignore[arg-type]
+
+
+def test_republish_on_join_and_leave() -> None:
+    nodes = ["a", "b", "c"]
+    cl = Cluster([*nodes, "d"])
+    old = HashRing(nodes)
+    view = DirectoryView(old, cl.call, replicas=2)
+    mine = {k: entry() for k in KEYS}
+    view.batch_put(list(mine.items()))
+
+    new = old.copy()
+    new.add_node("d")
+    plan = republish_plan(mine, old, new, 2)
+    assert set(plan) == {"d"}
+    cl.calls.clear()
+    assert view.republish(mine, old, new) == len(plan["d"])
+    assert cl.calls == [("d", "dir_put")]
+    for k in KEYS:
+        for owner in new.owners(k, 2):
+            assert k in cl.shards[owner], (k, owner)
+    # "d" reads without fallback now that it holds its keys
+    assert view.batch_get(KEYS) == [entry()] * len(KEYS)
+
+    # a node dies: the survivors gain the keys it replicated
+    newer = new.copy()
+    newer.remove_node("a")
+    cl.down = {"a"}
+    view.republish(mine, new, newer)
+    for k in KEYS:
+        for owner in newer.owners(k, 2):
+            assert k in cl.shards[owner]
+    # fresh start: everything goes to all owners
+    fresh = republish_plan(KEYS, None, newer, 2)
+    assert sum(len(v) for v in fresh.values()) == 2 * len(KEYS)
