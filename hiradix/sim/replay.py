@@ -35,7 +35,7 @@ caches whole pages only; the unaligned tail is always recomputed).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -144,10 +144,13 @@ class ReplayStats:
     prompt_tokens: int = 0  # page-aligned prompt tokens: the denominator of token rates
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    l3_hit_tokens: int = 0  # served from L3 storage (0 until the replay goes through an L3 cache)
+    l3_write_tokens: int = 0  # host -> L3 copies
     ideal_hit_tokens: int = 0
     blocks: int = 0  # 512-token blocks: the denominator of block rates
     device_hit_blocks: int = 0
     host_hit_blocks: int = 0
+    l3_hit_blocks: int = 0
     ideal_hit_blocks: int = 0
     load_back_tokens: int = 0  # host -> device copies
     device_demoted_tokens: int = 0  # evicted from the device, kept on the host
@@ -157,10 +160,14 @@ class ReplayStats:
     backup_tokens: int = 0
     backup_skipped_tokens: int = 0  # not backed up: the host was full of unevictable KV
     write_back_failed_tokens: int = 0  # write_back victims left on the device (no host room), per try
+    # L3 prefetch outcomes, one per request that issued a prefetch (all 0 without an L3).
+    prefetch_completed: int = 0  # everything asked for arrived
+    prefetch_partial: int = 0  # stopped early (best_effort / timeout): a shorter L3 hit
+    prefetch_failed: int = 0  # storage error: the tokens were recomputed
 
     @property
     def miss_tokens(self) -> int:
-        return self.prompt_tokens - self.device_hit_tokens - self.host_hit_tokens
+        return self.prompt_tokens - self.device_hit_tokens - self.host_hit_tokens - self.l3_hit_tokens
 
     def rates(self) -> dict[str, float]:
         """Hit rates (0.0 when the denominator is 0)."""
@@ -168,15 +175,17 @@ class ReplayStats:
         def ratio(a: int, b: int) -> float:
             return a / b if b else 0.0
 
-        hit_tokens = self.device_hit_tokens + self.host_hit_tokens
-        hit_blocks = self.device_hit_blocks + self.host_hit_blocks
+        hit_tokens = self.device_hit_tokens + self.host_hit_tokens + self.l3_hit_tokens
+        hit_blocks = self.device_hit_blocks + self.host_hit_blocks + self.l3_hit_blocks
         return {
             "device_token_hit_rate": ratio(self.device_hit_tokens, self.prompt_tokens),
             "host_token_hit_rate": ratio(self.host_hit_tokens, self.prompt_tokens),
+            "l3_token_hit_rate": ratio(self.l3_hit_tokens, self.prompt_tokens),
             "token_hit_rate": ratio(hit_tokens, self.prompt_tokens),
             "ideal_token_hit_rate": ratio(self.ideal_hit_tokens, self.prompt_tokens),
             "device_block_hit_rate": ratio(self.device_hit_blocks, self.blocks),
             "host_block_hit_rate": ratio(self.host_hit_blocks, self.blocks),
+            "l3_block_hit_rate": ratio(self.l3_hit_blocks, self.blocks),
             "block_hit_rate": ratio(hit_blocks, self.blocks),
             "ideal_block_hit_rate": ratio(self.ideal_hit_blocks, self.blocks),
         }
@@ -198,13 +207,48 @@ def hit_blocks(hit: int, prompt: int) -> int:
     return -(-prompt // BLOCK_TOKENS) if hit == prompt else hit // BLOCK_TOKENS
 
 
+PREFETCH_OUTCOMES = ("completed", "partial", "failed")
+"""Values of :attr:`Served.prefetch` other than ``""`` (no prefetch issued)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Served:
-    """What :meth:`Replayer.serve` did for one prompt (tokens)."""
+    """What :meth:`Replayer.serve` did for one prompt (tokens).
+
+    The prompt splits, in order, into ``device_hit`` tokens already on the device,
+    ``host_hit`` tokens loaded back from the host, ``l3_hit`` tokens fetched from L3
+    storage, and a recomputed rest. ``l3_hit`` and ``prefetch`` stay at their defaults
+    until the replay goes through a cache with an L3 tier; ``prefetch`` is then one of
+    :data:`PREFETCH_OUTCOMES` for a request that issued an L3 prefetch.
+    """
 
     device_hit: int
     host_hit: int
     fitted: bool  # False: too large for the device; nothing was inserted
+    l3_hit: int = 0
+    prefetch: str = ""
+
+    def __post_init__(self) -> None:
+        if self.prefetch and self.prefetch not in PREFETCH_OUTCOMES:
+            raise ValueError(f"prefetch must be '' or one of {PREFETCH_OUTCOMES}, got {self.prefetch!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One served request as :meth:`Replayer.replay` reports it to its observer.
+
+    ``prompt`` is the page-aligned prompt length, ``ideal`` the tokens an infinite cache
+    would have hit, and ``device_used`` / ``host_used`` / ``l3_used`` the tokens each tier
+    holds after the request (see :meth:`Replayer.occupancy`).
+    """
+
+    request: TraceRequest
+    prompt: int
+    ideal: int
+    served: Served
+    device_used: int
+    host_used: int
+    l3_used: int = 0
 
 
 class Replayer:
@@ -362,10 +406,15 @@ class Replayer:
         return self.host.alloc(n)
 
     # ------------------------------------------------------------------ replay loop
-    def replay(self, requests: Iterable[TraceRequest]) -> ReplayStats:
+    def replay(
+        self, requests: Iterable[TraceRequest], observer: Callable[[RequestRecord], None] | None = None
+    ) -> ReplayStats:
         """Serve ``requests`` in order, accumulate :attr:`stats` and return them.
 
-        Ends with :meth:`check_slots`. Can be called again to continue the replay.
+        ``observer``, when given, is called with a :class:`RequestRecord` after each
+        request (the per-request input of :mod:`hiradix.sim.timing` and
+        :mod:`hiradix.sim.report`). Ends with :meth:`check_slots`. Can be called again to
+        continue the replay.
         """
         stats = self.stats
         for request in requests:
@@ -381,11 +430,18 @@ class Replayer:
             stats.blocks += len(request.hash_ids)
             stats.device_hit_tokens += served.device_hit
             stats.host_hit_tokens += served.host_hit
+            stats.l3_hit_tokens += served.l3_hit
             stats.ideal_hit_tokens += ideal
             device_blocks = hit_blocks(served.device_hit, n)
+            upper_blocks = hit_blocks(served.device_hit + served.host_hit, n)
             stats.device_hit_blocks += device_blocks
-            stats.host_hit_blocks += hit_blocks(served.device_hit + served.host_hit, n) - device_blocks
+            stats.host_hit_blocks += upper_blocks - device_blocks
+            stats.l3_hit_blocks += hit_blocks(served.device_hit + served.host_hit + served.l3_hit, n) - upper_blocks
             stats.ideal_hit_blocks += hit_blocks(ideal, n)
+            if served.prefetch:
+                setattr(stats, f"prefetch_{served.prefetch}", getattr(stats, f"prefetch_{served.prefetch}") + 1)
+            if observer is not None:
+                observer(RequestRecord(request, n, ideal, served, **self.occupancy()))
             if self.check_every and stats.requests % self.check_every == 0:
                 self.tree.check_invariants()
                 self.check_slots()
@@ -402,6 +458,11 @@ class Replayer:
             seen += 1
         self._seen_blocks.update(hash_ids)
         return min(seen * BLOCK_TOKENS, prompt) // self.page_size * self.page_size
+
+    def occupancy(self) -> dict[str, int]:
+        """Tokens held by each tier now: ``device_used``, ``host_used``, ``l3_used``
+        (always 0 here: this replayer has no L3). ``O(1)``."""
+        return {"device_used": self.device.used, "host_used": self.host.used, "l3_used": 0}
 
     # ------------------------------------------------------------------ checks
     def check_slots(self) -> None:
