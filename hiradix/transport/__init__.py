@@ -1,0 +1,38 @@
+"""Transports: register host memory, read peers' registered memory in batches.
+
+:class:`~hiradix.transport.base.Transport` is the seam; :class:`TcpTransport` runs
+everywhere, :class:`FakeTransport` is an in-process fake NIC for tests.
+"""
+
+from hiradix.transport.auth import AuthError, load_token
+from hiradix.transport.base import (
+    Capabilities,
+    InjectedFault,
+    ReadOp,
+    Region,
+    RegionBusyError,
+    Status,
+    Transport,
+    TransportError,
+    TransportStats,
+)
+from hiradix.transport.fake import FakeClock, FakeFabric, FakeTransport
+from hiradix.transport.tcp import TcpTransport
+
+__all__ = [
+    "AuthError",
+    "Capabilities",
+    "FakeClock",
+    "FakeFabric",
+    "FakeTransport",
+    "InjectedFault",
+    "ReadOp",
+    "Region",
+    "RegionBusyError",
+    "Status",
+    "TcpTransport",
+    "Transport",
+    "TransportError",
+    "TransportStats",
+    "load_token",
+]
