@@ -13,6 +13,7 @@ from setuptools import Extension, setup
 # (module, sources). Every extension is built with the same directives and flags.
 EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix._core", ["hiradix/_core.pyx"]),
+    ("hiradix.memory._gather", ["hiradix/memory/_gather.pyx"]),
 ]
 
 

@@ -24,17 +24,28 @@ advanced indexing over :meth:`HostKVPool.get_page_layer_view` (``[pages, page_si
 *shape]``, strided for the page-first layouts), indexed by whole pages when the host
 indices are whole aligned pages and by ``(page, offset)`` pairs otherwise. The torch ops
 release the GIL in their kernels; the worker holds it only between ops.
+
+For CPU pools :class:`ThreadCopyEngine` uses the compiled row copy
+:func:`hiradix.memory._gather.copy_rows` instead, when it is built (and
+``HIRADIX_PUREPYTHON`` is not set): each (layer, component) is one call that moves
+``row_bytes``-sized token rows between the two pools' backing storage at byte offsets
+computed once per operation, merging rows contiguous on both sides into one ``memcpy`` and
+running without the GIL. No temporary is made: a gather and a scatter in torch are two
+passes over the data through an intermediate tensor, this is one.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
@@ -48,6 +59,16 @@ __all__ = [
     "ThreadCopyEngine",
     "make_copy_engine",
 ]
+
+_gather: Any = None
+if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
+    try:
+        from hiradix.memory import _gather as _gather
+    except ImportError:  # not built (no compiler): the torch path does the copies
+        _gather = None
+
+NATIVE_AVAILABLE = _gather is not None
+"""Whether the compiled row copy (:mod:`hiradix.memory._gather`) is in use for CPU pools."""
 
 LayerHook = Callable[[str, int, int], None]
 """``hook(kind, op_id, layer)``: called by the worker before it copies ``layer`` of
@@ -191,9 +212,11 @@ def _check_range(t: torch.Tensor, hi: int, name: str) -> None:
         raise IndexError(f"{name} out of range [0, {hi}): min {int(t.min())}, max {int(t.max())}")
 
 
-def _prepare(
+def _validate(
     device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
-) -> tuple[torch.Tensor, _HostIndex]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked, owned int64 copies of the indices: device ones on the pool's device, host
+    ones on the CPU."""
     if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
         raise TypeError("expected a DeviceKVPool and a HostKVPool")
     if device_pool.shape.components != host_pool.shape.components or device_pool.layer_num != host_pool.layer_num:
@@ -208,15 +231,24 @@ def _prepare(
         _check_range(dev, device_pool.total_slots, "device_indices")
     _check_range(host, host_pool.size, "host_indices")
     # Own the indices: the caller may reuse its tensors while the copy is queued.
-    dev = dev.to(device_pool.device).clone()
-    ps = host_pool.page_size
+    return dev.to(device_pool.device).clone(), host.clone()
+
+
+def _prepare(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+) -> tuple[torch.Tensor, _HostIndex]:
+    dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
+    return dev, _host_index(host, host_pool.page_size)
+
+
+def _host_index(host: torch.Tensor, ps: int) -> _HostIndex:
     n = host.numel()
     if n % ps == 0:
         rows = host.view(-1, ps)
         starts = rows[:, 0]
         if bool((starts % ps == 0).all()) and bool((rows == starts[:, None] + torch.arange(ps)).all()):
-            return dev, _HostIndex(n, (starts // ps).clone(), None, None)
-    return dev, _HostIndex(n, None, host // ps, host % ps)
+            return _HostIndex(n, starts // ps, None, None)
+    return _HostIndex(n, None, host // ps, host % ps)
 
 
 def _host_gather(view: torch.Tensor, hidx: _HostIndex) -> torch.Tensor:
@@ -246,6 +278,143 @@ def _load_layer(
 ) -> None:
     for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
         dbuf.index_copy_(0, dev, _host_gather(hview, hidx).to(dbuf.device))
+
+
+# ----------------------------------------------------------------------------- compiled row copies
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """One (layer, component) buffer of a pool, as bytes of its backing storage. Slot
+    ``s``'s row of :attr:`row_bytes` bytes starts at byte
+    ``base + (s // page_size) * page_stride + (s % page_size) * slot_stride`` of :attr:`buf`
+    (for a device buffer ``page_size`` is 1 and only ``page_stride`` is used)."""
+
+    buf: np.ndarray  # uint8 view of the whole storage; keeps it alive
+    base: int
+    page_stride: int
+    slot_stride: int
+    row_bytes: int
+
+
+def _storage_bytes(t: torch.Tensor) -> np.ndarray:
+    # The whole storage, not the view: page-first layer views are strided over all of it.
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def _rows_contiguous(t: torch.Tensor, lead: int) -> bool:
+    """Whether each row ``t[i_0, .., i_lead-1]`` is one contiguous run of elements."""
+    expect = 1
+    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:]), strict=True):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _device_regions(pool: DeviceKVPool) -> list[list[_Region]] | None:
+    if pool.device.type != "cpu":
+        return None
+    out = []
+    for layer in range(pool.layer_num):
+        regions = []
+        for buf in pool.layer_buffers(layer):
+            if not _rows_contiguous(buf, 1):
+                return None
+            isz = buf.element_size()
+            row = buf[0].numel() * isz
+            regions.append(_Region(_storage_bytes(buf), int(buf.storage_offset()) * isz, buf.stride(0) * isz, 0, row))
+        out.append(regions)
+    return out
+
+
+def _host_regions(pool: HostKVPool) -> list[list[_Region]] | None:
+    out = []
+    for layer in range(pool.layer_num):
+        regions = []
+        for view in pool.get_page_layer_view(layer):  # [pages, page_size, *shape]
+            if view.device.type != "cpu" or not _rows_contiguous(view, 2):
+                return None
+            isz = view.element_size()
+            row = view[0, 0].numel() * isz
+            regions.append(
+                _Region(
+                    _storage_bytes(view),
+                    int(view.storage_offset()) * isz,
+                    view.stride(0) * isz,
+                    view.stride(1) * isz,
+                    row,
+                )
+            )
+        out.append(regions)
+    return out
+
+
+# Per pool, computed once: a pool's buffers are allocated in its constructor and never
+# replaced. Weak keys, so a cached plan never keeps a dropped pool's memory alive.
+_REGIONS: weakref.WeakKeyDictionary[Any, list[list[_Region]] | None] = weakref.WeakKeyDictionary()
+_REGIONS_LOCK = threading.Lock()
+
+
+def _regions(pool: DeviceKVPool | HostKVPool) -> list[list[_Region]] | None:
+    """The pool's regions per layer and component, or ``None`` where the compiled copy
+    cannot address it (not on the CPU, or rows not contiguous)."""
+    with _REGIONS_LOCK:
+        try:
+            return _REGIONS[pool]
+        except KeyError:
+            pass
+    plan = _device_regions(pool) if isinstance(pool, DeviceKVPool) else _host_regions(pool)
+    with _REGIONS_LOCK:
+        _REGIONS[pool] = plan
+    return plan
+
+
+@dataclass(frozen=True, slots=True)
+class _RowPlan:
+    """One operation's rows for :func:`_gather.copy_rows`: byte offsets per component
+    (the same for every layer; the layer moves only each region's ``base``)."""
+
+    dev: list[list[_Region]]
+    host: list[list[_Region]]
+    dev_off: tuple[np.ndarray, ...]
+    host_off: tuple[np.ndarray, ...]
+    align: int
+
+
+def _row_plan(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor
+) -> _RowPlan | None:
+    """The compiled-copy plan for validated indices, or ``None`` to use the torch path.
+
+    Runtime complexity: ``O(n x components)`` to compute the offsets (vectorized).
+    """
+    if _gather is None or dev.device.type != "cpu":
+        return None
+    dregs, hregs = _regions(device_pool), _regions(host_pool)
+    if dregs is None or hregs is None:
+        return None
+    ps = host_pool.page_size
+    dev_off, host_off = [], []
+    for c, (d, h) in enumerate(zip(dregs[0], hregs[0], strict=True)):
+        # Strides must not change with the layer, or one offset array would not serve all.
+        if any((r[c].page_stride, r[c].row_bytes) != (d.page_stride, d.row_bytes) for r in dregs) or any(
+            (r[c].page_stride, r[c].slot_stride) != (h.page_stride, h.slot_stride) for r in hregs
+        ):
+            return None
+        if d.row_bytes != h.row_bytes:
+            raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
+        dev_off.append((dev * d.page_stride).numpy())
+        host_off.append(((host // ps) * h.page_stride + (host % ps) * h.slot_stride).numpy())
+    return _RowPlan(dregs, hregs, tuple(dev_off), tuple(host_off), device_pool.itemsize)
+
+
+def _native_backup_layer(plan: _RowPlan, layer: int) -> None:
+    for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
+        _gather.copy_rows(h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, d.row_bytes, plan.align)
+
+
+def _native_load_layer(plan: _RowPlan, layer: int) -> None:
+    for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
+        _gather.copy_rows(d.buf, plan.dev_off[c], d.base, h.buf, plan.host_off[c], h.base, d.row_bytes, plan.align)
 
 
 # ----------------------------------------------------------------------------- engines
@@ -294,6 +463,11 @@ class ThreadCopyEngine(CopyEngine):
     layer. An exception in an operation (from a copy or the hook) fails that operation
     only: its waiters are released with a :class:`CopyError` and the next operation runs.
 
+    ``native`` picks how CPU pools are copied: ``None`` (the default) uses the compiled
+    GIL-free row copy when it is built (:data:`NATIVE_AVAILABLE`), ``False`` always uses
+    torch indexing, ``True`` requires the compiled copy (``RuntimeError`` otherwise). Pools
+    on other devices always take the torch path. The bytes that land are the same either way.
+
     >>> from hiradix.memory import MHAShape
     >>> dev = DeviceKVPool(MHAShape(2, 1, 4), size=4, page_size=2, dtype=torch.float32)
     >>> host = HostKVPool.for_device(dev, ratio=1.0, reserve_bytes=0)
@@ -307,7 +481,15 @@ class ThreadCopyEngine(CopyEngine):
     8.0
     """
 
-    def __init__(self, *, layer_hook: LayerHook | None = None, name: str = "hiradix-copy") -> None:
+    def __init__(
+        self, *, layer_hook: LayerHook | None = None, name: str = "hiradix-copy", native: bool | None = None
+    ) -> None:
+        if native and not NATIVE_AVAILABLE:
+            raise RuntimeError(
+                "native=True but the compiled row copy hiradix.memory._gather is not in use "
+                "(not built, or HIRADIX_PUREPYTHON is set)"
+            )
+        self.native = NATIVE_AVAILABLE if native is None else bool(native)
         self._hook = layer_hook
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed/_next_id; submission order = queue order
@@ -328,7 +510,11 @@ class ThreadCopyEngine(CopyEngine):
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
-        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
+        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
+        if plan is not None:
+            return self._submit("backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer))
+        hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "backup", device_pool.layer_num, lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
         )
@@ -336,7 +522,11 @@ class ThreadCopyEngine(CopyEngine):
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
     ) -> LoadHandle:
-        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
+        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
+        if plan is not None:
+            return self._submit("load", device_pool.layer_num, lambda layer: _native_load_layer(plan, layer))
+        hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "load", device_pool.layer_num, lambda layer: _load_layer(host_pool, device_pool, hidx, dev, layer)
         )

@@ -1,0 +1,16 @@
+"""Typed stub of the compiled row copy (:mod:`hiradix.memory._gather`)."""
+
+from typing import Any
+
+NOGIL_MIN_BYTES: int
+
+def copy_rows(
+    dst: Any,
+    dst_offsets: Any,
+    dst_base: int,
+    src: Any,
+    src_offsets: Any,
+    src_base: int,
+    row_bytes: int,
+    align: int = ...,
+) -> int: ...

@@ -1,0 +1,229 @@
+# cython: language_level=3
+"""GIL-free row copies between CPU byte buffers: the gather/scatter under the copy engine.
+
+One primitive, :func:`copy_rows`. For each ``i`` it copies ``row_bytes`` bytes::
+
+    dst[dst_base + dst_offsets[i] : ... + row_bytes] = src[src_base + src_offsets[i] : ... + row_bytes]
+
+Every KV transfer between a device pool and a host pool is this shape: one row is one
+token's KV of one (layer, component), and the offsets say where that token sits in each
+layout (see :mod:`hiradix.memory.copy`). Rows that follow each other on *both* sides
+(``offsets[i + 1] == offsets[i] + row_bytes``) are merged into one ``memcpy``, so a whole
+page that is contiguous on both sides costs one call however many tokens it holds.
+
+It is kept out of the tree core (``hiradix._core``) on purpose: the tree does no I/O.
+
+Contract:
+
+- Everything is validated before the first byte moves: buffer types, lengths, and every
+  row against the buffer it lands in, with arithmetic that cannot overflow. A bad request
+  raises and leaves ``dst`` untouched.
+- The copy runs without the GIL (``with nogil``) once it moves at least
+  :data:`NOGIL_MIN_BYTES`; below that, dropping and retaking the GIL costs more than the
+  copy and can stall the caller behind another thread's switch interval.
+- Rows are copied in order, so a later row that writes the same bytes as an earlier one
+  wins. When ``dst`` and ``src`` overlap in memory every run is a ``memmove``.
+"""
+
+cimport cython
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.string cimport memcpy, memmove
+
+NOGIL_MIN_BYTES = 1 << 16
+cdef int64_t _NOGIL_MIN = NOGIL_MIN_BYTES
+
+
+cdef object _byte_buffer(object obj, str name, bint writable):
+    """``obj`` as a C-contiguous 1-D uint8 memoryview, or a clear ``TypeError``."""
+    cdef uint8_t[::1] rw
+    cdef const uint8_t[::1] ro
+    try:
+        if writable:
+            rw = obj
+            return rw
+        ro = obj
+        return ro
+    except (TypeError, ValueError, BufferError) as exc:
+        kind = "writable " if writable else ""
+        raise TypeError(
+            f"{name} must be a {kind}C-contiguous 1-D uint8 buffer (for a CPU tensor: "
+            f"t.view(torch.uint8).numpy()), got {type(obj).__name__}: {exc}"
+        ) from None
+
+
+cdef object _offsets(object obj, str name):
+    cdef const int64_t[::1] off
+    try:
+        off = obj
+    except (TypeError, ValueError, BufferError) as exc:
+        raise TypeError(
+            f"{name} must be a C-contiguous 1-D int64 buffer (numpy int64 array), got {type(obj).__name__}: {exc}"
+        ) from None
+    return off
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline Py_ssize_t _first_bad(const int64_t* off, Py_ssize_t n, int64_t limit,
+                                  int64_t mask) noexcept nogil:
+    """Index of the first offset outside ``[0, limit]`` or not a multiple of ``mask + 1``,
+    or ``-1``. ``limit`` is the largest start a row may have: no sum is ever formed."""
+    cdef Py_ssize_t i
+    cdef int64_t o
+    for i in range(n):
+        o = off[i]
+        if o < 0 or o > limit or (o & mask) != 0:
+            return i
+    return -1
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, const int64_t* soff,
+                      Py_ssize_t n, int64_t row, bint overlap) noexcept nogil:
+    """Copy ``n`` validated rows, merging runs contiguous on both sides; returns the number
+    of ``memcpy`` calls. ``d + length`` stays within the buffer: every row of a run was
+    checked to end inside it."""
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t j
+    cdef Py_ssize_t runs = 0
+    cdef int64_t d, s, length
+    while i < n:
+        d = doff[i]
+        s = soff[i]
+        length = row
+        j = i + 1
+        while j < n and doff[j] == d + length and soff[j] == s + length:
+            length += row
+            j += 1
+        if overlap:
+            memmove(dst + d, src + s, <size_t>length)
+        else:
+            memcpy(dst + d, src + s, <size_t>length)
+        runs += 1
+        i = j
+    return runs
+
+
+def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_t src_base,
+              Py_ssize_t row_bytes, Py_ssize_t align=1):
+    """Copy ``len(dst_offsets)`` rows of ``row_bytes`` bytes from ``src`` to ``dst``.
+
+    Row ``i`` goes from byte ``src_base + src_offsets[i]`` of ``src`` to byte
+    ``dst_base + dst_offsets[i]`` of ``dst``. Rows contiguous on both sides are merged
+    into one ``memcpy``. The copy runs without the GIL once it moves
+    :data:`NOGIL_MIN_BYTES` or more.
+
+    Parameters
+    ----------
+    dst:
+        Writable, C-contiguous 1-D uint8 buffer (a numpy array, ``bytearray``, or a CPU
+        tensor's ``t.view(torch.uint8).numpy()``).
+    dst_offsets, src_offsets:
+        C-contiguous 1-D int64 arrays of equal length: byte offsets of the rows,
+        relative to ``dst_base`` / ``src_base``. Must be ``>= 0``.
+    dst_base, src_base:
+        Byte offset added to every row (e.g. the start of one layer's region), ``>= 0``.
+    src:
+        C-contiguous 1-D uint8 buffer (read only is fine).
+    row_bytes:
+        Bytes per row, ``>= 0``.
+    align:
+        Element size of the data (a power of two). ``row_bytes``, both bases and every
+        offset must be multiples of it, which catches offsets computed in elements
+        instead of bytes.
+
+    Returns
+    -------
+    int
+        The number of ``memcpy`` calls made (runs after merging).
+
+    Raises
+    ------
+    TypeError
+        A buffer or an offset array of the wrong type, dtype, shape or contiguity.
+    ValueError
+        Mismatched lengths, a negative or misaligned size or base.
+    IndexError
+        A row that would start before or end after its buffer.
+
+    Nothing is copied when anything raises.
+
+    Runtime complexity: ``O(n + n x row_bytes)``: one pass to validate, one to copy.
+
+    >>> import numpy as np
+    >>> src = np.arange(16, dtype=np.uint8)
+    >>> dst = np.zeros(8, dtype=np.uint8)
+    >>> copy_rows(dst, np.array([0, 2, 4]), 0, src, np.array([12, 14, 2]), 0, 2)
+    2
+    >>> dst.tolist()
+    [12, 13, 14, 15, 2, 3, 0, 0]
+    """
+    cdef uint8_t[::1] d = _byte_buffer(dst, "dst", True)
+    cdef const uint8_t[::1] s = _byte_buffer(src, "src", False)
+    cdef const int64_t[::1] doff = _offsets(dst_offsets, "dst_offsets")
+    cdef const int64_t[::1] soff = _offsets(src_offsets, "src_offsets")
+    cdef Py_ssize_t n = doff.shape[0]
+    if soff.shape[0] != n:
+        raise ValueError(f"dst_offsets has {n} rows but src_offsets has {soff.shape[0]}")
+    if align < 1 or (align & (align - 1)) != 0:
+        raise ValueError(f"align must be a power of two, got {align}")
+    if row_bytes < 0 or row_bytes % align:
+        raise ValueError(f"row_bytes must be a non-negative multiple of align={align}, got {row_bytes}")
+    if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
+        raise ValueError(
+            f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
+        )
+    if n == 0 or row_bytes == 0:
+        return 0
+    cdef Py_ssize_t dlen = d.shape[0]
+    cdef Py_ssize_t slen = s.shape[0]
+    # Largest valid row start relative to the base, formed without overflow: every operand
+    # is non-negative and each subtraction is checked to stay so.
+    if row_bytes > dlen or dst_base > dlen - row_bytes:
+        raise IndexError(f"dst has {dlen} bytes: no room for a {row_bytes}-byte row at base {dst_base}")
+    if row_bytes > slen or src_base > slen - row_bytes:
+        raise IndexError(f"src has {slen} bytes: no room for a {row_bytes}-byte row at base {src_base}")
+    cdef int64_t dlimit = dlen - row_bytes - dst_base
+    cdef int64_t slimit = slen - row_bytes - src_base
+    cdef int64_t mask = align - 1
+    cdef uint8_t* dp = &d[0] + dst_base
+    cdef const uint8_t* sp = &s[0] + src_base
+    cdef const int64_t* dop = &doff[0]
+    cdef const int64_t* sop = &soff[0]
+    cdef uintptr_t d0 = <uintptr_t>&d[0]
+    cdef uintptr_t s0 = <uintptr_t>&s[0]
+    cdef bint overlap = d0 < s0 + <uintptr_t>slen and s0 < d0 + <uintptr_t>dlen
+    cdef Py_ssize_t bad_d = -1
+    cdef Py_ssize_t bad_s = -1
+    cdef Py_ssize_t runs = 0
+    # n * row_bytes may overflow for absurd inputs, but then the rows cannot all be in
+    # bounds; the comparison only picks GIL or no GIL.
+    cdef bint release = n >= (_NOGIL_MIN + row_bytes - 1) // row_bytes
+    if release:
+        with nogil:
+            bad_d = _first_bad(dop, n, dlimit, mask)
+            if bad_d < 0:
+                bad_s = _first_bad(sop, n, slimit, mask)
+                if bad_s < 0:
+                    runs = _copy(dp, dop, sp, sop, n, row_bytes, overlap)
+    else:
+        bad_d = _first_bad(dop, n, dlimit, mask)
+        if bad_d < 0:
+            bad_s = _first_bad(sop, n, slimit, mask)
+            if bad_s < 0:
+                runs = _copy(dp, dop, sp, sop, n, row_bytes, overlap)
+    if bad_d >= 0:
+        _raise_bad("dst", bad_d, doff[bad_d], dst_base, row_bytes, dlen, align)
+    if bad_s >= 0:
+        _raise_bad("src", bad_s, soff[bad_s], src_base, row_bytes, slen, align)
+    return runs
+
+
+cdef int _raise_bad(str name, Py_ssize_t i, int64_t off, Py_ssize_t base, Py_ssize_t row,
+                    Py_ssize_t length, Py_ssize_t align) except -1:
+    if off >= 0 and off % align:
+        raise ValueError(f"{name}_offsets[{i}] = {off} is not a multiple of align={align}")
+    raise IndexError(
+        f"{name}_offsets[{i}] = {off}: a {row}-byte row at base {base} does not fit in {name}'s {length} bytes"
+    )
