@@ -1,0 +1,500 @@
+"""Control-plane RPC: length-prefixed msgpack frames over authenticated TCP.
+
+Every connection starts with the cluster-token handshake of :mod:`hiradix.transport.auth`
+(context ``b"rpc"``). After it, each message is one frame::
+
+    frame    = length u32 (big-endian) || msgpack body            length <= max_frame
+    request  = [0, req_id, method, args (array), kwargs (map with str keys)]
+    response = [1, req_id, error, result]        error = nil | [code (str), message (str)]
+
+Nothing is ever pickled: a body is plain msgpack data, checked for shape before use, and
+errors travel as ``(code, message)`` pairs. Both sides enforce ``max_frame``.
+
+The client leases one pooled connection per call (at most ``max_connections_per_peer``
+per peer), so concurrent calls to one owner run concurrently on separate connections and
+separate server threads. A connection that saw a timeout, a socket error or a protocol
+error is closed, never reused; a remote error reply leaves it usable.
+
+Server error codes: ``no_such_method``, ``bad_params``, ``malformed``,
+``frame_too_large``, ``internal``, or whatever code a handler raises with
+:class:`RpcError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
+from hiradix.transport.base import ChannelPool, parse_peer
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "FrameError",
+    "Request",
+    "Response",
+    "RpcClient",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcServer",
+    "RpcTimeout",
+    "decode_request",
+    "decode_response",
+    "encode_frame",
+    "split_frames",
+]
+
+#: Default cap on one frame's body, in bytes (both directions).
+DEFAULT_MAX_FRAME = 16 << 20
+_MAX_METHOD = 256
+_MAX_ID = (1 << 63) - 1
+_LEN = struct.Struct(">I")
+_REQUEST, _RESPONSE = 0, 1
+_AUTH_CONTEXT = b"rpc"
+
+
+class FrameError(ValueError):
+    """A frame or message that does not follow the protocol."""
+
+
+class RpcError(Exception):
+    """A structured error: raised by handlers to reply with a code, raised by
+    :meth:`RpcClient.call` when the server replied with one."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+
+
+class RpcTimeout(TimeoutError):
+    """The call's deadline passed (the connection is closed)."""
+
+
+class RpcConnectionError(ConnectionError):
+    """Could not connect or authenticate, or the connection broke mid-call."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A decoded request."""
+
+    req_id: int
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A decoded response; ``error`` is ``(code, message)`` or ``None``."""
+
+    req_id: int | None
+    error: tuple[str, str] | None
+    result: Any
+
+
+def encode_frame(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """Length-prefix the msgpack encoding of ``message``; ``FrameError`` if it is too big
+    and ``TypeError`` if it holds something msgpack cannot encode.
+
+    >>> encode_frame([1, 2])[:4]
+    b'\\x00\\x00\\x00\\x03'
+    """
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameError(f"frame of {len(body)} bytes exceeds max_frame={max_frame}")
+    return _LEN.pack(len(body)) + body
+
+
+def split_frames(buf: bytes | bytearray | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[list[bytes], int]:
+    """Cut the complete frames out of ``buf``: their bodies, and how many bytes they used
+    (the rest is an incomplete frame). ``FrameError`` when a length exceeds ``max_frame``.
+
+    Runtime complexity: ``O(len(buf))``.
+
+    >>> split_frames(encode_frame("a") + b"\\x00\\x00")
+    ([b'\\xa1a'], 6)
+    """
+    view = memoryview(buf)
+    out: list[bytes] = []
+    pos = 0
+    while len(view) - pos >= _LEN.size:
+        (n,) = _LEN.unpack_from(view, pos)
+        if n > max_frame:
+            raise FrameError(f"frame length {n} exceeds max_frame={max_frame}")
+        if len(view) - pos - _LEN.size < n:
+            break
+        out.append(bytes(view[pos + _LEN.size : pos + _LEN.size + n]))
+        pos += _LEN.size + n
+    return out, pos
+
+
+def _unpack(body: bytes) -> list[Any]:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise FrameError(f"body is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(msg, list) or not msg:
+        raise FrameError("message must be a non-empty array")
+    return msg
+
+
+def _check_id(req_id: Any) -> int:
+    if type(req_id) is not int or not 0 <= req_id <= _MAX_ID:
+        raise FrameError("request id must be an int in [0, 2**63)")
+    return req_id
+
+
+def decode_request(body: bytes) -> Request:
+    """Parse and shape-check a request body; ``FrameError`` on anything else."""
+    msg = _unpack(body)
+    if len(msg) != 5 or msg[0] != _REQUEST:
+        raise FrameError("request must be [0, id, method, args, kwargs]")
+    _, req_id, method, args, kwargs = msg
+    _check_id(req_id)
+    if not isinstance(method, str) or not 0 < len(method) <= _MAX_METHOD:
+        raise FrameError("method must be a non-empty str")
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise FrameError("args must be an array and kwargs a map")
+    if not all(isinstance(k, str) for k in kwargs):
+        raise FrameError("kwargs keys must be str")
+    return Request(req_id, method, args, kwargs)
+
+
+def decode_response(body: bytes) -> Response:
+    """Parse and shape-check a response body; ``FrameError`` on anything else."""
+    msg = _unpack(body)
+    if len(msg) != 4 or msg[0] != _RESPONSE:
+        raise FrameError("response must be [1, id, error, result]")
+    _, req_id, error, result = msg
+    if req_id is not None:
+        _check_id(req_id)
+    if error is not None:
+        if (
+            not isinstance(error, list)
+            or len(error) != 2
+            or not isinstance(error[0], str)
+            or not isinstance(error[1], str)
+        ):
+            raise FrameError("error must be nil or [code, message]")
+        return Response(req_id, (error[0], error[1]), None)
+    return Response(req_id, None, result)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or ``None`` on EOF before the first; ``ConnectionError`` on a torn read."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError("connection closed mid-frame")
+        got += k
+    return bytes(buf)
+
+
+class RpcServer:
+    """A threaded RPC server: one thread per authenticated connection.
+
+    Parameters
+    ----------
+    token:
+        Cluster token; ``None`` reads ``$HIRADIX_CLUSTER_TOKEN``.
+    host, port:
+        Bind address; loopback and an ephemeral port by default.
+    max_frame:
+        Largest frame body accepted or sent.
+    frame_timeout:
+        Seconds a started frame may take to arrive completely.
+    idle_timeout:
+        Seconds an idle connection is kept.
+    """
+
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_connections: int = 1024,
+        handshake_timeout: float = 5.0,
+        frame_timeout: float = 10.0,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(max_frame, int) or max_frame < 16:
+            raise ValueError(f"max_frame must be an int >= 16, got {max_frame!r}")
+        self._token = load_token(token)
+        self.max_frame = max_frame
+        self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        self.frame_timeout = frame_timeout
+        self.idle_timeout = idle_timeout
+        self._methods: dict[str, Callable[..., Any]] = {}
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener.settimeout(0.25)  # the accept loop re-checks the close flag this often
+        h, p = self._listener.getsockname()[:2]
+        self.address = f"{h}:{p}"
+        self._thread = threading.Thread(target=self._accept_loop, name=f"rpc-accept-{p}", daemon=True)
+        self._thread.start()
+
+    def register(self, name: str, fn: Callable[..., Any]) -> None:
+        """Serve ``fn`` as ``name``; its arguments and result must be msgpack data."""
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_METHOD:
+            raise ValueError(f"method name must be a str of 1..{_MAX_METHOD} chars, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"handler for {name!r} is not callable")
+        with self._lock:
+            self._methods[name] = fn
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            with self._lock:
+                if len(self._conns) >= self.max_connections or self._closed.is_set():
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="rpc-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            server_handshake(conn, self._token, _AUTH_CONTEXT, self.handshake_timeout)
+            while not self._closed.is_set():
+                conn.settimeout(self.idle_timeout)
+                head = _recv_exact(conn, _LEN.size)
+                if head is None:
+                    return
+                (n,) = _LEN.unpack(head)
+                if n > self.max_frame:
+                    # The stream is no longer trustworthy: say why, then hang up.
+                    self._reply(conn, None, ("frame_too_large", f"{n} > {self.max_frame}"), None)
+                    return
+                conn.settimeout(self.frame_timeout)
+                body = _recv_exact(conn, n) if n else b""
+                if body is None:
+                    return
+                try:
+                    req = decode_request(body)
+                except FrameError as e:
+                    self._reply(conn, None, ("malformed", str(e)), None)
+                    continue
+                error, result = self._dispatch(req)
+                self._reply(conn, req.req_id, error, result)
+        except (OSError, AuthError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _dispatch(self, req: Request) -> tuple[tuple[str, str] | None, Any]:
+        with self._lock:
+            fn = self._methods.get(req.method)
+        if fn is None:
+            return ("no_such_method", req.method), None
+        try:
+            inspect.signature(fn).bind(*req.args, **req.kwargs)
+        except TypeError as e:
+            return ("bad_params", str(e)), None
+        except ValueError:
+            pass  # builtins without a signature: let the call decide
+        try:
+            return None, fn(*req.args, **req.kwargs)
+        except RpcError as e:
+            return (e.code, e.message), None
+        except Exception as e:  # a handler bug becomes a structured reply, not a dead server
+            return ("internal", f"{type(e).__name__}: {e}"), None
+
+    def _reply(self, conn: socket.socket, req_id: int | None, error: tuple[str, str] | None, result: Any) -> None:
+        try:
+            frame = encode_frame([_RESPONSE, req_id, list(error) if error else None, result], self.max_frame)
+        except (TypeError, ValueError, OverflowError) as e:
+            frame = encode_frame([_RESPONSE, req_id, ["internal", f"unencodable result: {e}"], None])
+        conn.sendall(frame)
+
+    def close(self) -> None:
+        """Stop accepting and close every connection. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2.0)
+
+    def __enter__(self) -> RpcServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Conn:
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+
+class RpcClient:
+    """Calls methods on :class:`RpcServer` peers over pooled, authenticated connections.
+
+    Parameters
+    ----------
+    token:
+        Cluster token; ``None`` reads ``$HIRADIX_CLUSTER_TOKEN``.
+    max_connections_per_peer:
+        Concurrent calls to one peer beyond this wait for a free connection.
+    timeout:
+        Default per-call deadline in seconds (connect, send, wait, receive).
+    """
+
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        *,
+        max_connections_per_peer: int = 16,
+        timeout: float = 5.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self._token = load_token(token)
+        self.timeout = float(timeout)
+        self.max_frame = max_frame
+        self._pool: ChannelPool[_Conn] = ChannelPool(self._connect, self._close_conn, max_connections_per_peer)
+        self._ids = iter(range(1, _MAX_ID))
+        self._id_lock = threading.Lock()
+        self._connect_timeout = self.timeout
+
+    def open_connections(self, peer: str) -> int:
+        """Connections currently open to ``peer``."""
+        return self._pool.open_count(peer)
+
+    def _connect(self, peer: str) -> _Conn:
+        host, port = parse_peer(peer)
+        try:
+            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+        except OSError as e:
+            raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, self._token, _AUTH_CONTEXT, self._connect_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return _Conn(sock)
+
+    @staticmethod
+    def _close_conn(c: _Conn) -> None:
+        with contextlib.suppress(OSError):
+            c.sock.shutdown(socket.SHUT_RDWR)
+        c.sock.close()
+
+    def call(self, peer: str, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call ``method(*args, **kwargs)`` on ``peer`` (``"host:port"``) and return its result.
+
+        Raises
+        ------
+        RpcError
+            The server replied with a structured error (``.code``, ``.message``).
+        RpcTimeout
+            ``timeout`` (default: the client's) passed.
+        RpcConnectionError
+            Connecting, authenticating or the connection failed.
+        FrameError
+            The request is larger than ``max_frame``.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._id_lock:
+            req_id = next(self._ids)
+        frame = encode_frame([_REQUEST, req_id, method, list(args), kwargs], self.max_frame)
+        try:
+            conn = self._pool.lease(peer, timeout)
+        except TimeoutError:
+            raise RpcTimeout(f"no free connection to {peer} within {timeout}s") from None
+        except AuthError as e:
+            raise RpcConnectionError(f"{peer}: {e}") from None
+        except OSError as e:
+            if isinstance(e, TimeoutError):
+                raise RpcTimeout(f"connecting to {peer} timed out") from None
+            raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
+        ok = False
+        try:
+            resp = self._exchange(conn.sock, frame, deadline)
+            if resp.req_id != req_id:
+                raise RpcConnectionError(f"{peer} answered request {resp.req_id}, expected {req_id}")
+            ok = True
+        except TimeoutError:
+            raise RpcTimeout(f"{method} on {peer} timed out after {timeout}s") from None
+        except FrameError as e:
+            raise RpcConnectionError(f"{peer} sent a bad frame: {e}") from None
+        except OSError as e:
+            if isinstance(e, RpcConnectionError):
+                raise
+            raise RpcConnectionError(f"connection to {peer} broke: {e}") from None
+        finally:
+            self._pool.give_back(peer, conn, ok)
+        if resp.error is not None:
+            raise RpcError(*resp.error)
+        return resp.result
+
+    def _exchange(self, sock: socket.socket, frame: bytes, deadline: float) -> Response:
+        def left() -> float:
+            r = deadline - time.monotonic()
+            if r <= 0:
+                raise TimeoutError
+            return r
+
+        sock.settimeout(left())
+        sock.sendall(frame)
+        sock.settimeout(left())
+        head = _recv_exact(sock, _LEN.size)
+        if head is None:
+            raise ConnectionError("server closed the connection")
+        (n,) = _LEN.unpack(head)
+        if n > self.max_frame:
+            raise FrameError(f"response of {n} bytes exceeds max_frame={self.max_frame}")
+        sock.settimeout(left())
+        body = _recv_exact(sock, n) if n else b""
+        if body is None:
+            raise ConnectionError("server closed the connection")
+        return decode_response(body)
+
+    def close(self) -> None:
+        """Close idle connections; calls in flight close theirs when they finish."""
+        self._pool.close()
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
