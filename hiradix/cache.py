@@ -1,0 +1,478 @@
+"""HiRadixCache: the tree, the KV pools and the controller behind SGLang-shaped methods.
+
+The tree (:class:`hiradix.HiRadixTree`) decides: which prefix matches, which nodes to back
+up, which leaves to evict. This class acts on those decisions: it allocates and frees
+device and host slots, queues copies on the :class:`~hiradix.controller.HiCacheController`,
+and completes the tree's two-phase transfers when the copies are acknowledged.
+
+Method names and semantics follow SGLang 0.5.18's ``HiRadixCache`` so that an adapter stays
+thin: ``match_prefix``, ``insert``, ``cache_finished_req`` / ``cache_unfinished_req``,
+``write_backup``, ``writing_check``, ``loading_check``, ``init_load_back`` / ``load_back``,
+``ready_to_load_host_cache``, ``check_hicache_events``, ``evict``, ``evict_host`` and
+``reset``. Differences, all deliberate:
+
+- A node is backed up only when its copy has landed on every rank (``commit_backup``);
+  until then it is locked on the device, as in SGLang, but not yet usable from the host.
+- A host allocation that fails evicts host-only KV and retries once; a backup that still
+  cannot get host slots, or whose copy fails, leaves the tree exactly as before (the
+  tree's two-phase ``begin_backup``/``commit_backup``): no gap in the backed-up chain and
+  no lock left behind.
+- With several ranks, every allocation outcome and every completion count goes through
+  the controller's :class:`~hiradix.distributed.RankAgreement` before the tree changes,
+  so the ranks' trees stay identical and they make the same collectives.
+- ``evict`` returns the number of device tokens freed.
+
+Single-threaded, like the scheduler that drives it; the copies run on the controller's
+engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import hiradix
+from hiradix.controller import HiCacheController
+from hiradix.distributed import RankAgreement
+from hiradix.memory.copy import LayerHook
+from hiradix.memory.pools import DeviceKVPool, HostKVPool
+
+__all__ = ["CacheMatchResult", "HiRadixCache", "Req"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatchResult:
+    """What :meth:`HiRadixCache.match_prefix` found (SGLang's ``MatchResult``).
+
+    ``device_indices`` (int64 tensor) are the device slots of the matched prefix on the
+    device. ``host_hit_length`` more tokens are on the host only, in the evicted chain
+    that ends at ``last_node``: pass ``last_node`` to :meth:`HiRadixCache.init_load_back`.
+    ``last_host_node`` is the deepest backed-up node at or above ``last_device_node``.
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: int
+    last_host_node: int
+    host_hit_length: int
+    last_node: int
+
+
+@dataclass(eq=False)
+class Req:
+    """The part of a request the cache reads and updates (SGLang's ``Req`` plus its row of
+    ``req_to_token``).
+
+    ``token_ids`` are the tokens whose KV has been computed, ``kv_indices`` their device
+    slots (one per token). ``prefix_indices`` and ``last_node`` describe the cached prefix
+    the request holds a lock on (``last_node`` locked with ``inc_lock_ref``).
+    """
+
+    rid: Any
+    token_ids: np.ndarray
+    kv_indices: torch.Tensor
+    prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    last_node: int = -1
+    extra_key: str | None = None
+    priority: int = 0
+
+
+class HiRadixCache:
+    """Two-tier (device + host) radix KV cache.
+
+    Parameters
+    ----------
+    device_pool, host_pool:
+        The L1 and L2 KV pools (same shape, dtype and page size).
+    eviction_policy, write_policy:
+        As :class:`hiradix.HiRadixTree`: ``write_through`` (back up on first insert),
+        ``write_through_selective`` (on the second hit) or ``write_back`` (on eviction).
+    load_back_threshold:
+        Evicted chains shorter than this many tokens are recomputed instead of loaded
+        (SGLang's default: 10).
+    agreement:
+        Cross-rank agreement (default: one rank).
+    controller:
+        A ready controller (default: one built from the pools, ``agreement`` and
+        ``layer_hook``).
+    tree_cls, enable_hash, clock:
+        The tree implementation (default :class:`hiradix.HiRadixTree`) and its options.
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        *,
+        eviction_policy: str = "lru",
+        write_policy: str = "write_through",
+        load_back_threshold: int = 10,
+        agreement: RankAgreement | None = None,
+        controller: HiCacheController | None = None,
+        layer_hook: LayerHook | None = None,
+        tree_cls: Any = None,
+        enable_hash: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if load_back_threshold < 0:
+            raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
+        tree_cls = tree_cls or hiradix.HiRadixTree
+        kwargs: dict[str, Any] = {"eviction_policy": eviction_policy, "write_policy": write_policy}
+        if enable_hash:
+            kwargs["enable_hash"] = True
+        if clock is not None:
+            kwargs["clock"] = clock
+        self.page_size = device_pool.page_size
+        self.tree = tree_cls(self.page_size, **kwargs)
+        self.write_policy = write_policy
+        self.load_back_threshold = load_back_threshold
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.device_allocator = device_pool.make_allocator()
+        self.cache_controller = controller or HiCacheController(
+            device_pool, host_pool, agreement=agreement, layer_hook=layer_hook
+        )
+        self.agreement = self.cache_controller.agreement
+        # Pending-transfer protections, each released exactly once (popped on ack).
+        self.ongoing_write_through: dict[int, torch.Tensor] = {}  # node -> host slots
+        self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
+        self.stats = {
+            "backup_started_tokens": 0,
+            "backup_done_tokens": 0,
+            "backup_failed_tokens": 0,
+            "host_alloc_failed_tokens": 0,
+            "load_back_tokens": 0,
+            "load_retries": 0,
+            "device_evicted_tokens": 0,
+            "write_back_dropped_tokens": 0,
+            "host_evicted_tokens": 0,
+        }
+
+    # ------------------------------------------------------------------ sizes
+    def evictable_size(self) -> int:
+        """Device tokens the tree may evict. ``O(1)``."""
+        return self.tree.evictable_size()
+
+    def protected_size(self) -> int:
+        """Device tokens locked by requests or in-flight transfers. ``O(1)``."""
+        return self.tree.protected_size()
+
+    def available_device_size(self) -> int:
+        """Free device slots. ``O(1)``."""
+        return self.device_allocator.available_size()
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, key: Any, extra_key: str | None = None) -> CacheMatchResult:
+        """Longest cached prefix of ``key`` (page aligned). Runtime: ``O(len(key))``."""
+        m = self.tree.match_prefix(key, extra_key)
+        return CacheMatchResult(
+            torch.from_numpy(m.device_indices),
+            m.last_device_node,
+            m.last_host_node,
+            m.host_hit_length,
+            m.last_node,
+        )
+
+    def insert(
+        self, key: Any, value: Any, extra_key: str | None = None, *, priority: int = 0, chunked: bool = False
+    ) -> int:
+        """Insert ``key`` with device slots ``value``; returns the length of the prefix
+        that was already cached (the caller frees its own slots for it). Nodes that the
+        write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
+        result = self.tree.insert(key, value, extra_key, priority=priority, chunked=chunked)
+        if result.backup_nodes:
+            self._write_backup_nodes(result.backup_nodes)
+        return int(result.prefix_len)
+
+    def cache_finished_req(self, req: Req) -> None:
+        """Insert a finished request's KV, free its duplicate and unaligned slots, and
+        release its lock. Runtime: ``O(len(req.token_ids))``."""
+        kv = req.kv_indices
+        n = len(req.token_ids)
+        if len(kv) != n:
+            raise ValueError(f"request {req.rid!r}: {len(kv)} kv_indices for {n} tokens")
+        aligned = n // self.page_size * self.page_size
+        new_prefix = self.insert(req.token_ids[:aligned], kv[:aligned], req.extra_key, priority=req.priority)
+        self._free_device(kv[len(req.prefix_indices) : new_prefix])
+        self._free_device(kv[aligned:])
+        if req.last_node != -1:
+            self.tree.dec_lock_ref(req.last_node)
+            req.last_node = -1
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Insert a running request's KV so far and move its lock to the new prefix:
+        ``req.prefix_indices`` / ``req.last_node`` / ``req.kv_indices`` are updated to the
+        tree's slots. Runtime: ``O(len(req.token_ids))``."""
+        kv = req.kv_indices
+        n = len(req.token_ids)
+        if len(kv) != n:
+            raise ValueError(f"request {req.rid!r}: {len(kv)} kv_indices for {n} tokens")
+        aligned = n // self.page_size * self.page_size
+        keys = req.token_ids[:aligned]
+        new_prefix = self.insert(keys, kv[:aligned], req.extra_key, priority=req.priority, chunked=chunked)
+        self._free_device(kv[len(req.prefix_indices) : new_prefix])
+        m = self.tree.match_prefix(keys, req.extra_key)
+        new_indices = torch.from_numpy(m.device_indices)
+        if len(new_indices) != aligned:
+            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
+        self.tree.inc_lock_ref(m.last_device_node)
+        if req.last_node != -1:
+            self.tree.dec_lock_ref(req.last_node)
+        req.kv_indices = torch.cat((new_indices, kv[aligned:]))
+        req.prefix_indices = req.kv_indices
+        req.last_node = m.last_device_node
+
+    # ------------------------------------------------------------------ backup (L1 -> L2)
+    def _backed_or_writing(self, node: int) -> bool:
+        if self.tree.parent(node) == -1:  # a (namespace) root
+            return True
+        info = self.tree.node_info(node)
+        return bool(info["backuped"]) or info["io_status"] == "writing"
+
+    def write_backup(self, node: int, write_back: bool = False) -> int:
+        """Back up one device node whose parent is backed up (or being backed up);
+        returns the tokens whose copy was started (0 if refused). Runtime: ``O(tokens)``."""
+        info = self.tree.node_info(node)
+        if info["evicted"] or info["backuped"] or info["io_status"] != "idle":
+            return 0
+        if not self._backed_or_writing(self.tree.parent(node)):
+            return 0
+        return self._write_backup_nodes([node], write_back)
+
+    def _write_backup_nodes(self, nodes: Sequence[int], write_back: bool = False) -> int:
+        """Start the backups of ``nodes`` (parents first). Host slots are allocated for all,
+        agreed across ranks; those that failed anywhere get one retry after evicting
+        that many host tokens. A node without slots, or below one, is left as it was.
+        Returns the tokens whose copy was started."""
+        tree = self.tree
+        ctrl = self.cache_controller
+        sizes = [tree.key_len(n) for n in nodes]
+        slots = ctrl.alloc_host(sizes)
+        failed = [i for i, s in enumerate(slots) if s is None]
+        if failed:  # agreed: the same on every rank, and so is the eviction below
+            self.evict_host(sum(sizes[i] for i in failed))
+            for i, s in zip(failed, ctrl.alloc_host([sizes[i] for i in failed]), strict=True):
+                slots[i] = s
+        started = 0
+        for node, size, host in zip(nodes, sizes, slots, strict=True):
+            if host is not None and self._backed_or_writing(tree.parent(node)):
+                device = tree.begin_backup(node, host)
+                ctrl.write(device, host, node)
+                self.ongoing_write_through[node] = host
+                started += size
+            else:
+                if host is not None:
+                    self.host_pool.free(host)
+                self.stats["host_alloc_failed_tokens"] += size
+        if started:
+            ctrl.start_writing()
+            self.stats["backup_started_tokens"] += started
+        return started
+
+    def writing_check(self, write_back: bool = False) -> None:
+        """Complete the backups every rank has finished (all of them with ``write_back``).
+        A failed copy leaves its nodes as they were and frees their host slots.
+        Runtime: ``O(nodes acknowledged)``."""
+        for ack, ok in self.cache_controller.ack_writes(wait_all=write_back):
+            for op in ack.ops:
+                host = self.ongoing_write_through.pop(op.node)
+                if self.tree.commit_backup(op.node, ok):
+                    self.stats["backup_done_tokens"] += len(host)
+                else:
+                    self.host_pool.free(host)
+                    self.stats["backup_failed_tokens"] += len(host)
+
+    # ------------------------------------------------------------------ load back (L2 -> L1)
+    def _device_ancestor(self, node: int) -> int:
+        while self.tree.parent(node) != -1 and self.tree.node_info(node)["evicted"]:
+            node = self.tree.parent(node)
+        return node
+
+    def load_back(self, node: int, mem_quota: int | None = None) -> torch.Tensor | None:
+        """Start loading the evicted chain that ends at ``node`` into fresh device slots;
+        returns them, or ``None`` if the chain is shorter than ``load_back_threshold``,
+        larger than ``mem_quota`` or does not fit. The chain is locked until
+        :meth:`loading_check` sees the copy land. Runtime: ``O(tokens)``."""
+        tree = self.tree
+        host = tree.evicted_host_indices(node)
+        n = len(host)
+        if n == 0 or n < self.load_back_threshold or (mem_quota is not None and n > mem_quota):
+            return None
+        anchor = self._device_ancestor(node)
+        tree.inc_lock_ref(anchor)  # keep the device prefix while we evict for room
+        tree.inc_host_ref(node)  # and the chain, should a write-back eviction evict the host
+        try:
+            device = self.alloc_device(n)
+        finally:
+            tree.dec_host_ref(node)
+            tree.dec_lock_ref(anchor)
+        if device is None:
+            return None
+        tree.begin_load_back(node, device)
+        self.cache_controller.load(host, device, node)
+        self.ongoing_load_back[node] = device
+        self.stats["load_back_tokens"] += n
+        return device
+
+    def init_load_back(
+        self, last_node: int, host_hit_length: int, mem_quota: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Load back the evicted tail of a match (``last_node`` from
+        :meth:`match_prefix`): returns the new device slots and the node the request
+        should lock. If nothing is loaded, returns no slots and the deepest device node
+        above ``last_node``. Runtime: ``O(tokens)``."""
+        if host_hit_length > 0 and self.tree.node_info(last_node)["evicted"]:
+            loaded = self.load_back(last_node, mem_quota)
+            if loaded is not None:
+                return loaded, last_node
+        return _EMPTY, self._device_ancestor(last_node)
+
+    def ready_to_load_host_cache(self) -> int:
+        """Submit the loads queued since the last call as one layer-wise load; returns the
+        producer id for ``cache_controller.layer_done_counter.set_consumer`` (``-1``:
+        nothing to load)."""
+        return self.cache_controller.start_loading()
+
+    def loading_check(self) -> None:
+        """Unlock the loads every rank has finished. A failed load (its forward pass saw a
+        :class:`~hiradix.memory.copy.CopyError` in ``wait_until``) is copied again from the
+        intact host copy before the chain is unlocked, so no later request reads its
+        device slots unfilled; a second failure raises ``CopyError``."""
+        for ack, ok in self.cache_controller.ack_loads():
+            if not ok:
+                self.stats["load_retries"] += 1
+                for op in ack.ops:
+                    self.cache_controller.load_engine.load(
+                        self.host_pool, self.device_pool, op.host_indices, op.device_indices
+                    ).wait()
+            for op in ack.ops:
+                self.ongoing_load_back.pop(op.node)
+                self.tree.finish_load_back(op.node)
+
+    def check_hicache_events(self) -> None:
+        """One scheduler step's bookkeeping: acknowledge finished backups and loads."""
+        self.writing_check()
+        self.loading_check()
+
+    # ------------------------------------------------------------------ eviction
+    def _free_device(self, indices: Any) -> None:
+        if len(indices):
+            self.device_allocator.free(indices)
+
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """``n`` device slots (a page multiple), evicting as needed; ``None`` if they cannot
+        be had. Agreed across ranks: the shortfall by MAX, the outcome by AND (two
+        agreement calls), so every rank evicts the same nodes. Runtime: ``O(n)`` plus
+        the eviction."""
+        short = max(0, n - self.device_allocator.available_size())
+        short = -self.agreement.min_int(-short)
+        if short:
+            self.evict(short)
+        slots = self.device_allocator.alloc(n) if n <= self.device_allocator.available_size() else None
+        if not self.agreement.all_true([slots is not None])[0]:
+            if slots is not None:
+                self.device_allocator.free(slots)
+            return None
+        return slots
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if possible; returns the number freed.
+
+        Three paths, chosen by the tree per victim: a backed-up leaf is demoted (its host
+        copy stays), a leaf without a backup is deleted (write-through policies), or,
+        under write_back, backed up first (waiting for the copies) and then demoted; a
+        write-back victim that cannot be backed up is deleted.
+        Runtime: ``O(k log n)`` for ``k`` victims plus any write-back copies.
+        """
+        tree = self.tree
+        result = tree.evict(num_tokens)
+        freed = len(result.device_indices)
+        self._free_device(result.device_indices)
+        if result.write_back_nodes:
+            if result.backup_nodes:
+                self._write_backup_nodes(result.backup_nodes, write_back=True)
+            self.writing_check(write_back=True)
+            for node in result.write_back_nodes:
+                if tree.node_info(node)["backuped"]:
+                    slots = tree.demote(node)
+                else:
+                    slots = tree.drop(node)
+                    self.stats["write_back_dropped_tokens"] += len(slots)
+                freed += len(slots)
+                self._free_device(slots)
+        self.stats["device_evicted_tokens"] += freed
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host-only tokens if possible, deepest first;
+        returns the number freed. Runtime: ``O(k log n)``."""
+        result = self.tree.evict_host(num_tokens)
+        if len(result.host_indices):
+            self.host_pool.free(result.host_indices)
+        self.stats["host_evicted_tokens"] += int(result.num_evicted)
+        return int(result.num_evicted)
+
+    # ------------------------------------------------------------------ lifecycle
+    def inc_lock_ref(self, node: int) -> int:
+        """Protect ``node`` and its ancestors from eviction. ``O(depth)``."""
+        return int(self.tree.inc_lock_ref(node))
+
+    def dec_lock_ref(self, node: int) -> int:
+        """Undo one :meth:`inc_lock_ref`. ``O(depth)``."""
+        return int(self.tree.dec_lock_ref(node))
+
+    def flush(self) -> None:
+        """Wait for every submitted copy and acknowledge it (every rank must call it)."""
+        self.cache_controller.start_writing()
+        self.cache_controller.start_loading()
+        self.cache_controller.drain()
+        self.writing_check(write_back=True)
+        while self.ongoing_load_back:
+            self.loading_check()
+
+    def reset(self) -> None:
+        """Wait for in-flight copies, then empty the tree and both pools."""
+        self.flush()
+        self.tree.reset()
+        self.device_allocator.clear()
+        self.host_pool.clear()
+
+    def close(self) -> None:
+        """Flush and stop the controller's engines."""
+        self.flush()
+        self.cache_controller.close()
+
+    def __enter__(self) -> HiRadixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, outstanding_device: int = 0) -> None:
+        """Check the tree's invariants and slot conservation in both pools:
+        free + cached (+ in-flight) + ``outstanding_device`` (slots held by requests and
+        not in the tree) equals the pool size. ``O(n)``."""
+        self.tree.check_invariants()
+        dev_free = self.device_allocator.available_size()
+        if dev_free + self.tree.device_size() + outstanding_device != self.device_allocator.size:
+            raise AssertionError(
+                f"device slots: {dev_free} free + {self.tree.device_size()} cached + {outstanding_device} "
+                f"outstanding != {self.device_allocator.size}"
+            )
+        in_flight = sum(len(h) for h in self.ongoing_write_through.values())
+        host_free = self.host_pool.available_size()
+        if host_free + self.tree.host_size() + in_flight != self.host_pool.size:
+            raise AssertionError(
+                f"host slots: {host_free} free + {self.tree.host_size()} backed up + {in_flight} in flight "
+                f"!= {self.host_pool.size}"
+            )
+
+    def pending_protections(self) -> tuple[int, int]:
+        """Nodes locked by in-flight backups and loads (both 0 once :meth:`flush` ran)."""
+        return len(self.ongoing_write_through), len(self.ongoing_load_back)

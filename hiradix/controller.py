@@ -1,0 +1,308 @@
+"""HiCacheController: queues, copy engines and cross-rank agreement for L1 <-> L2 moves.
+
+The controller moves bytes; it never decides what to move (the tree does) and never
+touches the tree (the cache does). Its parts:
+
+- **Write queue -> one backup.** :meth:`HiCacheController.write` queues one node's
+  device -> host copy; :meth:`start_writing` merges everything queued into one copy-engine
+  operation (one pass over the layers, whatever the number of nodes) and appends a
+  :class:`TransferAck` to the write-ack queue.
+- **Load queue -> one load.** :meth:`load` queues a host -> device copy; the scheduler's
+  ``ready_to_load_host_cache`` calls :meth:`start_loading` just before the forward pass,
+  which merges the queue into one layer-by-layer load and registers it with the
+  :class:`LayerDoneCounter` the model waits on (``wait_until(layer)``).
+- **Two engines.** Writes and loads run on separate engines (SGLang's write and load
+  streams), so a load the forward pass is waiting for never queues behind a large backup.
+- **Agreement.** With several ranks, the acks are consumed only as far as every rank has
+  finished (:meth:`ack_writes` / :meth:`ack_loads`: MIN over the finished counts, then
+  AND over the copy outcomes), and host allocations are kept only if every rank got
+  them (:meth:`alloc_host`). The number of agreement calls depends only on agreed values,
+  never on a rank-local one, so no rank can skip a collective the others make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
+from hiradix.memory.pools import DeviceKVPool, HostKVPool
+
+__all__ = ["CacheOperation", "HiCacheController", "LayerDoneCounter", "TransferAck"]
+
+
+def _wait_finished(handle: CopyHandle) -> None:
+    """Block until ``handle`` has finished; a failure is read later from ``handle.error``
+    (and agreed across ranks), so it is not raised here."""
+    with contextlib.suppress(CopyError):
+        handle.wait()
+
+
+def _as_long(indices: Any) -> torch.Tensor:
+    if isinstance(indices, torch.Tensor):
+        return indices.to(dtype=torch.int64, device="cpu")
+    return torch.as_tensor(indices, dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOperation:
+    """One node's transfer: ``device_indices[i]`` pairs with ``host_indices[i]``."""
+
+    node: int
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+
+
+@dataclass(slots=True)
+class TransferAck:
+    """One merged transfer on the ack queue: its nodes (in queue order) and its handle."""
+
+    ack_id: int
+    ops: tuple[CacheOperation, ...]
+    handle: CopyHandle
+
+    def done(self) -> bool:
+        """Whether the copy finished, successfully or not. Never blocks. ``O(1)``."""
+        return self.handle.done()
+
+    @property
+    def ok(self) -> bool:
+        """Whether the copy landed completely (only meaningful once :meth:`done`)."""
+        return self.handle.done() and self.handle.error is None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(op.host_indices) for op in self.ops)
+
+
+class LayerDoneCounter:
+    """Layer-wise completion of the loads the forward pass consumes (SGLang's
+    ``LayerDoneCounter``): :meth:`update_producer` registers a load and returns its id,
+    :meth:`set_consumer` selects the load of the batch being run, and :meth:`wait_until`
+    blocks until that load's layer ``layer`` has landed. With no load selected,
+    ``wait_until`` returns at once.
+    """
+
+    def __init__(self, layer_num: int) -> None:
+        self.layer_num = layer_num
+        self._handles: dict[int, LoadHandle] = {}
+        self._ids = itertools.count()
+        self._consumer = -1
+
+    def update_producer(self, handle: LoadHandle) -> int:
+        """Register ``handle``; returns its producer id. ``O(1)``."""
+        pid = next(self._ids)
+        self._handles[pid] = handle
+        return pid
+
+    def set_consumer(self, producer_id: int) -> None:
+        """Make :meth:`wait_until` wait on producer ``producer_id`` (``-1``: none)."""
+        if producer_id != -1 and producer_id not in self._handles:
+            raise KeyError(f"unknown or retired load producer {producer_id}")
+        self._consumer = producer_id
+
+    def wait_until(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` of the consumer's load is usable; raises
+        :class:`~hiradix.memory.copy.CopyError` if it failed to land."""
+        if not 0 <= layer < self.layer_num:
+            raise IndexError(f"layer {layer} out of range [0, {self.layer_num})")
+        if self._consumer == -1:
+            return
+        self._handles[self._consumer].wait_until(layer, timeout)
+
+    def retire(self, handle: LoadHandle) -> None:
+        """Forget a finished load (called when its ack is consumed). ``O(producers)``."""
+        for pid, h in list(self._handles.items()):
+            if h is handle:
+                del self._handles[pid]
+                if self._consumer == pid:
+                    self._consumer = -1
+
+
+@dataclass
+class _Queue:
+    pending: list[CacheOperation] = field(default_factory=list)
+    acks: deque[TransferAck] = field(default_factory=deque)
+
+
+class HiCacheController:
+    """Moves KV between a device pool and a host pool for one rank.
+
+    Parameters
+    ----------
+    device_pool, host_pool:
+        The L1 and L2 pools (same shape, page size and dtype).
+    agreement:
+        Cross-rank agreement (:class:`~hiradix.distributed.LocalAgreement` for one rank).
+    write_engine, load_engine:
+        Copy engines for backups and loads; by default one each from
+        :func:`~hiradix.memory.copy.make_copy_engine` for the device pool's device.
+    layer_hook:
+        Passed to default CPU engines (a test seam, see
+        :data:`~hiradix.memory.copy.LayerHook`).
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        *,
+        agreement: RankAgreement | None = None,
+        write_engine: CopyEngine | None = None,
+        load_engine: CopyEngine | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> None:
+        if (device_pool.shape, device_pool.page_size, device_pool.dtype) != (
+            host_pool.shape,
+            host_pool.page_size,
+            host_pool.dtype,
+        ):
+            raise ValueError(
+                f"device and host pools differ: {device_pool.shape}/{device_pool.page_size}/{device_pool.dtype} "
+                f"vs {host_pool.shape}/{host_pool.page_size}/{host_pool.dtype}"
+            )
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.agreement = agreement or LocalAgreement()
+        kwargs = {} if layer_hook is None or device_pool.device.type == "cuda" else {"layer_hook": layer_hook}
+        self._owned: list[CopyEngine] = []
+        if write_engine is None:
+            write_engine = make_copy_engine(device_pool.device, **kwargs)
+            self._owned.append(write_engine)
+        if load_engine is None:
+            load_engine = make_copy_engine(device_pool.device, **kwargs)
+            self._owned.append(load_engine)
+        self.write_engine = write_engine
+        self.load_engine = load_engine
+        self.layer_done_counter = LayerDoneCounter(device_pool.layer_num)
+        self._writes = _Queue()
+        self._loads = _Queue()
+        self._ack_ids = itertools.count()
+        self.stats = {"backup_tokens": 0, "load_tokens": 0, "backup_failed_tokens": 0, "load_failed_tokens": 0}
+
+    # ------------------------------------------------------------------ allocation
+    def alloc_host(self, sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """Host slots for each of ``sizes`` tokens, kept only where *every* rank got them.
+
+        One agreement call (none for an empty list). Where any rank failed, this rank's
+        slots are freed again and ``None`` is returned, so all ranks see the same outcome.
+        Runtime complexity: ``O(len(sizes))`` allocations.
+        """
+        got = [self.host_pool.alloc(n) for n in sizes]
+        agreed = self.agreement.all_true([g is not None for g in got])
+        out: list[torch.Tensor | None] = []
+        for slots, ok in zip(got, agreed, strict=True):
+            if slots is not None and not ok:
+                self.host_pool.free(slots)
+                slots = None
+            out.append(slots)
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def write(self, device_indices: Any, host_indices: Any, node: int = -1) -> None:
+        """Queue a device -> host copy for ``node``. ``O(1)``; see :meth:`start_writing`."""
+        dev, host = _as_long(device_indices), _as_long(host_indices)
+        if len(dev) != len(host):
+            raise ValueError(f"write: {len(dev)} device indices for {len(host)} host indices")
+        self._writes.pending.append(CacheOperation(node, dev, host))
+
+    def start_writing(self) -> TransferAck | None:
+        """Submit every queued write as one backup; ``None`` if nothing was queued.
+        Runtime complexity: ``O(tokens)`` to merge the indices."""
+        ops = tuple(self._writes.pending)
+        if not ops:
+            return None
+        self._writes.pending.clear()
+        dev = torch.cat([op.device_indices for op in ops])
+        host = torch.cat([op.host_indices for op in ops])
+        handle = self.write_engine.backup(self.device_pool, self.host_pool, dev, host)
+        ack = TransferAck(next(self._ack_ids), ops, handle)
+        self._writes.acks.append(ack)
+        return ack
+
+    def ack_writes(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:
+        """Pop the write acks that every rank has finished, each with its agreed outcome
+        (``True`` only if the copy landed on every rank).
+
+        ``wait_all`` waits for every queued backup first (write-back eviction). One or two
+        agreement calls. Runtime complexity: ``O(acks)``.
+        """
+        return self._ack(self._writes, wait_all, "backup")
+
+    def num_pending_writes(self) -> int:
+        """Backups submitted and not yet acknowledged, plus queued writes."""
+        return len(self._writes.acks) + len(self._writes.pending)
+
+    # ------------------------------------------------------------------ loads
+    def load(self, host_indices: Any, device_indices: Any, node: int = -1) -> None:
+        """Queue a host -> device copy for ``node``. ``O(1)``; see :meth:`start_loading`."""
+        dev, host = _as_long(device_indices), _as_long(host_indices)
+        if len(dev) != len(host):
+            raise ValueError(f"load: {len(dev)} device indices for {len(host)} host indices")
+        self._loads.pending.append(CacheOperation(node, dev, host))
+
+    def start_loading(self) -> int:
+        """Submit every queued load as one layer-by-layer load, register it with
+        :attr:`layer_done_counter` and return its producer id (``-1``: nothing queued)."""
+        ops = tuple(self._loads.pending)
+        if not ops:
+            return -1
+        self._loads.pending.clear()
+        dev = torch.cat([op.device_indices for op in ops])
+        host = torch.cat([op.host_indices for op in ops])
+        handle = self.load_engine.load(self.host_pool, self.device_pool, host, dev)
+        self._loads.acks.append(TransferAck(next(self._ack_ids), ops, handle))
+        return self.layer_done_counter.update_producer(handle)
+
+    def ack_loads(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:
+        """Pop the load acks every rank has finished, with agreed outcomes (see
+        :meth:`ack_writes`)."""
+        acks = self._ack(self._loads, wait_all, "load")
+        for ack, _ in acks:
+            assert isinstance(ack.handle, LoadHandle)
+            self.layer_done_counter.retire(ack.handle)
+        return acks
+
+    def num_pending_loads(self) -> int:
+        """Loads submitted and not yet acknowledged, plus queued loads."""
+        return len(self._loads.acks) + len(self._loads.pending)
+
+    # ------------------------------------------------------------------ common
+    def _ack(self, q: _Queue, wait_all: bool, kind: str) -> list[tuple[TransferAck, bool]]:
+        if wait_all:
+            for ack in q.acks:
+                _wait_finished(ack.handle)
+            local = len(q.acks)
+        else:
+            local = 0
+            for ack in q.acks:  # the finished prefix: acks are consumed in order
+                if not ack.done():
+                    break
+                local += 1
+        n = self.agreement.min_int(local)
+        if n == 0:
+            return []
+        popped = [q.acks.popleft() for _ in range(n)]
+        agreed = self.agreement.all_true([a.ok for a in popped])
+        for ack, ok in zip(popped, agreed, strict=True):
+            self.stats[f"{kind}_tokens" if ok else f"{kind}_failed_tokens"] += ack.tokens
+        return list(zip(popped, agreed, strict=True))
+
+    def drain(self) -> None:
+        """Wait for every submitted copy to finish (their acks stay queued)."""
+        for q in (self._writes, self._loads):
+            for ack in q.acks:
+                _wait_finished(ack.handle)
+
+    def close(self) -> None:
+        """Finish submitted copies and stop the engines this controller created."""
+        for engine in self._owned:
+            engine.close()
+        self._owned.clear()

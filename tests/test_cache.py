@@ -1,0 +1,355 @@
+"""HiRadixCache and HiCacheController: tier round trips with the bytes checked, the three
+eviction paths, failure handling (host allocation, copies) and layer-wise ordering."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from kvdata import fill, mismatches, prefix_seeds, scribble
+from support import tree_snapshot
+
+from hiradix.cache import HiRadixCache, Req
+from hiradix.controller import HiCacheController
+from hiradix.distributed import LocalAgreement
+from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
+from hiradix.memory.copy import CopyError
+
+SHAPES = {"mha": MHAShape(3, 2, 4), "mla": MLAShape(3, 8, 4)}
+
+
+def make_cache(
+    *,
+    shape: str = "mha",
+    page_size: int = 4,
+    device_tokens: int = 256,
+    host_tokens: int = 512,
+    layout: str = "layer_first",
+    dtype: torch.dtype = torch.float32,
+    host_pool_cls: type[HostKVPool] = HostKVPool,
+    **kwargs: Any,
+) -> HiRadixCache:
+    dev = DeviceKVPool(SHAPES[shape], size=device_tokens, page_size=page_size, dtype=dtype)
+    host = host_pool_cls(SHAPES[shape], host_tokens, page_size, dtype, layout, reserve_bytes=0)
+    kwargs.setdefault("load_back_threshold", 0)
+    return HiRadixCache(dev, host, **kwargs)
+
+
+def compute(cache: HiRadixCache, tokens: np.ndarray, extra_key: str | None = None) -> tuple[Any, int]:
+    """Serve one prompt: match, load back the host tail, allocate the rest, "compute" its
+    KV, check every reused byte, then cache the finished request. Returns the match and
+    the number of tokens whose KV came from the cache."""
+    m = cache.match_prefix(tokens, extra_key)
+    loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+    cache.inc_lock_ref(node)
+    prefix = torch.cat((m.device_indices, loaded))
+    new = cache.alloc_device(len(tokens) - len(prefix))
+    assert new is not None, "test pools are sized so that a request always fits"
+    fill(cache.device_pool, new, prefix_seeds(tokens)[len(prefix) :])
+    pid = cache.ready_to_load_host_cache()
+    counter = cache.cache_controller.layer_done_counter
+    counter.set_consumer(pid)
+    seeds = prefix_seeds(tokens)
+    for layer in range(cache.device_pool.layer_num):
+        counter.wait_until(layer)
+        assert mismatches(cache.device_pool, prefix, seeds[: len(prefix)], [layer]) == 0, f"layer {layer}"
+    req = Req("r", np.asarray(tokens), torch.cat((prefix, new)), prefix, node, extra_key)
+    cache.cache_finished_req(req)
+    cache.check_hicache_events()
+    return m, len(prefix)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("shape", ["mha", "mla"])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_bytes_identical(page_size: int, shape: str, layout: str, dtype: torch.dtype) -> None:
+    """Device -> host -> device: every byte of every layer comes back, for each layout."""
+    with make_cache(
+        shape=shape, page_size=page_size, layout=layout, dtype=dtype, device_tokens=256, host_tokens=512
+    ) as cache:
+        rng = np.random.default_rng(page_size)
+        prompts = [rng.integers(0, 1000, 48) for _ in range(3)]
+        prompts.append(np.concatenate((prompts[0][:32], rng.integers(0, 1000, 32))))  # shares a prefix
+        for p in prompts:
+            compute(cache, p)
+        cache.flush()
+        assert cache.tree.host_size() == cache.tree.device_size()  # write_through: everything backed up
+        held = cache.tree.device_size()
+        freed = cache.evict(10**6)
+        assert freed == held and cache.tree.device_size() == 0
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))  # reused slots
+        for p in prompts:
+            _m, reused = compute(cache, p)
+            aligned = len(p) // page_size * page_size
+            assert reused == aligned, "the whole prompt came back from the host"
+        cache.flush()
+        cache.check_invariants()
+
+
+def test_write_back_eviction_backs_up_then_demotes() -> None:
+    with make_cache(write_policy="write_back") as cache:
+        p = np.arange(64)
+        compute(cache, p)
+        cache.flush()
+        assert cache.tree.host_size() == 0, "write_back backs up nothing before eviction"
+        freed = cache.evict(64)
+        assert freed == 64 and cache.tree.device_size() == 0
+        assert cache.tree.host_size() == 64
+        assert cache.stats["write_back_dropped_tokens"] == 0
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))
+        _, reused = compute(cache, p)
+        assert reused == 64
+        cache.check_invariants()
+
+
+def test_write_back_without_host_room_deletes_the_victim() -> None:
+    with make_cache(write_policy="write_back", device_tokens=64, host_tokens=16) as cache:
+        compute(cache, np.arange(32))
+        before = cache.tree.num_nodes()
+        assert cache.evict(32) == 32
+        assert cache.stats["write_back_dropped_tokens"] == 32
+        assert cache.tree.num_nodes() == before - 1 and cache.tree.host_size() == 0
+        assert cache.host_pool.available_size() == 16
+        cache.check_invariants()
+
+
+def test_write_through_selective_backs_up_on_second_hit() -> None:
+    with make_cache(write_policy="write_through_selective") as cache:
+        p = np.arange(32)
+        compute(cache, p)
+        cache.flush()
+        assert cache.tree.host_size() == 0
+        compute(cache, p)
+        cache.flush()
+        assert cache.tree.host_size() == 32
+
+
+class FlakyHostPool(HostKVPool):
+    """A host pool whose ``alloc`` fails while ``fail`` says so (injected fault)."""
+
+    fail: Any = None
+
+    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+        if self.fail is not None and self.fail(n_tokens):
+            return None
+        return super().alloc(n_tokens)
+
+
+def test_host_alloc_failure_evicts_host_and_retries() -> None:
+    with make_cache(device_tokens=64, host_tokens=64) as cache:
+        compute(cache, np.arange(64))
+        cache.flush()
+        cache.evict(64)  # all 64 host slots now hold host-only KV
+        assert cache.host_pool.available_size() == 0
+        compute(cache, np.arange(1000, 1032))  # its backup needs 32 host slots
+        cache.flush()
+        assert cache.stats["host_evicted_tokens"] == 64  # the old node, whole
+        assert cache.stats["host_alloc_failed_tokens"] == 0
+        assert cache.tree.host_size() == 32
+        cache.check_invariants()
+
+
+def test_backup_that_cannot_get_host_slots_leaves_the_tree_untouched() -> None:
+    cache = make_cache(host_pool_cls=FlakyHostPool)
+    with cache:
+        host = cache.host_pool
+        assert isinstance(host, FlakyHostPool)
+        compute(cache, np.arange(32))
+        cache.flush()
+        host.fail = lambda n: True
+        tree = cache.tree
+        p = np.concatenate((np.arange(32), np.arange(500, 532)))
+        m = cache.match_prefix(p)
+        slots = cache.alloc_device(32)
+        fill(cache.device_pool, slots, prefix_seeds(p)[32:])
+        insert_snapshot = None
+        # insert itself changes the tree (the new node); the failed backup must change nothing more
+        result = tree.insert(p, torch.cat((m.device_indices, slots)))
+        insert_snapshot = tree_snapshot(tree)
+        free_before = host.available_size()
+        assert cache._write_backup_nodes(result.backup_nodes) == 0
+        assert tree_snapshot(tree) == insert_snapshot
+        assert host.available_size() == free_before
+        assert cache.protected_size() == 0 and cache.pending_protections() == (0, 0)
+        assert cache.stats["host_alloc_failed_tokens"] == 32
+        cache.check_invariants()
+
+
+def test_failed_backup_copy_leaves_the_tree_untouched() -> None:
+    fail_backups = threading.Event()
+
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        if kind == "backup" and layer == 1 and fail_backups.is_set():
+            raise OSError("injected DMA error")
+
+    with make_cache(layer_hook=hook) as cache:
+        compute(cache, np.arange(32))
+        cache.flush()
+        fail_backups.set()
+        p = np.concatenate((np.arange(32), np.arange(500, 532)))
+        m = cache.match_prefix(p)
+        slots = cache.alloc_device(32)
+        result = cache.tree.insert(p, torch.cat((m.device_indices, slots)))
+        snapshot = tree_snapshot(cache.tree)
+        host_free = cache.host_pool.available_size()
+        assert cache._write_backup_nodes(result.backup_nodes) == 32
+        assert cache.protected_size() == 64  # the node and its ancestor, locked while in flight
+        cache.flush()
+        assert tree_snapshot(cache.tree) == snapshot
+        assert cache.host_pool.available_size() == host_free
+        assert cache.stats["backup_failed_tokens"] == 32
+        assert cache.protected_size() == 0 and cache.pending_protections() == (0, 0)
+        cache.check_invariants()
+
+
+def test_failed_load_is_repaired_before_the_chain_is_unlocked() -> None:
+    failures = []
+
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        if kind == "load" and layer == 2 and not failures:
+            failures.append(op_id)
+            raise OSError("injected load error")
+
+    with make_cache(layer_hook=hook) as cache:
+        p = np.arange(64)
+        compute(cache, p)
+        cache.flush()
+        cache.evict(64)
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))
+        m = cache.match_prefix(p)
+        loaded, _node = cache.init_load_back(m.last_node, m.host_hit_length)
+        pid = cache.ready_to_load_host_cache()
+        counter = cache.cache_controller.layer_done_counter
+        counter.set_consumer(pid)
+        counter.wait_until(1)  # layers 0 and 1 landed
+        with pytest.raises(CopyError):
+            counter.wait_until(2)
+        cache.loading_check()
+        assert cache.stats["load_retries"] == 1
+        assert mismatches(cache.device_pool, loaded, prefix_seeds(p)) == 0
+        assert cache.pending_protections() == (0, 0) and cache.protected_size() == 0
+        cache.check_invariants()
+
+
+def test_layer_i_is_never_read_before_it_lands() -> None:
+    """A consumer thread runs the forward pass layer by layer while the test releases the
+    load one layer at a time: after release ``k`` the consumer has read exactly layers
+    ``0..k`` and each of them held the right bytes when read."""
+    layer_num = SHAPES["mha"].layer_num
+    gates = [threading.Event() for _ in range(layer_num)]
+    active = threading.Event()
+
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        if kind == "load" and active.is_set():
+            assert gates[layer].wait(30), "test did not release the layer"
+
+    with make_cache(layer_hook=hook) as cache:
+        p = np.arange(64)
+        compute(cache, p)
+        cache.flush()
+        cache.evict(64)
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))
+        active.set()
+        m = cache.match_prefix(p)
+        loaded, _ = cache.init_load_back(m.last_node, m.host_hit_length)
+        seeds = prefix_seeds(p)
+        counter = cache.cache_controller.layer_done_counter
+        counter.set_consumer(cache.ready_to_load_host_cache())
+        read: list[tuple[int, int]] = []
+        progress = threading.Condition()
+
+        def forward() -> None:
+            for layer in range(layer_num):
+                counter.wait_until(layer, timeout=30)
+                bad = mismatches(cache.device_pool, loaded, seeds, [layer])
+                with progress:
+                    read.append((layer, bad))
+                    progress.notify_all()
+
+        t = threading.Thread(target=forward)
+        t.start()
+        for k in range(layer_num):
+            with progress:
+                assert len(read) == k, f"consumer read {read} before layer {k} was released"
+            gates[k].set()
+            with progress:
+                assert progress.wait_for(lambda k=k: len(read) > k, 30)
+        t.join(30)
+        assert read == [(layer, 0) for layer in range(layer_num)]
+        cache.loading_check()
+        active.clear()
+        cache.check_invariants()
+
+
+def test_load_back_threshold_and_quota() -> None:
+    with make_cache(load_back_threshold=40) as cache:
+        compute(cache, np.arange(32))
+        cache.flush()
+        cache.evict(32)
+        m = cache.match_prefix(np.arange(32))
+        assert m.host_hit_length == 32
+        loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+        assert len(loaded) == 0 and node == cache.tree.root  # below the threshold: recompute
+        cache.load_back_threshold = 0
+        assert cache.load_back(m.last_node, mem_quota=16) is None
+        assert cache.load_back(m.last_node, mem_quota=32) is not None
+        cache.flush()
+        cache.check_invariants()
+
+
+def test_unfinished_request_moves_its_lock() -> None:
+    with make_cache() as cache:
+        p = np.arange(40)
+        slots = cache.alloc_device(40)
+        fill(cache.device_pool, slots, prefix_seeds(p))
+        req = Req("a", p[:30], slots[:30].clone())
+        cache.cache_unfinished_req(req, chunked=True)
+        assert req.last_node != -1 and len(req.prefix_indices) == 30
+        assert cache.protected_size() == 28  # page-aligned part, locked for the request
+        req.token_ids = p
+        req.kv_indices = torch.cat((req.kv_indices, slots[30:]))
+        cache.cache_finished_req(req)
+        cache.flush()  # the write-through backups hold their own locks until acknowledged
+        assert cache.protected_size() == 0
+        cache.check_invariants()
+
+
+def test_reset_empties_everything() -> None:
+    cache = make_cache()
+    with cache:
+        compute(cache, np.arange(64))
+        cache.reset()
+        assert cache.tree.device_size() == 0 and cache.tree.host_size() == 0
+        assert cache.available_device_size() == cache.device_allocator.size
+        assert cache.host_pool.available_size() == cache.host_pool.size
+        compute(cache, np.arange(64))
+        cache.check_invariants()
+
+
+def test_controller_rejects_mismatched_pools() -> None:
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool(SHAPES["mla"], 32, 4, torch.float32, reserve_bytes=0)
+    with pytest.raises(ValueError, match="differ"):
+        HiCacheController(dev, host)
+
+
+def test_alloc_host_all_or_nothing_across_ranks() -> None:
+    """The controller keeps a host allocation only where every rank got one."""
+
+    class HalfAgreement(LocalAgreement):
+        def all_true(self, flags: Any) -> list[bool]:  # another rank failed the odd ones
+            return [bool(f) and i % 2 == 0 for i, f in enumerate(flags)]
+
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    ctrl = HiCacheController(dev, host, agreement=HalfAgreement())
+    try:
+        got = ctrl.alloc_host([4, 4, 4, 4])
+        assert [g is not None for g in got] == [True, False, True, False]
+        assert host.available_size() == host.size - 8
+    finally:
+        ctrl.close()
