@@ -1,0 +1,510 @@
+"""The L3 storage interface: SGLang's ``HiCacheStorage`` calls over a small set of
+backend primitives.
+
+A backend subclasses :class:`StorageBackend` and implements six primitives (``_exists``,
+``_size``, ``_get_into``, ``_put``, ``_clear``, ``_usage``). The public SGLang-shaped calls
+(``batch_exists``, ``batch_get``, ``batch_set``, ``batch_get_v1``, ``batch_set_v1``, ...)
+are written once here, on top of them, so that every backend has the same semantics:
+
+* ``batch_exists`` is longest-prefix: it counts consecutive hits from ``keys[0]`` and
+  stops at the first miss (page hashes are chained, so a page after a gap is useless).
+* Any error *inside* a backend (``OSError``, a corrupt record, a broken connection, a bug
+  in a third-party backend) is a miss or ``False``, counted in :meth:`get_stats`, never
+  an exception in the serving path and never wrong bytes. Caller bugs (a key that is not
+  a string, host indices that are not page starts, v1 without a registered host pool)
+  raise, because recomputing would only hide them.
+* What a backend can do is declared in :class:`Capabilities`, a class attribute; callers
+  read it instead of probing methods with ``hasattr``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from hiradix.memory.pools import HostKVPool
+    from hiradix.storage.keys import KeyNamespace
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "Capabilities",
+    "StorageBackend",
+    "StorageConfig",
+    "StorageError",
+    "StorageExtraInfo",
+    "StorageStats",
+    "as_byte_view",
+    "check_keys",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 255  # keys are stored in record headers with a one-byte-wide length budget
+
+
+class StorageError(RuntimeError):
+    """A storage backend cannot be built or opened (bad directory, directory in use, ...).
+
+    Raised at construction only: once a backend serves, its I/O errors are misses.
+    """
+
+
+# ----------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, declared once per class (and narrowed per instance where an
+    option such as compression changes it).
+
+    >>> Capabilities(persistent=True).supports_v1
+    True
+    """
+
+    supports_v1: bool = True  # batch_get_v1 / batch_set_v1 against a registered HostKVPool
+    zero_copy: bool = False  # v1 moves page bytes with no intermediate buffer (page-first layouts)
+    persistent: bool = False  # pages survive the process (a new instance serves them)
+    shared: bool = False  # other processes or nodes see the same pages
+    compression: bool = False  # pages are stored compressed
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """How a backend is asked to run (SGLang's ``HiCacheStorageConfig``).
+
+    ``extra_config`` holds backend options (``path``, ``capacity_bytes``, ``compression``
+    ...) as parsed from ``--hicache-storage-backend-extra-config``; it is copied into a
+    read-only mapping. ``namespace`` is the key namespace the pages belong to (see
+    :mod:`hiradix.storage.keys`); backends do not interpret it, it is carried so that
+    whoever builds keys and whoever stores them agree.
+
+    >>> StorageConfig(tp_rank=1, tp_size=2, extra_config={"capacity_bytes": 1024}).extra_config["capacity_bytes"]
+    1024
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    model_name: str | None = None
+    is_mla_model: bool = False
+    namespace: KeyNamespace | None = None
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name, size in (("tp_rank", self.tp_size), ("pp_rank", self.pp_size)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < size:
+                raise ValueError(f"{name} must be an int in [0, {size}), got {v!r}")
+        if not isinstance(self.extra_config, Mapping):
+            raise TypeError(f"extra_config must be a mapping, got {type(self.extra_config).__name__}")
+        object.__setattr__(self, "extra_config", MappingProxyType(dict(self.extra_config)))
+
+
+@dataclass(frozen=True, slots=True)
+class StorageExtraInfo:
+    """Per-call hints (SGLang's ``HiCacheStorageExtraInfo``): the hashes of the pages
+    before ``keys`` and free-form backend data. The built-in backends ignore it."""
+
+    prefix_keys: tuple[str, ...] | None = None
+    extra_info: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStats:
+    """A snapshot of a backend's counters (:meth:`StorageBackend.get_stats`).
+
+    ``errors`` counts backend failures turned into misses; ``corrupt`` counts pages that
+    failed verification (and were dropped); ``extra`` is backend specific.
+    """
+
+    backend: str
+    pages: int
+    bytes_used: int
+    capacity_bytes: int | None
+    exists_queries: int
+    hits: int
+    misses: int
+    sets: int
+    set_failures: int
+    evictions: int
+    errors: int
+    corrupt: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- helpers
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each a non-empty ``str`` of at most :data:`MAX_KEY_BYTES` UTF-8
+    bytes; ``TypeError`` / ``ValueError`` otherwise. ``O(len(keys))``.
+
+    >>> check_keys(("a", "b"))
+    ['a', 'b']
+    """
+    if isinstance(keys, str):
+        raise TypeError("keys must be a sequence of str, got a single str")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str):
+            raise TypeError(f"storage keys must be str, got {type(k).__name__}")
+        if not k or len(k.encode()) > MAX_KEY_BYTES:
+            raise ValueError(f"storage key must be 1..{MAX_KEY_BYTES} UTF-8 bytes, got {k!r:.80}")
+    return out
+
+
+def _buffer(obj: Any) -> memoryview:
+    # numpy arrays and tensors' .numpy() export the buffer protocol; numpy's stubs do not say so.
+    return memoryview(obj)
+
+
+def as_byte_view(data: Any, *, writable: bool = False) -> memoryview:
+    """A flat ``uint8`` memoryview over ``data`` (bytes-like, numpy array or CPU tensor),
+    without copying when ``data`` is contiguous. CUDA and non-contiguous tensors are
+    copied to a contiguous CPU tensor first (only allowed when not ``writable``).
+    ``O(1)`` for contiguous input.
+    """
+    if isinstance(data, torch.Tensor):
+        t = data.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            if writable:
+                raise ValueError("a target tensor must be a contiguous CPU tensor")
+            t = t.to("cpu").contiguous()
+        t = t.reshape(-1)
+        if t.dtype != torch.uint8:
+            t = t.view(torch.uint8)
+        return _buffer(t.numpy()).cast("B")
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            if writable:
+                raise ValueError("a target array must be C-contiguous")
+            data = np.ascontiguousarray(data)
+        mv = _buffer(data.reshape(-1).view(np.uint8))
+    elif isinstance(data, bytes | bytearray | memoryview):
+        mv = memoryview(data)
+        if not mv.c_contiguous:
+            raise ValueError("page data must be contiguous")
+    else:
+        raise TypeError(f"page data must be bytes-like, a numpy array or a tensor, got {type(data).__name__}")
+    if writable and mv.readonly:
+        raise ValueError("a target buffer must be writable")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class _Counters:
+    __slots__ = ("corrupt", "errors", "evictions", "exists_queries", "hits", "misses", "set_failures", "sets")
+
+    def __init__(self) -> None:
+        self.exists_queries = self.hits = self.misses = self.sets = 0
+        self.set_failures = self.evictions = self.errors = self.corrupt = 0
+
+
+# ----------------------------------------------------------------------------- the ABC
+class StorageBackend(ABC):
+    """Base class of every L3 backend: SGLang's ``HiCacheStorage`` calls, written once.
+
+    Subclasses implement the primitives below; each must be thread-safe, because the
+    controller's prefetch, IO and backup threads call one backend concurrently. A
+    primitive may raise any exception on a backend failure: the public calls turn it
+    into a miss / ``False`` and count it.
+    """
+
+    name: ClassVar[str] = "abstract"
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, config: StorageConfig | None = None) -> None:
+        if config is not None and not isinstance(config, StorageConfig):
+            raise TypeError(f"config must be a StorageConfig, got {type(config).__name__}")
+        self.config = config if config is not None else StorageConfig()
+        self.mem_pool_host: HostKVPool | None = None
+        self._counters = _Counters()
+        self._counter_lock = threading.Lock()
+        self._scratch = threading.local()  # per-thread page buffer for layer_first v1
+
+    # ------------------------------------------------------------------ primitives
+    @abstractmethod
+    def _exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (cheap; need not verify the payload)."""
+
+    @abstractmethod
+    def _size(self, key: str) -> int | None:
+        """The byte length of ``key``'s page, or ``None`` if absent."""
+
+    @abstractmethod
+    def _get_into(self, key: str, out: memoryview) -> bool:
+        """Fill ``out`` (writable, flat bytes) with ``key``'s page. ``False`` when absent,
+        of another length, or failing verification; ``out``'s content is then unspecified."""
+
+    @abstractmethod
+    def _put(self, key: str, data: memoryview) -> bool:
+        """Store ``data`` (flat bytes) under ``key``, replacing any older page. ``False``
+        when refused (e.g. larger than the capacity)."""
+
+    @abstractmethod
+    def _clear(self) -> None:
+        """Drop every page."""
+
+    @abstractmethod
+    def _usage(self) -> tuple[int, int, int | None]:
+        """``(pages, bytes_used, capacity_bytes)``."""
+
+    def _extra_stats(self) -> dict[str, Any]:
+        """Backend-specific numbers for :attr:`StorageStats.extra`."""
+        return {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            c = self._counters
+            for k, v in deltas.items():
+                setattr(c, k, getattr(c, k) + v)
+
+    def _failed(self, op: str, key: str, exc: BaseException) -> None:
+        # Storage failures must not crash serving (a miss is recomputed), but they must
+        # not vanish either: counted in get_stats() and logged with the cause.
+        self._count(errors=1)
+        log.warning("%s: %s(%r) failed, treated as a miss: %r", self.name, op, key, exc)
+
+    # ------------------------------------------------------------------ SGLang calls
+    def register_mem_pool_host(self, mem_pool_host: HostKVPool) -> None:
+        """Attach the host (L2) pool that the v1 calls read from and write into. ``O(1)``."""
+        from hiradix.memory.pools import HostKVPool
+
+        if not isinstance(mem_pool_host, HostKVPool):
+            raise TypeError(f"mem_pool_host must be a HostKVPool, got {type(mem_pool_host).__name__}")
+        self.mem_pool_host = mem_pool_host
+
+    def exists(self, key: str) -> bool:
+        """Whether one page is stored. ``O(1)`` backend calls."""
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: Sequence[str], extra_info: StorageExtraInfo | None = None) -> int:
+        """The number of consecutive stored pages from ``keys[0]`` (longest prefix); a
+        failing lookup counts as the first miss. Runtime complexity: ``O(hits + 1)``
+        backend lookups.
+
+        >>> from hiradix.storage.memory import MemoryStorage
+        >>> s = MemoryStorage()
+        >>> s.batch_set(["a", "c"], [b"1", b"3"])
+        True
+        >>> s.batch_exists(["a", "b", "c"])
+        1
+        """
+        keys = check_keys(keys)
+        n = 0
+        for key in keys:
+            try:
+                if not self._exists(key):
+                    break
+            except Exception as exc:  # any backend failure is a miss (module docstring)
+                self._failed("exists", key, exc)
+                break
+            n += 1
+        self._count(exists_queries=len(keys))
+        return n
+
+    def get(self, key: str, target_location: Any = None) -> torch.Tensor | None:
+        """One page (see :meth:`batch_get`)."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: Sequence[str], target_locations: Sequence[Any] | None = None) -> list[Any]:
+        """Copies of the pages of ``keys``: ``None`` for each miss.
+
+        Without ``target_locations`` each hit is a new 1-D ``uint8`` tensor. With them,
+        each hit is read into its target (a contiguous CPU tensor, numpy array or writable
+        buffer of exactly the page's length), which is returned; a target of another
+        length is a miss. Runtime complexity: ``O(total bytes)``.
+        """
+        keys = check_keys(keys)
+        if target_locations is not None and len(target_locations) != len(keys):
+            raise ValueError(f"{len(target_locations)} target locations for {len(keys)} keys")
+        # Targets are checked before any I/O: a bad target is the caller's bug and raises.
+        views = None if target_locations is None else [as_byte_view(t, writable=True) for t in target_locations]
+        out: list[Any] = []
+        hits = 0
+        for i, key in enumerate(keys):
+            result: Any = None
+            try:
+                if views is not None:
+                    if self._get_into(key, views[i]):
+                        result = target_locations[i]  # type: ignore[index]
+                else:
+                    size = self._size(key)
+                    if size is not None:
+                        buf = torch.empty(size, dtype=torch.uint8)
+                        if self._get_into(key, _buffer(buf.numpy())):
+                            result = buf
+            except Exception as exc:  # any backend failure is a miss (module docstring)
+                self._failed("get", key, exc)
+            hits += result is not None
+            out.append(result)
+        self._count(hits=hits, misses=len(keys) - hits)
+        return out
+
+    def set(self, key: str, value: Any) -> bool:
+        """Store one page (see :meth:`batch_set`)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[Any]) -> bool:
+        """Store copies of ``values`` (bytes-like, numpy arrays or tensors of any dtype;
+        their raw bytes are stored) under ``keys``. Returns whether *every* page was
+        stored (SGLang's convention); pages stored before a failure stay stored.
+        Runtime complexity: ``O(total bytes)``.
+        """
+        keys = check_keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(values)} values for {len(keys)} keys")
+        views = [as_byte_view(v) for v in values]
+        return all(self._put_many(keys, views))
+
+    def _put_many(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+        results = []
+        for key, view in zip(keys, views, strict=True):
+            try:
+                ok = bool(self._put(key, view))
+            except Exception as exc:  # any backend failure is a False (module docstring)
+                self._failed("set", key, exc)
+                ok = False
+            results.append(ok)
+        n_ok = sum(results)
+        self._count(sets=n_ok, set_failures=len(results) - n_ok)
+        return results
+
+    # ------------------------------------------------------------------ v1 (host pool)
+    def _page_starts(self, keys: list[str], host_indices: Any) -> np.ndarray:
+        pool = self.mem_pool_host
+        if pool is None:
+            raise RuntimeError(f"{self.name}: call register_mem_pool_host() before the v1 calls")
+        if not self.capabilities.supports_v1:
+            raise NotImplementedError(f"{self.name} does not support batch_get_v1/batch_set_v1")
+        idx = host_indices.detach().cpu().numpy() if isinstance(host_indices, torch.Tensor) else host_indices
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise ValueError(f"host_indices must be a 1-D integer array, got shape {idx.shape} dtype {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False)
+        ps = pool.page_size
+        if len(idx) == len(keys):
+            return idx  # one page start per key
+        if len(idx) == len(keys) * ps:
+            # SGLang passes token indices (page_size per key): each page must be one run.
+            pages = idx.reshape(len(keys), ps)
+            if not np.array_equal(pages - pages[:, :1], np.broadcast_to(np.arange(ps), pages.shape)):
+                raise ValueError("host_indices of each page must be consecutive slots")
+            return pages[:, 0].copy()
+        raise ValueError(
+            f"{len(idx)} host indices for {len(keys)} keys: give one page start per key "
+            f"or page_size ({ps}) slots per key"
+        )
+
+    def _scratch_page(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() != nbytes:
+            buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf
+
+    def batch_get_v1(
+        self, keys: Sequence[str], host_indices: Any, extra_info: StorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Read the pages of ``keys`` straight into the registered host pool.
+
+        ``host_indices`` gives one page-start slot per key, or, as SGLang passes them,
+        ``page_size`` consecutive slots per key. Page-first layouts are filled in place
+        (zero copy); ``layer_first`` goes through one per-thread page buffer. Returns one
+        bool per key; where it is ``False`` the page's slots hold unspecified bytes and
+        must not be used. Runtime complexity: ``O(total bytes)``.
+        """
+        keys = check_keys(keys)
+        starts = self._page_starts(keys, host_indices)
+        pool = self.mem_pool_host
+        assert pool is not None
+        in_place = pool.layout != "layer_first"
+        results = []
+        for key, start in zip(keys, starts.tolist(), strict=True):
+            ok = False
+            page = pool.get_page_bytes(start) if in_place else self._scratch_page(pool.page_bytes)
+            try:
+                ok = bool(self._get_into(key, _buffer(page.numpy())))
+                if ok and not in_place:
+                    pool.set_page_bytes(start, page)
+            except Exception as exc:  # any backend failure is a miss (module docstring)
+                self._failed("get_v1", key, exc)
+                ok = False
+            results.append(ok)
+        hits = sum(results)
+        self._count(hits=hits, misses=len(keys) - hits)
+        return results
+
+    def batch_set_v1(
+        self, keys: Sequence[str], host_indices: Any, extra_info: StorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the host-pool pages at ``host_indices`` (as in :meth:`batch_get_v1`)
+        under ``keys``; one bool per key. Page-first layouts are written from the pool
+        without a copy. Runtime complexity: ``O(total bytes)``.
+        """
+        keys = check_keys(keys)
+        starts = self._page_starts(keys, host_indices)
+        pool = self.mem_pool_host
+        assert pool is not None
+        views = [_buffer(pool.get_page_bytes(s).numpy()) for s in starts.tolist()]
+        return self._put_many(keys, views)
+
+    # ------------------------------------------------------------------ management
+    def clear(self) -> None:
+        """Drop every page (counters are kept). Errors propagate: a clear that silently
+        left pages behind would be worse than a crash at an operator's request."""
+        self._clear()
+
+    def get_stats(self) -> StorageStats:
+        """A snapshot of the counters and usage. ``O(1)`` plus the backend's extras."""
+        try:
+            pages, used, cap = self._usage()
+            extra = self._extra_stats()
+        except Exception as exc:  # stats must never take serving down
+            self._failed("stats", "", exc)
+            pages, used, cap, extra = 0, 0, None, {}
+        with self._counter_lock:
+            c = self._counters
+            return StorageStats(
+                backend=self.name,
+                pages=pages,
+                bytes_used=used,
+                capacity_bytes=cap,
+                exists_queries=c.exists_queries,
+                hits=c.hits,
+                misses=c.misses,
+                sets=c.sets,
+                set_failures=c.set_failures,
+                evictions=c.evictions,
+                errors=c.errors,
+                corrupt=c.corrupt,
+                extra=MappingProxyType(dict(extra)),
+            )
+
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Release files, sockets and locks. Idempotent; the default does nothing."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tp_rank={self.config.tp_rank}, tp_size={self.config.tp_size})"
+
+
+def _option(config: StorageConfig, explicit: Any, name: str, default: Any) -> Any:
+    """An option given as a keyword argument, else in ``config.extra_config``, else the default."""
+    if explicit is not None:
+        return explicit
+    return config.extra_config.get(name, default)
