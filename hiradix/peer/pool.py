@@ -1,0 +1,465 @@
+"""The published pool: the host region peers READ pages from (the second MR of the two-MR model).
+
+SGLang's host KV buffer is L2 and gets overwritten, so its addresses cannot be handed to
+other nodes. ``set`` therefore copies a page into a backend-owned region with fixed slots
+(one memcpy) and the caller publishes the slot's ``(addr, rkey, length, generation)``. The
+region is registered once with an injected :class:`Registrar` (a transport), so this module
+needs no network to be tested.
+
+Slot layout (``stride = round_up(SLOT_HEADER_SIZE + page_size, 64)`` bytes)::
+
+    offset  size  field
+    0       4     magic  b"HRXP"
+    4       2     format version (1)
+    6       2     flags (0)
+    8       4     payload length in bytes
+    12      4     reserved (0)
+    16      8     generation (unique per write, never 0)
+    24      32    BLAKE2b-256 digest of the key (full width)
+    56      4     CRC-32 (zlib) of bytes 0..55 followed by the payload
+    60      4     reserved (0)
+    64      ...   payload
+
+Why readers can trust what they fetch. A remote READ runs with no lock: the slot can be
+evicted and rewritten while the bytes are in flight. Every write of a slot (1) zeroes the
+header, (2) copies the payload, (3) writes the new header last, with a fresh generation. A
+reader accepts a fetched slot only if the magic, version, length, key digest and the
+generation it got from the directory all match and the CRC over header and payload is
+right (:func:`verify_slot` / :func:`verify_parts`). So:
+
+- a slot reused for another key fails the digest or generation check;
+- a slot rewritten during a single front-to-back READ (header copied before the payload)
+  carries the old header with a mixed payload and fails the CRC, except with probability
+  about ``2**-32`` per torn read;
+- when the payload is read first and the header after it (two reads, the second fenced),
+  the check is exact: a header still carrying the expected generation proves that no rewrite
+  started before the header was read, because a rewrite zeroes the header first and
+  generations never repeat.
+
+CRC-32 is used because zlib's implementation is fast, in the standard library, and releases
+the GIL on large buffers; it is an integrity check against races and torn I/O, not against
+an adversary (the cluster token guards who may connect at all).
+
+Eviction is LRU over published slots. A slot being written is not in the LRU and cannot be
+chosen. The eviction callback runs after the pool lock is released; it receives the
+evicted ``(key, generation)`` so the store can delete exactly that directory entry (or mark
+it non-resident when the disk tier holds the page), never a newer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "SLOT_HEADER_SIZE",
+    "SLOT_MAGIC",
+    "EvictedPage",
+    "LocalRegion",
+    "PublishedPool",
+    "RegionLike",
+    "Registrar",
+    "SlotLocation",
+    "key_digest",
+    "pack_header",
+    "verify_parts",
+    "verify_slot",
+]
+
+SLOT_MAGIC = b"HRXP"
+SLOT_VERSION = 1
+SLOT_HEADER_SIZE = 64
+SLOT_ALIGN = 64  # slot stride alignment: one cache line
+_PREFIX = struct.Struct("<4sHHII Q32s")  # bytes 0..55, covered by the CRC
+_HEADER = struct.Struct("<56sI4x")  # prefix, crc, reserved
+assert _PREFIX.size == 56 and _HEADER.size == SLOT_HEADER_SIZE
+
+Key = str | bytes
+
+
+def key_digest(key: Key) -> bytes:
+    """The 32-byte BLAKE2b digest stored in slot headers. Runtime complexity: ``O(len(key))``."""
+    raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return hashlib.blake2b(raw, digest_size=32).digest()
+
+
+def pack_header(key: Key, generation: int, payload: Any) -> bytes:
+    """The 64-byte header for ``payload`` (any buffer) written as ``key`` at ``generation``.
+
+    Runtime complexity: ``O(len(payload))`` (the CRC).
+    """
+    length = memoryview(payload).nbytes
+    prefix = _PREFIX.pack(SLOT_MAGIC, SLOT_VERSION, 0, length, 0, generation, key_digest(key))
+    return _HEADER.pack(prefix, zlib.crc32(payload, zlib.crc32(prefix)))
+
+
+def verify_parts(header: Any, payload: Any, key: Key, generation: int, length: int | None = None) -> bool:
+    """Whether a fetched ``header`` (64 bytes) and ``payload`` are exactly ``key``'s page at
+    ``generation``. ``payload`` may be longer than the page (only the header's length is
+    checked); ``length``, when given, must equal the header's length.
+
+    Never raises for bad bytes: anything that does not verify is ``False`` (a miss).
+    Runtime complexity: ``O(length)`` (one CRC pass).
+
+    >>> h = pack_header("k", 7, b"abc")
+    >>> verify_parts(h, b"abc", "k", 7), verify_parts(h, b"abd", "k", 7), verify_parts(h, b"abc", "k", 8)
+    (True, False, False)
+    """
+    hv = memoryview(header).cast("B")
+    if hv.nbytes < SLOT_HEADER_SIZE:
+        return False
+    prefix, crc = _HEADER.unpack_from(hv)
+    magic, version, _flags, n, _res, gen, digest = _PREFIX.unpack(prefix)
+    if magic != SLOT_MAGIC or version != SLOT_VERSION or gen != generation or gen == 0:
+        return False
+    if length is not None and n != length:
+        return False
+    pv = memoryview(payload).cast("B")
+    if pv.nbytes < n or digest != key_digest(key):
+        return False
+    return zlib.crc32(pv[:n], zlib.crc32(prefix)) == crc
+
+
+def verify_slot(raw: Any, key: Key, generation: int, length: int | None = None) -> memoryview | None:
+    """Verify a fetched slot (header followed by payload, as one READ returns it).
+
+    Returns a view of the payload bytes, or ``None`` if the slot is not ``key``'s page at
+    ``generation`` (evicted, reused, torn or corrupt: treat as a miss).
+    Runtime complexity: ``O(length)``.
+
+    >>> raw = pack_header("k", 3, b"page") + b"page"
+    >>> bytes(verify_slot(raw, "k", 3))
+    b'page'
+    >>> verify_slot(raw, "other", 3) is None
+    True
+    """
+    rv = memoryview(raw).cast("B")
+    if rv.nbytes < SLOT_HEADER_SIZE:
+        return None
+    head, body = rv[:SLOT_HEADER_SIZE], rv[SLOT_HEADER_SIZE:]
+    if not verify_parts(head, body, key, generation, length):
+        return None
+    n = struct.unpack_from("<I", head, 8)[0]
+    return body[:n]
+
+
+# ---------------------------------------------------------------------- injected transport
+class RegionLike(Protocol):
+    """What registration returns (the transport's ``Region`` satisfies it)."""
+
+    @property
+    def addr(self) -> int: ...
+    @property
+    def rkey(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+class Registrar(Protocol):
+    """The part of a transport the pool needs: register its buffer once, deregister at close."""
+
+    def register(self, buffer: Any) -> RegionLike: ...
+    def deregister(self, rkey: int, timeout: float | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalRegion:
+    """Region of an unregistered pool (no transport): the real address, rkey 0."""
+
+    addr: int
+    rkey: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SlotLocation:
+    """Where a published page lives: what the producer puts in the directory.
+
+    ``addr`` is the slot start (header first); a reader fetches
+    ``SLOT_HEADER_SIZE + length`` bytes from it and verifies them against ``generation``.
+    """
+
+    key: str
+    slot: int
+    addr: int
+    rkey: int
+    length: int
+    generation: int
+
+    @property
+    def read_length(self) -> int:
+        """Bytes a reader must fetch: header plus payload."""
+        return SLOT_HEADER_SIZE + self.length
+
+
+@dataclass(frozen=True)
+class EvictedPage:
+    """Given to the eviction callback: the page that left the pool."""
+
+    key: str
+    slot: int
+    generation: int
+    length: int
+
+
+@dataclass
+class _Live:
+    slot: int
+    generation: int
+    length: int
+
+
+class PublishedPool:
+    """Fixed-slot host pool with LRU eviction and self-verifying slots.
+
+    Parameters
+    ----------
+    capacity_bytes:
+        Size of the region; ``capacity_bytes // stride`` slots (at least one).
+    page_size:
+        Largest payload per slot, in bytes.
+    registrar:
+        Registers the region (a transport). ``None``: the region is local only and its
+        :class:`LocalRegion` has ``rkey`` 0.
+    on_evict:
+        Called with an :class:`EvictedPage` for every page the LRU pushes out, after the
+        pool lock is released. Exceptions propagate to the ``set`` that caused the eviction
+        (after the pool state is consistent), so a broken callback is noticed.
+
+    Thread-safe. ``set`` reserves a slot under the lock and copies outside it, so writers
+    copy in parallel; local reads copy under the lock.
+
+    >>> pool = PublishedPool(4 * 128, 64)
+    >>> loc = pool.set("k", b"hello")
+    >>> pool.get("k"), loc.length
+    (b'hello', 5)
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_size: int,
+        *,
+        registrar: Registrar | None = None,
+        on_evict: Callable[[EvictedPage], None] | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = int(page_size)
+        self.stride = -(-(SLOT_HEADER_SIZE + self.page_size) // SLOT_ALIGN) * SLOT_ALIGN
+        self.num_slots = int(capacity_bytes) // self.stride
+        if self.num_slots < 1:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} holds no slot of {self.stride} bytes "
+                f"(page_size={page_size} + {SLOT_HEADER_SIZE}-byte header)"
+            )
+        raw = np.zeros(self.num_slots * self.stride + 4096, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 4096  # page-align the region (registration likes it)
+        self._buf = raw[start : start + self.num_slots * self.stride]
+        self._raw = raw  # keeps the allocation alive
+        self._registrar = registrar
+        self.region: RegionLike = (
+            registrar.register(self._buf)
+            if registrar is not None
+            else LocalRegion(int(self._buf.ctypes.data), 0, int(self._buf.nbytes))
+        )
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, _Live] = OrderedDict()  # LRU order: oldest first
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._writing = 0
+        self._generation = 0
+        self._used = 0
+        self.evictions = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def capacity_bytes(self) -> int:
+        """Payload capacity: ``num_slots * page_size``."""
+        return self.num_slots * self.page_size
+
+    @property
+    def used_bytes(self) -> int:
+        """Payload bytes of the published pages."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[str]:
+        """Published keys, least recently used first. Runtime complexity: ``O(n)``."""
+        with self._lock:
+            return list(self._index)
+
+    def _slot_addr(self, slot: int) -> int:
+        return self.region.addr + slot * self.stride
+
+    def _loc(self, key: str, live: _Live) -> SlotLocation:
+        return SlotLocation(key, live.slot, self._slot_addr(live.slot), self.region.rkey, live.length, live.generation)
+
+    # ------------------------------------------------------------------ write
+    def set(self, key: str, data: Any) -> SlotLocation | None:
+        """Copy ``data`` (any C-contiguous buffer) into a slot and return where it lives.
+
+        A key already published is only touched (keys are content hashes: same key, same
+        bytes) and its current location returned. Returns ``None`` when every slot is
+        being written by other threads. ``ValueError`` if ``data`` is empty or larger than
+        ``page_size``.
+
+        Runtime complexity: ``O(len(data))`` for the copy and CRC, ``O(1)`` otherwise.
+        """
+        if self._closed:
+            raise RuntimeError("pool is closed")
+        src = np.frombuffer(data, dtype=np.uint8)
+        n = int(src.nbytes)
+        if not 0 < n <= self.page_size:
+            raise ValueError(f"page of {n} bytes does not fit a slot (1..{self.page_size} bytes)")
+        evicted: EvictedPage | None = None
+        with self._lock:
+            live = self._index.get(key)
+            if live is not None:
+                self._index.move_to_end(key)
+                return self._loc(key, live)
+            if self._free:
+                slot = self._free.pop()
+            elif self._index:
+                old_key, old = self._index.popitem(last=False)
+                slot = old.slot
+                self._used -= old.length
+                self.evictions += 1
+                evicted = EvictedPage(old_key, old.slot, old.generation, old.length)
+            else:
+                return None
+            self._generation += 1
+            gen = self._generation
+            self._writing += 1
+            off = slot * self.stride
+            # Invalidate before the payload changes: a reader of the old generation that
+            # copies the header from now on fails; one that copied it earlier fails the CRC.
+            self._buf[off : off + SLOT_HEADER_SIZE] = 0
+        try:
+            body = self._buf[off + SLOT_HEADER_SIZE : off + SLOT_HEADER_SIZE + n]
+            body[:] = src
+            self._buf[off : off + SLOT_HEADER_SIZE] = np.frombuffer(pack_header(key, gen, body), dtype=np.uint8)
+        except BaseException:
+            with self._lock:
+                self._writing -= 1
+                self._free.append(slot)
+            if evicted is not None and self._on_evict is not None:
+                self._on_evict(evicted)  # the old page is gone either way
+            raise
+        with self._lock:
+            self._writing -= 1
+            live = self._index.get(key)
+            if live is not None:  # a concurrent set of the same key published first
+                self._buf[off : off + SLOT_HEADER_SIZE] = 0
+                self._free.append(slot)
+                self._index.move_to_end(key)
+            else:
+                live = _Live(slot, gen, n)
+                self._index[key] = live
+                self._used += n
+            loc = self._loc(key, live)
+        if evicted is not None and self._on_evict is not None:
+            self._on_evict(evicted)
+        return loc
+
+    def delete(self, key: str) -> bool:
+        """Unpublish ``key`` and free its slot (no eviction callback: the caller is acting).
+
+        Runtime complexity: ``O(1)``.
+        """
+        with self._lock:
+            live = self._index.pop(key, None)
+            if live is None:
+                return False
+            off = live.slot * self.stride
+            self._buf[off : off + SLOT_HEADER_SIZE] = 0
+            self._free.append(live.slot)
+            self._used -= live.length
+            return True
+
+    # ------------------------------------------------------------------ local reads
+    def location(self, key: str, touch: bool = True) -> SlotLocation | None:
+        """Where ``key`` lives, or ``None``; ``touch`` marks it recently used.
+
+        Runtime complexity: ``O(1)``.
+        """
+        with self._lock:
+            live = self._index.get(key)
+            if live is None:
+                return None
+            if touch:
+                self._index.move_to_end(key)
+            return self._loc(key, live)
+
+    def get(self, key: str) -> bytes | None:
+        """A copy of ``key``'s page, or ``None`` (touches it). Runtime: ``O(length)``."""
+        with self._lock:
+            live = self._index.get(key)
+            if live is None:
+                return None
+            self._index.move_to_end(key)
+            off = live.slot * self.stride + SLOT_HEADER_SIZE
+            return self._buf[off : off + live.length].tobytes()
+
+    def read_into(self, key: str, out: Any) -> int | None:
+        """Copy ``key``'s page into the writable buffer ``out``; bytes copied or ``None``.
+
+        ``ValueError`` if ``out`` is too small. Runtime complexity: ``O(length)``.
+        """
+        dst = np.frombuffer(out, dtype=np.uint8)
+        with self._lock:
+            live = self._index.get(key)
+            if live is None:
+                return None
+            if dst.nbytes < live.length:
+                raise ValueError(f"destination of {dst.nbytes} bytes is smaller than the page ({live.length})")
+            self._index.move_to_end(key)
+            off = live.slot * self.stride + SLOT_HEADER_SIZE
+            dst[: live.length] = self._buf[off : off + live.length]
+            return live.length
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The raw bytes of ``slot`` (header and payload), live and unlocked: exactly what a
+        remote READ sees. For the TCP responder, tests and diagnostics.
+
+        Runtime complexity: ``O(1)``.
+        """
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        off = slot * self.stride
+        return memoryview(self._buf[off : off + self.stride])  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[SlotLocation]:
+        with self._lock:
+            locs = [self._loc(k, v) for k, v in self._index.items()]
+        return iter(locs)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout: float | None = None) -> None:
+        """Deregister the region (waiting for reads in flight, per the transport) and refuse
+        further writes. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._registrar is not None:
+            self._registrar.deregister(self.region.rkey, timeout)
+
+    def __enter__(self) -> PublishedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
