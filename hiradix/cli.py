@@ -1,8 +1,11 @@
 """The ``hiradix`` command line.
 
-``hiradix sim`` replays a Mooncake-format trace through the tiered radix tree and prints
-the hit rate of each tier against the infinite-capacity ideal (see
-:mod:`hiradix.sim.replay` for the definitions). Run ``hiradix sim --help``.
+``hiradix sim`` replays a workload (by default the Mooncake conversation trace) through
+the tiered radix tree, prints hit rates per tier against the infinite-capacity ideal
+(see :mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
+:mod:`hiradix.sim.timing`), and optionally writes JSON, PNG plots and an HTML report.
+``hiradix sweep`` (also spelled ``hiradix sim sweep``) replays one workload over a grid
+of capacities and policies on every core. Run ``hiradix sim --help``.
 
 Bad input (an unreadable or malformed trace, a bad option) ends with a one-line error on
 stderr and exit status 2, never a traceback.
@@ -14,16 +17,19 @@ import argparse
 import json
 import os
 import sys
-import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tqdm import tqdm
-
 import hiradix
 from hiradix.policy import WRITE_POLICIES
-from hiradix.sim import MooncakeTrace, Replayer, ReplayStats, TraceError
+from hiradix.sim import TraceError
+from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
+from hiradix.sim.report import format_tokens, render_plots, summary, to_json, write_html, write_plots
+from hiradix.sim.run import simulate
+from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
+
+__all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "format_tokens", "main", "parse_tokens"]
 
 # ``../shared/traces/`` next to the repository root (the project's data folder).
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -55,14 +61,19 @@ def parse_tokens(text: str) -> int | None:
     return int(value)
 
 
-def format_tokens(n: int | None) -> str:
-    """Short form of a capacity: ``2M``, ``1.5M``, ``500k``, ``inf``."""
-    if n is None:
-        return "inf"
-    for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale:
-            return f"{n / scale:g}{suffix}"
-    return str(n)
+def _list_of(parse: Any, choices: Any = None) -> Any:
+    """argparse type: a comma-separated list of ``parse`` values (each in ``choices``)."""
+
+    def parse_list(text: str) -> list[Any]:
+        items = [parse(item) for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list {text!r}")
+        for item in items if choices is not None else ():
+            if item not in choices:
+                raise argparse.ArgumentTypeError(f"invalid choice {item!r}: choose from {', '.join(choices)}")
+        return items
+
+    return parse_list
 
 
 def _count(kind: str, minimum: int) -> Any:
@@ -80,11 +91,186 @@ def _count(kind: str, minimum: int) -> Any:
     return parse
 
 
+def _positive(kind: str) -> Any:
+    """argparse type: a finite number > 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"invalid {kind} {text!r}: expected a number > 0")
+        return value
+
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports usage errors on one line, with exit status 2 as argparse does."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default="trace",
+        metavar="NAME",
+        help=(
+            "what to replay: trace (the Mooncake-format trace, default), chat (multi-turn "
+            "conversations), agent (agent loops with tool outputs), system-prompt (shared system "
+            "prompts), azure-conv / azure-code (Azure LLM trace arrivals and lengths with "
+            "synthetic shared prefixes)"
+        ),
+    )
+    group.add_argument(
+        "--trace",
+        metavar="PATH",
+        type=Path,
+        help=(
+            f"trace file: for --workload trace one JSON request per line (default: ${TRACE_ENV}, "
+            f"else {DEFAULT_TRACE}); for azure-* the Azure CSV (default: beside it)"
+        ),
+    )
+    group.add_argument(
+        "--limit",
+        "--requests",
+        dest="limit",
+        metavar="N",
+        type=_count("request count", 0),
+        help="replay only the first N requests of a trace; generate N requests (default 2000) of a synthetic workload",
+    )
+    group.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the synthetic workloads (default: 0)")
+    group.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip and count malformed trace lines instead of stopping"
+    )
+
+
+def _add_timing_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("timing model (see hiradix.sim.timing)")
+    group.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="llama-3-8b",
+        metavar="NAME",
+        help=f"model shape, sets KV bytes/token and prefill rate: {', '.join(MODELS)} (default: llama-3-8b)",
+    )
+    group.add_argument(
+        "--kv-dtype", choices=list(DTYPE_BYTES), default="bf16", metavar="DTYPE", help="KV cache dtype (default: bf16)"
+    )
+    group.add_argument("--tp", metavar="N", type=_count("tp", 1), default=1, help="tensor-parallel ranks (default: 1)")
+    group.add_argument(
+        "--prefill-tps",
+        metavar="TOKENS/S",
+        type=_positive("prefill rate"),
+        help="prefill throughput in tokens/s (default: from the model size, 989 TFLOPS at 40%% MFU per rank)",
+    )
+    group.add_argument(
+        "--host-link",
+        choices=["pcie5", "pcie4"],
+        default="pcie5",
+        metavar="NAME",
+        help="host <-> GPU link: pcie5 (50 GB/s) or pcie4 (25 GB/s) (default: pcie5)",
+    )
+    group.add_argument(
+        "--l3-link",
+        choices=["rdma", "tcp", "disk"],
+        default="rdma",
+        metavar="NAME",
+        help="L3 link: rdma (45 GB/s), tcp (2.5 GB/s) to a peer's host memory, or disk (6 GB/s) (default: rdma)",
+    )
+    group.add_argument("--pcie-gbps", metavar="GB/S", type=_positive("bandwidth"), help="override the host link GB/s")
+    group.add_argument("--l3-gbps", metavar="GB/S", type=_positive("bandwidth"), help="override the L3 link GB/s")
+    group.add_argument(
+        "--overhead-ms",
+        metavar="MS",
+        type=float,
+        default=5.0,
+        help="fixed per-request time (scheduling, first decode) (default: 5)",
+    )
+    group.add_argument(
+        "--no-layerwise", action="store_true", help="do not overlap host load-back with compute layer by layer"
+    )
+
+
+def _add_cache_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
+    group = parser.add_argument_group("cache")
+    group.add_argument(
+        "--page-size", metavar="N", type=_count("page size", 1), default=16, help="tokens per KV page (default: 16)"
+    )
+    if sweep:
+        names = hiradix.policy_names()
+        group.add_argument(
+            "--device-tokens",
+            metavar="LIST",
+            type=_list_of(parse_tokens),
+            default=[500_000, 1_000_000, 2_000_000, 4_000_000],
+            help="device capacities to try (default: 500k,1M,2M,4M)",
+        )
+        group.add_argument(
+            "--host-tokens",
+            metavar="LIST",
+            type=_list_of(parse_tokens),
+            default=[8_000_000],
+            help="host capacities to try (default: 8M)",
+        )
+        group.add_argument(
+            "--eviction-policies",
+            metavar="LIST",
+            type=_list_of(str.strip, names),
+            default=["lru", "lfu", "slru", "sieve"],
+            help=f"eviction policies to try, from {', '.join(names)} (default: lru,lfu,slru,sieve)",
+        )
+        group.add_argument(
+            "--write-policies",
+            metavar="LIST",
+            type=_list_of(str.strip, WRITE_POLICIES),
+            default=["write_through"],
+            help=f"write policies to try, from {', '.join(WRITE_POLICIES)} (default: write_through)",
+        )
+        return
+    group.add_argument(
+        "--device-tokens",
+        metavar="SIZE",
+        type=parse_tokens,
+        default=2_000_000,
+        help="device (GPU) tier capacity in tokens (default: 2M)",
+    )
+    group.add_argument(
+        "--host-tokens",
+        metavar="SIZE",
+        type=parse_tokens,
+        default=8_000_000,
+        help="host (CPU memory) tier capacity in tokens (default: 8M)",
+    )
+    group.add_argument(
+        "--eviction-policy",
+        choices=hiradix.policy_names(),
+        default="lru",
+        metavar="NAME",
+        help=f"which unlocked leaves each tier evicts first: {', '.join(hiradix.policy_names())} (default: lru)",
+    )
+    group.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through",
+        metavar="NAME",
+        help=(
+            "when device KV is copied to the host: on insert (write_through), on the second "
+            "hit (write_through_selective), or on eviction (write_back) (default: write_through)"
+        ),
+    )
+
+
+_EPILOG = (
+    "Sizes are in tokens and accept decimal suffixes: 500k, 2M, 1.5G; 'inf' means unbounded. "
+    "Hit rates count tokens of the page-aligned prompt, and 512-token trace blocks. TTFT is an "
+    "estimate on an idle GPU (no queueing) from the timing model. "
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,186 +282,215 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim = commands.add_parser(
         "sim",
-        help="replay a request trace through the tiered tree and report hit rates per tier",
+        help="replay a workload through the tiered tree: hit rates per tier, estimated TTFT, plots",
         description=(
-            "Replay a Mooncake-format request trace through the tiered radix tree (device = GPU "
-            "tier, host = CPU-memory tier) and report how many prompt tokens each tier served, "
-            "against what an infinite cache would serve. KV slots are simulated: no KV data is "
-            "stored, so full traces need little memory."
+            "Replay a workload (by default the Mooncake conversation trace) through the tiered "
+            "radix tree (device = GPU tier, host = CPU-memory tier) and report how many prompt "
+            "tokens each tier served against what an infinite cache would serve, with the TTFT "
+            "and traffic a timing model estimates from them. KV slots are simulated: no KV data "
+            "is stored, so full traces need little memory. See also: hiradix sim sweep --help."
         ),
-        epilog=(
-            "Sizes are in tokens and accept decimal suffixes: 500k, 2M, 1.5G; 'inf' means "
-            "unbounded. Hit rates count tokens of the page-aligned prompt, and 512-token "
-            "trace blocks. Example: hiradix sim --limit 2000 --device-tokens 500k --json out.json"
-        ),
+        epilog=_EPILOG + "Examples: hiradix sim --limit 2000 --device-tokens 500k --json out.json; "
+        "hiradix sim --workload chat --model llama-3-70b --tp 4 --html report.html",
     )
-    sim.add_argument(
-        "--trace",
-        metavar="PATH",
-        type=Path,
-        help=f"trace file, one JSON request per line (default: ${TRACE_ENV}, else {DEFAULT_TRACE})",
+    _add_workload_options(sim)
+    _add_cache_options(sim, sweep=False)
+    _add_timing_options(sim)
+    out = sim.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", type=Path, help="also write the configuration and results as JSON")
+    out.add_argument(
+        "--plots", metavar="DIR", type=Path, help="write hit_rate.png, ttft_cdf.png and occupancy.png into DIR"
     )
-    sim.add_argument("--limit", metavar="N", type=_count("limit", 0), help="replay only the first N requests")
-    sim.add_argument(
-        "--device-tokens",
-        metavar="SIZE",
-        type=parse_tokens,
-        default=2_000_000,
-        help="device (GPU) tier capacity in tokens (default: 2M)",
-    )
-    sim.add_argument(
-        "--host-tokens",
-        metavar="SIZE",
-        type=parse_tokens,
-        default=8_000_000,
-        help="host (CPU memory) tier capacity in tokens (default: 8M)",
-    )
-    sim.add_argument(
-        "--page-size", metavar="N", type=_count("page size", 1), default=16, help="tokens per KV page (default: 16)"
-    )
-    sim.add_argument(
-        "--eviction-policy",
-        choices=hiradix.policy_names(),
-        default="lru",
-        metavar="NAME",
-        help=f"which unlocked leaves each tier evicts first: {', '.join(hiradix.policy_names())} (default: lru)",
-    )
-    sim.add_argument(
-        "--write-policy",
-        choices=WRITE_POLICIES,
-        default="write_through",
-        metavar="NAME",
-        help=(
-            "when device KV is copied to the host: on insert (write_through), on the second "
-            "hit (write_through_selective), or on eviction (write_back) (default: write_through)"
-        ),
-    )
-    sim.add_argument(
-        "--skip-bad-lines", action="store_true", help="skip and count malformed trace lines instead of stopping"
-    )
-    sim.add_argument("--json", metavar="PATH", type=Path, help="also write the configuration and results as JSON")
-    sim.add_argument(
+    out.add_argument("--html", metavar="FILE", type=Path, help="write a self-contained HTML report (plots embedded)")
+    out.add_argument(
         "--check-invariants-every",
         metavar="N",
         type=_count("request count", 0),
         default=0,
         help="check the tree's invariants and KV slot ownership every N requests (slow; default: never)",
     )
-    sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sim.set_defaults(run=run_sim)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="replay one workload over capacities x eviction policies x write policies, on every core",
+        description=(
+            "Replay one workload for every combination of device capacity, host capacity, "
+            "eviction policy and write policy, in parallel worker processes, and print one table "
+            "(optionally JSON and a plot of hit rate against device capacity). Also spelled "
+            "'hiradix sim sweep'."
+        ),
+        epilog=_EPILOG + "Example: hiradix sweep --device-tokens 250k,1M,inf --eviction-policies lru,sieve "
+        "--write-policies write_through,write_back --plot sweep.png",
+    )
+    _add_workload_options(sweep)
+    _add_cache_options(sweep, sweep=True)
+    _add_timing_options(sweep)
+    out = sweep.add_argument_group("output")
+    out.add_argument("--jobs", metavar="N", type=_count("job count", 1), help="worker processes (default: CPU count)")
+    out.add_argument("--json", metavar="PATH", type=Path, help="also write the rows as JSON")
+    out.add_argument("--plot", metavar="FILE", type=Path, help="write the hit rate by capacity and policy as a PNG")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sweep.set_defaults(run=run_sweep)
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"hiradix sim: error: {message}", file=sys.stderr)
+class _UsageError(Exception):
+    """A problem with the command's input, reported on one line with exit status 2."""
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"hiradix {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    env = os.environ.get(TRACE_ENV)
+    default = Path(env) if env else DEFAULT_TRACE
+    path = args.trace
+    if args.workload == "trace":
+        path = path or default
+    elif args.workload in AZURE_FILES:
+        path = path or default.parent / AZURE_FILES[args.workload]
+    if path is not None and not path.is_file():
+        hint = f"pass --trace PATH or set ${TRACE_ENV}" if args.workload == "trace" else "pass --trace PATH"
+        raise _UsageError(f"trace not found: {path} ({hint})")
+    try:
+        return make_workload(
+            args.workload,
+            trace_dir=default.parent,
+            path=path,
+            requests=args.limit,
+            seed=args.seed,
+            skip_bad=args.skip_bad_lines,
+        )
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _timing(args: argparse.Namespace) -> TimingModel:
+    pcie, l3 = LINKS[args.host_link], LINKS[args.l3_link]
+    if args.pcie_gbps:
+        pcie = Link(pcie.name, args.pcie_gbps, pcie.latency_us)
+    if args.l3_gbps:
+        l3 = Link(l3.name, args.l3_gbps, l3.latency_us)
+    try:
+        return TimingModel(
+            model=MODELS[args.model].with_dtype(args.kv_dtype),
+            tp=args.tp,
+            prefill_tokens_per_s=args.prefill_tps,
+            overhead_ms=args.overhead_ms,
+            pcie=pcie,
+            l3=l3,
+            layerwise=not args.no_layerwise,
+        )
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _check_writable(path: Path | None) -> None:
+    if path is not None and not path.resolve().parent.is_dir():
+        raise _UsageError(f"cannot write {path}: its folder does not exist")
 
 
 def run_sim(args: argparse.Namespace) -> int:
     """Run ``hiradix sim``; returns the exit status."""
-    path = args.trace or Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
-    if not path.is_file():
-        return _fail(f"trace not found: {path} (pass --trace PATH or set ${TRACE_ENV})")
-    if args.json is not None and not args.json.resolve().parent.is_dir():
-        return _fail(f"cannot write {args.json}: its folder does not exist")
-    trace = MooncakeTrace(path, limit=args.limit, skip_bad=args.skip_bad_lines)
-    replayer = Replayer(
-        page_size=args.page_size,
-        device_tokens=args.device_tokens,
-        host_tokens=args.host_tokens,
-        eviction_policy=args.eviction_policy,
-        write_policy=args.write_policy,
-        check_every=args.check_invariants_every,
-    )
-    start = time.perf_counter()
     try:
-        with tqdm(
-            trace,
-            total=trace.count_lines(),
-            unit="req",
-            file=sys.stderr,
-            disable=True if args.no_progress else None,  # None: off when stderr is not a terminal
-            dynamic_ncols=True,
-        ) as requests:
-            stats = replayer.replay(requests)
+        workload = _workload(args)
+        timing = _timing(args)
+        _check_writable(args.json)
+        _check_writable(args.html)
+        if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
+            raise _UsageError(f"--plots {args.plots}: not a folder")
+        result = simulate(
+            workload,
+            timing=timing,
+            progress=False if args.no_progress else None,
+            page_size=args.page_size,
+            device_tokens=args.device_tokens,
+            host_tokens=args.host_tokens,
+            eviction_policy=args.eviction_policy,
+            write_policy=args.write_policy,
+            check_every=args.check_invariants_every,
+        )
+    except _UsageError as exc:
+        return _fail("sim", str(exc))
     except TraceError as exc:
-        return _fail(f"{exc} (--skip-bad-lines skips such lines)")
+        return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if workload.name == "trace" else str(exc))
+    except ValueError as exc:  # a generator running out of block ids, say
+        return _fail("sim", str(exc))
     except OSError as exc:
-        return _fail(f"cannot read {path}: {exc.strerror or exc}")
-    wall = time.perf_counter() - start
-    report = {
-        "hiradix_version": hiradix.__version__,
-        "implementation": hiradix.IMPLEMENTATION,
-        "trace": {"path": str(path), "requests": stats.requests, "bad_lines_skipped": trace.bad_lines},
-        "config": replayer.config(),
-        "stats": stats.to_dict(),
-        "wall_s": wall,
-        "requests_per_s": stats.requests / wall if wall else 0.0,
-    }
-    print(summary(report, stats))
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}")
+        return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
+    print(summary(result))
+    try:
+        if args.json is not None:
+            args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+        if args.plots is not None or args.html is not None:
+            rendered = render_plots(result)
+            if args.plots is not None:
+                paths = write_plots(result, args.plots, rendered)
+                print(f"  plots         {', '.join(str(p) for p in paths)}")
+            if args.html is not None:
+                print(f"  html          {write_html(result, args.html, rendered)}")
+    except OSError as exc:
+        return _fail("sim", f"cannot write {exc.filename}: {exc.strerror or exc}")
     return 0
 
 
-def summary(report: dict[str, Any], stats: ReplayStats) -> str:
-    """The human-readable result table of ``hiradix sim``."""
-    cfg, rates = report["config"], stats.rates()
+def run_sweep(args: argparse.Namespace) -> int:
+    """Run ``hiradix sweep``; returns the exit status."""
+    from hiradix.sim.report import png_bytes
+    from hiradix.sim.sweep import grid, plot_sweep, run_sweep, sweep_table
 
-    def pct(x: float) -> str:
-        return f"{100 * x:.2f}%"
-
-    def row(name: str, tokens: int, token_rate: str, blocks: int | None = None, block_rate: str = "") -> str:
-        block_text = "" if blocks is None else f"{blocks:>11,}"
-        return f"  {name:<18}{tokens:>15,}{token_rate:>9}{block_text}{block_rate:>9}".rstrip()
-
-    hit_tokens = stats.device_hit_tokens + stats.host_hit_tokens
-    hit_blocks = stats.device_hit_blocks + stats.host_hit_blocks
-    of_ideal = [
-        pct(hit / ideal) if ideal else "-"
-        for hit, ideal in ((hit_tokens, stats.ideal_hit_tokens), (hit_blocks, stats.ideal_hit_blocks))
-    ]
-    bad = report["trace"]["bad_lines_skipped"]
-    wall = report["wall_s"]
-    lines = [
-        f"hiradix sim: {Path(report['trace']['path']).name}, {stats.requests:,} requests"
-        + (f" ({bad:,} bad lines skipped)" if bad else "")
-        + f", {report['implementation']} tree",
-        f"  page {cfg['page_size']} tokens, device {format_tokens(cfg['device_tokens'])} tokens, "
-        f"host {format_tokens(cfg['host_tokens'])} tokens, {cfg['eviction_policy']}, {cfg['write_policy']}",
-        "",
-        f"  {'':<18}{'tokens':>15}{'rate':>9}{'blocks':>11}{'rate':>9}",
-        row("device hit", stats.device_hit_tokens, pct(rates["device_token_hit_rate"]),
-            stats.device_hit_blocks, pct(rates["device_block_hit_rate"])),
-        row("host hit", stats.host_hit_tokens, pct(rates["host_token_hit_rate"]),
-            stats.host_hit_blocks, pct(rates["host_block_hit_rate"])),
-        row("total hit", hit_tokens, pct(rates["token_hit_rate"]), hit_blocks, pct(rates["block_hit_rate"])),
-        row("ideal (infinite)", stats.ideal_hit_tokens, pct(rates["ideal_token_hit_rate"]),
-            stats.ideal_hit_blocks, pct(rates["ideal_block_hit_rate"])),
-        row("miss", stats.miss_tokens, pct(1 - rates["token_hit_rate"]) if stats.prompt_tokens else "-"),
-        row("prompt", stats.prompt_tokens, "", stats.blocks),
-        "",
-        f"  hit / ideal   {of_ideal[0]} of tokens, {of_ideal[1]} of blocks",
-        f"  evictions     device to host {stats.device_demoted_tokens:,}, device dropped "
-        f"{stats.device_deleted_tokens:,}, host dropped {stats.host_evicted_tokens:,} tokens",
-        f"  transfers     backed up {stats.backup_tokens:,} tokens ({stats.backup_nodes:,} nodes), "
-        f"loaded back {stats.load_back_tokens:,}, backups skipped (host full) {stats.backup_skipped_tokens:,}",
-    ]  # fmt: skip
-    if stats.write_back_failed_tokens:
-        lines.append(f"  write-back    {stats.write_back_failed_tokens:,} victim tokens found no host room")
-    lines += [
-        f"  too large     {stats.too_large_requests:,} requests did not fit on the device",
-        f"  time          {wall:.1f} s, {report['requests_per_s']:,.0f} requests/s, "
-        f"{stats.prompt_tokens / wall / 1e6 if wall else 0:.1f}M prompt tokens/s",
-    ]
-    return "\n".join(lines)
+    try:
+        workload = _workload(args)
+        timing = _timing(args)
+        _check_writable(args.json)
+        _check_writable(args.plot)
+        cells = grid(args.device_tokens, args.host_tokens, args.eviction_policies, args.write_policies)
+        rows = run_sweep(
+            workload,
+            cells,
+            page_size=args.page_size,
+            timing=timing,
+            jobs=args.jobs,
+            progress=False if args.no_progress else None,
+        )
+    except _UsageError as exc:
+        return _fail("sweep", str(exc))
+    except (TraceError, ValueError) as exc:
+        return _fail("sweep", str(exc))
+    except OSError as exc:
+        return _fail("sweep", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
+    description = workload.describe()
+    name = Path(description["path"]).name if "path" in description else f"{workload.name} (seed {args.seed})"
+    print(f"hiradix sweep: {name}, {rows[0].requests if rows else 0:,} requests, {len(rows)} runs, {timing.model.name}")
+    print(sweep_table(rows))
+    try:
+        if args.json is not None:
+            data = {
+                "hiradix_version": hiradix.__version__,
+                "implementation": hiradix.IMPLEMENTATION,
+                "workload": description,
+                "page_size": args.page_size,
+                "timing": timing.describe(),
+                "rows": [row.to_dict() for row in rows],
+            }
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+        if args.plot is not None:
+            args.plot.write_bytes(png_bytes(plot_sweep(rows, f"Hit rate by capacity and policy: {name}")))
+            print(f"plot: {args.plot}")
+    except OSError as exc:
+        return _fail("sweep", f"cannot write {exc.filename}: {exc.strerror or exc}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hiradix`` script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["sim", "sweep"]:  # ``hiradix sim sweep`` is ``hiradix sweep``
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     status: int = args.run(args)
     return status

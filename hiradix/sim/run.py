@@ -71,7 +71,7 @@ class Timeline:
 
     def arrays(self) -> dict[str, np.ndarray]:
         table = np.asarray(self._rows, dtype=np.float64).reshape(len(self._rows), len(TIMELINE_FIELDS))
-        out = {name: table[:, i].astype(np.int64) for i, name in enumerate(TIMELINE_FIELDS)}
+        out: dict[str, np.ndarray] = {name: table[:, i].astype(np.int64) for i, name in enumerate(TIMELINE_FIELDS)}
         out["timestamp_ms"] = table[:, 0]
         return out
 

@@ -1,0 +1,208 @@
+"""Parameter sweeps: one workload replayed over a grid of capacities and policies.
+
+:func:`run_sweep` replays every :class:`SweepCell` of a grid (device capacities x host
+capacities x eviction policies x write policies) through :func:`~hiradix.sim.run.simulate`,
+in worker processes started with ``spawn`` (safe with threads and any platform), one
+cell per task. Cells are independent and each worker regenerates the workload from its
+(picklable, deterministic) description, so the result does not depend on the number of
+workers. :func:`sweep_table` and :func:`plot_sweep` give one table and one plot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from hiradix.sim.generators import Workload
+from hiradix.sim.report import format_tokens
+from hiradix.sim.run import simulate
+from hiradix.sim.timing import TimingModel
+
+
+@dataclass(frozen=True)
+class SweepCell:
+    """One configuration of a sweep (capacities in tokens, ``None`` = unbounded)."""
+
+    device_tokens: int | None
+    host_tokens: int | None
+    eviction_policy: str
+    write_policy: str
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """The outcome of one cell: token hit rates, estimated TTFT and traffic."""
+
+    cell: SweepCell
+    requests: int
+    device_hit_rate: float
+    host_hit_rate: float
+    l3_hit_rate: float
+    hit_rate: float
+    ideal_hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    device_evicted_tokens: int
+    host_evicted_tokens: int
+    host_to_device_bytes: float
+    device_to_host_bytes: float
+    too_large_requests: int
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready record (the cell's fields first)."""
+        out = asdict(self)
+        return {**out.pop("cell"), **out}
+
+
+def grid(
+    device_tokens: Iterable[int | None],
+    host_tokens: Iterable[int | None],
+    eviction_policies: Iterable[str],
+    write_policies: Iterable[str],
+) -> list[SweepCell]:
+    """Every combination, in nested order (write policy varies fastest).
+
+    >>> len(grid([1000, 2000], [None], ["lru", "lfu"], ["write_through"]))
+    4
+    """
+    combos = itertools.product(device_tokens, host_tokens, eviction_policies, write_policies)
+    return [SweepCell(*combo) for combo in combos]
+
+
+def run_cell(workload: Workload, cell: SweepCell, page_size: int, timing: TimingModel) -> SweepRow:
+    """Replay ``workload`` with ``cell``'s settings (a module-level function, so that
+    spawned workers can import it)."""
+    result = simulate(
+        workload,
+        timing=timing,
+        page_size=page_size,
+        device_tokens=cell.device_tokens,
+        host_tokens=cell.host_tokens,
+        eviction_policy=cell.eviction_policy,
+        write_policy=cell.write_policy,
+    )
+    stats, rates = result.stats, result.stats.rates()
+    ttft = result.timing.percentiles()
+    moved = timing.bytes_moved(stats)
+    return SweepRow(
+        cell=cell,
+        requests=stats.requests,
+        device_hit_rate=rates["device_token_hit_rate"],
+        host_hit_rate=rates["host_token_hit_rate"],
+        l3_hit_rate=rates["l3_token_hit_rate"],
+        hit_rate=rates["token_hit_rate"],
+        ideal_hit_rate=rates["ideal_token_hit_rate"],
+        ttft_p50_s=ttft["p50"],
+        ttft_p90_s=ttft["p90"],
+        ttft_p99_s=ttft["p99"],
+        device_evicted_tokens=stats.device_demoted_tokens + stats.device_deleted_tokens,
+        host_evicted_tokens=stats.host_evicted_tokens,
+        host_to_device_bytes=moved["host_to_device"],
+        device_to_host_bytes=moved["device_to_host"],
+        too_large_requests=stats.too_large_requests,
+        wall_s=result.wall_s,
+    )
+
+
+def run_sweep(
+    workload: Workload,
+    cells: Sequence[SweepCell],
+    *,
+    page_size: int = 16,
+    timing: TimingModel | None = None,
+    jobs: int | None = None,
+    progress: bool | None = False,
+) -> list[SweepRow]:
+    """Run every cell; returns the rows in the order of ``cells``.
+
+    ``jobs`` worker processes (default: one per CPU, at most one per cell); ``jobs=1``
+    runs in this process. ``progress`` as in :func:`~hiradix.sim.run.simulate`, one
+    tick per finished cell. An error in a cell (a bad trace line, say) is raised here.
+    """
+    timing = timing or TimingModel()
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    jobs = min(jobs or os.cpu_count() or 1, max(len(cells), 1))
+    rows: list[SweepRow | None] = [None] * len(cells)
+    bar = tqdm(
+        total=len(cells),
+        unit="run",
+        file=sys.stderr,
+        disable=True if progress is False else (None if progress is None else False),
+        dynamic_ncols=True,
+    )
+    with bar:
+        if jobs == 1:
+            for i, cell in enumerate(cells):
+                rows[i] = run_cell(workload, cell, page_size, timing)
+                bar.update()
+        else:
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = {pool.submit(run_cell, workload, cell, page_size, timing): i for i, cell in enumerate(cells)}
+                for future in as_completed(futures):
+                    rows[futures[future]] = future.result()
+                    bar.update()
+    return [row for row in rows if row is not None]
+
+
+def sweep_table(rows: Sequence[SweepRow]) -> str:
+    """The rows as a fixed-width text table (hit rates in % of prompt tokens)."""
+    header = (
+        f"{'device':>8}{'host':>8}  {'eviction':<9}{'write':<24}{'device':>8}{'host':>8}{'total':>8}"
+        f"{'ideal':>8}{'/ideal':>8}{'TTFT p50':>11}{'TTFT p90':>11}{'H2D':>10}"
+    )
+    lines = [header]
+    for r in rows:
+        c = r.cell
+        of_ideal = f"{100 * r.hit_rate / r.ideal_hit_rate:.1f}%" if r.ideal_hit_rate else "-"
+        lines.append(
+            f"{format_tokens(c.device_tokens):>8}{format_tokens(c.host_tokens):>8}  {c.eviction_policy:<9}"
+            f"{c.write_policy:<24}{100 * r.device_hit_rate:>7.2f}%{100 * r.host_hit_rate:>7.2f}%"
+            f"{100 * r.hit_rate:>7.2f}%{100 * r.ideal_hit_rate:>7.2f}%{of_ideal:>8}"
+            f"{r.ttft_p50_s * 1000:>8.1f} ms{r.ttft_p90_s * 1000:>8.1f} ms{r.host_to_device_bytes / 1e9:>7.1f} GB"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: Sequence[SweepRow], title: str = "") -> Any:
+    """Total token hit rate against device capacity, one line per (host capacity,
+    eviction policy, write policy); the ideal as a dashed line. Unbounded capacities sit
+    at the right end."""
+    from matplotlib.figure import Figure
+
+    capacities = sorted({r.cell.device_tokens for r in rows}, key=lambda c: (c is None, c or 0))
+    position = {c: i for i, c in enumerate(capacities)}
+    fig = Figure(figsize=(9, 5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    series: dict[tuple[Any, ...], list[SweepRow]] = {}
+    for r in rows:
+        series.setdefault((r.cell.host_tokens, r.cell.eviction_policy, r.cell.write_policy), []).append(r)
+    styles = ["-", "--", "-.", ":"]
+    write_policies = sorted({r.cell.write_policy for r in rows})
+    for (host, policy, write), points in series.items():
+        points.sort(key=lambda r: position[r.cell.device_tokens])
+        ax.plot(
+            [position[r.cell.device_tokens] for r in points],
+            [100 * r.hit_rate for r in points],
+            marker="o",
+            ls=styles[write_policies.index(write) % len(styles)],
+            label=f"{policy}, {write}, host {format_tokens(host)}",
+        )
+    ideal = max((r.ideal_hit_rate for r in rows), default=0.0)
+    ax.axhline(100 * ideal, color="k", ls="--", lw=1, label="ideal (infinite capacity)")
+    ax.set_xticks(range(len(capacities)), [format_tokens(c) for c in capacities])
+    ax.set(xlabel="device capacity (tokens)", ylabel="token hit rate, all tiers (%)", ylim=(0, 100))
+    ax.set_title(title or "Hit rate by capacity and policy")
+    ax.legend(fontsize="small", loc="upper left", ncol=2)
+    ax.grid(alpha=0.3)
+    return fig
