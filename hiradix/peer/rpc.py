@@ -392,21 +392,23 @@ class RpcClient:
         self._pool: ChannelPool[_Conn] = ChannelPool(self._connect, self._close_conn, max_connections_per_peer)
         self._ids = iter(range(1, _MAX_ID))
         self._id_lock = threading.Lock()
-        self._connect_timeout = self.timeout
 
     def open_connections(self, peer: str) -> int:
         """Connections currently open to ``peer``."""
         return self._pool.open_count(peer)
 
-    def _connect(self, peer: str) -> _Conn:
+    def _connect(self, peer: str, timeout: float | None) -> _Conn:
         host, port = parse_peer(peer)
+        limit = self.timeout if timeout is None else timeout
         try:
-            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+            sock = socket.create_connection((host, port), timeout=limit)
+        except TimeoutError:
+            raise
         except OSError as e:
             raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._token, _AUTH_CONTEXT, self._connect_timeout)
+            client_handshake(sock, self._token, _AUTH_CONTEXT, limit)
         except BaseException:
             sock.close()
             raise
@@ -443,9 +445,9 @@ class RpcClient:
             raise RpcTimeout(f"no free connection to {peer} within {timeout}s") from None
         except AuthError as e:
             raise RpcConnectionError(f"{peer}: {e}") from None
+        except RpcConnectionError:
+            raise
         except OSError as e:
-            if isinstance(e, TimeoutError):
-                raise RpcTimeout(f"connecting to {peer} timed out") from None
             raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
         ok = False
         try:

@@ -23,7 +23,7 @@ import secrets
 import socket
 import time
 
-__all__ = ["TOKEN_ENV", "AuthError", "client_handshake", "load_token", "server_handshake"]
+__all__ = ["TOKEN_ENV", "AuthError", "HandshakeTimeout", "client_handshake", "load_token", "server_handshake"]
 
 #: Environment variable read by :func:`load_token` when no token is passed.
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
@@ -36,6 +36,10 @@ _MIN_TOKEN = 16
 
 class AuthError(ConnectionError):
     """The peer did not prove it holds the cluster token (or the handshake broke)."""
+
+
+class HandshakeTimeout(AuthError, TimeoutError):
+    """The peer stayed silent through the handshake."""
 
 
 def load_token(token: bytes | str | None = None) -> bytes:
@@ -70,12 +74,12 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while got < n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise AuthError("handshake timed out")
+            raise HandshakeTimeout("handshake timed out")
         sock.settimeout(remaining)
         try:
             k = sock.recv_into(view[got:])
         except TimeoutError:
-            raise AuthError("handshake timed out") from None
+            raise HandshakeTimeout("handshake timed out") from None
         if k == 0:
             raise AuthError("peer closed the connection during the handshake")
         got += k
@@ -85,12 +89,12 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise AuthError("handshake timed out")
+        raise HandshakeTimeout("handshake timed out")
     sock.settimeout(remaining)
     try:
         sock.sendall(data)
     except TimeoutError:
-        raise AuthError("handshake timed out") from None
+        raise HandshakeTimeout("handshake timed out") from None
 
 
 def server_handshake(sock: socket.socket, token: bytes, context: bytes, timeout: float) -> None:
@@ -118,6 +122,8 @@ def client_handshake(sock: socket.socket, token: bytes, context: bytes, timeout:
     _send(sock, client_nonce + _tag(token, b"client", context, server_nonce, client_nonce), deadline)
     try:
         proof = _recv_exact(sock, _TAG, deadline)
+    except HandshakeTimeout:
+        raise
     except AuthError as e:
         raise AuthError(f"server refused the cluster token ({e})") from None
     if not hmac.compare_digest(proof, _tag(token, b"server", context, client_nonce, server_nonce)):

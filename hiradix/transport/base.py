@@ -342,10 +342,10 @@ class ChannelPool(Generic[C]):
 
     A channel is leased for one operation and given back with ``ok=True`` (reused) or
     ``ok=False`` (closed and discarded; the next lease opens a new one). Channels are
-    opened lazily by ``connect(peer)``; a lease beyond the cap waits for a give-back.
+    opened lazily by ``connect(peer, timeout)``; a lease beyond the cap waits for a give-back.
     """
 
-    def __init__(self, connect: Callable[[Any], C], close: Callable[[C], None], cap: int) -> None:
+    def __init__(self, connect: Callable[[Any, float | None], C], close: Callable[[C], None], cap: int) -> None:
         if not isinstance(cap, int) or cap < 1:
             raise ValueError(f"max channels per peer must be a positive int, got {cap!r}")
         self._connect = connect
@@ -385,7 +385,7 @@ class ChannelPool(Generic[C]):
                     raise TimeoutError(f"no free channel to {peer!r}")
                 self._cond.wait(remaining)
         try:
-            ch = self._connect(peer)
+            ch = self._connect(peer, None if deadline is None else max(deadline - time.monotonic(), 0.001))
         except BaseException:
             with self._lock:
                 self._open[peer] -= 1

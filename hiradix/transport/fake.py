@@ -160,7 +160,7 @@ class FakeTransport(Transport):
         """Queue pairs currently open from this NIC to ``peer``."""
         return self._pool.open_count(peer)
 
-    def _connect(self, peer: str) -> _QP:
+    def _connect(self, peer: str, timeout: float | None) -> _QP:
         if self._closed:
             raise ConnectionError("NIC is closed")
         if self.fabric.lookup(peer) is None:

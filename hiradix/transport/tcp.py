@@ -265,12 +265,13 @@ class TcpTransport(Transport):
         self._count(served_items=count)
 
     # -- reader ---------------------------------------------------------------------------
-    def _connect(self, peer: str) -> _Channel:
+    def _connect(self, peer: str, timeout: float | None) -> _Channel:
         host, port = parse_peer(peer)
-        sock = socket.create_connection((host, port), timeout=self.handshake_timeout)
+        limit = self.handshake_timeout if timeout is None else min(timeout, self.handshake_timeout)
+        sock = socket.create_connection((host, port), timeout=limit)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._token, _AUTH_CONTEXT, self.handshake_timeout)
+            client_handshake(sock, self._token, _AUTH_CONTEXT, limit)
             sock.settimeout(None)
         except BaseException:
             sock.close()
