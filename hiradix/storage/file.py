@@ -119,6 +119,14 @@ class _Loc:
         return _HDR_SIZE + self.key_len + self.stored_len
 
 
+def _lz4_block() -> Any:
+    # Imported on first use: records are flagged one by one, so an instance without
+    # compression still reads lz4 records an earlier instance wrote.
+    import lz4.block
+
+    return lz4.block
+
+
 def _header(kb: bytes, flags: int, stored_len: int, raw_len: int, gen: int, crc: int) -> bytes:
     body = _BODY.pack(MAGIC, VERSION, flags, len(kb), 0, stored_len, raw_len, gen, crc)
     return body + _CRC.pack(zlib.crc32(kb, zlib.crc32(body)))
@@ -406,7 +414,7 @@ class FileStorage(StorageBackend):
         ):
             return False
         if loc.flags & FLAG_LZ4:
-            raw = self._lz4.decompress(payload, uncompressed_size=loc.raw_len)
+            raw = _lz4_block().decompress(payload, uncompressed_size=loc.raw_len)
             if len(raw) != loc.raw_len:
                 return False
             out[:] = raw
