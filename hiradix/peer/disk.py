@@ -32,6 +32,7 @@ eviction, as without a disk).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -275,10 +276,8 @@ class DiskTier:
                 self.write_errors += 1
                 if self._pending.get(key) == token:
                     del self._pending[key]
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             self._notify_evicted([key])
             return
         with self._lock:
