@@ -1,0 +1,228 @@
+"""Tests that belong to one transport: the TCP responder's wire checks and handshake, the
+fake NIC's fault and delay injection. The shared contract is in
+``test_transport_conformance.py``."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from hiradix.transport import FakeClock, FakeFabric, FakeTransport, ReadOp, Status, TcpTransport
+from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
+from hiradix.transport.tcp import MAGIC, OP_READ
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = b"specific-token-0123456789abcdef!"
+
+
+@pytest.fixture
+def tcp_pair():
+    a, b = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _raw_client(t: TcpTransport, token: bytes = TOKEN) -> socket.socket:
+    host, port = t.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    client_handshake(s, token, b"transport", 5.0)
+    return s
+
+
+def _still_serves(reader: TcpTransport, server: TcpTransport) -> None:
+    r = server.register(bytearray(b"x" * 64))
+    lr = reader.register(bytearray(64))
+    assert reader.read_batch(server.address, [(r.addr, r.rkey, 64, lr.addr)]) == [Status.OK]
+
+
+def test_tcp_binds_loopback_by_default(tcp_pair) -> None:
+    a, _ = tcp_pair
+    assert a.address.startswith("127.0.0.1:")
+
+
+def test_wrong_token_is_refused(tcp_pair) -> None:
+    reader, server = tcp_pair
+    r = server.register(bytearray(64))
+    intruder = TcpTransport(b"not-the-cluster-token-at-all!!!!")
+    try:
+        lr = intruder.register(bytearray(64))
+        assert intruder.read_batch(server.address, [(r.addr, r.rkey, 8, lr.addr)], timeout=2) == [
+            Status.PEER_UNREACHABLE
+        ]
+        with pytest.raises(AuthError):
+            _raw_client(server, b"not-the-cluster-token-at-all!!!!")
+    finally:
+        intruder.close()
+    assert server.stats.served_items == 0
+    _still_serves(reader, server)
+
+
+def test_unauthenticated_frame_is_refused(tcp_pair) -> None:
+    reader, server = tcp_pair
+    r = server.register(bytearray(b"s" * 64))
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.recv(64)  # the challenge
+        s.sendall(struct.pack("<IHHII", MAGIC, OP_READ, 1, 1, 0) + struct.pack("<QQII", r.addr, 8, r.rkey, 0) * 3)
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(4096):
+                data += chunk
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: a reset is a refusal too
+        assert b"s" not in data  # closed without serving a byte
+    _still_serves(reader, server)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("<IHHII", 0xDEADBEEF, OP_READ, 1, 1, 0),  # bad magic
+        struct.pack("<IHHII", MAGIC, 7, 1, 1, 0),  # unknown op
+        struct.pack("<IHHII", MAGIC, OP_READ, 0, 1, 0),  # empty frame
+        struct.pack("<IHHII", MAGIC, OP_READ, 257, 1, 0),  # too many items
+        struct.pack("<IHHII", MAGIC, OP_READ, 2, 1, 0) + b"\0" * 30,  # truncated, then EOF
+    ],
+)
+def test_malformed_frames_close_that_connection_only(tcp_pair, frame: bytes) -> None:
+    reader, server = tcp_pair
+    s = _raw_client(server)
+    s.sendall(frame)
+    s.shutdown(socket.SHUT_WR)
+    s.settimeout(5)
+    assert s.recv(64) == b""  # the responder hung up
+    s.close()
+    _still_serves(reader, server)
+
+
+def test_raw_client_gets_per_item_statuses(tcp_pair) -> None:
+    _, server = tcp_pair
+    r = server.register(bytearray(range(256)))
+    s = _raw_client(server)
+    items = [(r.addr + 10, 5, r.rkey), ((1 << 64) - 1, 2, r.rkey), (r.addr, 1, r.rkey ^ 1)]
+    req = struct.pack("<IHHII", MAGIC, OP_READ, 3, 42, 0) + b"".join(
+        struct.pack("<QQII", a, n, k, 0) for a, n, k in items
+    )
+    s.sendall(req)
+    s.settimeout(5)
+    want = 24 + 3 + 5
+    data = b""
+    while len(data) < want:
+        data += s.recv(want - len(data))
+    magic, op, count, seq, _, total = struct.unpack_from("<IHHIIQ", data)
+    assert (magic, op, count, seq, total) == (MAGIC, OP_READ, 3, 42, 5)
+    assert list(data[24:27]) == [Status.OK, Status.OUT_OF_BOUNDS, Status.BAD_RKEY]
+    assert data[27:] == bytes(range(10, 15))
+    s.close()
+
+
+def test_handshake_is_mutual() -> None:
+    a, b = socket.socketpair()
+    token = load_token(TOKEN)
+    with a, b:
+        import threading
+
+        err: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                server_handshake(a, token, b"ctx", 5.0)
+            except BaseException as e:
+                err.append(e)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        client_handshake(b, token, b"ctx", 5.0)
+        t.join(5)
+        assert not err
+    # A different context (another service) does not authenticate.
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=lambda: pytest.raises(AuthError, server_handshake, a, token, b"rpc", 5.0))
+        t.start()
+        with pytest.raises(AuthError):
+            client_handshake(b, token, b"transport", 5.0)
+        t.join(5)
+
+
+def test_token_checks(monkeypatch) -> None:
+    monkeypatch.delenv("HIRADIX_CLUSTER_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="no cluster token"):
+        load_token()
+    with pytest.raises(ValueError, match="at least 16"):
+        load_token("short")
+    monkeypatch.setenv("HIRADIX_CLUSTER_TOKEN", "from-the-environment-123")
+    assert load_token() == b"from-the-environment-123"
+
+
+# -- fake NIC --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_pair():
+    fabric = FakeFabric(FakeClock())
+    a, b = FakeTransport(fabric, "reader"), FakeTransport(fabric, "server")
+    yield fabric, a, b
+    a.close()
+    b.close()
+
+
+def _ops(r, lr, n: int, page: int) -> list[ReadOp]:
+    return [ReadOp(r.addr + i * page, r.rkey, page, lr.addr + i * page) for i in range(n)]
+
+
+def test_fake_fail_nth_flushes_the_rest_and_reconnects(fake_pair) -> None:
+    _, reader, server = fake_pair
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    r, lr = server.register(src), reader.register(dst)
+    reader.fail_nth_read(2)
+    got = reader.read_batch("server", _ops(r, lr, 4, 1024))
+    assert got == [Status.OK] + [Status.CHANNEL_ERROR] * 3
+    assert np.array_equal(dst[:1024], src[:1024]) and not dst[1024:].any()
+    assert reader.stats.channels_discarded == 1
+    assert reader.read_batch("server", _ops(r, lr, 4, 1024)) == [Status.OK] * 4
+    assert reader.stats.channels_opened == 2
+    assert np.array_equal(dst, src)
+
+
+def test_fake_remote_access_error_reposts_on_a_fresh_qp(fake_pair) -> None:
+    _, reader, server = fake_pair
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    r, lr = server.register(src), reader.register(dst)
+    ops = _ops(r, lr, 4, 1024)
+    ops[1] = ops[1]._replace(rkey=r.rkey ^ 1)
+    assert reader.read_batch("server", ops) == [Status.OK, Status.BAD_RKEY, Status.OK, Status.OK]
+    assert reader.stats.channels_discarded == 1 and reader.stats.channels_opened == 2
+
+
+def test_fake_delay_times_out_on_the_virtual_clock(fake_pair) -> None:
+    fabric, _, server = fake_pair
+    slow = FakeTransport(fabric, "slow", delay=lambda op: 0.4)
+    try:
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        r, lr = server.register(src), slow.register(dst)
+        got = slow.read_batch("server", _ops(r, lr, 4, 1024), timeout=1.0)
+        assert got == [Status.OK, Status.OK, Status.TIMEOUT, Status.TIMEOUT]
+        assert slow.stats.channels_discarded == 1
+    finally:
+        slow.close()
+
+
+def test_fake_detached_peer_is_unreachable(fake_pair) -> None:
+    fabric, reader, server = fake_pair
+    r, lr = server.register(bytearray(64)), reader.register(bytearray(64))
+    fabric.detach("server")
+    assert reader.read_batch("server", [(r.addr, r.rkey, 8, lr.addr)]) == [Status.PEER_UNREACHABLE]
+    with pytest.raises(ValueError, match="already attached"):
+        FakeTransport(fabric, "reader")
+    with pytest.raises(ValueError):
+        reader.fail_nth_read(0)
