@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -126,8 +127,6 @@ def test_handshake_is_mutual() -> None:
     a, b = socket.socketpair()
     token = load_token(TOKEN)
     with a, b:
-        import threading
-
         err: list[BaseException] = []
 
         def serve() -> None:
@@ -144,11 +143,21 @@ def test_handshake_is_mutual() -> None:
     # A different context (another service) does not authenticate.
     a, b = socket.socketpair()
     with a, b:
-        t = threading.Thread(target=lambda: pytest.raises(AuthError, server_handshake, a, token, b"rpc", 5.0))
+        server_err: list[BaseException] = []
+
+        def refuse() -> None:
+            try:
+                server_handshake(a, token, b"rpc", 5.0)
+            except AuthError as e:
+                server_err.append(e)
+            a.close()  # as the server does after a failed handshake
+
+        t = threading.Thread(target=refuse)
         t.start()
         with pytest.raises(AuthError):
             client_handshake(b, token, b"transport", 5.0)
         t.join(5)
+        assert server_err
 
 
 def test_token_checks(monkeypatch) -> None:
