@@ -104,8 +104,8 @@ class Response:
 
 
 def encode_frame(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """Length-prefix the msgpack encoding of ``message``; ``FrameError`` if it is too big
-    and ``TypeError`` if it holds something msgpack cannot encode.
+    """Length-prefix the msgpack encoding of ``message``; ``FrameError`` if it is too big,
+    ``TypeError`` / ``OverflowError`` if it holds something msgpack cannot encode.
 
     >>> encode_frame([1, 2])[:4]
     b'\\x00\\x00\\x00\\x03'

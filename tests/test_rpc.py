@@ -1,0 +1,300 @@
+"""Control-plane RPC: calls, concurrency to one peer, timeouts, authentication, malformed
+frames, and a fuzz of the frame parser. Nothing sleeps to order events: handlers wait on
+events and barriers the test controls."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hiradix.peer.rpc import (
+    FrameError,
+    RpcClient,
+    RpcConnectionError,
+    RpcError,
+    RpcServer,
+    RpcTimeout,
+    decode_request,
+    decode_response,
+    encode_frame,
+    split_frames,
+)
+from hiradix.transport.auth import AuthError, client_handshake
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = b"rpc-test-token-0123456789abcdef!"
+WAIT = 10.0
+
+
+@pytest.fixture
+def server():
+    s = RpcServer(TOKEN, max_frame=64 << 10)
+    s.register("add", lambda a, b: a + b)
+    s.register("echo", lambda x=None: x)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client():
+    c = RpcClient(TOKEN, timeout=5.0, max_frame=64 << 10)
+    yield c
+    c.close()
+
+
+def _raw(server: RpcServer, token: bytes = TOKEN) -> socket.socket:
+    host, port = server.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    client_handshake(s, token, b"rpc", 5.0)
+    s.settimeout(5)
+    return s
+
+
+def _read_frame(s: socket.socket) -> list:
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            assert chunk, "connection closed"
+            buf += chunk
+        return buf
+
+    (n,) = struct.unpack(">I", exact(4))
+    return msgpack.unpackb(exact(n))
+
+
+def test_calls_and_structured_errors(server, client) -> None:
+    assert client.call(server.address, "add", 2, 3) == 5
+    assert client.call(server.address, "add", a=[1], b=[2]) == [1, 2]
+    assert client.call(server.address, "echo", {"k": b"\x00\xff"}) == {"k": b"\x00\xff"}
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "missing")
+    assert e.value.code == "no_such_method"
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "add", 1)
+    assert e.value.code == "bad_params"
+
+    def fails() -> None:
+        raise KeyError("gone")
+
+    def refuses() -> None:
+        raise RpcError("not_owner", "ask node 3")
+
+    server.register("fails", fails)
+    server.register("refuses", refuses)
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "fails")
+    assert e.value.code == "internal" and "KeyError" in e.value.message
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "refuses")
+    assert (e.value.code, e.value.message) == ("not_owner", "ask node 3")
+    server.register("unencodable", lambda: object())
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "unencodable")
+    assert e.value.code == "internal"
+    # Error replies leave the connection usable: still one connection open.
+    assert client.call(server.address, "add", 1, 1) == 2
+    assert client.open_connections(server.address) == 1
+
+
+def test_register_checks_its_arguments(server) -> None:
+    with pytest.raises(ValueError):
+        server.register("", lambda: None)
+    with pytest.raises(TypeError):
+        server.register("x", 3)  # type: ignore[arg-type]
+
+
+def test_concurrent_calls_to_one_peer_run_concurrently(server, client) -> None:
+    barrier = threading.Barrier(4, timeout=WAIT)
+    server.register("meet", lambda i: (barrier.wait(), i)[1])
+    results: dict[int, int] = {}
+
+    def call(i: int) -> None:
+        results[i] = client.call(server.address, "meet", i)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    # All four handlers were inside the barrier at once, or it would have broken.
+    assert results == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert client.open_connections(server.address) == 4
+
+
+def test_timeout_closes_the_connection(server, client) -> None:
+    go = threading.Event()
+    server.register("stall", lambda: go.wait(WAIT))
+    t0 = time.monotonic()
+    with pytest.raises(RpcTimeout):
+        client.call(server.address, "stall", timeout=0.2)
+    assert time.monotonic() - t0 < 2.0
+    assert client.open_connections(server.address) == 0  # the late reply can never be misread
+    go.set()
+    assert client.call(server.address, "add", 1, 2) == 3
+
+
+def test_connection_cap_per_peer(server) -> None:
+    c = RpcClient(TOKEN, max_connections_per_peer=1)
+    go = threading.Event()
+    server.register("stall", lambda: go.wait(WAIT))
+    try:
+        t = threading.Thread(target=c.call, args=(server.address, "stall"))
+        t.start()
+        with pytest.raises(RpcTimeout):  # the only connection is busy
+            c.call(server.address, "add", 1, 2, timeout=0.2)
+        go.set()
+        t.join(WAIT)
+        assert c.call(server.address, "add", 1, 2) == 3
+        assert c.open_connections(server.address) == 1
+    finally:
+        c.close()
+
+
+def test_unreachable_peer(client) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RpcConnectionError):
+        client.call(f"127.0.0.1:{port}", "add", 1, 2)
+    with pytest.raises(ValueError):
+        client.call("no-port", "add")
+
+
+def test_unauthenticated_connections_are_refused(server, client) -> None:
+    wrong = RpcClient(b"wrong-token-wrong-token-wrong-tok")
+    try:
+        with pytest.raises(RpcConnectionError):
+            wrong.call(server.address, "add", 1, 2)
+    finally:
+        wrong.close()
+    with pytest.raises(AuthError):
+        _raw(server, b"wrong-token-wrong-token-wrong-tok")
+    # A client that skips the handshake and sends a request gets nothing back.
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.recv(64)
+        s.sendall(encode_frame([0, 1, "add", [1, 2], {}]) + b"\0" * 64)
+        data = b""
+        try:
+            while chunk := s.recv(4096):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        assert data == b""
+    assert client.call(server.address, "add", 1, 2) == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb({"not": "a list"}),
+        msgpack.packb([0, 1, "add"]),  # too short
+        msgpack.packb([0, -1, "add", [], {}]),  # negative id
+        msgpack.packb([0, 1, 7, [], {}]),  # method not a str
+        msgpack.packb([0, 1, "add", {}, {}]),  # args not a list
+        msgpack.packb([0, 1, "add", [], {1: 2}]),  # non-str kwargs key
+        msgpack.packb([1, 1, None, None]),  # a response sent as a request
+        b"",  # empty body
+    ],
+)
+def test_malformed_frames_get_an_error_reply_and_the_connection_survives(server, body: bytes) -> None:
+    s = _raw(server)
+    s.sendall(struct.pack(">I", len(body)) + body)
+    reply = _read_frame(s)
+    assert reply[0] == 1 and reply[2][0] == "malformed"
+    s.sendall(encode_frame([0, 9, "add", [4, 5], {}]))
+    assert _read_frame(s) == [1, 9, None, 9]
+    s.close()
+
+
+def test_oversized_frame_is_rejected_and_the_server_keeps_serving(server, client) -> None:
+    s = _raw(server)
+    s.sendall(struct.pack(">I", server.max_frame + 1))
+    reply = _read_frame(s)
+    assert reply[2][0] == "frame_too_large"
+    assert s.recv(16) == b""  # then it hangs up: the stream cannot be resynchronised
+    s.close()
+    with pytest.raises(FrameError):
+        client.call(server.address, "echo", b"x" * (64 << 10))  # refused before sending
+    assert client.call(server.address, "add", 1, 2) == 3
+
+
+def test_oversized_reply_is_refused_by_the_client(server) -> None:
+    big = RpcServer(TOKEN)  # default 16 MiB frames
+    big.register("blob", lambda n: b"x" * n)
+    small = RpcClient(TOKEN, max_frame=1024)
+    try:
+        with pytest.raises(RpcConnectionError):
+            small.call(big.address, "blob", 4096)
+        assert small.open_connections(big.address) == 0
+        assert small.call(big.address, "blob", 10) == b"x" * 10
+    finally:
+        small.close()
+        big.close()
+
+
+def test_truncated_frame_closes_only_that_connection(server, client) -> None:
+    s = _raw(server)
+    s.sendall(struct.pack(">I", 100) + b"\x93" * 10)
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(16) == b""
+    s.close()
+    assert client.call(server.address, "add", 1, 2) == 3
+
+
+def test_frame_helpers() -> None:
+    f = encode_frame([0, 1, "m", [1], {"a": 2}])
+    frames, used = split_frames(f + f[:5])
+    assert used == len(f) and decode_request(frames[0]).kwargs == {"a": 2}
+    with pytest.raises(FrameError):
+        split_frames(struct.pack(">I", 100), max_frame=10)
+    with pytest.raises(FrameError):
+        encode_frame(b"x" * 100, max_frame=50)
+    assert decode_response(msgpack.packb([1, 3, ["c", "m"], None])).error == ("c", "m")
+    with pytest.raises(FrameError):
+        decode_response(msgpack.packb([1, 3, ["c"], None]))
+
+
+@settings(max_examples=400, deadline=1000)
+@given(st.binary(max_size=512))
+def test_fuzz_frame_parser_never_crashes(data: bytes) -> None:
+    try:
+        frames, used = split_frames(data, max_frame=256)
+    except FrameError:
+        return
+    assert 0 <= used <= len(data)
+    for body in frames:
+        for decode in (decode_request, decode_response):
+            with contextlib.suppress(FrameError):
+                decode(body)
+
+
+@settings(max_examples=300, deadline=1000)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats(allow_nan=False)
+        | st.text()
+        | st.binary(),
+        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=4), kids, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_fuzz_structured_messages_never_crash(msg: object) -> None:
+    body = msgpack.packb(msg, use_bin_type=True)
+    for decode in (decode_request, decode_response):
+        with contextlib.suppress(FrameError):
+            decode(body)
