@@ -187,14 +187,18 @@ def plot_sweep(rows: Sequence[SweepRow], title: str = "") -> Any:
     series: dict[tuple[Any, ...], list[SweepRow]] = {}
     for r in rows:
         series.setdefault((r.cell.host_tokens, r.cell.eviction_policy, r.cell.write_policy), []).append(r)
-    styles = ["-", "--", "-.", ":"]
+    # Colour: eviction policy; line style: write policy; marker: host capacity.
+    styles, markers = ["-", "--", "-.", ":"], ["o", "s", "^", "D", "v", "P"]
     write_policies = sorted({r.cell.write_policy for r in rows})
+    policies = sorted({r.cell.eviction_policy for r in rows})
+    hosts = sorted({r.cell.host_tokens for r in rows}, key=lambda c: (c is None, c or 0))
     for (host, policy, write), points in series.items():
         points.sort(key=lambda r: position[r.cell.device_tokens])
         ax.plot(
             [position[r.cell.device_tokens] for r in points],
             [100 * r.hit_rate for r in points],
-            marker="o",
+            color=f"C{policies.index(policy) % 10}",
+            marker=markers[hosts.index(host) % len(markers)],
             ls=styles[write_policies.index(write) % len(styles)],
             label=f"{policy}, {write}, host {format_tokens(host)}",
         )
