@@ -206,8 +206,10 @@ class HiRadixCache:
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert a running request's KV so far and move its lock to the new prefix:
-        ``req.prefix_indices`` / ``req.last_node`` / ``req.kv_indices`` are updated to the
-        tree's slots. Runtime: ``O(len(req.token_ids))``."""
+        ``req.kv_indices`` takes the tree's slots for the page-aligned part (duplicates are
+        freed), ``req.prefix_indices`` becomes that part and ``req.last_node`` its last
+        node. The unaligned tail stays in ``req.kv_indices``, owned by the request.
+        Runtime: ``O(len(req.token_ids))``."""
         kv = req.kv_indices
         n = len(req.token_ids)
         if len(kv) != n:
@@ -224,7 +226,7 @@ class HiRadixCache:
         if req.last_node != -1:
             self.tree.dec_lock_ref(req.last_node)
         req.kv_indices = torch.cat((new_indices, kv[aligned:]))
-        req.prefix_indices = req.kv_indices
+        req.prefix_indices = new_indices  # the cached, page-aligned part; the tail stays the request's
         req.last_node = m.last_device_node
 
     # ------------------------------------------------------------------ backup (L1 -> L2)
@@ -389,24 +391,37 @@ class HiRadixCache:
         write-back victim that cannot be backed up is deleted.
         Runtime: ``O(k log n)`` for ``k`` victims plus any write-back copies.
         """
+        freed = 0
+        while freed < num_tokens:
+            got, more = self._evict_round(num_tokens - freed)
+            freed += got
+            if not (got and more):
+                break
+        self.stats["device_evicted_tokens"] += freed
+        return freed
+
+    def _evict_round(self, num_tokens: int) -> tuple[int, bool]:
+        """One pass of the tree's victim selection. Write-back victims are demoted only
+        after their copies land, so their parents become victims in the next round:
+        returns the tokens freed and whether another round may free more."""
         tree = self.tree
         result = tree.evict(num_tokens)
         freed = len(result.device_indices)
         self._free_device(result.device_indices)
-        if result.write_back_nodes:
-            if result.backup_nodes:
-                self._write_backup_nodes(result.backup_nodes, write_back=True)
-            self.writing_check(write_back=True)
-            for node in result.write_back_nodes:
-                if tree.node_info(node)["backuped"]:
-                    slots = tree.demote(node)
-                else:
-                    slots = tree.drop(node)
-                    self.stats["write_back_dropped_tokens"] += len(slots)
-                freed += len(slots)
-                self._free_device(slots)
-        self.stats["device_evicted_tokens"] += freed
-        return freed
+        if not result.write_back_nodes:
+            return freed, False
+        if result.backup_nodes:
+            self._write_backup_nodes(result.backup_nodes, write_back=True)
+        self.writing_check(write_back=True)
+        for node in result.write_back_nodes:
+            if tree.node_info(node)["backuped"]:
+                slots = tree.demote(node)
+            else:
+                slots = tree.drop(node)
+                self.stats["write_back_dropped_tokens"] += len(slots)
+            freed += len(slots)
+            self._free_device(slots)
+        return freed, True
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host-only tokens if possible, deepest first;

@@ -1,0 +1,80 @@
+"""Two ranks over torch.distributed (gloo, CPU, loopback) with asymmetric faults: one
+rank's host allocations fail at random, the other's backup copies fail now and then. With
+agreement the run completes (no hang) and both trees are identical; without it the same
+faults make them diverge, which is what the agreement is for."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import tp_worker
+from support import OPS
+
+WORLD = 2
+TIMEOUT_S = 240  # the run takes seconds; past this it has hung
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
+    config = {
+        "agree": True,
+        "page": 4,
+        "device": 128,
+        "host": 192,
+        "policy": "lru",
+        "write_policy": "write_through",
+        "faulty_rank": 1,
+        "fail_rate": 0.2,
+        "steps": 300,
+        "seed": 7,
+    } | overrides
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=tp_worker.rank_main, args=(rank, WORLD, port, str(tmp_path), config), daemon=True)
+        for rank in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective hung"
+    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_two_ranks_with_asymmetric_faults_stay_identical(tmp_path: Path, write_policy: str) -> None:
+    r0, r1 = _run(tmp_path, write_policy=write_policy)
+    OPS["tp_loop_steps"] += r0["stats"]["steps"]
+    assert r1["host_alloc_faults"] > 0 and r0["host_alloc_faults"] == 0, "faults were asymmetric"
+    assert r0["copy_faults"] > 0 and r1["copy_faults"] == 0
+    assert r0["agreement_calls"] == r1["agreement_calls"] > 0, "the ranks made different collectives"
+    assert r0["fingerprint"] == r1["fingerprint"], "trees diverged"
+    assert (r0["nodes"], r0["host_size"], r0["device_size"]) == (r1["nodes"], r1["host_size"], r1["device_size"])
+    assert r0["stats"] == r1["stats"]
+    assert r0["stats"]["invariant_checks"] == 300
+
+
+def test_without_agreement_the_same_faults_make_trees_diverge(tmp_path: Path) -> None:
+    """The control: the same run with each rank deciding alone (no collectives at all)."""
+    r0, r1 = _run(tmp_path, agree=False)
+    assert r1["host_alloc_faults"] > 0
+    assert r0["fingerprint"] != r1["fingerprint"]

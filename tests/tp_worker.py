@@ -1,0 +1,92 @@
+"""One rank of the multi-rank cache test (run in a spawned process by test_cache_tp)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+from scheduler_loop import run_loop, tree_fingerprint
+
+from hiradix.cache import HiRadixCache
+from hiradix.distributed import LocalAgreement, RankAgreement, TorchDistAgreement
+from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
+
+
+class FaultyHostPool(HostKVPool):
+    """Host pool whose allocations fail at random on this rank only."""
+
+    fail_rate = 0.0
+    rng: np.random.Generator | None = None
+    failures = 0
+
+    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+        if self.rng is not None and self.rng.random() < self.fail_rate:
+            self.failures += 1
+            return None
+        return super().alloc(n_tokens)
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+    """Run the scheduler loop on one rank and write what the test compares to a JSON file."""
+    torch.set_num_threads(1)
+    agreement: RankAgreement
+    if config["agree"]:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        agreement = TorchDistAgreement()
+    else:
+        agreement = LocalAgreement()
+    page = config["page"]
+    shape = MHAShape(2, 2, 4)
+    dev = DeviceKVPool(shape, size=config["device"], page_size=page, dtype=torch.float32)
+    host = FaultyHostPool(shape, config["host"], page, torch.float32, "page_first", reserve_bytes=0)
+    if rank == config["faulty_rank"]:  # asymmetric faults: this rank's host allocations fail at times
+        host.fail_rate = config["fail_rate"]
+        host.rng = np.random.default_rng(1000 + rank)
+    copy_faults = 0
+    lock = threading.Lock()
+
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        nonlocal copy_faults
+        # the other rank's backups fail now and then: outcomes must be agreed too
+        if rank != config["faulty_rank"] and kind == "backup" and layer == 0 and op_id % 7 == 3:
+            with lock:
+                copy_faults += 1
+            raise OSError("injected backup failure")
+
+    cache = HiRadixCache(
+        dev,
+        host,
+        eviction_policy=config["policy"],
+        write_policy=config["write_policy"],
+        load_back_threshold=page,
+        agreement=agreement,
+        layer_hook=hook,
+    )
+    with cache:
+        stats = run_loop(cache, config["steps"], config["seed"])
+        fingerprint = json.dumps(tree_fingerprint(cache))
+    result = {
+        "rank": rank,
+        "fingerprint": hashlib.sha256(fingerprint.encode()).hexdigest(),
+        "nodes": cache.tree.num_nodes(),
+        "host_size": cache.tree.host_size(),
+        "device_size": cache.tree.device_size(),
+        "stats": stats.__dict__,
+        "cache_stats": cache.stats,
+        "host_alloc_faults": host.failures,
+        "copy_faults": copy_faults,
+        "agreement_calls": getattr(agreement, "calls", 0),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if config["agree"]:
+        torch.distributed.destroy_process_group()
