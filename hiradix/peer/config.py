@@ -1,0 +1,296 @@
+"""Configuration of the peer cache: one frozen, validated dataclass.
+
+:class:`PeerConfig` carries the seed's knobs with its defaults (3 masters, 160 virtual nodes,
+2 directory replicas, 16 channels per peer, metrics on port 31997) plus the pool, disk and
+timeout settings. Construct it directly, or load it from a JSON or TOML file
+(:meth:`PeerConfig.from_file`); every value is checked in ``__post_init__`` and errors name
+the field, the value and what was expected. Unknown keys are rejected with a suggestion, so a
+typo never silently falls back to a default.
+
+Sizes accept integers (bytes) or strings with a unit: ``"64KiB"``, ``"4GiB"``, ``"100GB"``
+(``K/M/G/T`` are powers of 1000, ``Ki/Mi/Gi/Ti`` powers of 1024).
+
+>>> cfg = PeerConfig.from_dict({"pool_size": "256MiB", "directory_replicas": 3})
+>>> cfg.pool_size, cfg.directory_replicas, cfg.virtual_nodes
+(268435456, 3, 160)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "PeerConfig", "parse_size"]
+
+GiB = 1 << 30
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is invalid."""
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Bytes from an int or a string like ``"64KiB"``/``"100GB"``.
+
+    >>> parse_size("1.5KiB"), parse_size(4096)
+    (1536, 4096)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).upper() if m else None
+        if m and unit in _UNITS:
+            n = float(m.group(1)) * _UNITS[unit]
+            if n != int(n):
+                raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
+            return int(n)
+        raise ConfigError(f"{name}: cannot parse size {value!r} (examples: 4096, '64KiB', '100GB')")
+    raise ConfigError(f"{name}: expected an int or a size string, got {type(value).__name__}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Settings of one peer-cache node.
+
+    Attributes
+    ----------
+    node_id:
+        This node's id on the ring; ``None``: the store derives ``host:rpc_port``.
+    bind_host:
+        Address every listener binds (RPC, data, discovery). Loopback by default; any other
+        address requires a cluster token (here or in ``$HIRADIX_CLUSTER_TOKEN``).
+    rpc_port, data_port, meta_port:
+        Control-plane RPC, TCP data-plane and discovery ports; ``0`` picks a free port.
+    discovery_addr:
+        ``"host:port"`` of the head master; ``None`` for a single node.
+    max_masters:
+        Discovery masters kept active (head first, then by hostname).
+    virtual_nodes:
+        Ring points per node.
+    directory_replicas:
+        Owners that hold each directory entry.
+    max_channels_per_peer:
+        Channel (QP + CQ, or socket) cap per remote peer.
+    pool_size:
+        Bytes of the published pool region.
+    page_size:
+        Bytes of one KV page (one pool slot's payload); ``None``: taken from the host KV pool
+        when the store attaches.
+    pool_policy:
+        Eviction policy of the published pool (``"lru"``).
+    disk_enabled, disk_path, disk_size, disk_queue_depth:
+        The optional L4 disk tier (see :mod:`hiradix.peer.disk`).
+    metrics_enabled, metrics_host, metrics_port, metrics_dashboard:
+        The metrics server; ``metrics_host`` ``None`` means ``bind_host``.
+    cluster_token:
+        Shared secret of the RPC handshake; ``None``: read ``$HIRADIX_CLUSTER_TOKEN``. Never
+        shown by ``repr``.
+    connect_timeout_s, rpc_timeout_s, read_timeout_s, promote_timeout_s:
+        Seconds before a connect, a directory RPC, a batch READ or a disk promote gives up
+        (and the page is a miss).
+    """
+
+    node_id: str | None = None
+    bind_host: str = "127.0.0.1"
+    rpc_port: int = 0
+    data_port: int = 0
+    meta_port: int = 0
+    discovery_addr: str | None = None
+    max_masters: int = 3
+    virtual_nodes: int = 160
+    directory_replicas: int = 2
+    max_channels_per_peer: int = 16
+    pool_size: int = 1 * GiB
+    page_size: int | None = None
+    pool_policy: str = "lru"
+    disk_enabled: bool = False
+    disk_path: str = "/data/hiradix/peer"
+    disk_size: int = 100 * GiB
+    disk_queue_depth: int = 256
+    metrics_enabled: bool = True
+    metrics_host: str | None = None
+    metrics_port: int = 31997
+    metrics_dashboard: bool = True
+    cluster_token: str | None = field(default=None, repr=False)
+    connect_timeout_s: float = 5.0
+    rpc_timeout_s: float = 5.0
+    read_timeout_s: float = 10.0
+    promote_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:  # accept "64KiB" in code too, not only in files
+            v = getattr(self, name)
+            if v is not None and isinstance(v, str):
+                object.__setattr__(self, name, parse_size(v, name))
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def need_int(name: str, lo: int, hi: int | None = None) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name}: expected an integer, got {v!r}")
+            if v < lo or (hi is not None and v > hi):
+                bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+                raise ConfigError(f"{name}: must be {bound}, got {v}")
+
+        def need_bool(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected true/false, got {getattr(self, name)!r}")
+
+        def need_str(name: str, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(f"{name}: expected a non-empty string, got {v!r}")
+
+        for name in ("rpc_port", "data_port", "meta_port", "metrics_port"):
+            need_int(name, 0, 65535)
+        need_int("max_masters", 1)
+        need_int("virtual_nodes", 1, 100_000)
+        need_int("directory_replicas", 1)
+        need_int("max_channels_per_peer", 1, 4096)
+        need_int("pool_size", 1)
+        need_int("disk_size", 1)
+        need_int("disk_queue_depth", 1)
+        if self.page_size is not None:
+            need_int("page_size", 1)
+            # one slot = 64-byte header + page, rounded to 64 bytes (hiradix.peer.pool)
+            if self.pool_size < self.page_size + 64:
+                raise ConfigError(
+                    f"pool_size: {self.pool_size} bytes cannot hold one page of page_size={self.page_size} bytes"
+                )
+        for name in ("disk_enabled", "metrics_enabled", "metrics_dashboard"):
+            need_bool(name)
+        need_str("node_id", optional=True)
+        need_str("bind_host")
+        need_str("metrics_host", optional=True)
+        need_str("disk_path")
+        if self.pool_policy not in ("lru",):
+            raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
+        for name in ("connect_timeout_s", "rpc_timeout_s", "read_timeout_s", "promote_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
+        if self.discovery_addr is not None:
+            host, sep, port = str(self.discovery_addr).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"discovery_addr: expected 'host:port', got {self.discovery_addr!r}")
+        if self.cluster_token is not None and (not isinstance(self.cluster_token, str) or not self.cluster_token):
+            raise ConfigError("cluster_token: expected a non-empty string or null")
+        exposed = [h for h in (self.bind_host, self.metrics_host) if h is not None and not _is_loopback(h)]
+        if exposed and self.cluster_token is None and not os.environ.get(TOKEN_ENV):
+            raise ConfigError(
+                f"bind_host/metrics_host {exposed[0]!r} is not loopback and no cluster token is set: "
+                f"set cluster_token or ${TOKEN_ENV}, or bind 127.0.0.1"
+            )
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PeerConfig:
+        """Build from a mapping (a ``"peer"`` sub-table is used if present).
+
+        Unknown keys raise :class:`ConfigError` naming the closest known key.
+        Sizes may be strings with units.
+        """
+        if "peer" in data and isinstance(data["peer"], Mapping):
+            data = data["peer"]
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a table of settings, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown setting {key!r}{hint}")
+            if key in _SIZE_FIELDS and value is not None:
+                value = parse_size(value, key)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> PeerConfig:
+        """Load a ``.json`` or ``.toml`` file (TOML needs Python >= 3.11 or ``tomli``)."""
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc}") from exc
+        suffix = p.suffix.lower()
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            elif suffix == ".toml":
+                if sys.version_info >= (3, 11):
+                    import tomllib
+                else:  # pragma: no cover - Python 3.10
+                    import tomli as tomllib
+                data = tomllib.loads(text)
+            else:
+                raise ConfigError(f"config file {str(p)!r}: expected a .json or .toml file")
+        except (json.JSONDecodeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"config file {str(p)!r} is not valid {suffix[1:].upper()}: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """All settings as a plain dict (``cluster_token`` included: handle with care)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> PeerConfig:
+        """A copy with ``changes`` applied and validated."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def effective_metrics_host(self) -> str:
+        """Where the metrics server binds."""
+        return self.metrics_host if self.metrics_host is not None else self.bind_host
