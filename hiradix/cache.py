@@ -46,6 +46,14 @@ __all__ = ["CacheMatchResult", "HiRadixCache", "Req"]
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def _cpu(indices: Any) -> Any:
+    """Indices as the tree takes them: a CUDA tensor is copied to the host (the tree is a
+    host data structure; SGLang's tree keeps device tensors and syncs on every use)."""
+    if isinstance(indices, torch.Tensor) and indices.device.type != "cpu":
+        return indices.cpu()
+    return indices
+
+
 @dataclass(frozen=True, slots=True)
 class CacheMatchResult:
     """What :meth:`HiRadixCache.match_prefix` found (SGLang's ``MatchResult``).
@@ -171,7 +179,7 @@ class HiRadixCache:
         """Longest cached prefix of ``key`` (page aligned). Runtime: ``O(len(key))``."""
         m = self.tree.match_prefix(key, extra_key)
         return CacheMatchResult(
-            torch.from_numpy(m.device_indices),
+            torch.from_numpy(m.device_indices).to(self.device_pool.device),
             m.last_device_node,
             m.last_host_node,
             m.host_hit_length,
@@ -184,7 +192,7 @@ class HiRadixCache:
         """Insert ``key`` with device slots ``value``; returns the length of the prefix
         that was already cached (the caller frees its own slots for it). Nodes that the
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
-        result = self.tree.insert(key, value, extra_key, priority=priority, chunked=chunked)
+        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked)
         if result.backup_nodes:
             self._write_backup_nodes(result.backup_nodes)
         return int(result.prefix_len)
@@ -219,7 +227,7 @@ class HiRadixCache:
         new_prefix = self.insert(keys, kv[:aligned], req.extra_key, priority=req.priority, chunked=chunked)
         self._free_device(kv[len(req.prefix_indices) : new_prefix])
         m = self.tree.match_prefix(keys, req.extra_key)
-        new_indices = torch.from_numpy(m.device_indices)
+        new_indices = torch.from_numpy(m.device_indices).to(kv.device)
         if len(new_indices) != aligned:
             raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
         self.tree.inc_lock_ref(m.last_device_node)
@@ -315,7 +323,7 @@ class HiRadixCache:
             tree.dec_lock_ref(anchor)
         if device is None:
             return None
-        tree.begin_load_back(node, device)
+        tree.begin_load_back(node, _cpu(device))
         self.cache_controller.load(host, device, node)
         self.ongoing_load_back[node] = device
         self.stats["load_back_tokens"] += n

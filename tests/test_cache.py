@@ -90,6 +90,34 @@ def test_round_trip_bytes_identical(page_size: int, shape: str, layout: str, dty
         cache.check_invariants()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_round_trip_on_cuda(layout: str) -> None:
+    """The same round trip with the device pool on the GPU and a pinned host pool."""
+    dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=16, dtype=torch.bfloat16, device="cuda")
+    host = HostKVPool.for_device(dev, ratio=2.0, layout=layout)
+    assert host.pin_memory
+    with HiRadixCache(dev, host, load_back_threshold=0) as cache:
+        tokens = np.arange(128)
+        slots = cache.alloc_device(128)
+        data = [torch.randn(dev.total_slots, 2, 4, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        for layer in range(3):
+            dev.k_buffer(layer)[slots] = data[layer][slots]
+        cache.insert(tokens, slots)
+        cache.flush()
+        cache.evict(128)
+        m = cache.match_prefix(tokens)
+        loaded, _ = cache.init_load_back(m.last_node, m.host_hit_length)
+        counter = cache.cache_controller.layer_done_counter
+        counter.set_consumer(cache.ready_to_load_host_cache())
+        for layer in range(3):
+            counter.wait_until(layer)
+            torch.cuda.current_stream().synchronize()
+            assert torch.equal(dev.k_buffer(layer)[loaded], data[layer][slots])
+        cache.flush()
+        cache.check_invariants()
+
+
 def test_write_back_eviction_backs_up_then_demotes() -> None:
     with make_cache(write_policy="write_back") as cache:
         p = np.arange(64)
@@ -308,7 +336,7 @@ def test_unfinished_request_moves_its_lock() -> None:
         fill(cache.device_pool, slots, prefix_seeds(p))
         req = Req("a", p[:30], slots[:30].clone())
         cache.cache_unfinished_req(req, chunked=True)
-        assert req.last_node != -1 and len(req.prefix_indices) == 30
+        assert req.last_node != -1 and len(req.prefix_indices) == 28 and len(req.kv_indices) == 30
         assert cache.protected_size() == 28  # page-aligned part, locked for the request
         req.token_ids = p
         req.kv_indices = torch.cat((req.kv_indices, slots[30:]))
