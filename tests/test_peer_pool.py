@@ -310,3 +310,30 @@ def test_torture_readers_never_see_a_wrong_page() -> None:
     for loc in pool:
         assert verify_slot(bytes(pool.slot_view(loc.slot)[: loc.read_length]), loc.key, loc.generation) is not None
     print("torture:", stats, "evictions:", len(evictions))
+
+
+def test_remote_read_through_the_fake_nic() -> None:
+    """End to end over the transport seam: the pool registers with node A's NIC, node B
+    READs a slot into its receive buffer and verifies it; after reuse the same READ is a miss."""
+    fake = pytest.importorskip("hiradix.transport.fake")
+    fabric = fake.FakeFabric()
+    a, b = fake.FakeTransport(fabric, "a"), fake.FakeTransport(fabric, "b")
+    try:
+        pool = PublishedPool(2 * (SLOT_HEADER_SIZE + PAGE), PAGE, registrar=a)
+        recv = np.zeros(SLOT_HEADER_SIZE + PAGE, dtype=np.uint8)
+        local = b.register(recv)
+        loc = pool.set("k", page_for("k"))
+        assert loc is not None and loc.rkey == pool.region.rkey
+        ops = [(loc.addr, loc.rkey, loc.read_length, local.addr)]
+        assert [int(s) for s in b.read_batch("a", ops)] == [0]
+        got = verify_slot(recv, "k", loc.generation, loc.length)
+        assert got is not None and bytes(got) == page_for("k")
+        pool.set("x", page_for("x"))
+        pool.set("y", page_for("y"))  # evicts k and reuses its slot
+        assert [int(s) for s in b.read_batch("a", ops)] == [0]
+        assert verify_slot(recv, "k", loc.generation, loc.length) is None
+        pool.close(timeout=5)
+        assert [int(s) for s in b.read_batch("a", ops)] != [0]  # deregistered
+    finally:
+        a.close()
+        b.close()
