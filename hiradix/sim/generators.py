@@ -477,6 +477,7 @@ class AzureWorkload(Workload):
     prefix_tokens: Range = (200, 2000)
     skew: float = 1.0
     time_scale: float = 1.0
+    kind: str = "azure"  # the name reports use: azure-conv, azure-code, ...
 
     def __post_init__(self) -> None:
         if self.requests is not None and self.requests < 0:
@@ -488,8 +489,7 @@ class AzureWorkload(Workload):
         _check_range("prefix_tokens", self.prefix_tokens)
 
     def describe(self) -> dict[str, Any]:
-        kind = next((k for k, v in AZURE_FILES.items() if v == Path(self.path).name), self.name)
-        return {**super().describe(), "workload": kind}
+        return {**super().describe(), "workload": self.kind}
 
     def __iter__(self) -> Iterator[TraceRequest]:
         lengths = read_azure_csv(self.path, self.requests)
@@ -550,6 +550,6 @@ def make_workload(
     if name == "trace":
         return MooncakeWorkload(Path(path or Path(trace_dir) / "conversation_trace.jsonl"), requests, skip_bad)
     if name in AZURE_FILES:
-        return AzureWorkload(Path(path or Path(trace_dir) / AZURE_FILES[name]), requests, seed)
+        return AzureWorkload(Path(path or Path(trace_dir) / AZURE_FILES[name]), requests, seed, kind=name)
     cls = WORKLOADS[name]
     return cls(**({"seed": seed} if requests is None else {"requests": requests, "seed": seed}))
