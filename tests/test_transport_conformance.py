@@ -333,13 +333,15 @@ def test_deregister_waits_for_reads_in_flight(h: Harness) -> None:
         server.deregister(r.rkey, timeout=0)
     with pytest.raises(RegionBusyError):
         reader.deregister(lr.rkey, timeout=0)
-    # A blocking deregister finishes only after the read has finished.
-    finished_read: list[bool] = []
-    dereg = Runner(lambda: (server.deregister(r.rkey), finished_read.append(not read.is_alive())))
+    # A blocking deregister returns only after the gate opened and the read drained.
+    opened = threading.Event()
+    seen_open: list[bool] = []
+    dereg = Runner(lambda: (server.deregister(r.rkey), seen_open.append(opened.is_set())))
+    opened.set()
     gate.open()
     assert read.value() == [Status.OK] * 4
     dereg.value()
-    assert finished_read == [True]
+    assert seen_open == [True]
     assert np.array_equal(src, dst)
     reader.deregister(lr.rkey)
     lr2 = reader.register(dst)

@@ -151,6 +151,12 @@ class TcpTransport(Transport):
         Target payload bytes per frame (items are never split).
     timeout:
         Default ``read_batch`` deadline (seconds); also bounds connect + handshake.
+    handshake_timeout:
+        Bound on connect + authentication, either side.
+    idle_timeout:
+        The responder closes a connection idle this long.
+    send_timeout:
+        The responder drops a reader that accepts no bytes for this long.
     max_connections:
         Responder connections accepted at once; more are closed at accept.
     """
@@ -172,6 +178,7 @@ class TcpTransport(Transport):
         timeout: float = 5.0,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
+        send_timeout: float = 30.0,
         max_connections: int = 1024,
     ) -> None:
         super().__init__(max_channels_per_peer=max_channels_per_peer, timeout=timeout)
@@ -189,6 +196,7 @@ class TcpTransport(Transport):
         self.frame_bytes = frame_bytes
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
+        self.send_timeout = send_timeout
         self.max_connections = max_connections
         self._pool: ChannelPool[_Channel] = ChannelPool(self._connect, self._close_channel, max_channels_per_peer)
         self._executor: ThreadPoolExecutor | None = None
@@ -228,7 +236,10 @@ class TcpTransport(Transport):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             server_handshake(conn, self._token, _AUTH_CONTEXT, self.handshake_timeout)
             conn.settimeout(None)
-            _set_io_timeout(conn, self.idle_timeout)
+            # Idle channels may wait long for the next frame; a reader that stops draining
+            # may hold a region in flight (and a deregister) only for send_timeout.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.send_timeout))
             hdr = bytearray(_REQ.size)
             hview = memoryview(hdr)
             body = bytearray(MAX_ITEMS * _ITEM.size)
