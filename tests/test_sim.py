@@ -388,3 +388,35 @@ def test_cli_as_a_module_subprocess(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["stats"]["requests"] == 200
     assert "total hit" in proc.stdout
+
+
+# ------------------------------------------------------- (f) timing, outputs, observer
+@needs_trace
+def test_cli_default_run_also_estimates_ttft(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default workload is the trace; the summary and JSON carry the timing model's
+    TTFT per scenario and the bytes moved per tier."""
+    out = tmp_path / "result.json"
+    assert main(["sim", "--limit", "300", "--json", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "conversation_trace.jsonl, 300 requests" in text
+    assert "TTFT" in text and "no cache" in text and "bytes moved" in text
+    report = json.loads(out.read_text())
+    assert report["workload"]["workload"] == "trace" and report["workload"]["limit"] == 300
+    scenarios = report["timing"]["scenarios"]
+    assert scenarios["all_tiers"]["mean_s"] <= scenarios["device_only"]["mean_s"] <= scenarios["no_cache"]["mean_s"]
+    assert report["bytes_moved"]["host_to_device"] == report["stats"]["load_back_tokens"] * 131_072
+
+
+@needs_trace
+def test_replay_with_an_observer_counts_the_same(tree_cls: Any) -> None:
+    """The observer changes nothing: the same stats with and without it, and its
+    records add up to them."""
+    plain = Replayer(tree_cls, device_tokens=300_000, host_tokens=1_000_000).replay(MooncakeTrace(TRACE, limit=200))
+    records: list[Any] = []
+    observed = Replayer(tree_cls, device_tokens=300_000, host_tokens=1_000_000).replay(
+        MooncakeTrace(TRACE, limit=200), records.append
+    )
+    assert plain == observed
+    assert sum(r.served.host_hit for r in records) == observed.host_hit_tokens
+    assert sum(r.ideal for r in records) == observed.ideal_hit_tokens
+    assert [r.request.line for r in records] == list(range(1, 201))
