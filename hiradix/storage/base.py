@@ -329,27 +329,53 @@ class StorageBackend(ABC):
         if target_locations is not None and len(target_locations) != len(keys):
             raise ValueError(f"{len(target_locations)} target locations for {len(keys)} keys")
         # Targets are checked before any I/O: a bad target is the caller's bug and raises.
-        views = None if target_locations is None else [as_byte_view(t, writable=True) for t in target_locations]
-        out: list[Any] = []
-        hits = 0
-        for i, key in enumerate(keys):
-            result: Any = None
-            try:
-                if views is not None:
-                    if self._get_into(key, views[i]):
-                        result = target_locations[i]  # type: ignore[index]
-                else:
+        if target_locations is not None:
+            targets = list(target_locations)
+            views = [as_byte_view(t, writable=True) for t in targets]
+            oks = self._get_many_safe(keys, views)
+            out: list[Any] = [t if ok else None for t, ok in zip(targets, oks, strict=True)]
+        else:
+            out = [None] * len(keys)
+            todo: list[int] = []
+            bufs: list[torch.Tensor] = []
+            for i, key in enumerate(keys):
+                try:
                     size = self._size(key)
-                    if size is not None:
-                        buf = torch.empty(size, dtype=torch.uint8)
-                        if self._get_into(key, _buffer(buf.numpy())):
-                            result = buf
-            except Exception as exc:  # any backend failure is a miss (module docstring)
-                self._failed("get", key, exc)
-            hits += result is not None
-            out.append(result)
+                except Exception as exc:  # any backend failure is a miss (module docstring)
+                    self._failed("get", key, exc)
+                    size = None
+                if size is not None:
+                    todo.append(i)
+                    bufs.append(torch.empty(size, dtype=torch.uint8))
+            oks = self._get_many_safe([keys[i] for i in todo], [_buffer(b.numpy()) for b in bufs])
+            for i, buf, ok in zip(todo, bufs, oks, strict=True):
+                out[i] = buf if ok else None
+        hits = sum(o is not None for o in out)
         self._count(hits=hits, misses=len(keys) - hits)
         return out
+
+    def _get_many_into(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
+        """Fill each of ``outs`` with its key's page (see :meth:`_get_into`). The default
+        calls ``_get_into`` key by key, so that one failing key is one miss; backends
+        override it to batch their I/O."""
+        results = []
+        for key, out in zip(keys, outs, strict=True):
+            try:
+                ok = bool(self._get_into(key, out))
+            except Exception as exc:  # any backend failure is a miss (module docstring)
+                self._failed("get", key, exc)
+                ok = False
+            results.append(ok)
+        return results
+
+    def _get_many_safe(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            return self._get_many_into(keys, outs)
+        except Exception as exc:  # a failing batch override: every key of it is a miss
+            self._failed("get", keys[0], exc)
+            return [False] * len(keys)
 
     def set(self, key: str, value: Any) -> bool:
         """Store one page (see :meth:`batch_set`)."""
@@ -365,9 +391,12 @@ class StorageBackend(ABC):
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
         views = [as_byte_view(v) for v in values]
-        return all(self._put_many(keys, views))
+        return all(self._put_many_safe(keys, views))
 
     def _put_many(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+        """Store each of ``views`` under its key (see :meth:`_put`). The default calls
+        ``_put`` key by key, so that one failing key is one ``False``; backends override
+        it to batch their I/O."""
         results = []
         for key, view in zip(keys, views, strict=True):
             try:
@@ -376,6 +405,16 @@ class StorageBackend(ABC):
                 self._failed("set", key, exc)
                 ok = False
             results.append(ok)
+        return results
+
+    def _put_many_safe(self, keys: list[str], views: list[memoryview]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            results = [bool(r) for r in self._put_many(keys, views)]
+        except Exception as exc:  # a failing batch override: every key of it is a False
+            self._failed("set", keys[0], exc)
+            results = [False] * len(keys)
         n_ok = sum(results)
         self._count(sets=n_ok, set_failures=len(results) - n_ok)
         return results
@@ -406,11 +445,12 @@ class StorageBackend(ABC):
             f"or page_size ({ps}) slots per key"
         )
 
-    def _scratch_page(self, nbytes: int) -> torch.Tensor:
+    def _scratch_pages(self, n: int, nbytes: int) -> torch.Tensor:
+        # One per-thread [n, nbytes] buffer, grown as needed (never shared between threads).
         buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.numel() != nbytes:
-            buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf
+        if buf is None or buf.shape[1] != nbytes or buf.shape[0] < n:
+            buf = self._scratch.buf = torch.empty((n, nbytes), dtype=torch.uint8)
+        return buf[:n]
 
     def batch_get_v1(
         self, keys: Sequence[str], host_indices: Any, extra_info: StorageExtraInfo | None = None
@@ -419,7 +459,7 @@ class StorageBackend(ABC):
 
         ``host_indices`` gives one page-start slot per key, or, as SGLang passes them,
         ``page_size`` consecutive slots per key. Page-first layouts are filled in place
-        (zero copy); ``layer_first`` goes through one per-thread page buffer. Returns one
+        (zero copy); ``layer_first`` goes through a per-thread buffer. Returns one
         bool per key; where it is ``False`` the page's slots hold unspecified bytes and
         must not be used. Runtime complexity: ``O(total bytes)``.
         """
@@ -427,19 +467,15 @@ class StorageBackend(ABC):
         starts = self._page_starts(keys, host_indices)
         pool = self.mem_pool_host
         assert pool is not None
-        in_place = pool.layout != "layer_first"
-        results = []
-        for key, start in zip(keys, starts.tolist(), strict=True):
-            ok = False
-            page = pool.get_page_bytes(start) if in_place else self._scratch_page(pool.page_bytes)
-            try:
-                ok = bool(self._get_into(key, _buffer(page.numpy())))
-                if ok and not in_place:
-                    pool.set_page_bytes(start, page)
-            except Exception as exc:  # any backend failure is a miss (module docstring)
-                self._failed("get_v1", key, exc)
-                ok = False
-            results.append(ok)
+        if pool.layout != "layer_first":  # each page is one run of the pool: read in place
+            pages = [pool.get_page_bytes(st) for st in starts.tolist()]
+            results = self._get_many_safe(keys, [_buffer(p.numpy()) for p in pages])
+        else:  # gathered layout: read into a per-thread buffer, then scatter each page
+            scratch = self._scratch_pages(len(keys), pool.page_bytes)
+            results = self._get_many_safe(keys, [_buffer(p.numpy()) for p in scratch])
+            for i, (st, ok) in enumerate(zip(starts.tolist(), results, strict=True)):
+                if ok:
+                    pool.set_page_bytes(st, scratch[i])
         hits = sum(results)
         self._count(hits=hits, misses=len(keys) - hits)
         return results
@@ -456,7 +492,7 @@ class StorageBackend(ABC):
         pool = self.mem_pool_host
         assert pool is not None
         views = [_buffer(pool.get_page_bytes(s).numpy()) for s in starts.tolist()]
-        return self._put_many(keys, views)
+        return self._put_many_safe(keys, views)
 
     # ------------------------------------------------------------------ management
     def clear(self) -> None:
