@@ -3,6 +3,8 @@
 from typing import Any
 
 NOGIL_MIN_BYTES: int
+PARALLEL_MIN_BYTES: int
+MAX_THREADS: int
 
 def copy_rows(
     dst: Any,
@@ -13,4 +15,5 @@ def copy_rows(
     src_base: int,
     row_bytes: int,
     align: int = ...,
+    threads: int = ...,
 ) -> int: ...

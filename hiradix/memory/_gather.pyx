@@ -23,6 +23,9 @@ Contract:
   copy and can stall the caller behind another thread's switch interval.
 - Rows are copied in order, so a later row that writes the same bytes as an earlier one
   wins. When ``dst`` and ``src`` overlap in memory every run is a ``memmove``.
+- ``threads > 1`` cuts a large copy into equal slices of rows copied by that many POSIX
+  threads (the caller's among them). Pages in random order are latency bound, not
+  bandwidth bound, so a second thread helps when a core is free (``bench/transfer.py``).
 """
 
 cimport cython
@@ -30,7 +33,31 @@ from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.string cimport memcpy, memmove
 
 NOGIL_MIN_BYTES = 1 << 16
+PARALLEL_MIN_BYTES = 1 << 20
+MAX_THREADS = 8
 cdef int64_t _NOGIL_MIN = NOGIL_MIN_BYTES
+cdef int64_t _PARALLEL_MIN = PARALLEL_MIN_BYTES
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t thread, void** retval)
+
+
+cdef struct Job:
+    uint8_t* dst            # destination, base already added
+    const int64_t* doff     # this slice's destination row offsets (bytes)
+    const uint8_t* src      # source, base already added
+    const int64_t* soff     # this slice's source row offsets (bytes)
+    Py_ssize_t n            # rows in this slice
+    int64_t row             # bytes per row
+    Py_ssize_t runs         # out: memcpy calls made
+
+
+cdef void* _job_main(void* arg) noexcept nogil:
+    cdef Job* job = <Job*>arg
+    job.runs = _copy(job.dst, job.doff, job.src, job.soff, job.n, job.row, False)
+    return NULL
 
 
 cdef object _byte_buffer(object obj, str name, bint writable):
@@ -105,8 +132,44 @@ cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, con
     return runs
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef Py_ssize_t _copy_parallel(uint8_t* dst, const int64_t* doff, const uint8_t* src, const int64_t* soff,
+                               Py_ssize_t n, int64_t row, int threads) noexcept nogil:
+    """:func:`_copy` with the rows cut into ``threads`` equal slices, one per thread (the
+    caller's thread takes the first). A thread that cannot be started leaves its slice to
+    the caller's thread, so the copy always completes."""
+    cdef Job jobs[8]
+    cdef pthread_t tids[8]
+    cdef bint started[8]
+    cdef int k
+    cdef Py_ssize_t lo, hi
+    cdef Py_ssize_t runs = 0
+    for k in range(threads):
+        lo = n * k // threads
+        hi = n * (k + 1) // threads
+        jobs[k].dst = dst
+        jobs[k].doff = doff + lo
+        jobs[k].src = src
+        jobs[k].soff = soff + lo
+        jobs[k].n = hi - lo
+        jobs[k].row = row
+        jobs[k].runs = 0
+    for k in range(1, threads):
+        started[k] = pthread_create(&tids[k], NULL, _job_main, &jobs[k]) == 0
+    _job_main(&jobs[0])
+    for k in range(1, threads):
+        if started[k]:
+            pthread_join(tids[k], NULL)
+        else:
+            _job_main(&jobs[k])
+    for k in range(threads):
+        runs += jobs[k].runs
+    return runs
+
+
 def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_t src_base,
-              Py_ssize_t row_bytes, Py_ssize_t align=1):
+              Py_ssize_t row_bytes, Py_ssize_t align=1, int threads=1):
     """Copy ``len(dst_offsets)`` rows of ``row_bytes`` bytes from ``src`` to ``dst``.
 
     Row ``i`` goes from byte ``src_base + src_offsets[i]`` of ``src`` to byte
@@ -132,6 +195,11 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
         Element size of the data (a power of two). ``row_bytes``, both bases and every
         offset must be multiples of it, which catches offsets computed in elements
         instead of bytes.
+    threads:
+        Threads to split the rows over, ``1 .. MAX_THREADS`` (the caller's thread is one
+        of them). Used only for copies of at least :data:`PARALLEL_MIN_BYTES` between
+        buffers that do not overlap; then rows in different slices are copied
+        concurrently, so rows that write the same bytes land in no defined order.
 
     Returns
     -------
@@ -174,6 +242,8 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
         raise ValueError(
             f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
         )
+    if threads < 1 or threads > MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
     if n == 0 or row_bytes == 0:
         return 0
     cdef Py_ssize_t dlen = d.shape[0]
@@ -200,13 +270,19 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
     # n * row_bytes may overflow for absurd inputs, but then the rows cannot all be in
     # bounds; the comparison only picks GIL or no GIL.
     cdef bint release = n >= (_NOGIL_MIN + row_bytes - 1) // row_bytes
+    cdef int par = 1
+    if threads > 1 and not overlap and n >= (_PARALLEL_MIN + row_bytes - 1) // row_bytes:
+        par = threads if threads < n else <int>n
     if release:
         with nogil:
             bad_d = _first_bad(dop, n, dlimit, mask)
             if bad_d < 0:
                 bad_s = _first_bad(sop, n, slimit, mask)
                 if bad_s < 0:
-                    runs = _copy(dp, dop, sp, sop, n, row_bytes, overlap)
+                    if par > 1:
+                        runs = _copy_parallel(dp, dop, sp, sop, n, row_bytes, par)
+                    else:
+                        runs = _copy(dp, dop, sp, sop, n, row_bytes, overlap)
     else:
         bad_d = _first_bad(dop, n, dlimit, mask)
         if bad_d < 0:

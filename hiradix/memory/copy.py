@@ -407,14 +407,24 @@ def _row_plan(
     return _RowPlan(dregs, hregs, tuple(dev_off), tuple(host_off), device_pool.itemsize)
 
 
-def _native_backup_layer(plan: _RowPlan, layer: int) -> None:
+def _native_backup_layer(plan: _RowPlan, layer: int, threads: int) -> None:
     for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
-        _gather.copy_rows(h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, d.row_bytes, plan.align)
+        _gather.copy_rows(
+            h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, d.row_bytes, plan.align, threads
+        )
 
 
-def _native_load_layer(plan: _RowPlan, layer: int) -> None:
+def _native_load_layer(plan: _RowPlan, layer: int, threads: int) -> None:
     for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
-        _gather.copy_rows(d.buf, plan.dev_off[c], d.base, h.buf, plan.host_off[c], h.base, d.row_bytes, plan.align)
+        _gather.copy_rows(
+            d.buf, plan.dev_off[c], d.base, h.buf, plan.host_off[c], h.base, d.row_bytes, plan.align, threads
+        )
+
+
+def _default_copy_threads() -> int:
+    # Random page rows are latency bound, so a second thread nearly doubles a gather (see
+    # bench/RESULTS_transfer.md). Half the cores, at most 4: the rest run the model.
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 # ----------------------------------------------------------------------------- engines
@@ -467,6 +477,8 @@ class ThreadCopyEngine(CopyEngine):
     GIL-free row copy when it is built (:data:`NATIVE_AVAILABLE`), ``False`` always uses
     torch indexing, ``True`` requires the compiled copy (``RuntimeError`` otherwise). Pools
     on other devices always take the torch path. The bytes that land are the same either way.
+    ``copy_threads`` (compiled copy only; default half the cores, 1 to 4) splits each large
+    (layer, component) copy over that many threads, the worker being one of them.
 
     >>> from hiradix.memory import MHAShape
     >>> dev = DeviceKVPool(MHAShape(2, 1, 4), size=4, page_size=2, dtype=torch.float32)
@@ -482,8 +494,17 @@ class ThreadCopyEngine(CopyEngine):
     """
 
     def __init__(
-        self, *, layer_hook: LayerHook | None = None, name: str = "hiradix-copy", native: bool | None = None
+        self,
+        *,
+        layer_hook: LayerHook | None = None,
+        name: str = "hiradix-copy",
+        native: bool | None = None,
+        copy_threads: int | None = None,
     ) -> None:
+        threads = _default_copy_threads() if copy_threads is None else copy_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 8:
+            raise ValueError(f"copy_threads must be an int in [1, 8], got {copy_threads!r}")
+        self.copy_threads = threads
         if native and not NATIVE_AVAILABLE:
             raise RuntimeError(
                 "native=True but the compiled row copy hiradix.memory._gather is not in use "
@@ -513,7 +534,9 @@ class ThreadCopyEngine(CopyEngine):
         dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
         plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
         if plan is not None:
-            return self._submit("backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer))
+            return self._submit(
+                "backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
+            )
         hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "backup", device_pool.layer_num, lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
@@ -525,7 +548,9 @@ class ThreadCopyEngine(CopyEngine):
         dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
         plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
         if plan is not None:
-            return self._submit("load", device_pool.layer_num, lambda layer: _native_load_layer(plan, layer))
+            return self._submit(
+                "load", device_pool.layer_num, lambda layer: _native_load_layer(plan, layer, self.copy_threads)
+            )
         hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "load", device_pool.layer_num, lambda layer: _load_layer(host_pool, device_pool, hidx, dev, layer)
