@@ -231,6 +231,11 @@ def test_bad_arguments_raise(h: Harness) -> None:
     with pytest.raises(KeyError):
         server.deregister(12345)
     assert reader.read_batch(server.address, []) == []
+    # numpy integers are integers too (offsets often come from index arrays).
+    r = server.register(bytearray(b"n" * 64))
+    lr = reader.register(bytearray(64))
+    op = (np.uint64(r.addr), np.int64(r.rkey), np.int32(8), np.uint64(lr.addr))
+    assert reader.read_batch(server.address, [op]) == [Status.OK]  # type: ignore[list-item]
 
 
 # -- per-item errors --------------------------------------------------------------------------

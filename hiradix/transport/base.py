@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import ctypes
 import enum
+import operator
 import secrets
 import threading
 import time
@@ -519,9 +520,10 @@ class Transport(ABC):
             for i, op in enumerate(ops):
                 if len(op) != 4:
                     raise ValueError(f"read item {i} must be (remote_addr, rkey, length, local_addr), got {op!r}")
-                raddr, rkey, length, laddr = op
-                if not all(isinstance(v, int) for v in op):
-                    raise TypeError(f"read item {i} must hold ints, got {op!r}")
+                try:
+                    raddr, rkey, length, laddr = (operator.index(v) for v in op)
+                except TypeError:
+                    raise TypeError(f"read item {i} must hold integers, got {op!r}") from None
                 if length < 0 or length > MAX_ITEM_BYTES or not 0 <= raddr <= _U64 or not 0 <= rkey < 1 << 32:
                     statuses[i] = Status.INVALID
                     continue
