@@ -38,10 +38,13 @@ import torch
 import hiradix
 from hiradix.controller import HiCacheController
 from hiradix.distributed import RankAgreement
+from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
+from hiradix.storage.base import StorageBackend
+from hiradix.storage.keys import KeyNamespace, storage_keys
 
-__all__ = ["CacheMatchResult", "HiRadixCache", "Req"]
+__all__ = ["CacheMatchResult", "HiRadixCache", "OngoingPrefetch", "Req"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -90,8 +93,19 @@ class Req:
     priority: int = 0
 
 
+@dataclass(eq=False)
+class OngoingPrefetch:
+    """A prefetch the cache is waiting for: the backed-up node its pages will hang from
+    (protected with ``inc_host_ref`` meanwhile), the tokens and the host slots."""
+
+    mount: int
+    tokens: np.ndarray
+    host_indices: torch.Tensor
+    op: PrefetchOperation
+
+
 class HiRadixCache:
-    """Two-tier (device + host) radix KV cache.
+    """Three-tier (device, host, storage) radix KV cache.
 
     Parameters
     ----------
@@ -110,6 +124,12 @@ class HiRadixCache:
         ``layer_hook``).
     tree_cls, enable_hash, clock:
         The tree implementation (default :class:`hiradix.HiRadixTree`) and its options.
+        Page hashes are on by default: they are the L3 keys.
+    storage, prefetch, namespace, tp_rank, prefetch_agreement:
+        An L3 backend to attach at once (see :meth:`attach_storage_backend`), the
+        prefetch policy, the key namespace (its ``extra_key()`` is the tree namespace of
+        requests that pass it), this rank's TP rank (key suffix for sharded pages) and
+        the agreement the prefetch thread uses (a process group of its own).
     """
 
     def __init__(
@@ -124,8 +144,13 @@ class HiRadixCache:
         controller: HiCacheController | None = None,
         layer_hook: LayerHook | None = None,
         tree_cls: Any = None,
-        enable_hash: bool = False,
+        enable_hash: bool = True,
         clock: Callable[[], float] | None = None,
+        storage: StorageBackend | None = None,
+        prefetch: PrefetchConfig | None = None,
+        namespace: KeyNamespace | None = None,
+        tp_rank: int = 0,
+        prefetch_agreement: RankAgreement | None = None,
     ) -> None:
         if load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
@@ -159,7 +184,27 @@ class HiRadixCache:
             "device_evicted_tokens": 0,
             "write_back_dropped_tokens": 0,
             "host_evicted_tokens": 0,
+            "prefetch_started_tokens": 0,
+            "prefetch_skipped_capacity": 0,
+            "prefetch_skipped_no_host": 0,
+            "prefetch_loaded_tokens": 0,
+            "prefetch_wasted_tokens": 0,
+            "storage_backup_tokens": 0,
         }
+        # L3 (storage) state; see attach_storage_backend.
+        self.enable_hash = enable_hash
+        self.clock = clock
+        self.namespace = namespace
+        self.tp_rank = tp_rank
+        self.prefetch_agreement = prefetch_agreement
+        self.l3: L3Controller | None = None
+        self.ongoing_prefetch: dict[Any, OngoingPrefetch] = {}
+        self.ongoing_backup: list[BackupOperation] = []
+        self.prefetch_loaded_tokens_by_reqid: dict[Any, int] = {}
+        self._release_queue: list[tuple[PrefetchOperation, torch.Tensor]] = []
+        if storage is not None:
+            ok, msg = self.attach_storage_backend(storage, prefetch=prefetch)
+            assert ok, msg
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -293,6 +338,8 @@ class HiRadixCache:
                 host = self.ongoing_write_through.pop(op.node)
                 if self.tree.commit_backup(op.node, ok):
                     self.stats["backup_done_tokens"] += len(host)
+                    if self.l3 is not None:
+                        self.write_backup_storage(op.node)
                 else:
                     self.host_pool.free(host)
                     self.stats["backup_failed_tokens"] += len(host)
@@ -365,9 +412,194 @@ class HiRadixCache:
                 self.tree.finish_load_back(op.node)
 
     def check_hicache_events(self) -> None:
-        """One scheduler step's bookkeeping: acknowledge finished backups and loads."""
+        """One scheduler step's bookkeeping: acknowledge finished backups (to host and to
+        storage) and loads, and free the slots of finished, terminated prefetches."""
         self.writing_check()
         self.loading_check()
+        if self.l3 is not None or self.ongoing_backup:
+            self.check_backup_progress()
+        self._drain_release_queue()
+
+    # ------------------------------------------------------------------ L3 (storage)
+    @property
+    def enable_storage(self) -> bool:
+        """Whether an L3 backend is attached."""
+        return self.l3 is not None
+
+    def _key_fn(self, hashes: Sequence[str]) -> list[str]:
+        return storage_keys(hashes, self.namespace, self.tp_rank)
+
+    def attach_storage_backend(
+        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None
+    ) -> tuple[bool, str]:
+        """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
+        message)``; refuses while another backend is attached. ``O(1)`` plus starting
+        the three L3 threads."""
+        if self.l3 is not None:
+            return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
+        if not self.enable_hash:
+            return False, "the tree was built with enable_hash=False: L3 keys are page hashes"
+        kwargs: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}
+        self.l3 = L3Controller(
+            backend,
+            self.host_pool,
+            config=prefetch,
+            key_fn=self._key_fn,
+            agreement=self.prefetch_agreement,
+            **kwargs,
+        )
+        return True, f"attached storage backend {backend.name!r}"
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """Detach the L3 backend (every rank together): abort the prefetches in flight,
+        let the L3 threads finish what they hold, then release every protection and every
+        prefetch slot. The tree and both pools are left consistent; nothing is lost but
+        the L3 copies themselves. ``O(in-flight operations)``."""
+        l3 = self.l3
+        if l3 is None:
+            return False, "no storage backend is attached"
+        for req_id in list(self.ongoing_prefetch):
+            self.release_aborted_request(req_id)
+        l3.stop()
+        self.check_backup_progress()
+        assert not self.ongoing_backup, "backups still pending after the L3 threads stopped"
+        self._drain_release_queue()
+        assert not self._release_queue, "prefetch slots still held after the L3 threads stopped"
+        self.l3 = None
+        return True, f"detached storage backend {l3.backend.name!r}"
+
+    def _prior_hash(self, node: int, extra_key: str | None) -> str | None:
+        if self.tree.parent(node) == -1:  # a (namespace) root: the chain's seed
+            return hiradix.namespace_seed(extra_key) if extra_key is not None else None
+        hashes = self.tree.hash_value(node)
+        assert hashes, f"node {node} has no page hashes"
+        return str(hashes[-1])
+
+    def prefetch_from_storage(
+        self,
+        req_id: Any,
+        last_host_node: int,
+        new_input_tokens: Any,
+        last_hash: str | None = None,
+        extra_key: str | None = None,
+    ) -> bool:
+        """Start fetching the pages that follow the backed-up ``last_host_node`` from L3
+        into freshly allocated host slots; returns whether a prefetch was started.
+
+        Nothing starts without storage, for fewer than ``threshold_tokens`` page-aligned
+        tokens, past the prefetch capacity or without host room (each counted in
+        :attr:`stats`). ``last_hash`` defaults to the hash of the node's last page (or
+        the namespace seed of ``extra_key`` at a root). Every rank must call it alike.
+        Runtime: ``O(1)`` here; the work runs on the L3 threads.
+        """
+        l3 = self.l3
+        if l3 is None:
+            return False
+        if req_id in self.ongoing_prefetch:
+            raise ValueError(f"request {req_id!r} already has a prefetch in flight")
+        tokens = np.asarray(new_input_tokens)
+        n = len(tokens) // self.page_size * self.page_size
+        if n < max(l3.config.threshold_tokens, self.page_size):
+            return False
+        if self.tree.parent(last_host_node) != -1 and not self.tree.node_info(last_host_node)["backuped"]:
+            raise ValueError(f"prefetch mount point {last_host_node} is not backed up")
+        in_flight = sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
+        if in_flight + n > l3.capacity_tokens:
+            self.stats["prefetch_skipped_capacity"] += n
+            return False
+        (host,) = self.cache_controller.alloc_host([n])
+        if host is None:
+            self.stats["prefetch_skipped_no_host"] += n
+            return False
+        prior = last_hash if last_hash is not None else self._prior_hash(last_host_node, extra_key)
+        self.tree.inc_host_ref(last_host_node)
+        op = l3.prefetch(req_id, host, tokens[:n], prior)
+        self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)
+        self.stats["prefetch_started_tokens"] += n
+        return True
+
+    def check_prefetch_progress(self, req_id: Any) -> bool:
+        """If the prefetch policy lets ``req_id``'s prefetch end now (agreed across
+        ranks), end it: insert the pages that landed on every rank as host-only nodes
+        under the mount point, release the rest, and return ``True``. The tokens newly
+        loaded are kept for :meth:`pop_prefetch_loaded_tokens`. Returns ``True`` at once
+        for a request with no prefetch. Runtime: ``O(tokens)``."""
+        entry = self.ongoing_prefetch.get(req_id)
+        if entry is None:
+            return True
+        l3 = self.l3
+        assert l3 is not None, "prefetches are aborted when the backend is detached"
+        if not self.agreement.all_true([l3.can_terminate(entry.op)])[0]:
+            return False
+        pages = self.agreement.min_int(l3.terminate(entry.op))
+        n = pages * self.page_size
+        loaded = 0
+        if n:
+            res = self.tree.insert_host(entry.mount, entry.tokens[:n], entry.host_indices[:n])
+            lo, hi = int(res.matched_length), int(res.matched_length + res.inserted_length)
+            loaded = hi - lo
+            unused = torch.cat((entry.host_indices[:lo], entry.host_indices[hi:n]))
+            if len(unused):
+                self.host_pool.free(unused)
+        self._release_queue.append((entry.op, entry.host_indices[n:]))
+        self.tree.dec_host_ref(entry.mount)
+        del self.ongoing_prefetch[req_id]
+        self.prefetch_loaded_tokens_by_reqid[req_id] = loaded
+        self.stats["prefetch_loaded_tokens"] += loaded
+        self.stats["prefetch_wasted_tokens"] += len(entry.host_indices) - loaded
+        return True
+
+    def release_aborted_request(self, req_id: Any) -> None:
+        """Forget ``req_id``'s prefetch: stop it, unprotect its mount point and release all
+        its slots (once the L3 threads are done with them). ``O(1)``."""
+        self.prefetch_loaded_tokens_by_reqid.pop(req_id, None)
+        entry = self.ongoing_prefetch.pop(req_id, None)
+        if entry is None:
+            return
+        assert self.l3 is not None
+        self.l3.terminate(entry.op)
+        self._release_queue.append((entry.op, entry.host_indices))
+        self.tree.dec_host_ref(entry.mount)
+        self.stats["prefetch_wasted_tokens"] += len(entry.host_indices)
+
+    def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
+        """Tokens ``req_id``'s finished prefetch added to the tree (0 if none). ``O(1)``."""
+        return self.prefetch_loaded_tokens_by_reqid.pop(req_id, 0)
+
+    def _drain_release_queue(self) -> None:
+        keep = []
+        for op, slots in self._release_queue:
+            if op.finished():
+                if len(slots):
+                    self.host_pool.free(slots)
+            else:
+                keep.append((op, slots))
+        self._release_queue = keep
+
+    def write_backup_storage(self, node: int) -> None:
+        """Queue an L2 -> L3 write of a backed-up node, protecting its host copy until
+        :meth:`check_backup_progress` sees it done. ``O(pages)``."""
+        assert self.l3 is not None
+        hashes = self.tree.hash_value(node)
+        host = self.tree.host_value(node)
+        if hashes is None or host is None:
+            raise ValueError(f"write_backup_storage: node {node} has no host copy or no page hashes")
+        self.tree.inc_host_ref(node)
+        self.ongoing_backup.append(self.l3.backup(node, hashes, torch.from_numpy(host)))
+        self.stats["storage_backup_tokens"] += len(host)
+
+    def check_backup_progress(self) -> None:
+        """Unprotect the nodes whose L3 writes every rank has finished (agreed by MIN,
+        in queue order). ``O(finished)``."""
+        local = 0
+        for op in self.ongoing_backup:
+            if not op.done.is_set():
+                break
+            local += 1
+        n = self.agreement.min_int(local)
+        for op in self.ongoing_backup[:n]:
+            self.tree.dec_host_ref(op.node)
+        del self.ongoing_backup[:n]
 
     # ------------------------------------------------------------------ eviction
     def _free_device(self, indices: Any) -> None:
@@ -459,15 +691,23 @@ class HiRadixCache:
             self.loading_check()
 
     def reset(self) -> None:
-        """Wait for in-flight copies, then empty the tree and both pools."""
+        """Wait for in-flight copies and L3 operations, then empty the tree and both
+        pools (an attached backend stays attached, its pages untouched)."""
         self.flush()
+        l3 = self.l3
+        if l3 is not None:
+            self.detach_storage_backend()
         self.tree.reset()
         self.device_allocator.clear()
         self.host_pool.clear()
+        if l3 is not None:
+            self.attach_storage_backend(l3.backend, prefetch=l3.config)
 
     def close(self) -> None:
-        """Flush and stop the controller's engines."""
+        """Flush, detach any L3 backend and stop the controller's engines."""
         self.flush()
+        if self.l3 is not None:
+            self.detach_storage_backend()
         self.cache_controller.close()
 
     def __enter__(self) -> HiRadixCache:
@@ -489,6 +729,8 @@ class HiRadixCache:
                 f"outstanding != {self.device_allocator.size}"
             )
         in_flight = sum(len(h) for h in self.ongoing_write_through.values())
+        in_flight += sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
+        in_flight += sum(len(slots) for _, slots in self._release_queue)
         host_free = self.host_pool.available_size()
         if host_free + self.tree.host_size() + in_flight != self.host_pool.size:
             raise AssertionError(
@@ -499,3 +741,8 @@ class HiRadixCache:
     def pending_protections(self) -> tuple[int, int]:
         """Nodes locked by in-flight backups and loads (both 0 once :meth:`flush` ran)."""
         return len(self.ongoing_write_through), len(self.ongoing_load_back)
+
+    def pending_storage(self) -> tuple[int, int, int]:
+        """Prefetches in flight, L3 backups unacknowledged and prefetch slot batches not
+        yet released (all 0 after a detach)."""
+        return len(self.ongoing_prefetch), len(self.ongoing_backup), len(self._release_queue)

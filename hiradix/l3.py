@@ -1,0 +1,389 @@
+"""The storage side of the controller: L3 <-> L2 prefetch and L2 -> L3 backup threads.
+
+Three background threads, each with its own queue, move bytes between a
+:class:`~hiradix.storage.base.StorageBackend` and the host pool; none of them touches
+the tree (the cache does, on the scheduler thread, when it consumes their results):
+
+- **prefetch thread**: for each :class:`PrefetchOperation`, computes the chained page
+  hashes of its tokens, asks ``batch_exists`` in batches of ``batch_pages`` (128) pages,
+  stopping at the first miss (longest prefix), and agrees the hit count across ranks by
+  MIN. Below ``threshold_tokens`` (256) the operation is revoked; otherwise it goes to the
+  IO thread. The agreement is made for *every* operation, in queue order, even one
+  already terminated (with a local hit count of 0), so ranks never disagree on which
+  collectives run.
+- **IO thread**: reads the hit pages into the host slots allocated in advance
+  (``batch_get_v1``, zero copy into the pool; ``batch_get`` for generic backends),
+  batch by batch, stopping at the first page that fails or when the operation is
+  terminated. ``completed_pages`` only ever counts pages that landed.
+- **backup thread**: writes backed-up host pages to L3 (``batch_set_v1`` or
+  ``batch_set``) while the cache keeps the node's host copy protected.
+
+Slots of a prefetch that were allocated but not filled are released only once the IO
+thread is done with the operation (the release queue), since a terminated operation may
+still have a batch in flight.
+
+Prefetch policies decide when the scheduler may stop waiting (:meth:`PrefetchConfig.can_terminate`):
+``best_effort`` at once, ``wait_complete`` when the IO is done, ``timeout`` when done or
+after ``min(timeout_max_s, timeout_base_s + timeout_per_ki_token_s * tokens / 1024)``
+(defaults 2.0 s, 0.1 s per 1024 tokens, 30 s), measured on an injectable clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import hiradix
+from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.memory.pools import HostKVPool
+from hiradix.storage.base import StorageBackend
+
+__all__ = ["PREFETCH_POLICIES", "BackupOperation", "L3Controller", "PrefetchConfig", "PrefetchOperation"]
+
+log = logging.getLogger(__name__)
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+KeyFn = Callable[[Sequence[str]], list[str]]
+"""Turns chained page hashes into storage keys (rank suffix, see :mod:`hiradix.storage.keys`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchConfig:
+    """How L3 prefetches run (SGLang's ``--hicache-storage-prefetch-policy`` and friends).
+
+    ``capacity_tokens`` bounds the host tokens held by prefetches in flight (default: half
+    the host pool). It is checked against ``threshold_tokens`` when the controller is
+    built, so prefetching cannot be silently disabled by a capacity that admits nothing.
+
+    >>> PrefetchConfig(policy="timeout").timeout_for(4096)
+    2.4
+    """
+
+    policy: str = "best_effort"
+    threshold_tokens: int = 256
+    batch_pages: int = 128
+    timeout_base_s: float = 2.0
+    timeout_per_ki_token_s: float = 0.1
+    timeout_max_s: float = 30.0
+    capacity_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {self.policy!r}")
+        if self.threshold_tokens < 0:
+            raise ValueError(f"threshold_tokens must be >= 0, got {self.threshold_tokens}")
+        if self.batch_pages < 1:
+            raise ValueError(f"batch_pages must be >= 1, got {self.batch_pages}")
+        for name in ("timeout_base_s", "timeout_per_ki_token_s", "timeout_max_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.capacity_tokens is not None and self.capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be >= 1 or None, got {self.capacity_tokens}")
+
+    def timeout_for(self, tokens: int) -> float:
+        """The ``timeout`` policy's deadline for a prefetch of ``tokens`` tokens (s)."""
+        return round(min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024), 9)
+
+
+@dataclass(eq=False)
+class PrefetchOperation:
+    """One request's L3 -> L2 prefetch, shared between the scheduler and the threads.
+
+    The threads write ``hit_pages``, ``completed_pages``, ``revoked``, ``queried`` and
+    ``io_done``; the scheduler writes ``terminated``. All under ``lock``.
+    """
+
+    request_id: Any
+    host_indices: torch.Tensor
+    tokens: np.ndarray
+    prior_hash: str | None
+    start_time: float
+    keys: list[str] = field(default_factory=list)
+    hit_pages: int = 0
+    completed_pages: int = 0
+    queried: bool = False
+    revoked: bool = False
+    terminated: bool = False
+    io_done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys) if self.queried else -1
+
+    def finished(self) -> bool:
+        """The threads are done with this operation (its slots may be freed)."""
+        return self.io_done.is_set()
+
+
+@dataclass(eq=False)
+class BackupOperation:
+    """One node's L2 -> L3 write."""
+
+    op_id: int
+    node: int
+    keys: list[str]
+    host_indices: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    stored_pages: int = 0
+
+
+_STOP = object()
+
+
+class L3Controller:
+    """Runs the prefetch, IO and backup threads for one rank (module docstring).
+
+    Parameters
+    ----------
+    backend:
+        The L3 storage; ``register_mem_pool_host(host_pool)`` is called here.
+    host_pool:
+        The L2 pool the pages land in and are read from.
+    config:
+        Prefetch policy and limits.
+    key_fn:
+        Storage keys of chained page hashes (default: the hashes themselves).
+    agreement:
+        Agreement used *by the prefetch thread* for hit counts. With several ranks give
+        it a process group of its own: its collectives run concurrently with the
+        scheduler's.
+    clock:
+        Seconds, for prefetch start times (``time.monotonic`` by default).
+    """
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host_pool: HostKVPool,
+        *,
+        config: PrefetchConfig | None = None,
+        key_fn: KeyFn | None = None,
+        agreement: RankAgreement | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(backend, StorageBackend):
+            raise TypeError(f"backend must be a StorageBackend, got {type(backend).__name__}")
+        self.backend = backend
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self.config = config or PrefetchConfig()
+        capacity = self.config.capacity_tokens
+        self.capacity_tokens = host_pool.size // 2 if capacity is None else capacity
+        if self.capacity_tokens < max(self.config.threshold_tokens, self.page_size):
+            raise ValueError(
+                f"prefetch capacity {self.capacity_tokens} tokens is below the prefetch threshold "
+                f"{self.config.threshold_tokens} (page {self.page_size}): no prefetch could ever run; "
+                f"raise capacity_tokens or the host pool size, or lower threshold_tokens"
+            )
+        self.key_fn: KeyFn = key_fn or list
+        self.agreement = agreement or LocalAgreement()
+        self.clock = clock
+        self.use_v1 = backend.capabilities.supports_v1
+        if self.use_v1:
+            backend.register_mem_pool_host(host_pool)
+        self._prefetch_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._io_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._backup_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._backup_ids = 0
+        self._stopped = False
+        self.stats = {
+            "prefetch_ops": 0,
+            "prefetch_revoked": 0,
+            "prefetch_hit_pages": 0,
+            "prefetch_loaded_pages": 0,
+            "prefetch_failed_pages": 0,
+            "backup_ops": 0,
+            "backup_pages": 0,
+            "backup_failed_pages": 0,
+        }
+        self._stats_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._prefetch_loop, name="hiradix-l3-prefetch", daemon=True),
+            threading.Thread(target=self._io_loop, name="hiradix-l3-io", daemon=True),
+            threading.Thread(target=self._backup_loop, name="hiradix-l3-backup", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                self.stats[k] += v
+
+    # ------------------------------------------------------------------ scheduler side
+    def prefetch(
+        self, request_id: Any, host_indices: torch.Tensor, tokens: np.ndarray, prior_hash: str | None
+    ) -> PrefetchOperation:
+        """Queue a prefetch of the page-aligned ``tokens`` into ``host_indices`` (one slot
+        per token, allocated by the caller). ``prior_hash`` is the hash of the page before
+        ``tokens`` (or the namespace seed, or ``None``). ``O(1)``."""
+        if self._stopped:
+            raise RuntimeError("L3 controller is stopped")
+        if len(tokens) % self.page_size or len(host_indices) != len(tokens):
+            raise ValueError(f"prefetch of {len(tokens)} tokens into {len(host_indices)} slots (page {self.page_size})")
+        op = PrefetchOperation(request_id, host_indices, np.asarray(tokens), prior_hash, self.clock())
+        self._count(prefetch_ops=1)
+        self._prefetch_q.put(op)
+        return op
+
+    def can_terminate(self, op: PrefetchOperation) -> bool:
+        """Whether the policy lets the scheduler stop waiting for ``op`` now (rank-local;
+        the cache agrees it across ranks). ``O(1)``."""
+        with op.lock:
+            if op.io_done.is_set() or op.revoked:
+                return True
+        policy = self.config.policy
+        if policy == "best_effort":
+            return True
+        if policy == "wait_complete":
+            return False
+        return self.clock() - op.start_time >= self.config.timeout_for(len(op.tokens))
+
+    def terminate(self, op: PrefetchOperation) -> int:
+        """Stop ``op`` and return the pages that landed so far (rank-local; the threads
+        read no further pages for it). ``O(1)``."""
+        with op.lock:
+            op.terminated = True
+            return op.completed_pages
+
+    def backup(self, node: int, hashes: Sequence[str], host_indices: torch.Tensor) -> BackupOperation:
+        """Queue an L2 -> L3 write of a node's pages (``hashes``: its chained page
+        hashes, one per page of ``host_indices``). The caller protects the node's host
+        copy until :meth:`BackupOperation.done`. ``O(pages)``."""
+        if self._stopped:
+            raise RuntimeError("L3 controller is stopped")
+        if len(hashes) * self.page_size != len(host_indices):
+            raise ValueError(f"{len(hashes)} page hashes for {len(host_indices)} host slots (page {self.page_size})")
+        self._backup_ids += 1
+        op = BackupOperation(self._backup_ids, node, self.key_fn(hashes), host_indices)
+        self._count(backup_ops=1)
+        self._backup_q.put(op)
+        return op
+
+    def stop(self) -> None:
+        """Finish every queued operation (terminated ones end at once) and join the
+        threads. The prefetch thread still makes its agreement call for each queued
+        operation, as every rank does. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._prefetch_q.put(_STOP)  # the prefetch thread forwards it to the IO thread
+        self._backup_q.put(_STOP)
+        for t in self._threads:
+            t.join()
+
+    # ------------------------------------------------------------------ threads
+    def _page_starts(self, host_indices: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        ps = self.page_size
+        return host_indices[first * ps : (first + n) * ps : ps]
+
+    def _query(self, op: PrefetchOperation) -> int:
+        """Hash the tokens and count the leading pages L3 holds. Any failure: 0 hits."""
+        keys = self.key_fn(list(hiradix.page_hashes(op.tokens, self.page_size, op.prior_hash)))
+        op.keys = keys
+        hits = 0
+        step = self.config.batch_pages
+        for start in range(0, len(keys), step):
+            batch = keys[start : start + step]
+            got = self.backend.batch_exists(batch)  # errors inside are misses already
+            hits += got
+            if got < len(batch):
+                break
+        return hits
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            op = self._prefetch_q.get()
+            if op is _STOP:
+                self._io_q.put(_STOP)
+                return
+            with op.lock:
+                skip = op.terminated
+            local = 0 if skip else self._query(op)
+            hits = self.agreement.min_int(local)  # every op, every rank, in queue order
+            enough = hits * self.page_size >= max(self.config.threshold_tokens, 1)
+            with op.lock:
+                op.hit_pages = hits
+                op.queried = True
+                if not enough or op.terminated:
+                    op.revoked = not enough
+                    op.io_done.set()
+            if op.revoked:
+                self._count(prefetch_revoked=1)
+            if not op.io_done.is_set():
+                self._count(prefetch_hit_pages=hits)
+                self._io_q.put(op)
+
+    def _io_loop(self) -> None:
+        while True:
+            op = self._io_q.get()
+            if op is _STOP:
+                return
+            try:
+                self._transfer(op)
+            finally:
+                op.io_done.set()
+
+    def _transfer(self, op: PrefetchOperation) -> None:
+        step = self.config.batch_pages
+        for first in range(0, op.hit_pages, step):
+            with op.lock:
+                if op.terminated:
+                    return
+            n = min(step, op.hit_pages - first)
+            keys = op.keys[first : first + n]
+            starts = self._page_starts(op.host_indices, first, n)
+            results = self._read(keys, starts)
+            good = 0
+            for ok in results:
+                if not ok:
+                    break
+                good += 1
+            with op.lock:
+                op.completed_pages += good
+            self._count(prefetch_loaded_pages=good, prefetch_failed_pages=n - good)
+            if good < n:
+                return  # longest prefix: pages after a failed one are useless
+
+    def _read(self, keys: list[str], starts: torch.Tensor) -> list[bool]:
+        if self.use_v1:
+            return self.backend.batch_get_v1(keys, starts)
+        pages = self.backend.batch_get(keys)
+        out = []
+        for start, page in zip(starts.tolist(), pages, strict=True):
+            ok = page is not None and page.numel() == self.host_pool.page_bytes
+            if ok:
+                self.host_pool.set_page_bytes(start, page)
+            out.append(ok)
+        return out
+
+    def _backup_loop(self) -> None:
+        while True:
+            op = self._backup_q.get()
+            if op is _STOP:
+                return
+            try:
+                starts = self._page_starts(op.host_indices, 0, len(op.keys))
+                if self.use_v1:
+                    results = self.backend.batch_set_v1(op.keys, starts)
+                    stored = sum(results)
+                else:
+                    pages = [self.host_pool.get_page_bytes(s) for s in starts.tolist()]
+                    stored = len(pages) if self.backend.batch_set(op.keys, pages) else 0
+                op.stored_pages = stored
+                self._count(backup_pages=stored, backup_failed_pages=len(op.keys) - stored)
+            except Exception:  # a storage error is a failed backup (a later miss), never a crash
+                log.exception("L3 backup of node %s failed", op.node)
+                self._count(backup_failed_pages=len(op.keys))
+            finally:
+                op.done.set()
