@@ -6,10 +6,13 @@ SGLang's ``HiCacheFile`` writes one ``{hash}_{model}_{rank}_{size}.bin`` per pag
 the ext4 disks of our 2-core machines creating a file costs about 0.7 ms, so one file
 per page writes 64 KiB pages at about a quarter of the disk's sequential speed
 (``bench/RESULTS_storage.md``). Here pages are appended to a few large segment files
-(``seg-00000001.hrx`` ..., ``segment_bytes`` each), so a page write is one
-``os.pwritev`` of ``[header, key, payload]`` straight from the caller's buffer, and a
-read is one ``os.preadv`` of ``[header, payload]`` straight into the target (a host
-pool page for the page-first layouts): no temporary file, no rename, no extra copy.
+(``seg-00000001.hrx`` ..., ``segment_bytes`` each), so a ``batch_set`` is one
+``os.pwritev`` of ``[header, key, payload, header, key, payload, ...]`` straight from the
+callers' buffers, and a ``batch_get`` of pages that were written together is one
+``os.preadv`` of ``[header, payload, ...]`` straight into the targets (host pool pages
+for the page-first layouts): no temporary file, no rename, no extra copy. Checksums are
+CRC-32 (zlib's polynomial), computed by ISA-L (``isal``, 20+ GB/s) when it is installed
+and by ``zlib`` otherwise: the values are the same, so either reads what either wrote.
 
 Record format (little endian)
 -----------------------------
