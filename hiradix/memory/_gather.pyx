@@ -22,7 +22,8 @@ Contract:
   :data:`NOGIL_MIN_BYTES`; below that, dropping and retaking the GIL costs more than the
   copy and can stall the caller behind another thread's switch interval.
 - Rows are copied in order, so a later row that writes the same bytes as an earlier one
-  wins. When ``dst`` and ``src`` overlap in memory every run is a ``memmove``.
+  wins. When ``dst`` and ``src`` overlap in memory, rows are not merged and each is a
+  ``memmove``: the result is that of copying the rows one at a time, in order.
 - ``threads > 1`` cuts a large copy into equal slices of rows copied by that many POSIX
   threads (the caller's among them). Pages in random order are latency bound, not
   bandwidth bound, so a second thread helps when a core is free (``bench/transfer.py``).
@@ -120,7 +121,8 @@ cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, con
         s = soff[i]
         length = row
         j = i + 1
-        while j < n and doff[j] == d + length and soff[j] == s + length:
+        # Merging rows is only exact when no row reads bytes an earlier row wrote.
+        while not overlap and j < n and doff[j] == d + length and soff[j] == s + length:
             length += row
             j += 1
         if overlap:
@@ -174,7 +176,7 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
 
     Row ``i`` goes from byte ``src_base + src_offsets[i]`` of ``src`` to byte
     ``dst_base + dst_offsets[i]`` of ``dst``. Rows contiguous on both sides are merged
-    into one ``memcpy``. The copy runs without the GIL once it moves
+    into one ``memcpy`` (unless the buffers overlap). The copy runs without the GIL once it moves
     :data:`NOGIL_MIN_BYTES` or more.
 
     Parameters

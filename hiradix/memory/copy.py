@@ -266,17 +266,32 @@ def _host_scatter(view: torch.Tensor, hidx: _HostIndex, src: torch.Tensor) -> No
         view[hidx.page, hidx.offset] = src
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as uint8 (last dim times the item size), a view. The copies move
+    bytes, and torch's index kernels are not built for every KV dtype (no fp8
+    ``index_copy_`` on the CPU)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _layer_pairs(device_pool: DeviceKVPool, host_pool: HostKVPool, layer: int) -> list[tuple[torch.Tensor, ...]]:
+    """(device buffer, host page-layer view) per component of ``layer``, both as bytes."""
+    return [
+        (_as_bytes(d), _as_bytes(h))
+        for d, h in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True)
+    ]
+
+
 def _backup_layer(
     device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, hidx: _HostIndex, layer: int
 ) -> None:
-    for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
+    for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
         _host_scatter(hview, hidx, dbuf.index_select(0, dev).cpu())
 
 
 def _load_layer(
     host_pool: HostKVPool, device_pool: DeviceKVPool, hidx: _HostIndex, dev: torch.Tensor, layer: int
 ) -> None:
-    for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
+    for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
         dbuf.index_copy_(0, dev, _host_gather(hview, hidx).to(dbuf.device))
 
 
@@ -699,8 +714,7 @@ class CudaCopyEngine(CopyEngine):
                 dev_idx = self._on_copy_stream(dev)
                 keep.append(dev_idx)
                 for layer in range(device_pool.layer_num):
-                    bufs = device_pool.layer_buffers(layer)
-                    for dbuf, hview in zip(bufs, host_pool.get_page_layer_view(layer), strict=True):
+                    for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
                         staged = _host_gather(hview, hidx)
                         if not staged.is_pinned():
                             staged = staged.pin_memory()
@@ -725,7 +739,7 @@ class CudaCopyEngine(CopyEngine):
                 dev_idx = self._on_copy_stream(dev)
                 keep.append(dev_idx)
                 for layer in range(device_pool.layer_num):
-                    for c, dbuf in enumerate(device_pool.layer_buffers(layer)):
+                    for c, (dbuf, _) in enumerate(_layer_pairs(device_pool, host_pool, layer)):
                         gathered = dbuf.index_select(0, dev_idx)
                         staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                         staged.copy_(gathered, non_blocking=True)
@@ -737,7 +751,7 @@ class CudaCopyEngine(CopyEngine):
 
         def finalize() -> None:
             for layer, c, staged in staged_all:
-                _host_scatter(host_pool.get_page_layer_view(layer)[c], hidx, staged)
+                _host_scatter(_as_bytes(host_pool.get_page_layer_view(layer)[c]), hidx, staged)
 
         return _CudaHandle(op_id, "backup", events, self.device, keep, finalize)
 
