@@ -518,6 +518,28 @@ class HiRadixCache:
         self.stats["prefetch_started_tokens"] += n
         return True
 
+    def prefetch_mount(self, match: CacheMatchResult) -> tuple[int, int]:
+        """Where an L3 prefetch for ``match``'s key attaches: the deepest matched node that
+        is backed up (a root if none), and the number of key tokens up to it. The tokens
+        after those are what :meth:`prefetch_from_storage` should fetch.
+        Runtime: ``O(depth)``."""
+        tree = self.tree
+        node = match.last_node
+        while tree.parent(node) != -1 and not tree.node_info(node)["backuped"]:
+            node = tree.parent(node)
+        length, walk = 0, node
+        while tree.parent(walk) != -1:
+            length += tree.key_len(walk)
+            walk = tree.parent(walk)
+        return node, length
+
+    def wait_prefetch(self, req_id: Any, timeout: float | None = None) -> bool:
+        """Block until the L3 threads are done with ``req_id``'s prefetch (rank-local, no
+        agreement); returns whether they are. For a caller that wants the whole prefetch,
+        e.g. a simulator, before :meth:`check_prefetch_progress`."""
+        entry = self.ongoing_prefetch.get(req_id)
+        return True if entry is None else entry.op.io_done.wait(timeout)
+
     def check_prefetch_progress(self, req_id: Any) -> bool:
         """If the prefetch policy lets ``req_id``'s prefetch end now (agreed across
         ranks), end it: insert the pages that landed on every rank as host-only nodes
