@@ -26,7 +26,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, target: Any = tp_worker.rank_main, **overrides: Any) -> list[dict[str, Any]]:
     config = {
         "agree": True,
         "page": 4,
@@ -42,7 +42,7 @@ def _run(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=tp_worker.rank_main, args=(rank, WORLD, port, str(tmp_path), config), daemon=True)
+        ctx.Process(target=target, args=(rank, WORLD, port, str(tmp_path), config), daemon=True)
         for rank in range(WORLD)
     ]
     for p in procs:
@@ -78,3 +78,14 @@ def test_without_agreement_the_same_faults_make_trees_diverge(tmp_path: Path) ->
     r0, r1 = _run(tmp_path, agree=False)
     assert r1["host_alloc_faults"] > 0
     assert r0["fingerprint"] != r1["fingerprint"]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_two_ranks_agree_on_l3_hit_length(tmp_path: Path) -> None:
+    """Rank 1's L3 lacks pages rank 0 has: both load only what both have."""
+    r0, r1 = _run(tmp_path, target=tp_worker.l3_rank_main)
+    assert r0["loaded"] == r1["loaded"]
+    assert r0["loaded"][0] == r0["loaded"][2] == 160  # both ranks hold these whole
+    assert r0["loaded"][1] == 5 * 16  # MIN: rank 1 stops after 5 pages
+    assert r0["loaded"][3] == 0  # rank 1 has none: revoked on both
+    assert r0["fingerprint"] == r1["fingerprint"] and r0["host_size"] == r1["host_size"]

@@ -11,11 +11,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvdata import fill, prefix_seeds
 from scheduler_loop import run_loop, tree_fingerprint
 
+import hiradix
 from hiradix.cache import HiRadixCache
 from hiradix.distributed import LocalAgreement, RankAgreement, TorchDistAgreement
+from hiradix.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
+from hiradix.storage import MemoryStorage
 
 
 class FaultyHostPool(HostKVPool):
@@ -90,3 +94,76 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, 
         json.dump(result, f)
     if config["agree"]:
         torch.distributed.destroy_process_group()
+
+
+class PartialStorage(MemoryStorage):
+    """A rank's L3 that lacks some pages the other rank has (evicted there, say)."""
+
+    missing: frozenset[str] = frozenset()
+
+    def _exists(self, key: str) -> bool:
+        return key not in self.missing and super()._exists(key)
+
+
+def l3_rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+    """Prefetch from L3 on two ranks whose storage differs: the hit length is agreed by
+    MIN on the prefetch thread's own process group, so both trees end up the same."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    prefetch_group = torch.distributed.new_group(backend="gloo")
+    page = 16
+    shape = MHAShape(2, 2, 4)
+    dev = DeviceKVPool(shape, size=1024, page_size=page, dtype=torch.float32)
+    host = HostKVPool(shape, 1024, page, torch.float32, "page_first", reserve_bytes=0)
+    storage = PartialStorage()
+    cache = HiRadixCache(
+        dev,
+        host,
+        load_back_threshold=0,
+        agreement=TorchDistAgreement(),
+        prefetch_agreement=TorchDistAgreement(prefetch_group),
+        storage=storage,
+        prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
+    )
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 9999, 160) for _ in range(4)]
+    loaded: list[int] = []
+    with cache:
+        for s in seqs:
+            slots = cache.alloc_device(len(s))
+            assert slots is not None
+            fill(dev, slots, prefix_seeds(s))
+            cache.insert(s, slots)
+        cache.flush()
+        while cache.ongoing_backup:
+            cache.ongoing_backup[-1].done.wait(30)
+            cache.check_hicache_events()
+        if rank == 1:  # this rank's L3 lost the tail of sequence 1 and all of sequence 3
+            keys = [str(h) for h in hiradix.page_hashes(seqs[1], page)][5:]
+            keys += [str(h) for h in hiradix.page_hashes(seqs[3], page)]
+            storage.missing = frozenset(keys)
+        cache.evict(10**9)
+        cache.evict_host(10**9)
+        for i, s in enumerate(seqs):
+            m = cache.match_prefix(s)
+            mount, mlen = cache.prefetch_mount(m)
+            if cache.prefetch_from_storage(i, mount, s[mlen:]):
+                cache.wait_prefetch(i, 30)
+                while not cache.check_prefetch_progress(i):  # agreed: same number of calls everywhere
+                    cache.wait_prefetch(i, 30)
+            loaded.append(cache.pop_prefetch_loaded_tokens(i))
+            cache.check_hicache_events()
+            cache.check_invariants()
+        fingerprint = json.dumps(tree_fingerprint(cache))
+    result = {
+        "rank": rank,
+        "fingerprint": hashlib.sha256(fingerprint.encode()).hexdigest(),
+        "loaded": loaded,
+        "host_size": cache.tree.host_size(),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
