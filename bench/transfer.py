@@ -149,18 +149,32 @@ def shuffled_slots(n_pages: int, page_size: int, first_page: int, seed: int) -> 
 
 
 # ----------------------------------------------------------------------------- A
-def baseline(total: int, repeats: int) -> dict:
+def baseline(total: int, page_bytes: int, repeats: int) -> dict:
     src = torch.empty(total, dtype=torch.uint8).fill_(1)
     dst = torch.empty(total, dtype=torch.uint8).fill_(2)
     mm = median_time(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), total), repeats)
     tc = median_time(lambda: dst.copy_(src), repeats)
-    return {"memmove": mm, "torch_copy": tc}
+    out = {"memmove": mm, "torch_copy": tc}
+    if copy_mod.NATIVE_AVAILABLE:
+        # The ceiling for random page order: every page one memcpy, pages shuffled on both
+        # sides, no layout at all (what "memcpy gathering pages" measures in DESIGN.md).
+        from hiradix.memory import _gather
+
+        n = total // page_bytes
+        g = torch.Generator().manual_seed(page_bytes)
+        d_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
+        s_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
+        s_np, d_np = src.numpy(), dst.numpy()
+        out["random_pages"] = median_time(
+            lambda: _gather.copy_rows(d_np, d_off, 0, s_np, s_off, 0, page_bytes), repeats
+        )
+    return out
 
 
 def bench_layout(args: argparse.Namespace, ps: int, layout: str) -> list[dict]:
     case = Case.make(ps, args.total_mib * MIB, layout, seed=ps * 7 + 1)
     nbytes = case.nbytes
-    base = baseline(nbytes, args.repeats)
+    base = baseline(nbytes, ps * bytes_per_token(), args.repeats)
     best_base = min(base["memmove"]["median"], base["torch_copy"]["median"])
     rows = []
     for direction in ("backup", "load"):
@@ -173,6 +187,8 @@ def bench_layout(args: argparse.Namespace, ps: int, layout: str) -> list[dict]:
             "memmove_gbs": nbytes / base["memmove"]["median"] / 1e9,
             "torch_copy_gbs": nbytes / base["torch_copy"]["median"] / 1e9,
         }
+        if "random_pages" in base:
+            row["random_pages_gbs"] = nbytes / base["random_pages"]["median"] / 1e9
         paths = [(f"native{t}", True, t) for t in args.copy_threads] + [("torch", False, 1)]
         for path, native, threads in paths:
             if native and not copy_mod.NATIVE_AVAILABLE:
@@ -333,26 +349,32 @@ def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | N
         "### A. Page copies, CPU <-> CPU",
         "",
         "GB/s. `nativeN` = compiled row copy with `copy_threads=N`; `torch` = the torch indexing path; "
-        "`% base` = time of the faster contiguous baseline (memmove or torch `copy_`) / time.",
+        "`% base` = time of the faster contiguous baseline (memmove or torch `copy_`) / time; "
+        "`random pages` = one memcpy per whole page, pages shuffled on both sides (no layout): "
+        "the ceiling for random page order on this machine.",
         "",
     ]
     paths = meta["native_paths"] + ["torch"]
     lines.append(
-        "| layout | direction | page | memmove | torch copy_ | "
+        "| layout | direction | page | memmove | torch copy_ | random pages | "
         + " | ".join(f"{p} | {p} % base" for p in paths)
-        + f" | {paths[-2] if len(paths) > 1 else paths[0]} / torch |"
+        + " | best native / random pages | best native / torch |"
     )
-    lines.append("|---|---|---|---|---|" + "---|---|" * len(paths) + "---|")
+    lines.append("|---|---|---|---|---|---|" + "---|---|" * len(paths) + "---|---|")
     for r in pages:
         cells = []
         for p in paths:
             cells.append(f"{r[p + '_gbs']:.2f} | {r[p + '_vs_base']:.0%}" if p + "_gbs" in r else "n/a | n/a")
         best = max((r[p + "_gbs"] for p in meta["native_paths"] if p + "_gbs" in r), default=None)
+        rp = r.get("random_pages_gbs")
         lines.append(
             f"| {r['layout']} | {r['direction']} | {r['page_kib']:.0f} KiB | {r['memmove_gbs']:.2f} | "
             f"{r['torch_copy_gbs']:.2f} | "
+            + (f"{rp:.2f}" if rp else "n/a")
+            + " | "
             + " | ".join(cells)
             + " | "
+            + (f"{best / rp:.0%} | " if best and rp else "n/a | ")
             + (f"{best / r['torch_gbs']:.1f}× |" if best else "n/a |")
         )
     for p in meta["native_paths"]:
