@@ -302,6 +302,20 @@ class StorageBackend(ABC):
         """
         keys = check_keys(keys)
         n = 0
+        if keys:
+            try:
+                n = max(0, min(int(self._exists_many(keys)), len(keys)))
+            except Exception as exc:  # a failing batch override: the first key misses
+                self._failed("exists", keys[0], exc)
+                n = 0
+        self._count(exists_queries=len(keys))
+        return n
+
+    def _exists_many(self, keys: list[str]) -> int:
+        """How many leading ``keys`` are stored (see :meth:`batch_exists`). The default
+        asks ``_exists`` key by key and stops at the first miss (a failing key is that
+        miss); backends override it to answer a batch in one round trip."""
+        n = 0
         for key in keys:
             try:
                 if not self._exists(key):
@@ -310,7 +324,6 @@ class StorageBackend(ABC):
                 self._failed("exists", key, exc)
                 break
             n += 1
-        self._count(exists_queries=len(keys))
         return n
 
     def get(self, key: str, target_location: Any = None) -> torch.Tensor | None:
@@ -467,15 +480,15 @@ class StorageBackend(ABC):
         starts = self._page_starts(keys, host_indices)
         pool = self.mem_pool_host
         assert pool is not None
-        if pool.layout != "layer_first":  # each page is one run of the pool: read in place
-            pages = [pool.get_page_bytes(st) for st in starts.tolist()]
-            results = self._get_many_safe(keys, [_buffer(p.numpy()) for p in pages])
-        else:  # gathered layout: read into a per-thread buffer, then scatter each page
+        if pool.layout != "layer_first":  # each page is one row of the pool: read in place
+            rows = pool.pages_array()
+            results = self._get_many_safe(keys, [_buffer(rows[p]) for p in pool.page_ids(starts).tolist()])
+        else:  # gathered layout: read into a per-thread buffer, then scatter the good pages
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
-            results = self._get_many_safe(keys, [_buffer(p.numpy()) for p in scratch])
-            for i, (st, ok) in enumerate(zip(starts.tolist(), results, strict=True)):
-                if ok:
-                    pool.set_page_bytes(st, scratch[i])
+            results = self._get_many_safe(keys, [_buffer(row) for row in scratch.numpy()])
+            good = [i for i, ok in enumerate(results) if ok]
+            if good:
+                pool.write_pages(starts[good], scratch[good] if len(good) < len(keys) else scratch)
         hits = sum(results)
         self._count(hits=hits, misses=len(keys) - hits)
         return results
@@ -491,7 +504,13 @@ class StorageBackend(ABC):
         starts = self._page_starts(keys, host_indices)
         pool = self.mem_pool_host
         assert pool is not None
-        views = [_buffer(pool.get_page_bytes(s).numpy()) for s in starts.tolist()]
+        if pool.layout != "layer_first":  # written straight from the pool
+            rows = pool.pages_array()
+            views = [_buffer(rows[p]) for p in pool.page_ids(starts).tolist()]
+        else:  # gathered into a per-thread buffer first
+            scratch = self._scratch_pages(len(keys), pool.page_bytes)
+            pool.read_pages(starts, scratch)
+            views = [_buffer(row) for row in scratch.numpy()]
         return self._put_many_safe(keys, views)
 
     # ------------------------------------------------------------------ management

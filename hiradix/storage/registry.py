@@ -162,6 +162,14 @@ def _register_builtins() -> None:
 
     register_backend("memory", MemoryStorage, replace=True)
     register_backend("file", FileStorage, replace=True)
+    register_backend("peer", _peer_backend, replace=True)
+
+
+def _peer_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
+    # Imported on first use: the peer cache pulls in msgpack, the transports and metrics.
+    from hiradix.peer.store import PeerCacheStore
+
+    return PeerCacheStore(config, **kwargs)
 
 
 _register_builtins()

@@ -1,0 +1,711 @@
+"""One peer-cache node: control plane, data plane, pool, disk and metrics wired together.
+
+A :class:`PeerNode` runs
+
+- an :class:`~hiradix.peer.rpc.RpcServer` serving its directory shard (``dir_*``), the
+  embedded discovery service (``disc_*``), ``data_promote`` (bring disk-resident pages back
+  into the pool and return their fresh locations) and ``node_status``;
+- a transport (TCP, or the fake NIC in-process) whose responder serves exactly two
+  registered regions: the published pools and the receive region. The caller's host KV
+  pool (L2) is never registered;
+- published pools, one per page-size class (SGLang uses one page size, hence one pool),
+  an optional :class:`~hiradix.peer.disk.DiskTier`, and :class:`PeerMetrics` with an
+  optional :class:`MetricsServer`;
+- :class:`~hiradix.peer.membership.Membership`, heartbeating the active masters from a
+  background thread; on a change of the live set the ring is rebuilt, entries published by
+  departed nodes are dropped from the local shard, and this node re-publishes its own pages
+  to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`).
+
+Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
+PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Reads:
+:meth:`PeerNode.read_into` looks the keys up (one RPC per owner), READs each remote slot
+(header + payload) into the receive region, verifies it (:func:`~hiradix.peer.pool.verify_parts`:
+magic, key digest, generation, CRC) and only then copies the payload to the caller. A read
+that fails in any way is a miss, never wrong bytes. Pages this node publishes itself are
+served by a local memcpy.
+
+:class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
+the fake NIC) for tests, examples and the simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from hiradix.peer.config import PeerConfig
+from hiradix.peer.directory import DIR_METHODS, DirectoryShard, DirectoryView, DirEntry
+from hiradix.peer.disk import DiskTier
+from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
+from hiradix.peer.metrics import MetricsServer, PeerMetrics
+from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
+from hiradix.peer.ring import HashRing
+from hiradix.peer.rpc import RpcClient, RpcServer
+from hiradix.transport.auth import load_token
+from hiradix.transport.base import ReadOp, Status, Transport
+from hiradix.transport.fake import FakeFabric, FakeTransport
+from hiradix.transport.tcp import TcpTransport
+
+__all__ = ["InProcessCluster", "PeerNode"]
+
+log = logging.getLogger(__name__)
+
+MIN_CLASS = 64
+
+
+def size_class(n: int, page_size: int | None) -> int:
+    """The slot payload size a page of ``n`` bytes goes to: the configured page size when
+    it fits, else the next power of two (at least 64).
+
+    >>> size_class(4096, None), size_class(5000, None), size_class(100, 4096)
+    (4096, 8192, 4096)
+    """
+    if page_size is not None and n <= page_size:
+        return page_size
+    return max(MIN_CLASS, 1 << (max(n, 1) - 1).bit_length())
+
+
+class _ReceiveRegion:
+    """The registered buffer remote READs land in, cut into lanes leased one per read."""
+
+    def __init__(self, transport: Transport, nbytes: int, lanes: int) -> None:
+        self.lane_bytes = max(nbytes // lanes, 1 << 16)
+        raw = np.zeros(self.lane_bytes * lanes + 4096, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 4096
+        self._raw = raw
+        self.buf = raw[start : start + self.lane_bytes * lanes]
+        self.region = transport.register(self.buf)
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(lanes):
+            self._free.put(i)
+
+    @contextlib.contextmanager
+    def lease(self, timeout: float) -> Any:
+        lane = self._free.get(timeout=timeout)  # queue.Empty after timeout: the caller misses
+        try:
+            off = lane * self.lane_bytes
+            yield self.region.addr + off, memoryview(self.buf[off : off + self.lane_bytes])  # type: ignore[arg-type]
+        finally:
+            self._free.put(lane)
+
+
+class PeerNode:
+    """One node of the peer cache (see the module docstring).
+
+    Parameters
+    ----------
+    config:
+        The node's settings (ports, pool, disk, replicas, timeouts...).
+    seeds:
+        Extra RPC addresses of masters to join through (besides ``config.discovery_addr``).
+    fabric:
+        Use the in-process fake NIC on this fabric instead of TCP.
+    heartbeat_s, ttl_s:
+        Heartbeat period of the background thread, and how long a silent member lives
+        (default ``3 * heartbeat_s``).
+    start:
+        Join the cluster and start the heartbeat thread now; ``False`` leaves both to the
+        caller (:meth:`join`, :meth:`tick`), as unit tests with an injected clock do.
+    clock:
+        Monotonic seconds for membership (injected in tests).
+    recv_bytes, recv_lanes:
+        Size of the receive region and how many reads may use it at once.
+    """
+
+    def __init__(
+        self,
+        config: PeerConfig | None = None,
+        *,
+        seeds: Sequence[str] = (),
+        fabric: FakeFabric | None = None,
+        heartbeat_s: float = 1.0,
+        ttl_s: float | None = None,
+        start: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        recv_bytes: int = 64 << 20,
+        recv_lanes: int = 4,
+    ) -> None:
+        self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
+        self._token = load_token(cfg.cluster_token)
+        self.heartbeat_s = float(heartbeat_s)
+        self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        self.node_id = cfg.node_id or self.rpc.address
+        self.client = RpcClient(
+            self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
+        )
+        self.transport: Transport
+        if fabric is not None:
+            self.transport = FakeTransport(
+                fabric, self.node_id, max_channels_per_peer=cfg.max_channels_per_peer, timeout=cfg.read_timeout_s
+            )
+        else:
+            self.transport = TcpTransport(
+                self._token,
+                host=cfg.bind_host,
+                port=cfg.data_port,
+                max_channels_per_peer=cfg.max_channels_per_peer,
+                timeout=cfg.read_timeout_s,
+                handshake_timeout=cfg.connect_timeout_s,
+            )
+        self._lock = threading.Lock()
+        self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory
+        self._pools: dict[int, PublishedPool] = {}
+        self._generation = 0
+        self._evicted: list[EvictedPage] = []
+        self._evict_lock = threading.Lock()
+        self.evictions = 0
+        self.stale_reads = 0  # remote slots fetched that failed verification
+        self.on_evictions: Callable[[int], None] | None = None
+        self.recv = _ReceiveRegion(self.transport, recv_bytes, recv_lanes)
+        self.metrics = PeerMetrics()
+        self.metrics.track("pool", lambda: (self.pool_used_bytes, self.config.pool_size, self.pool_pages))
+        self.disk: DiskTier | None = None
+        if cfg.disk_enabled:
+            disk = DiskTier(
+                cfg.disk_path, cfg.disk_size, queue_depth=cfg.disk_queue_depth, on_evict=self._on_disk_evict
+            )
+            if disk.enabled:
+                self.disk = disk
+                self.metrics.track("disk", lambda: (disk.used_bytes, disk.capacity_bytes, len(disk)))
+        self.metrics_server: MetricsServer | None = None
+        if cfg.metrics_enabled:
+            self.metrics_server = MetricsServer(
+                self.metrics, cfg.effective_metrics_host, cfg.metrics_port, cfg.metrics_dashboard
+            )
+            self.metrics_server.start()
+        me = NodeInfo(
+            self.node_id,
+            self.rpc.address,
+            self.transport.address,
+            self.metrics_server.url if self.metrics_server else None,
+        )
+        head = cfg.discovery_addr or self.rpc.address
+        self.membership = Membership(
+            me,
+            self._rpc_call,
+            head=head,
+            seeds=seeds,
+            max_masters=cfg.max_masters,
+            ttl=ttl_s if ttl_s is not None else 3 * self.heartbeat_s,
+            clock=clock,
+            on_change=self._on_membership_change,
+        )
+        self.shard = DirectoryShard()
+        self.directory = DirectoryView(
+            HashRing([self.node_id], vnodes=cfg.virtual_nodes),
+            self._dir_call,
+            replicas=cfg.directory_replicas,
+            local_node=self.node_id,
+            local_shard=self.shard,
+        )
+        self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
+        for m in DIR_METHODS:
+            self.rpc.register(m, self._dir_handler(m))
+        for m in DISC_METHODS:
+            self.rpc.register(m, self._disc_handler(m))
+        self.rpc.register("data_promote", self._handle_promote)
+        self.rpc.register("node_status", self.status)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        if start:
+            self.join()
+            self.start_heartbeat()
+
+    # ------------------------------------------------------------------ wiring
+    def _rpc_call(self, addr: str, method: str, args: list[Any]) -> Any:
+        return self.client.call(addr, method, *args)
+
+    def _dir_call(self, owner: str, method: str, args: list[Any]) -> Any:
+        info = self.membership.info(owner)
+        if info is None:
+            raise LookupError(f"{owner} is not a live member")
+        return self.client.call(info.rpc, method, args)
+
+    def _dir_handler(self, method: str) -> Callable[[list[Any]], Any]:
+        def handler(items: list[Any]) -> Any:
+            return self.shard.dispatch(method, items)
+
+        return handler
+
+    def _disc_handler(self, method: str) -> Callable[..., Any]:
+        def handler(*args: Any) -> Any:
+            return self.membership.handle(method, list(args))
+
+        return handler
+
+    @property
+    def address(self) -> str:
+        """This node's RPC address (what ``discovery_addr`` / ``--join`` name)."""
+        return self.rpc.address
+
+    # ------------------------------------------------------------------ membership
+    def join(self) -> bool:
+        """Join through the head or a seed; ``True`` if a master answered (or we are head)."""
+        return self.membership.join()
+
+    def tick(self) -> bool:
+        """One heartbeat round (the background thread calls this every ``heartbeat_s``)."""
+        return self.membership.tick()
+
+    def start_heartbeat(self) -> None:
+        """Start the background heartbeat thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._heartbeat_loop, name=f"peer-hb-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.membership.tick()
+            except Exception:  # the loop must outlive one bad round
+                log.exception("heartbeat round failed")
+
+    def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
+        old_ring = self.directory.ring
+        new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
+        for gone in old.keys() - new.keys():
+            self.shard.drop_node(gone)
+        with self._lock:
+            entries = dict(self._entries)
+        done = self.directory.republish(entries, old_ring, new_ring)
+        log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done)
+
+    # ------------------------------------------------------------------ pools
+    def _pool_for(self, n: int) -> PublishedPool:
+        c = size_class(n, self.config.page_size)
+        with self._lock:
+            pool = self._pools.get(c)
+            if pool is None:
+                pool = PublishedPool(self.config.pool_size, c, registrar=self.transport, on_evict=self._on_pool_evict)
+                self._pools[c] = pool
+            return pool
+
+    def _pool_holding(self, entry: DirEntry) -> PublishedPool | None:
+        return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
+
+    @property
+    def pool_used_bytes(self) -> int:
+        """Payload bytes held by the published pools."""
+        return sum(p.used_bytes for p in list(self._pools.values()))
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages held by the published pools."""
+        return sum(len(p) for p in list(self._pools.values()))
+
+    def published(self) -> dict[str, DirEntry]:
+        """A copy of every entry this node has published (resident or on disk)."""
+        with self._lock:
+            return dict(self._entries)
+
+    def _on_pool_evict(self, page: EvictedPage) -> None:
+        with self._evict_lock:
+            self._evicted.append(page)
+
+    def _drain_evictions(self) -> None:
+        with self._evict_lock:
+            pages, self._evicted = self._evicted, []
+        if not pages:
+            return
+        gone: list[tuple[str, str | None, int | None]] = []
+        to_disk: list[tuple[str, int]] = []
+        with self._lock:
+            for p in pages:
+                cur = self._entries.get(p.key)
+                if cur is None or cur.generation != p.generation:
+                    continue  # already replaced or deleted
+                if self.disk is not None and self.disk.exists(p.key):
+                    self._entries[p.key] = replace(cur, resident=False)
+                    to_disk.append((p.key, p.generation))
+                else:
+                    del self._entries[p.key]
+                    gone.append((p.key, self.node_id, p.generation))
+            self.evictions += len(pages)
+        self.metrics.record_eviction("pool", len(pages))
+        if self.on_evictions is not None:
+            self.on_evictions(len(pages))
+        if gone:
+            self.directory.batch_delete(gone)
+        for key, gen in to_disk:
+            self.directory.set_resident(key, False, self.node_id, gen)
+
+    def _on_disk_evict(self, key: str) -> None:
+        self.metrics.record_eviction("disk")
+        with self._lock:
+            cur = self._entries.get(key)
+            if cur is None or cur.resident:
+                return  # still in the pool: the entry stays
+            del self._entries[key]
+        self.directory.delete(key, self.node_id, cur.generation)
+
+    # ------------------------------------------------------------------ writes
+    def _store_local(self, key: str, data: Any) -> DirEntry | None:
+        """Copy one page into a pool slot (replacing an older page of ``key``)."""
+        n = memoryview(data).nbytes
+        with self._lock:
+            old = self._entries.get(key)
+        if old is not None and old.length:
+            pool = self._pool_holding(old)
+            if pool is not None:
+                pool.delete(key)
+        if n == 0:
+            with self._lock:
+                self._generation += 1
+                entry = DirEntry(self.node_id, 0, 0, 0, self._generation)
+                self._entries[key] = entry
+            return entry
+        try:
+            pool = self._pool_for(n)
+        except ValueError:
+            return None  # larger than the pool can ever hold
+        loc = pool.set(key, data)
+        if loc is None:
+            return None
+        entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+        with self._lock:
+            self._entries[key] = entry
+        if self.disk is not None:
+            self.disk.write_async(key, data)
+        return entry
+
+    def publish_many(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        """Store each page in the published pool and PUT its location to the key's owners.
+
+        A page counts as stored when it is in the pool and at least one owner took its
+        entry. Runtime complexity: ``O(total bytes)`` plus one RPC per owner.
+        """
+        t0 = time.perf_counter()
+        stored: list[tuple[int, str, DirEntry]] = []
+        for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+            entry = self._store_local(key, page)
+            if entry is not None:
+                stored.append((i, key, entry))
+        ok = [False] * len(keys)
+        if stored:
+            acks = self.directory.batch_put([(k, e) for _, k, e in stored])
+            for (i, _, _), a in zip(stored, acks, strict=True):
+                ok[i] = a > 0
+        self._drain_evictions()
+        nbytes = sum(e.length for _, _, e in stored)
+        self.metrics.record_write(len(stored), nbytes, time.perf_counter() - t0)
+        return ok
+
+    def delete_all(self) -> int:
+        """Unpublish every page of this node (pools, disk and directory). Returns the count."""
+        with self._lock:
+            entries, self._entries = self._entries, {}
+            pools = list(self._pools.values())
+        for key in entries:
+            for pool in pools:
+                pool.delete(key)
+            if self.disk is not None:
+                self.disk.delete(key)
+        self.directory.batch_delete([(k, self.node_id, e.generation) for k, e in entries.items()])
+        return len(entries)
+
+    # ------------------------------------------------------------------ promote
+    def _promote_local(self, key: str) -> DirEntry | None:
+        if self.disk is None:
+            return None
+        entry = self.disk.promote(key, lambda k, d: self._store_local(k, d))
+        if entry is None:
+            return None
+        self.metrics.record_promote()
+        self.directory.put(key, entry)
+        self._drain_evictions()
+        return entry
+
+    def _handle_promote(self, keys: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for key in keys:
+            if not isinstance(key, str):
+                raise ValueError("data_promote takes a list of keys")
+            with self._lock:
+                cur = self._entries.get(key)
+            if cur is not None and cur.resident:
+                out.append(cur.to_wire())
+                continue
+            e = self._promote_local(key)
+            out.append(None if e is None else e.to_wire())
+        return out
+
+    def _warm(self, entries: list[tuple[str, DirEntry]]) -> None:
+        """Best-effort promotes of disk-resident pages an ``exists`` just reported."""
+        by_node: dict[str, list[str]] = defaultdict(list)
+        for key, e in entries:
+            if e.node == self.node_id:
+                if self.disk is not None:
+                    self.disk.warm(key, lambda k, d: self._store_local(k, d))
+            else:
+                by_node[e.node].append(key)
+        for node, keys in by_node.items():
+            info = self.membership.info(node)
+            if info is not None:
+                self._bg.submit(self._promote_remote_quiet, info.rpc, keys)
+
+    def _promote_remote_quiet(self, rpc: str, keys: list[str]) -> None:
+        with contextlib.suppress(Exception):
+            self.client.call(rpc, "data_promote", keys, timeout=self.config.promote_timeout_s)
+
+    # ------------------------------------------------------------------ reads
+    def lookup(self, keys: Sequence[str]) -> list[DirEntry | None]:
+        """Directory entries of ``keys`` (one RPC per owner; failures are ``None``)."""
+        return self.directory.batch_get(list(keys))
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` the directory knows (disk-resident pages count and are
+        warmed asynchronously). Runtime complexity: one RPC per owner."""
+        entries = self.lookup(keys)
+        n = 0
+        cold: list[tuple[str, DirEntry]] = []
+        for key, e in zip(keys, entries, strict=True):
+            if e is None:
+                break
+            if not e.resident:
+                cold.append((key, e))
+            n += 1
+        if cold:
+            self._warm(cold)
+        return n
+
+    def read_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[bool]:
+        """Fill each of ``outs`` (writable flat bytes) with its key's verified page.
+
+        ``False`` for a miss: no entry, another length, owner or producer unreachable,
+        promote failed, READ failed or the fetched slot did not verify (stale or torn).
+        Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch READ
+        per producer.
+        """
+        t0 = time.perf_counter()
+        results = [False] * len(keys)
+        entries = self.lookup(keys)
+        remote: dict[str, list[tuple[int, DirEntry]]] = defaultdict(list)
+        cold: dict[str, list[int]] = defaultdict(list)
+        for i, (e, out) in enumerate(zip(entries, outs, strict=True)):
+            if e is None or e.length != len(out):
+                continue
+            if e.length == 0:
+                results[i] = True
+            elif e.node == self.node_id:
+                results[i] = self._read_local(keys[i], e, out)
+            elif not e.resident:
+                cold[e.node].append(i)
+            else:
+                remote[e.node].append((i, e))
+        for node, idxs in cold.items():
+            info = self.membership.info(node)
+            if info is None:
+                continue
+            try:
+                wires = self.client.call(
+                    info.rpc, "data_promote", [keys[i] for i in idxs], timeout=self.config.promote_timeout_s
+                )
+            except Exception as exc:
+                log.debug("promote on %s failed: %r", node, exc)
+                continue
+            if not isinstance(wires, list) or len(wires) != len(idxs):
+                continue
+            for i, w in zip(idxs, wires, strict=True):
+                with contextlib.suppress(ValueError):
+                    if w is not None:
+                        e = DirEntry.from_wire(w)
+                        if e.length == len(outs[i]) and e.node == node:
+                            remote[node].append((i, e))
+        for node, items in remote.items():
+            self._fetch(node, items, keys, outs, results)
+        hits = sum(results)
+        self.metrics.record_read(
+            len(keys), hits, sum(len(o) for o, r in zip(outs, results, strict=True) if r), time.perf_counter() - t0
+        )
+        return results
+
+    def _read_local(self, key: str, entry: DirEntry, out: memoryview) -> bool:
+        if not entry.resident:
+            promoted = self._promote_local(key)
+            if promoted is None:
+                return False
+            entry = promoted
+        pool = self._pool_holding(entry)
+        if pool is None:
+            return False
+        return pool.read_into(key, out) == len(out)
+
+    def _fetch(
+        self,
+        node: str,
+        items: list[tuple[int, DirEntry]],
+        keys: Sequence[str],
+        outs: Sequence[memoryview],
+        results: list[bool],
+    ) -> None:
+        info = self.membership.info(node)
+        if info is None:
+            return  # not a live member: its pages are misses
+        timeout = self.config.read_timeout_s
+        try:
+            with self.recv.lease(timeout) as (base, lane):
+                cap = len(lane)
+                start = 0
+                while start < len(items):
+                    ops: list[ReadOp] = []
+                    chunk: list[tuple[int, DirEntry, int]] = []
+                    off = 0
+                    while start < len(items):
+                        i, e = items[start]
+                        need = SLOT_HEADER_SIZE + e.length
+                        if need > cap:
+                            start += 1  # can never fit the receive lane: a miss
+                            continue
+                        if off + need > cap:
+                            break
+                        ops.append(ReadOp(e.addr, e.rkey, need, base + off))
+                        chunk.append((i, e, off))
+                        off += need
+                        start += 1
+                    if not ops:
+                        continue
+                    statuses = self.transport.read_batch(info.data, ops, timeout=timeout)
+                    for (i, e, o), st in zip(chunk, statuses, strict=True):
+                        if st != Status.OK:
+                            continue
+                        head = lane[o : o + SLOT_HEADER_SIZE]
+                        body = lane[o + SLOT_HEADER_SIZE : o + SLOT_HEADER_SIZE + e.length]
+                        if verify_parts(head, body, keys[i], e.generation, e.length):
+                            outs[i][:] = body
+                            results[i] = True
+                        else:
+                            with self._lock:
+                                self.stale_reads += 1
+        except queue.Empty:
+            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(items), node)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """Membership, pool, disk, directory and hit-rate numbers (the ``node_status`` RPC)."""
+        members = self.membership.members()
+        disk = self.disk
+        return {
+            "node_id": self.node_id,
+            "rpc": self.rpc.address,
+            "data": self.transport.address,
+            "transport": self.transport.capabilities.kind,
+            "metrics": self.metrics_server.url if self.metrics_server else None,
+            "members": sorted(members),
+            "masters": list(self.membership.masters()),
+            "frozen": self.membership.frozen,
+            "pool": {
+                "pages": self.pool_pages,
+                "used_bytes": self.pool_used_bytes,
+                "capacity_bytes": self.config.pool_size,
+                "classes": sorted(self._pools),
+                "evictions": self.evictions,
+            },
+            "disk": None
+            if disk is None
+            else {"pages": len(disk), "used_bytes": disk.used_bytes, "capacity_bytes": disk.capacity_bytes},
+            "directory_entries": len(self.shard),
+            "published": len(self._entries),
+            "hit_rate": self.metrics.hit_rate(),
+            "stale_reads": self.stale_reads,
+        }
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, leave: bool = True) -> None:
+        """Stop heartbeats, tell the masters (``leave``), stop every server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if leave:
+            with contextlib.suppress(Exception):
+                self.membership.leave()
+        self._bg.shutdown(wait=False, cancel_futures=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        self.rpc.close()
+        self.client.close()
+        if self.disk is not None:
+            self.disk.close()
+        self.transport.close()
+
+    def __enter__(self) -> PeerNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcessCluster:
+    """``n`` nodes in this process on loopback: real RPC, and the TCP transport or the fake
+    NIC (``transport="fake"``). Heartbeats are driven by :meth:`settle` (no threads, no
+    sleeping). The first node is the head.
+
+    >>> with InProcessCluster(2, transport="fake", pool_size=1 << 20) as c:
+    ...     c.nodes[0].publish_many(["k"], [b"page"])[0], len(c.nodes[1].membership.members())
+    (True, 2)
+    """
+
+    def __init__(self, n: int = 3, *, transport: str = "tcp", **config: Any) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if transport not in ("tcp", "fake"):
+            raise ValueError(f"transport must be 'tcp' or 'fake', got {transport!r}")
+        self.fabric = FakeFabric() if transport == "fake" else None
+        config.setdefault("metrics_enabled", False)
+        config.setdefault("cluster_token", secrets.token_hex(16))
+        self.config = config
+        self.nodes: list[PeerNode] = []
+        try:
+            for _ in range(n):
+                self.add_node()
+        except BaseException:
+            self.close()
+            raise
+
+    def add_node(self, **overrides: Any) -> PeerNode:
+        """Start one more node (joined through the head) and settle the cluster."""
+        cfg = dict(self.config, **overrides)
+        if self.nodes:
+            cfg.setdefault("discovery_addr", self.nodes[0].address)
+        node = PeerNode(PeerConfig(**cfg), fabric=self.fabric, start=False, heartbeat_s=3600.0)
+        self.nodes.append(node)
+        node.join()
+        self.settle()
+        return node
+
+    def settle(self, rounds: int = 2) -> None:
+        """Run heartbeat rounds on every node until views agree (``rounds`` at least)."""
+        for _ in range(rounds):
+            for node in self.nodes:
+                if not node._closed:
+                    node.tick()
+
+    def close(self) -> None:
+        """Close every node."""
+        # Each close waits for its accept loops to notice; do them side by side.
+        threads = [threading.Thread(target=n.close, kwargs={"leave": False}) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30.0)
+
+    def __enter__(self) -> InProcessCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

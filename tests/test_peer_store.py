@@ -1,0 +1,333 @@
+"""PeerCacheStore: the storage contract over an in-process cluster, plus what is specific to
+the peer cache: remote reads between nodes, verification turning stale slots into misses,
+eviction to disk and promote, exists warming, membership (injected clock), and the node's
+RPC surface. Everything runs in one process on loopback; no test sleeps."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_storage_contract import StorageContract, make_pool
+
+from hiradix.peer.config import PeerConfig
+from hiradix.peer.directory import DirEntry
+from hiradix.peer.membership import Membership, NodeInfo, compute_masters
+from hiradix.peer.node import InProcessCluster, PeerNode, size_class
+from hiradix.peer.store import PeerCacheStore
+from hiradix.storage import StorageConfig, create_backend
+from hiradix.transport.fake import FakeClock
+
+PAGE = 4096
+
+
+def key(i: int, tag: str = "") -> str:
+    return hashlib.sha256(f"peer{tag}{i}".encode()).hexdigest()
+
+
+def page(i: int, n: int = PAGE) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class TestPeerContractFake(StorageContract):
+    backend, options = "peer", {"inprocess_nodes": 3, "transport": "fake"}
+
+
+class TestPeerContractTcp(StorageContract):
+    backend, options = "peer", {"inprocess_nodes": 2, "transport": "tcp"}
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(params=["fake", "tcp"])
+def cluster(request: pytest.FixtureRequest) -> Any:
+    c = InProcessCluster(3, transport=request.param, pool_size=64 * (PAGE + 64), read_timeout_s=2.0)
+    yield c
+    c.close()
+
+
+def stores(c: InProcessCluster) -> list[PeerCacheStore]:
+    return [PeerCacheStore(node=n) for n in c.nodes]
+
+
+# ---------------------------------------------------------------------- remote reads
+def test_set_on_one_node_get_on_the_others(cluster: InProcessCluster) -> None:
+    a, b, c = stores(cluster)
+    keys = [key(i) for i in range(40)]
+    assert a.batch_set(keys, [page(i) for i in range(40)])
+    for s in (b, c):
+        assert s.batch_exists(keys) == 40
+        got = s.batch_get(keys)
+        assert [bytes(g.numpy()) for g in got] == [page(i) for i in range(40)]
+    # the bytes crossed the transport: the readers' nodes hold none of these pages
+    assert b.node.pool_pages == 0 and c.node.pool_pages == 0
+    assert b.node.transport.stats.remote_items >= 40
+
+
+def test_v1_remote_into_host_pool(cluster: InProcessCluster) -> None:
+    a, b, _ = stores(cluster)
+    src, dst = make_pool("page_first", False), make_pool("page_first", False)
+    dst._buf.zero_()
+    a.register_mem_pool_host(src)
+    b.register_mem_pool_host(dst)
+    ps = src.page_size
+    keys = [key(i, "v1") for i in range(3)]
+    assert a.batch_set_v1(keys, [0, ps, 2 * ps]) == [True] * 3
+    assert b.batch_get_v1(keys + [key(99)], [3 * ps, 4 * ps, 5 * ps, 6 * ps]) == [True, True, True, False]
+    for s, d in ((0, 3), (1, 4), (2, 5)):
+        assert torch.equal(dst.get_page_bytes(d * ps), src.get_page_bytes(s * ps))
+    # the host (L2) pool is never registered with the transport
+    span = (dst._buf.data_ptr(), dst._buf.data_ptr() + dst._buf.numel() * dst._buf.element_size())
+    for node in cluster.nodes:
+        assert node.transport.regions.acquire_local(span[0], 1) is None
+
+
+def test_stale_slot_is_a_miss_never_wrong_bytes(cluster: InProcessCluster) -> None:
+    a, b, _ = stores(cluster)
+    k = key(1)
+    assert a.set(k, page(1))
+    entry = b.node.lookup([k])[0]
+    assert entry is not None
+    # The producer reuses the slot for another key; the old entry is still in the directory.
+    a.node._pool_for(PAGE).delete(k)
+    a.node._pool_for(PAGE).set(key(2), page(2))
+    for dir_node in cluster.nodes:
+        dir_node.shard.put(k, entry)
+    assert b.get(k) is None
+    assert b.node.stale_reads == 1
+    # A forged entry with the right slot but another generation is rejected too.
+    loc = a.node._pool_for(PAGE).location(key(2))
+    assert loc is not None
+    forged = DirEntry(a.node.node_id, loc.addr, loc.rkey, PAGE, loc.generation + 1)
+    for dir_node in cluster.nodes:
+        dir_node.shard.put(key(3), forged)
+    assert b.get(key(3), bytearray(PAGE)) is None
+
+
+def test_local_pages_are_memcpy(cluster: InProcessCluster) -> None:
+    a = stores(cluster)[0]
+    assert a.set(key(0), page(0))
+    before = a.node.transport.stats.remote_items
+    assert bytes(a.get(key(0)).numpy()) == page(0)
+    assert a.node.transport.stats.remote_items == before
+
+
+def test_eviction_deletes_directory_entries(cluster: InProcessCluster) -> None:
+    a, b, _ = stores(cluster)
+    n = a.node._pool_for(PAGE).num_slots
+    keys = [key(i, "ev") for i in range(n + 5)]
+    assert a.batch_set(keys, [page(i) for i in range(n + 5)])
+    assert b.batch_exists(keys[:5]) == 0  # the five oldest left the pool and the directory
+    assert b.batch_exists(keys[5:]) == n
+    assert a.get_stats().evictions == 5
+
+
+def test_dead_producer_reads_are_misses(cluster: InProcessCluster) -> None:
+    a, b, c = stores(cluster)
+    assert a.batch_set([key(0)], [page(0)]) and c.batch_set([key(1)], [page(1)])
+    cluster.nodes[0].close(leave=False)
+    assert b.get(key(0), bytearray(PAGE)) is None
+    assert bytes(b.get(key(1)).numpy()) == page(1)
+
+
+# ---------------------------------------------------------------------- disk tier
+def test_disk_tier_promote_and_exists_warming(tmp_path: Path) -> None:
+    with InProcessCluster(
+        2, transport="fake", pool_size=4 * (PAGE + 64), disk_enabled=True, disk_path=str(tmp_path / "d0")
+    ) as c:
+        a, b = stores(c)
+        keys = [key(i, "disk") for i in range(8)]
+        assert a.batch_set(keys, [page(i) for i in range(8)])
+        assert a.node.disk is not None and a.node.disk.flush(10)
+        # Four pages were pushed out of the pool but stay in the directory, non-resident.
+        cold = [e for e in b.node.lookup(keys) if e is not None and not e.resident]
+        assert len(cold) == 4
+        assert b.batch_exists(keys) == 8
+        # Remote read of a disk-resident page: data_promote on the producer, then READ.
+        got = b.batch_get(keys[:2])
+        assert [bytes(g.numpy()) for g in got] == [page(0), page(1)]
+        assert a.node.metrics.promotes._value.get() >= 2
+        # Local read of a disk-resident page promotes it locally.
+        a.node.disk.flush(10)
+        for k in keys:
+            if not a.node.published()[k].resident:
+                assert a.get(k) is not None
+                break
+
+
+# ---------------------------------------------------------------------- store config
+def test_registry_dynamic_and_sglang_style_config() -> None:
+    s = create_backend(
+        "dynamic",
+        StorageConfig(),
+        extra_config=json.dumps(
+            {
+                "backend_name": "peer",
+                "module_path": "hiradix.peer.store",
+                "class_name": "PeerCacheStore",
+                "inprocess_nodes": 1,
+                "transport": "fake",
+                "pool_size": "1MiB",
+            }
+        ),
+    )
+    try:
+        assert isinstance(s, PeerCacheStore) and s.node.config.pool_size == 1 << 20
+        assert s.set(key(0), page(0)) and s.exists(key(0))
+    finally:
+        s.close()
+
+    class SGLangConfig:  # the attributes SGLang's HiCacheStorageConfig carries
+        tp_rank, tp_size, model_name, is_mla_model = 0, 1, "m", False
+        extra_config: ClassVar[dict[str, Any]] = {"inprocess_nodes": 1, "transport": "fake", "pool_size": 1 << 20}
+
+    s2 = PeerCacheStore(SGLangConfig(), {})
+    try:
+        assert s2.config.model_name == "m" and s2.set(key(1), b"x")
+    finally:
+        s2.close()
+
+
+def test_size_classes() -> None:
+    assert size_class(4096, None) == 4096
+    assert size_class(1, None) == 64
+    assert size_class(4097, 4096) == 8192
+    assert size_class(4000, 4096) == 4096
+
+
+def test_node_status_over_rpc(cluster: InProcessCluster) -> None:
+    a = stores(cluster)[0]
+    a.batch_set([key(0), key(1)], [page(0), page(1)])
+    b = cluster.nodes[1]
+    st = b.client.call(cluster.nodes[0].address, "node_status")
+    assert st["pool"]["pages"] == 2 and len(st["members"]) == 3
+    assert st["masters"][0] == cluster.nodes[0].node_id
+
+
+def test_membership_change_republishes(cluster: InProcessCluster) -> None:
+    a = stores(cluster)[0]
+    keys = [key(i, "rp") for i in range(60)]
+    assert a.batch_set(keys, [page(i, 64) for i in range(60)])
+    d = PeerCacheStore(node=cluster.add_node())
+    # The new node owns some keys now; it got their entries from the producer's re-publish.
+    assert d.node.shard and d.batch_exists(keys) == 60
+    assert [bytes(g.numpy()) for g in d.batch_get(keys[:5])] == [page(i, 64) for i in range(5)]
+
+
+# ---------------------------------------------------------------------- membership
+class _Net:
+    """In-process discovery wiring: call(addr, method, args) -> the target's handler."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Membership] = {}
+        self.down: set[str] = set()
+
+    def call(self, addr: str, method: str, args: list[Any]) -> Any:
+        if addr in self.down or addr not in self.nodes:
+            raise ConnectionError(f"{addr} is down")
+        return self.nodes[addr].handle(method, args)
+
+    def add(self, name: str, clock: FakeClock, head: str | None, seeds: tuple[str, ...] = ()) -> Membership:
+        m = Membership(NodeInfo(name, name, f"data-{name}"), self.call, head=head, seeds=seeds, ttl=3.0, clock=clock)
+        self.nodes[name] = m
+        return m
+
+
+def tick_all(net: _Net, clock: FakeClock, rounds: int = 2) -> None:
+    for _ in range(rounds):
+        clock.advance(1.0)
+        for name, m in net.nodes.items():
+            if name not in net.down:
+                m.tick()
+
+
+def test_masters_head_first_then_node_order() -> None:
+    ms = [NodeInfo(n, n, n) for n in ("n5", "n1", "n3", "n2")]
+    assert compute_masters(ms, "n5", 3) == ("n5", "n1", "n2")
+    assert compute_masters(ms, "dead", 3) == ("n1", "n2", "n3")
+    assert compute_masters(ms, None, 1) == ("n1",)
+
+
+def test_membership_join_heartbeat_expire_and_replace_master() -> None:
+    clock, net = FakeClock(), _Net()
+    head = net.add("h", clock, head="h")
+    nodes = [net.add(n, clock, head="h") for n in ("n1", "n2", "n3", "n4")]
+    changes: list[tuple[int, int]] = []
+    nodes[3].on_change = lambda old, new: changes.append((len(old), len(new)))
+    for m in nodes:
+        assert m.join()
+    tick_all(net, clock)
+    for m in (head, *nodes):
+        assert set(m.members()) == {"h", "n1", "n2", "n3", "n4"}
+        assert m.masters() == ("h", "n1", "n2")
+    assert changes and changes[-1][1] == 5
+    # A non-head master dies: it expires everywhere and n3 is promoted.
+    net.down.add("n1")
+    tick_all(net, clock, rounds=5)
+    for m in (head, nodes[1], nodes[2], nodes[3]):
+        assert "n1" not in m.members()
+        assert m.masters() == ("h", "n2", "n3")
+    # The head dies: the others keep serving each other and a new node joins via n2.
+    net.down.add("h")
+    tick_all(net, clock, rounds=5)
+    assert set(nodes[3].members()) == {"n2", "n3", "n4"}
+    late = net.add("n9", clock, head="h", seeds=("n2",))
+    assert late.join()
+    tick_all(net, clock)
+    assert set(nodes[3].members()) == {"n2", "n3", "n4", "n9"} == set(late.members())
+
+
+def test_membership_cached_when_no_master_answers() -> None:
+    clock, net = FakeClock(), _Net()
+    head = net.add("h", clock, head="h")
+    a, b = net.add("a", clock, head="h"), net.add("z", clock, head="h")
+    for m in (a, b):
+        m.join()
+    tick_all(net, clock)
+    net.nodes["h"].max_masters = a.max_masters = b.max_masters = 2  # masters: h, a
+    tick_all(net, clock)
+    assert b.masters() == ("h", "a")
+    net.down.update({"h", "a"})
+    for _ in range(10):  # far past the ttl: z reaches no master and keeps its cached view
+        clock.advance(1.0)
+        b.tick()
+    assert b.frozen and set(b.members()) == {"h", "a", "z"}
+    assert head is not None
+
+
+def test_dead_views_do_not_resurrect_members() -> None:
+    clock, net = FakeClock(), _Net()
+    ms = [net.add("h", clock, head="h"), net.add("a", clock, head="h"), net.add("b", clock, head="h")]
+    for m in ms[1:]:
+        m.join()
+    net.add("x", clock, head="h").join()
+    tick_all(net, clock)
+    net.down.add("x")  # x is not a master; masters h, a, b gossip views among themselves
+    tick_all(net, clock, rounds=6)
+    for m in ms:
+        assert "x" not in m.members()
+
+
+def test_discovery_rejects_malformed_records() -> None:
+    clock, net = FakeClock(), _Net()
+    m = net.add("h", clock, head="h")
+    with pytest.raises(ValueError):
+        m.handle("disc_join", [["only", "two"]])
+    with pytest.raises(ValueError):
+        m.handle("disc_nope", [])
+    with pytest.raises(ValueError):
+        m._merge([["a", "a", "a", None, "old"]])
+
+
+def test_node_rejects_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HIRADIX_CLUSTER_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="cluster token"):
+        PeerNode(PeerConfig(metrics_enabled=False), start=False)
