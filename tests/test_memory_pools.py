@@ -438,3 +438,31 @@ def test_default_reserve_uses_larger_of_10pct_and_2gib(tmp_path) -> None:  # typ
 def test_host_pool_is_pinned_on_cuda() -> None:
     host = _host("mha", torch.bfloat16, 16, "page_first")
     assert host.pin_memory and host._buf.is_pinned()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: str, page_size: int) -> None:
+    """read_pages / write_pages (the L3 path) agree byte for byte with get/set_page_bytes."""
+    shape = MHAShape(3, 2, 4) if kind == "mha" else MLAShape(3, 6, 2)
+    pool = HostKVPool(shape, 8 * page_size, page_size, torch.bfloat16, layout, reserve_bytes=0)
+    g = torch.Generator().manual_seed(page_size)
+    pool._buf.view(torch.uint8).copy_(torch.randint(0, 256, (pool._buf.numel() * 2,), generator=g, dtype=torch.uint8))
+    starts = [5 * page_size, 0, 7 * page_size, 2 * page_size]
+    out = torch.empty((4, pool.page_bytes), dtype=torch.uint8)
+    pool.read_pages(starts, out)
+    for row, s in zip(out, starts, strict=True):
+        assert torch.equal(row, pool.get_page_bytes(s))
+    new = torch.randint(0, 256, (4, pool.page_bytes), generator=g, dtype=torch.uint8)
+    untouched = pool.get_page_bytes(page_size).clone()
+    pool.write_pages(starts, new)
+    for row, s in zip(new, starts, strict=True):
+        assert torch.equal(pool.get_page_bytes(s), row)
+    assert torch.equal(pool.get_page_bytes(page_size), untouched)
+    if layout != "layer_first":
+        assert pool.pages_array()[7].tobytes() == new[2].numpy().tobytes()
+    with pytest.raises(ValueError, match="page starts"):
+        pool.read_pages([1] if page_size > 1 else [8], out[:1])
+    with pytest.raises(ValueError, match="uint8"):
+        pool.write_pages(starts, new[:2])

@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from hiradix.memory.allocator import PagedSlotAllocator
@@ -511,6 +512,91 @@ class HostKVPool(_KVPoolBase):
             n = run.numel()
             run.copy_(src[off : off + n])
             off += n
+
+    # ------------------------------------------------------------------ whole pages, batched
+    def page_ids(self, host_indices: Any) -> np.ndarray:
+        """Page numbers of page-start slots ``host_indices`` (int64 numpy); ``ValueError``
+        if any is not a page start in the pool. ``O(n)``."""
+        starts = np.asarray(host_indices.cpu() if isinstance(host_indices, torch.Tensor) else host_indices)
+        starts = starts.astype(np.int64, copy=False).reshape(-1)
+        if starts.size and (
+            int(starts.min()) < 0 or int(starts.max()) >= self.size or bool((starts % self.page_size).any())
+        ):
+            raise ValueError(f"host indices must be page starts in [0, {self.size}) with page_size {self.page_size}")
+        return starts // self.page_size
+
+    def pages_array(self) -> np.ndarray:
+        """The pool as a ``[page_num, page_bytes]`` uint8 numpy array sharing its memory:
+        row ``p`` is page ``p``'s bytes in :meth:`get_page_bytes` order. Page-first
+        layouts only (``layer_first`` scatters a page over the pool: use
+        :meth:`read_pages` / :meth:`write_pages`). ``O(1)``."""
+        if self.layout == "layer_first":
+            raise ValueError("layer_first pages are not contiguous; use read_pages / write_pages")
+        return self._buf.view(torch.uint8).numpy().reshape(self.page_num, self.page_bytes)
+
+    def _native_segments_copy(self, pages: np.ndarray, rows: torch.Tensor, to_pool: bool) -> bool:
+        # layer_first with the compiled row copy: one GIL-free copy_rows per (layer,
+        # component) between the pool's region and the page rows. False: not available.
+        from hiradix.memory.copy import _gather
+
+        if _gather is None:
+            return False
+        pool_bytes = self._buf.view(torch.uint8).numpy()
+        row_bytes = rows.numpy().reshape(-1)
+        row_starts = np.arange(len(pages), dtype=np.int64) * self.page_bytes
+        for view, offset, run in self._page_segments():
+            seg = (view.data_ptr() - self._buf.data_ptr()) + pages * run
+            if to_pool:
+                _gather.copy_rows(pool_bytes, seg, 0, row_bytes, row_starts, offset, run)
+            else:
+                _gather.copy_rows(row_bytes, row_starts, offset, pool_bytes, seg, 0, run)
+        return True
+
+    def _page_segments(self) -> list[tuple[torch.Tensor, int, int]]:
+        # layer_first: for each (layer, component), the pool's bytes as [page_num, run]
+        # and where that run sits in a page's bytes (page_first_direct order).
+        raw = self._buf.view(torch.uint8)
+        out = []
+        for layer in range(self.layer_num):
+            for c in range(len(self._comp_shapes)):
+                run = self.page_size * self._comp_elems[c] * self.itemsize
+                base = self.size * self.layer_num * self._comp_offsets[c] * self.itemsize
+                start = base + layer * self.size * self._comp_elems[c] * self.itemsize
+                view = raw[start : start + self.page_num * run].view(self.page_num, run)
+                offset = self.page_size * (layer * self._elems_per_layer + self._comp_offsets[c]) * self.itemsize
+                out.append((view, offset, run))
+        return out
+
+    def read_pages(self, host_indices: Any, out: torch.Tensor) -> None:
+        """Copy the pages starting at ``host_indices`` into the rows of ``out`` (uint8
+        ``[n, page_bytes]``), in :meth:`get_page_bytes` order. One vectorized copy per
+        (layer, component) for ``layer_first``, one for the page-first layouts.
+        Runtime complexity: ``O(n x page_bytes)``."""
+        pages = torch.from_numpy(self.page_ids(host_indices))
+        if tuple(out.shape) != (len(pages), self.page_bytes) or out.dtype != torch.uint8:
+            raise ValueError(f"out must be uint8 [{len(pages)}, {self.page_bytes}], got {out.dtype} {tuple(out.shape)}")
+        if self.layout != "layer_first":
+            torch.index_select(torch.from_numpy(self.pages_array()), 0, pages, out=out)
+            return
+        if out.is_contiguous() and self._native_segments_copy(pages.numpy(), out, to_pool=False):
+            return
+        for view, offset, run in self._page_segments():
+            out[:, offset : offset + run] = view[pages]
+
+    def write_pages(self, host_indices: Any, src: torch.Tensor) -> None:
+        """Overwrite the pages starting at ``host_indices`` with the rows of ``src``
+        (uint8 ``[n, page_bytes]``, :meth:`get_page_bytes` order); the inverse of
+        :meth:`read_pages`. Runtime complexity: ``O(n x page_bytes)``."""
+        pages = torch.from_numpy(self.page_ids(host_indices))
+        if tuple(src.shape) != (len(pages), self.page_bytes) or src.dtype != torch.uint8:
+            raise ValueError(f"src must be uint8 [{len(pages)}, {self.page_bytes}], got {src.dtype} {tuple(src.shape)}")
+        if self.layout != "layer_first":
+            torch.from_numpy(self.pages_array())[pages] = src
+            return
+        if src.is_contiguous() and self._native_segments_copy(pages.numpy(), src, to_pool=True):
+            return
+        for view, offset, run in self._page_segments():
+            view[pages] = src[:, offset : offset + run]
 
     def __repr__(self) -> str:
         return (
