@@ -592,6 +592,30 @@ class PeerNode:
         except queue.Empty:
             log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(items), node)
 
+    # ------------------------------------------------------------------ data over RPC
+    def enable_data_rpc(self) -> None:
+        """Serve ``page_put(keys, blobs)`` and ``page_get(keys)`` over the (authenticated)
+        RPC server: page bytes as msgpack ``bin``. For operators and the multi-process
+        tests (``hiradix peer serve --data-rpc``); serving engines use the store in-process.
+        """
+
+        def page_put(keys: list[Any], blobs: list[Any]) -> list[bool]:
+            if not isinstance(keys, list) or not isinstance(blobs, list) or len(keys) != len(blobs):
+                raise ValueError("page_put takes two lists of equal length")
+            if not all(isinstance(k, str) for k in keys) or not all(isinstance(b, bytes) for b in blobs):
+                raise ValueError("page_put takes str keys and bytes pages")
+            return self.publish_many(keys, blobs)
+
+        def page_get(keys: list[Any], lengths: list[Any]) -> list[bytes | None]:
+            if not isinstance(keys, list) or not isinstance(lengths, list) or len(keys) != len(lengths):
+                raise ValueError("page_get takes two lists of equal length")
+            bufs = [bytearray(int(n)) for n in lengths]
+            ok = self.read_into([str(k) for k in keys], [memoryview(b) for b in bufs])
+            return [bytes(b) if r else None for b, r in zip(bufs, ok, strict=True)]
+
+        self.rpc.register("page_put", page_put)
+        self.rpc.register("page_get", page_get)
+
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """Membership, pool, disk, directory and hit-rate numbers (the ``node_status`` RPC)."""
