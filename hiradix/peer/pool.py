@@ -59,6 +59,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+try:  # ISA-L's crc32 gives zlib's values at 20+ GB/s (zlib: ~3 GB/s here); same slot format.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is optional
+    _crc32 = zlib.crc32
+
 __all__ = [
     "SLOT_HEADER_SIZE",
     "SLOT_MAGIC",
@@ -98,7 +103,7 @@ def pack_header(key: Key, generation: int, payload: Any) -> bytes:
     """
     length = memoryview(payload).nbytes
     prefix = _PREFIX.pack(SLOT_MAGIC, SLOT_VERSION, 0, length, 0, generation, key_digest(key))
-    return _HEADER.pack(prefix, zlib.crc32(payload, zlib.crc32(prefix)))
+    return _HEADER.pack(prefix, _crc32(payload, _crc32(prefix)))
 
 
 def verify_parts(header: Any, payload: Any, key: Key, generation: int, length: int | None = None) -> bool:
@@ -125,7 +130,7 @@ def verify_parts(header: Any, payload: Any, key: Key, generation: int, length: i
     pv = memoryview(payload).cast("B")
     if pv.nbytes < n or digest != key_digest(key):
         return False
-    return zlib.crc32(pv[:n], zlib.crc32(prefix)) == crc
+    return _crc32(pv[:n], _crc32(prefix)) == crc
 
 
 def verify_slot(raw: Any, key: Key, generation: int, length: int | None = None) -> memoryview | None:

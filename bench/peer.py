@@ -1,0 +1,255 @@
+"""Peer-cache remote get against a raw Python socket, two processes on loopback, same run.
+
+The producer process starts a ``PeerNode`` (the head), publishes ``--total-mib`` of random
+pages through ``PeerCacheStore.batch_set`` and runs a raw socket server over the same bytes
+(``sendall`` of each page). The consumer process starts a second node that joins it and
+reads every page with ``PeerCacheStore.batch_get_v1`` into a ``page_first`` host KV pool
+(directory lookup, transport READ into the receive region, slot verification, copy into
+the pool), then pulls the same bytes through the raw socket (``recv_into`` each page into
+the same host pool). Warm-up runs, then repeats alternating the two; median and best.
+Every repeat checks that every page arrived and compares a sample of bytes.
+
+It also times ``batch_exists`` of 128 keys (p50 / p99 over ``--exists-reps`` calls), and,
+when they are installed in separate venvs, runs PeerCache 0.8.4 (TCP mode) and Mooncake
+Store (TCP) with the same page sizes (``--peercache-python``, ``--mooncake-python``;
+skipped with a note otherwise).
+
+    python bench/peer.py                          # 16 KiB .. 1 MiB pages, 64 MiB per run
+    python bench/peer.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PAGES = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
+
+
+def _keys(page: int, n: int) -> list[str]:
+    return [f"bench-{page}-{i:06d}" for i in range(n)]
+
+
+def _raw_serve(sock: socket.socket, pages: dict[int, np.ndarray], stop: threading.Event) -> None:
+    sock.settimeout(0.5)
+    while not stop.is_set():
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError:  # closed at shutdown
+            return
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                head = conn.recv(16, socket.MSG_WAITALL)
+                if len(head) < 16:
+                    break
+                total, page = struct.unpack("<QQ", head)
+                view = memoryview(pages[page])
+                for off in range(0, total, page):
+                    conn.sendall(view[off : off + page])
+
+
+def producer(conn: Any, token: str, total: int, page_sizes: list[int]) -> None:
+    """Child process: the head node with every page published, plus the raw server."""
+    from hiradix.peer.config import PeerConfig
+    from hiradix.peer.node import PeerNode
+    from hiradix.peer.store import PeerCacheStore
+
+    # One pool per page size (size classes), each holding all of that size's pages.
+    pool = max(total // p * (p + 128) for p in page_sizes) + (4 << 20)
+    node = PeerNode(PeerConfig(cluster_token=token, metrics_enabled=False, pool_size=pool))
+    store = PeerCacheStore(node=node)
+    pages: dict[int, np.ndarray] = {}
+    for p in page_sizes:
+        n = total // p
+        data = np.random.default_rng(p).integers(0, 256, size=n * p, dtype=np.uint8)
+        pages[p] = data
+        keys = _keys(p, n)
+        for s in range(0, n, 256):
+            if not store.batch_set(keys[s : s + 256], [data[i * p : (i + 1) * p] for i in range(s, min(n, s + 256))]):
+                raise RuntimeError("producer: batch_set failed")
+    stop = threading.Event()
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_serve, args=(raw, pages, stop), daemon=True).start()
+    conn.send((node.address, raw.getsockname()[1]))
+    conn.recv()  # "stop"
+    stop.set()
+    raw.close()
+    node.close()
+
+
+def _ms(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from hiradix.memory.pools import HostKVPool, MHAShape
+    from hiradix.peer.config import PeerConfig
+    from hiradix.peer.node import PeerNode
+    from hiradix.peer.store import PeerCacheStore
+
+    token = secrets.token_hex(16)
+    total = args.total_mib << 20
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(child, token, total, args.pages), daemon=True)
+    proc.start()
+    head, raw_port = parent.recv()
+    node = PeerNode(
+        PeerConfig(cluster_token=token, metrics_enabled=False, discovery_addr=head, pool_size=1 << 20),
+        recv_bytes=args.recv_mib << 20,
+    )
+    store = PeerCacheStore(node=node)
+    raw = socket.create_connection(("127.0.0.1", raw_port), timeout=60)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rows = []
+    try:
+        for p in args.pages:
+            n = total // p
+            keys = _keys(p, n)
+            # A page_first host pool whose page is exactly p bytes (fp16, 1 token per page).
+            host = HostKVPool(MHAShape(1, 1, p // 4), n, 1, torch.float16, "page_first", pin_memory=False)
+            assert host.page_bytes == p
+            store.register_mem_pool_host(host)
+            flat = host._buf.view(torch.uint8).numpy()
+            hview = memoryview(flat)
+            ref = np.random.default_rng(p).integers(0, 256, size=n * p, dtype=np.uint8)
+            idx = np.arange(n)
+            t_peer: list[float] = []
+            t_raw: list[float] = []
+            for rep in range(args.warmup + args.repeats):
+                flat[:] = 0
+                t0 = time.perf_counter()
+                ok = store.batch_get_v1(keys, idx)
+                dt = time.perf_counter() - t0
+                if not all(ok) or not np.array_equal(flat[::4099], ref[::4099]):
+                    raise RuntimeError(f"peer get failed at page {p}: {ok.count(False)} misses")
+                flat[:] = 0
+                t0 = time.perf_counter()
+                raw.sendall(struct.pack("<QQ", n * p, p))
+                for off in range(0, n * p, p):
+                    v = hview[off : off + p]
+                    got = 0
+                    while got < p:
+                        k = raw.recv_into(v[got:])
+                        if not k:
+                            raise RuntimeError("raw server closed")
+                        got += k
+                dt_raw = time.perf_counter() - t0
+                if not np.array_equal(flat[::4099], ref[::4099]):
+                    raise RuntimeError("raw transfer mismatch")
+                if rep >= args.warmup:
+                    t_peer.append(dt)
+                    t_raw.append(dt_raw)
+            gb = n * p / 1e9
+            row = {
+                "page_kib": p >> 10,
+                "peer_gbps_median": gb / statistics.median(t_peer),
+                "peer_gbps_best": gb / min(t_peer),
+                "raw_gbps_median": gb / statistics.median(t_raw),
+                "raw_gbps_best": gb / min(t_raw),
+            }
+            row["ratio"] = row["peer_gbps_median"] / row["raw_gbps_median"]
+            rows.append(row)
+            print(
+                f"{p >> 10:>5} KiB  peer {row['peer_gbps_median']:.2f} GB/s (best {row['peer_gbps_best']:.2f})"
+                f"  raw {row['raw_gbps_median']:.2f} GB/s (best {row['raw_gbps_best']:.2f})  ratio {row['ratio']:.2f}",
+                flush=True,
+            )
+            del host, flat, hview
+        # batch_exists of 128 keys (all hits; owners spread over both nodes)
+        keys = _keys(min(args.pages), total // min(args.pages))
+        lat: list[float] = []
+        for i in range(args.exists_reps + 50):
+            s = (i * 128) % max(1, len(keys) - 128)
+            t0 = time.perf_counter()
+            hit = store.batch_exists(keys[s : s + 128])
+            dt = time.perf_counter() - t0
+            if hit != 128:
+                raise RuntimeError(f"batch_exists returned {hit}")
+            if i >= 50:
+                lat.append(dt)
+        exists = {"keys": 128, "p50_ms": _ms(lat, 0.5), "p99_ms": _ms(lat, 0.99), "reps": len(lat)}
+        print(f"batch_exists(128): p50 {exists['p50_ms']:.3f} ms  p99 {exists['p99_ms']:.3f} ms", flush=True)
+    finally:
+        raw.close()
+        store.close()
+        node.close()
+        parent.send("stop")
+        proc.join(timeout=30)
+    return {"rows": rows, "exists": exists}
+
+
+def others(args: argparse.Namespace) -> dict[str, Any]:
+    """PeerCache / Mooncake side by side when their venvs exist (bench/peer_others.py)."""
+    out: dict[str, Any] = {}
+    script = Path(__file__).with_name("peer_others.py")
+    for name, py in (("peercache", args.peercache_python), ("mooncake", args.mooncake_python)):
+        if not py or not Path(py).exists() or not script.exists():
+            out[name] = {"skipped": f"no interpreter with {name} installed (pass --{name}-python)"}
+            print(f"{name}: skipped ({out[name]['skipped']})", flush=True)
+            continue
+        import subprocess
+
+        cmd = [py, str(script), name, "--total-mib", str(args.total_mib), "--repeats", str(args.repeats)]
+        cmd += ["--pages", *[str(p) for p in args.pages]]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.others_timeout)
+        except subprocess.TimeoutExpired:
+            out[name] = {"skipped": f"timed out after {args.others_timeout}s"}
+            continue
+        if res.returncode != 0:
+            out[name] = {"skipped": f"failed: {res.stderr.strip()[-500:]}"}
+            print(f"{name}: failed: {res.stderr.strip()[-300:]}", flush=True)
+            continue
+        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+        print(f"{name}: {out[name]}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=PAGES, help="page sizes in bytes")
+    ap.add_argument("--total-mib", type=int, default=64, help="bytes per run (per page size)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--recv-mib", type=int, default=64, help="consumer receive region")
+    ap.add_argument("--exists-reps", type=int, default=1000)
+    ap.add_argument(
+        "--peercache-python", default=os.environ.get("PEERCACHE_PYTHON", "/work/venvs/peercache/bin/python")
+    )
+    ap.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", "/work/venvs/mooncake/bin/python"))
+    ap.add_argument("--others-timeout", type=float, default=600.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    print(f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, load {os.getloadavg()}")
+    result = run(args)
+    result["others"] = others(args)
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
