@@ -159,7 +159,8 @@ def test_small_capacities_exercise_every_tier(tree_cls: Any, write_policy: str) 
     assert stats.device_demoted_tokens > 0 and stats.host_evicted_tokens > 0
     assert stats.backup_nodes > 0 and stats.backup_tokens > 0
     assert stats.device_hit_tokens + stats.host_hit_tokens <= stats.ideal_hit_tokens
-    assert replayer.device.used <= 300_000 and replayer.host.used <= 1_000_000
+    used = replayer.occupancy()
+    assert used["device_used"] <= 300_000 and used["host_used"] <= 1_000_000
 
 
 @needs_trace
@@ -221,7 +222,7 @@ def test_a_request_larger_than_the_device_is_skipped(tree_cls: Any, tmp_path: Pa
     assert stats.device_demoted_tokens == stats.device_deleted_tokens == 0
     # The third request still counts its 2-block device hit; the last two find theirs.
     assert stats.device_hit_tokens == 5 * BLOCK_TOKENS
-    assert replayer.device.used == replayer.tree.device_size() == 3 * BLOCK_TOKENS
+    assert replayer.occupancy()["device_used"] == replayer.tree.device_size() == 3 * BLOCK_TOKENS
 
 
 def test_slot_pool_reuses_freed_slots_and_detects_leaks() -> None:

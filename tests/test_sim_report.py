@@ -172,7 +172,10 @@ def test_the_observer_sees_every_request_with_occupancy(tree_cls: Any) -> None:
     assert len(records) == stats.requests == 60
     assert sum(r.served.device_hit for r in records) == stats.device_hit_tokens
     assert all(r.device_used <= 20_000 and r.host_used <= 40_000 and r.l3_used == 0 for r in records)
-    assert (records[-1].device_used, records[-1].host_used) == (replayer.device.used, replayer.host.used)
+    assert (records[-1].device_used, records[-1].host_used) == (
+        replayer.occupancy()["device_used"],
+        replayer.occupancy()["host_used"],
+    )
 
 
 # --------------------------------------------------------------------------- outputs

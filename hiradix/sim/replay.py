@@ -1,15 +1,36 @@
-"""Replay a trace through the tiered radix tree and count what each tier served.
+"""Replay a trace through :class:`hiradix.cache.HiRadixCache` and count what each tier served.
 
-The :class:`Replayer` drives a :class:`hiradix.HiRadixTree` the way a serving engine
-would, one request at a time and with transfers that complete at once: match, lock,
-load the host hit back to the device, allocate device slots (evicting as needed),
-insert, and back up what the write policy asks for (evicting the host as needed). KV
-slots are plain integers handed out by two :class:`SlotPool` free lists, one per tier;
-no KV data exists, so copies cost nothing and only the bookkeeping is simulated.
+The :class:`Replayer` drives a real three-tier cache (device pool, host pool, L3 storage
+backend, the controller and its L3 threads) one request at a time, as a scheduler would:
 
-All of the tier policy lives in :meth:`Replayer.serve`; :meth:`Replayer.replay` only
-feeds it requests and does the accounting, so a cache object can later take the place
-of ``serve`` without touching the accounting.
+1. ``match_prefix``; a request that cannot fit on the device even after evicting every
+   unlocked token stops here (counted as too large, nothing inserted).
+2. With an L3 tier and at least ``threshold_tokens`` missed: ``prefetch_from_storage``
+   of the key after :meth:`~hiradix.cache.HiRadixCache.prefetch_mount` (host room made
+   with ``evict_host`` first, as SGLang's ``prefetch_from_storage`` does), then
+   ``check_prefetch_progress`` until the policy lets it end, and a second match.
+3. ``init_load_back`` of the host tail (host hit plus what L3 brought), ``inc_lock_ref``,
+   ``alloc_device`` for the rest (evicting as needed).
+4. The forward pass: ``ready_to_load_host_cache`` and ``wait_until`` every layer. The KV
+   "compute" is a no-op: the pools are 2 bytes per token (one layer of
+   ``MLAShape(1, 1, 1)``, ``uint8``), so a full trace fits in memory.
+5. ``cache_finished_req`` (insert, backups per the write policy), ``check_hicache_events``.
+
+Nothing here decides what is cached, evicted, backed up or fetched: the hit rates are
+those of the library. Two things make a replay deterministic, and both are documented
+choices of the simulator, not changes to the cache:
+
+* **Synchronous copies.** The controller gets :class:`InlineCopyEngine`, the CPU copy
+  engine with its copies run inline at submission instead of on its worker thread (same
+  validation, same copy code). A backup is therefore done by the next
+  ``check_hicache_events``, as if copies were much faster than a request.
+* **Prefetches and L3 writes complete between requests** (``prefetch_wait=True``, the
+  default): the replayer waits for the L3 threads to finish a request's prefetch before
+  ``check_prefetch_progress``, as if the request waited in the queue long enough, and for
+  the L3 backups of a request before the next one, so L3 holds what was written. With
+  ``prefetch_wait=False`` it only polls ``check_prefetch_progress``: under
+  ``best_effort`` that ends at once with whatever landed (usually nothing), and the
+  result depends on thread timing.
 
 Hit-rate definitions
 --------------------
@@ -18,33 +39,50 @@ caches whole pages only; the unaligned tail is always recomputed).
 
 * Token hit rates are hit tokens over prompt tokens, summed over requests. The *device
   hit* is the matched prefix that is still on the device; the *host hit* is the matched
-  tail after it that is only on the host (and is loaded back).
+  tail after it that was only on the host and was loaded back; the *L3 hit* is what the
+  request's prefetch added after that (and was loaded back with it). A host tail that is
+  not loaded back (shorter than ``load_back_threshold``, or no device room) is a miss.
 * Block hit rates count 512-token trace blocks over *all* blocks of the trace. A block is
   hit when every token of it that the prompt holds was hit, and the prompt holds at least
-  one; a block that straddles the device/host boundary is a host hit.
+  one; a block that straddles a tier boundary counts for the lower tier.
 * The *ideal* is the hit under infinite capacity, computed from the trace's block ids
-  without the tree: a request's blocks count only up to its first never-seen block, and
+  without the cache: a request's blocks count only up to its first never-seen block, and
   those blocks are turned into page-aligned prompt tokens and blocks as above. At
   ``page_size=1`` the block ideal is the trace README's (0.3664 on the conversation
-  trace); at larger pages it counts only what whole pages can hold (not, for example,
-  a seen tail block shorter than a page). With unbounded capacities the tree reaches
-  the ideal exactly, at any page size.
-* Hits are counted at match time, so a request too large for the device still counts
-  what the tree held for it; it is then not inserted.
+  trace); at larger pages it counts only what whole pages can hold. With unbounded
+  capacities the cache reaches the ideal exactly, at any page size.
+* A request too large for the device counts its device hit only; it is not inserted.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 import hiradix
+from hiradix.cache import HiRadixCache, Req
+from hiradix.controller import HiCacheController
+from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
+from hiradix.memory.copy import CopyHandle, LoadHandle, ThreadCopyEngine, _ThreadHandle
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
+from hiradix.storage.base import StorageBackend
+from hiradix.storage.registry import create_backend
 
-_UNBOUNDED = 1 << 62  # capacity of an unbounded pool: far beyond any addressable slot
+_UNBOUNDED = 1 << 62  # capacity of an unbounded SlotPool: far beyond any addressable slot
+KV_SHAPE = MLAShape(layer_num=1, kv_lora_rank=1, qk_rope_head_dim=1)
+"""The replay's KV shape: the smallest the pools take (2 elements per token)."""
+KV_DTYPE = torch.uint8
+KV_BYTES_PER_TOKEN = 2
+L3_BACKENDS = ("memory", "file")
+"""L3 backends the replayer builds by name (any registered backend instance also works)."""
+_DEFAULT_UNBOUNDED_TOKENS = 1 << 24  # pool size for an unbounded tier when no workload bounds it
+_HOST_RESERVE_BYTES = 256 << 20  # MemAvailable headroom the host pool check keeps
 
 
 class SlotPool:
@@ -164,6 +202,7 @@ class ReplayStats:
     prefetch_completed: int = 0  # everything asked for arrived
     prefetch_partial: int = 0  # stopped early (best_effort / timeout): a shorter L3 hit
     prefetch_failed: int = 0  # storage error: the tokens were recomputed
+    prefetch_issued: int = 0  # prefetches started (L3 was asked), whatever they found
 
     @property
     def miss_tokens(self) -> int:
@@ -251,8 +290,124 @@ class RequestRecord:
     l3_used: int = 0
 
 
+class InlineCopyEngine(ThreadCopyEngine):
+    """The CPU copy engine with every copy run inline, at submission.
+
+    Validation, copy plans and the copies themselves are :class:`ThreadCopyEngine`'s; only
+    the queue to the worker thread is skipped, so a handle is finished when ``backup`` or
+    ``load`` returns and a replay does not depend on thread timing. ``on_copy(kind,
+    device_indices)`` (optional) is told about every copy that landed: the replayer uses it
+    to know which device slots have a host copy. For the simulator; a server wants the
+    asynchronous engine.
+    """
+
+    def __init__(self, on_copy: Callable[[str, torch.Tensor], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(copy_threads=1, **kwargs)
+        self.on_copy = on_copy
+        self._device_indices: torch.Tensor | None = None
+
+    def _submit(self, kind: str, layer_num: int, step: Callable[[int], None]) -> _ThreadHandle:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("copy engine is closed")
+            handle = _ThreadHandle(self._next_id, kind, layer_num)
+            self._next_id += 1
+        try:
+            for layer in range(layer_num):
+                if self._hook is not None:
+                    self._hook(kind, handle.op_id, layer)
+                step(layer)
+                handle._mark_layer(layer)
+        except Exception as exc:  # handed to the waiters, as on the worker thread
+            handle._fail(exc)
+        if handle.error is None and self.on_copy is not None and self._device_indices is not None:
+            self.on_copy(kind, self._device_indices)
+        return handle
+
+    def backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> CopyHandle:
+        self._device_indices = torch.as_tensor(device_indices)
+        try:
+            return super().backup(device_pool, host_pool, device_indices, host_indices)
+        finally:
+            self._device_indices = None
+
+    def load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
+    ) -> LoadHandle:
+        self._device_indices = torch.as_tensor(device_indices)
+        try:
+            return super().load(host_pool, device_pool, host_indices, device_indices)
+        finally:
+            self._device_indices = None
+
+
+class _EvictionLedger:
+    """Splits device evictions into *demoted* (a host copy stays) and *deleted* tokens.
+
+    One bit per device slot says whether the slot's KV has a host copy: set when a backup
+    or a load of the slot lands (:class:`InlineCopyEngine` reports both), cleared when the
+    slot is freed. Frees made while the cache evicts are counted by that bit; node backups
+    are counted as the controller queues them. Instruments
+    the cache; decides nothing. ``O(slots)`` per free.
+    """
+
+    def __init__(self, cache: HiRadixCache) -> None:
+        self.has_host = np.zeros(cache.device_pool.total_slots, dtype=bool)
+        self.evicting = 0
+        self.demoted = 0
+        self.deleted = 0
+        self.backup_nodes = 0  # device -> host copies started, one per node
+        allocator = cache.device_allocator
+        controller = cache.cache_controller
+        write = controller.write
+        free = allocator.free
+        evict = cache.evict
+
+        def counted_free(indices: Any) -> None:
+            free(indices)
+            idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+            if self.evicting:
+                backed = int(np.count_nonzero(self.has_host[idx]))
+                self.demoted += backed
+                self.deleted += len(idx) - backed
+            self.has_host[idx] = False
+
+        def counted_evict(num_tokens: int) -> int:
+            self.evicting += 1
+            try:
+                return evict(num_tokens)
+            finally:
+                self.evicting -= 1
+
+        def counted_write(device_indices: Any, host_indices: Any, node: int = -1) -> None:
+            write(device_indices, host_indices, node)
+            self.backup_nodes += 1
+
+        allocator.free = counted_free  # type: ignore[method-assign]
+        controller.write = counted_write  # type: ignore[method-assign]
+        cache.evict = counted_evict  # type: ignore[method-assign]
+
+    def on_copy(self, kind: str, device_indices: torch.Tensor) -> None:
+        self.has_host[device_indices.numpy()] = True
+
+
+def _host_pool(tokens: int, page_size: int) -> HostKVPool:
+    """A host pool of ``tokens`` slots; with 0, a one-page pool whose only page is
+    withdrawn (the cache needs a pool; this one never hands out a slot)."""
+    size = max(tokens, page_size)
+    pool = HostKVPool(
+        KV_SHAPE, size, page_size, KV_DTYPE, "page_first", pin_memory=False, reserve_bytes=_HOST_RESERVE_BYTES
+    )
+    if tokens < page_size:
+        pool.allocator = type(pool.allocator)(0, page_size, "cpu", reserve_first_page=False)
+        pool.size = 0
+    return pool
+
+
 class Replayer:
-    """Replays requests through one tree with a device pool and a host pool.
+    """Replays requests through one :class:`~hiradix.cache.HiRadixCache` (module docstring).
 
     Parameters
     ----------
@@ -260,16 +415,33 @@ class Replayer:
         The tree class (default :class:`hiradix.HiRadixTree`, the compiled core unless
         ``HIRADIX_PUREPYTHON=1``).
     page_size:
-        Tokens per page of the tree.
+        Tokens per page.
     device_tokens, host_tokens:
-        Slots of each tier (``None``: unbounded).
+        Slots of the device and host pools (``None``: unbounded, i.e. as many as the
+        workload's prompts hold when :meth:`replay` sees the whole workload first, else
+        2**24). Host ``0``: no host tier (and then no L3).
     eviction_policy, write_policy:
-        Passed to the tree (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
+        Passed to the cache (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
     check_every:
-        Every this many requests, run ``tree.check_invariants()`` and
-        :meth:`check_slots` (0: never; :meth:`replay` always checks slots at the end).
+        Every this many requests, run ``cache.check_invariants()`` (0: never;
+        :meth:`replay` always checks at the end).
+    l3_backend:
+        ``None`` (no L3), ``"memory"`` (:class:`~hiradix.storage.memory.MemoryStorage`),
+        ``"file"`` (:class:`~hiradix.storage.file.FileStorage` under ``l3_path``, a
+        temporary folder by default), another registered backend name, or a backend
+        instance (``l3_tokens`` is then ignored).
+    l3_tokens:
+        L3 capacity in tokens (``None``: unbounded); pages beyond it are evicted by the
+        backend (least recently used).
+    prefetch_policy, prefetch_threshold, prefetch_wait:
+        The L3 prefetch policy (:data:`hiradix.l3.PREFETCH_POLICIES`), the fewest tokens
+        worth prefetching, and whether to wait for a prefetch's I/O before checking its
+        progress (the deterministic default, module docstring).
+    load_back_threshold:
+        Host tails shorter than this are recomputed (the cache's default: 10).
 
-    Runtime complexity per request is ``O(prompt tokens)`` plus the tree's eviction costs.
+    Runtime per request: ``O(prompt tokens)`` in vectorized code plus the cache's
+    operations; no per-token Python.
     """
 
     def __init__(
@@ -282,128 +454,200 @@ class Replayer:
         eviction_policy: str = "lru",
         write_policy: str = "write_through",
         check_every: int = 0,
+        l3_backend: str | StorageBackend | None = None,
+        l3_tokens: int | None = None,
+        l3_path: str | None = None,
+        prefetch_policy: str = "best_effort",
+        prefetch_threshold: int = 256,
+        prefetch_wait: bool = True,
+        load_back_threshold: int = 10,
     ) -> None:
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0, got {check_every}")
-        tree_cls = tree_cls or hiradix.HiRadixTree
-        self.tree = tree_cls(page_size, eviction_policy=eviction_policy, write_policy=write_policy)
+        for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens), ("l3_tokens", l3_tokens)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if device_tokens is not None and device_tokens < page_size:
+            raise ValueError(f"device_tokens {device_tokens} holds no page of {page_size} tokens")
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
+        if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
+            from hiradix.storage.registry import backend_names
+
+            if l3_backend not in backend_names():
+                raise ValueError(
+                    f"l3_backend must be one of {L3_BACKENDS} (or a registered backend), got {l3_backend!r}"
+                )
+        self.tree_cls = tree_cls or hiradix.HiRadixTree
         self.page_size = page_size
-        self.device = SlotPool(device_tokens)
-        self.host = SlotPool(host_tokens)
+        self.device_tokens = device_tokens
+        self.host_tokens = host_tokens
+        self.eviction_policy = eviction_policy
+        self.write_policy = write_policy
         self.check_every = check_every
+        self.l3_backend = l3_backend
+        self.l3_tokens = l3_tokens
+        self.l3_path = l3_path
+        self.prefetch = PrefetchConfig(policy=prefetch_policy, threshold_tokens=prefetch_threshold)
+        self.prefetch_wait = prefetch_wait
+        self.load_back_threshold = load_back_threshold
         self.stats = ReplayStats()
         self._seen_blocks: set[int] = set()
+        self._cache: HiRadixCache | None = None
+        self._ledger: _EvictionLedger | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._rid = 0
 
-    # ------------------------------------------------------------------ tier policy
+    # ------------------------------------------------------------------ the cache
+    @property
+    def cache(self) -> HiRadixCache:
+        """The cache (built on first use; see ``device_tokens``)."""
+        if self._cache is None:
+            self._build(_DEFAULT_UNBOUNDED_TOKENS)
+        assert self._cache is not None
+        return self._cache
+
+    @property
+    def tree(self) -> Any:
+        """The cache's tree."""
+        return self.cache.tree
+
+    @property
+    def uses_l3(self) -> bool:
+        """Whether the replay has an L3 tier (a backend and a host tier to land in)."""
+        return self.l3_backend is not None and self.host_tokens != 0
+
+    def _build(self, unbounded: int) -> None:
+        ps = self.page_size
+        unbounded = max(unbounded, ps)
+        device = DeviceKVPool(KV_SHAPE, self.device_tokens or unbounded, ps, KV_DTYPE)
+        host = _host_pool(unbounded if self.host_tokens is None else self.host_tokens, ps)
+        ledger: _EvictionLedger | None = None
+        engines = [InlineCopyEngine(on_copy=lambda k, d: ledger.on_copy(k, d) if ledger else None) for _ in range(2)]
+        controller = HiCacheController(device, host, write_engine=engines[0], load_engine=engines[1])
+        controller._owned.extend(engines)  # closed with the controller
+        storage = None
+        if self.uses_l3:
+            storage = self._make_backend(host)
+        cache = HiRadixCache(
+            device,
+            host,
+            eviction_policy=self.eviction_policy,
+            write_policy=self.write_policy,
+            load_back_threshold=self.load_back_threshold,
+            controller=controller,
+            tree_cls=self.tree_cls,
+            enable_hash=storage is not None,
+            storage=storage,
+            prefetch=self.prefetch if storage is not None else None,
+        )
+        ledger = _EvictionLedger(cache)
+        self._cache, self._ledger = cache, ledger
+
+    def _make_backend(self, host: HostKVPool) -> StorageBackend:
+        if isinstance(self.l3_backend, StorageBackend):
+            return self.l3_backend
+        assert self.l3_backend is not None
+        extra: dict[str, Any] = {}
+        if self.l3_tokens is not None:
+            extra["capacity_bytes"] = max(1, self.l3_tokens // self.page_size) * host.page_bytes
+        if self.l3_backend == "file":
+            if self.l3_path is None:
+                self._tmpdir = tempfile.TemporaryDirectory(prefix="hiradix-sim-l3-")
+            extra["path"] = self.l3_path or self._tmpdir.name  # type: ignore[union-attr]
+        return create_backend(self.l3_backend, extra_config=extra)
+
+    def close(self) -> None:
+        """Stop the cache's threads and remove a temporary L3 folder. Idempotent."""
+        if self._cache is not None:
+            self._cache.close()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def __enter__(self) -> Replayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one request
     def serve(self, prompt: np.ndarray) -> Served:
-        """Serve one page-aligned prompt: match, load back, allocate, insert, back up.
+        """Serve one page-aligned prompt through the cache (module docstring, steps 1-5)."""
+        cache = self.cache
+        self._rid += 1
+        rid = self._rid
+        n = len(prompt)
+        m = cache.match_prefix(prompt)
+        device_hit, host_hit = len(m.device_indices), m.host_hit_length
+        cache.inc_lock_ref(m.last_device_node)
+        if n - device_hit > cache.available_device_size() + cache.evictable_size():
+            cache.dec_lock_ref(m.last_device_node)  # hopeless: leave the cache as it is
+            return Served(device_hit, 0, fitted=False)
+        outcome = ""
+        l3_hit = 0
+        if cache.l3 is not None and n - device_hit - host_hit >= max(self.prefetch.threshold_tokens, 1):
+            outcome, gained = self._prefetch(rid, prompt, m)
+            if gained:
+                m2 = cache.match_prefix(prompt)
+                l3_hit = len(m2.device_indices) + m2.host_hit_length - device_hit - host_hit
+                m = m2
+        loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+        cache.inc_lock_ref(node)
+        cache.dec_lock_ref(m.last_device_node)
+        served_host = min(len(loaded), m.host_hit_length - l3_hit)
+        served_l3 = len(loaded) - served_host
+        self.stats.load_back_tokens += len(loaded)
+        prefix = torch.cat((m.device_indices, loaded)) if len(loaded) else m.device_indices
+        rest = n - len(prefix)
+        new = cache.alloc_device(rest) if rest else prefix[:0]
+        # The forward pass: wait for this request's load, layer by layer.
+        counter = cache.cache_controller.layer_done_counter
+        counter.set_consumer(cache.ready_to_load_host_cache())
+        for layer in range(counter.layer_num):
+            counter.wait_until(layer)
+        if new is None:
+            cache.dec_lock_ref(node)
+            self._end_step()
+            return Served(device_hit, served_host, fitted=False, l3_hit=served_l3, prefetch=outcome)
+        req = Req(rid, prompt, torch.cat((prefix, new)), prefix, node)
+        cache.cache_finished_req(req)
+        self._end_step()
+        return Served(device_hit, served_host, fitted=True, l3_hit=served_l3, prefetch=outcome)
 
-        The matched device prefix stays locked until the end, so no eviction on the way
-        can take it; the host tail is pinned until it is loaded back.
-        """
-        tree = self.tree
-        match = tree.match_prefix(prompt)
-        device_hit, host_hit = len(match.device_indices), match.host_hit_length
-        tree.inc_lock_ref(match.last_device_node)
-        if host_hit:
-            # Under write_back, evicting the device backs nodes up, which may evict the
-            # host: keep the tail we are about to load from being chosen.
-            tree.inc_host_ref(match.last_node)
-        slots = self._alloc_device(len(prompt) - device_hit)
-        if host_hit:
-            if slots is not None:
-                self._load_back(match.last_node, slots[:host_hit])
-            tree.dec_host_ref(match.last_node)
-        if slots is None:
-            tree.dec_lock_ref(match.last_device_node)
-            return Served(device_hit, host_hit, fitted=False)
-        inserted = tree.insert(prompt, np.concatenate((match.device_indices, slots)))
-        # Tokens between our match and insert's prefix_len were cached meanwhile by
-        # someone else (never, when requests run one at a time): ours are duplicates.
-        matched = device_hit + host_hit
-        self.device.free(slots[host_hit : host_hit + inserted.prefix_len - matched])
-        self._back_up(inserted.backup_nodes)
-        tree.dec_lock_ref(match.last_device_node)
-        return Served(device_hit, host_hit, fitted=True)
+    def _prefetch(self, rid: int, prompt: np.ndarray, m: Any) -> tuple[str, int]:
+        """Prefetch the key after the match's mount point from L3; returns the outcome
+        (``""`` when L3 held too little to start) and the tokens it added to the tree."""
+        cache = self.cache
+        mount, mount_len = cache.prefetch_mount(m)
+        want = len(prompt) - mount_len
+        short = want - cache.host_pool.available_size()
+        if short > 0:  # room first, as SGLang's prefetch_from_storage; keep the mount
+            cache.tree.inc_host_ref(mount)
+            cache.evict_host(short)
+            cache.tree.dec_host_ref(mount)
+        if not cache.prefetch_from_storage(rid, mount, prompt[mount_len:]):
+            return "", 0
+        op = cache.ongoing_prefetch[rid].op
+        if self.prefetch_wait:
+            cache.wait_prefetch(rid)
+        while not cache.check_prefetch_progress(rid):
+            cache.wait_prefetch(rid, 0.001)
+        gained = cache.pop_prefetch_loaded_tokens(rid)
+        self.stats.prefetch_issued += 1
+        if op.revoked or op.hit_pages == 0:
+            return "", gained
+        if op.completed_pages >= op.hit_pages:
+            return "completed", gained
+        return ("failed" if op.io_done.is_set() and not op.terminated else "partial"), gained
 
-    def _load_back(self, node: int, slots: np.ndarray) -> None:
-        """Make the evicted chain ending at ``node`` device-resident in ``slots``."""
-        source = self.tree.evicted_host_indices(node)  # what a real copy would read
-        if len(source) != len(slots):
-            raise RuntimeError(f"load back of {len(source)} host tokens into {len(slots)} device slots")
-        self.tree.begin_load_back(node, slots)
-        self.device.mark(slots)  # the loaded KV also stays on the host
-        self.tree.finish_load_back(node)
-        self.stats.load_back_tokens += len(slots)
-
-    def _alloc_device(self, n: int) -> np.ndarray | None:
-        """``n`` device slots, evicting unlocked device KV as needed; ``None`` if the
-        device cannot hold them even then (nothing is taken, nothing is evicted)."""
-        if n > self.device.free_count + self.tree.evictable_size():
-            return None  # hopeless: keep the cache as it is
-        short = n - self.device.free_count
-        while short > 0:
-            freed = self._evict_device(short)
-            if not freed:
-                break
-            short -= freed
-        return self.device.alloc(n)
-
-    def _evict_device(self, n: int) -> int:
-        """Evict at least ``n`` device tokens if possible; returns the tokens freed."""
-        tree = self.tree
-        result = tree.evict(n)
-        freed = len(result.device_indices)
-        self._free_device(result.device_indices)
-        if result.write_back_nodes:
-            backed = self._back_up(result.backup_nodes)
-            for node in result.write_back_nodes:
-                if node in backed:
-                    slots = tree.demote(node)
-                    freed += len(slots)
-                    self._free_device(slots)
-                else:
-                    self.stats.write_back_failed_tokens += len(tree.key(node))
-        return freed
-
-    def _free_device(self, slots: np.ndarray) -> None:
-        """Free device slots, counting them as demoted (a host copy exists) or deleted."""
-        demoted = self.device.free(slots)
-        self.stats.device_demoted_tokens += demoted
-        self.stats.device_deleted_tokens += len(slots) - demoted
-
-    def _back_up(self, nodes: Iterable[int]) -> set[int]:
-        """Back up ``nodes`` (parents first), evicting the host as needed; returns the
-        nodes backed up. A node that finds no host room is skipped, and so is every
-        later node below it, since a backup may not leave a gap above itself."""
-        tree = self.tree
-        done: set[int] = set()
-        skipped: set[int] = set()
-        for node in nodes:
-            size = len(tree.key(node))
-            slots = None if tree.parent(node) in skipped else self._alloc_host(size)
-            if slots is None:
-                skipped.add(node)
-                self.stats.backup_skipped_tokens += size
-                continue
-            self.device.mark(tree.begin_backup(node, slots))
-            if tree.commit_backup(node, True):
-                done.add(node)
-                self.stats.backup_nodes += 1
-                self.stats.backup_tokens += size
-            else:  # its parent's backup failed (not with synchronous copies, but cheap to honour)
-                self.host.free(slots)
-                skipped.add(node)
-        return done
-
-    def _alloc_host(self, n: int) -> np.ndarray | None:
-        """``n`` host slots, evicting host-only KV as needed; ``None`` if there is no room."""
-        short = n - self.host.free_count
-        if short > 0:
-            result = self.tree.evict_host(short)
-            self.host.free(result.host_indices)
-            self.stats.host_evicted_tokens += result.num_evicted
-        return self.host.alloc(n)
+    def _end_step(self) -> None:
+        cache = self.cache
+        cache.check_hicache_events()
+        if cache.l3 is not None and cache.ongoing_backup and self.prefetch_wait:
+            for op in cache.ongoing_backup:  # L3 writes land before the next request
+                op.done.wait()
+            cache.check_backup_progress()
 
     # ------------------------------------------------------------------ replay loop
     def replay(
@@ -413,9 +657,28 @@ class Replayer:
 
         ``observer``, when given, is called with a :class:`RequestRecord` after each
         request (the per-request input of :mod:`hiradix.sim.timing` and
-        :mod:`hiradix.sim.report`). Ends with :meth:`check_slots`. Can be called again to
-        continue the replay.
+        :mod:`hiradix.sim.report`). With an unbounded device or host tier, the requests
+        are read in full first to size its pool. Ends with :meth:`check_slots`. Can be
+        called again to continue the replay.
         """
+        if self._cache is None:
+            if self.device_tokens is None or self.host_tokens is None:
+                requests = list(requests)
+                ps = self.page_size
+                self._build(sum(r.input_length // ps * ps for r in requests) + ps)
+            else:
+                self._build(_DEFAULT_UNBOUNDED_TOKENS)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small index ops: intra-op threads only add sync (10x on 2 cores)
+        try:
+            self._replay(requests, observer)
+        finally:
+            torch.set_num_threads(threads)
+        self._sync_stats()
+        self.check_slots()
+        return self.stats
+
+    def _replay(self, requests: Iterable[TraceRequest], observer: Callable[[RequestRecord], None] | None) -> None:
         stats = self.stats
         for request in requests:
             tokens = request.tokens()
@@ -441,12 +704,24 @@ class Replayer:
             if served.prefetch:
                 setattr(stats, f"prefetch_{served.prefetch}", getattr(stats, f"prefetch_{served.prefetch}") + 1)
             if observer is not None:
+                self._sync_stats()
                 observer(RequestRecord(request, n, ideal, served, **self.occupancy()))
             if self.check_every and stats.requests % self.check_every == 0:
-                self.tree.check_invariants()
                 self.check_slots()
-        self.check_slots()
-        return stats
+
+    def _sync_stats(self) -> None:
+        """Copy the cache's own counters into :attr:`stats`."""
+        cache, ledger, stats = self.cache, self._ledger, self.stats
+        assert ledger is not None
+        cs = cache.stats
+        stats.device_demoted_tokens = ledger.demoted
+        stats.device_deleted_tokens = ledger.deleted
+        stats.host_evicted_tokens = cs["host_evicted_tokens"]
+        stats.backup_tokens = cs["backup_done_tokens"]
+        stats.backup_nodes = ledger.backup_nodes
+        stats.backup_skipped_tokens = cs["host_alloc_failed_tokens"] + cs["backup_failed_tokens"]
+        stats.write_back_failed_tokens = cs["write_back_dropped_tokens"]
+        stats.l3_write_tokens = cs["storage_backup_tokens"]
 
     def _ideal_hit(self, hash_ids: tuple[int, ...], prompt: int) -> int:
         """Prompt tokens an infinite cache would hit: the blocks up to the first one never
@@ -460,39 +735,39 @@ class Replayer:
         return min(seen * BLOCK_TOKENS, prompt) // self.page_size * self.page_size
 
     def occupancy(self) -> dict[str, int]:
-        """Tokens held by each tier now: ``device_used``, ``host_used``, ``l3_used``
-        (always 0 here: this replayer has no L3). ``O(1)``."""
-        return {"device_used": self.device.used, "host_used": self.host.used, "l3_used": 0}
+        """Tokens held by each tier now: ``device_used``, ``host_used`` (slots in use,
+        in-flight prefetches included) and ``l3_used`` (pages stored, in tokens). ``O(1)``."""
+        cache = self.cache
+        l3_used = 0
+        if cache.l3 is not None:
+            l3_used = cache.l3.backend.get_stats().pages * self.page_size
+        return {
+            "device_used": cache.device_allocator.size - cache.available_device_size(),
+            "host_used": cache.host_pool.size - cache.host_pool.available_size(),
+            "l3_used": l3_used,
+        }
 
     # ------------------------------------------------------------------ checks
     def check_slots(self) -> None:
-        """Assert index conservation: every slot of each pool is free or owned by exactly
-        one node, and the pools agree with the tree's sizes. ``O(nodes + slots)``."""
-        tree = self.tree
-        device: list[np.ndarray] = []
-        host: list[np.ndarray] = []
-        stack = list(tree.children(tree.root))
-        while stack:
-            node = stack.pop()
-            stack.extend(tree.children(node))
-            for owned, slots in ((device, tree.value(node)), (host, tree.host_value(node))):
-                if slots is not None:
-                    owned.append(slots)
-        self.device.check_ownership(device, "device")
-        self.host.check_ownership(host, "host")
-        if (self.device.used, self.host.used) != (tree.device_size(), tree.host_size()):
-            raise AssertionError(
-                f"pools hold (device, host) = {(self.device.used, self.host.used)} slots, "
-                f"the tree {(tree.device_size(), tree.host_size())} tokens"
-            )
+        """The cache's :meth:`~hiradix.cache.HiRadixCache.check_invariants`: the tree's
+        invariants and slot conservation in both pools (between requests no slot is held
+        outside the tree). ``O(nodes + slots)``."""
+        self.cache.check_invariants()
 
     def config(self) -> dict[str, Any]:
         """The settings of this replay, for reports."""
+        tree = self.tree
         return {
             "page_size": self.page_size,
-            "device_tokens": self.device.capacity,
-            "host_tokens": self.host.capacity,
-            "eviction_policy": self.tree.policy.name,
-            "write_policy": self.tree.write_policy,
-            "tree": f"{type(self.tree).__module__}.{type(self.tree).__qualname__}",
+            "device_tokens": self.device_tokens,
+            "host_tokens": self.host_tokens,
+            "eviction_policy": self.eviction_policy,
+            "write_policy": self.write_policy,
+            "l3_backend": None if not self.uses_l3 else getattr(self.l3_backend, "name", self.l3_backend),
+            "l3_tokens": self.l3_tokens if self.uses_l3 else 0,
+            "prefetch_policy": self.prefetch.policy if self.uses_l3 else None,
+            "prefetch_wait": self.prefetch_wait,
+            "load_back_threshold": self.load_back_threshold,
+            "tree": f"{type(tree).__module__}.{type(tree).__qualname__}",
+            "cache": f"{HiRadixCache.__module__}.{HiRadixCache.__qualname__}",
         }
