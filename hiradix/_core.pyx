@@ -192,13 +192,25 @@ def _test_set_portable_sha256(bint on):
 
 
 # ----------------------------------------------------------------------------- results
+# The records are cdef classes with freelists (constructing a dataclass from C costs more
+# than a whole match). Freelists only work on base types, so they share these two helpers
+# rather than a base class.
+cdef _refuse_init(obj):
+    raise TypeError(f"{type(obj).__name__} is only made by HiRadixTree")
+
+
+cdef str _record_repr(obj, tuple fields):
+    parts = []
+    for name in fields:
+        value = getattr(obj, name)
+        parts.append(f"{name}=<{len(value)} indices>" if name.endswith("_indices") else f"{name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
 @cython.final
 @cython.freelist(16)
 cdef class MatchResult:
     """See :class:`hiradix._results.MatchResult`."""
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
 
     cdef readonly object device_indices
     cdef readonly int64_t last_device_node
@@ -206,10 +218,12 @@ cdef class MatchResult:
     cdef readonly int64_t host_hit_length
     cdef readonly int64_t last_node
 
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
     def __repr__(self):
-        return (f"MatchResult(device_indices=<{len(self.device_indices)} indices>, "
-                f"last_device_node={self.last_device_node}, last_host_node={self.last_host_node}, "
-                f"host_hit_length={self.host_hit_length}, last_node={self.last_node})")
+        return _record_repr(
+            self, ("device_indices", "last_device_node", "last_host_node", "host_hit_length", "last_node"))
 
 
 @cython.final
@@ -217,16 +231,15 @@ cdef class MatchResult:
 cdef class InsertResult:
     """See :class:`hiradix._results.InsertResult`."""
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
-
     cdef readonly int64_t prefix_len
     cdef readonly int64_t last_node
     cdef readonly tuple backup_nodes
 
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
     def __repr__(self):
-        return (f"InsertResult(prefix_len={self.prefix_len}, last_node={self.last_node}, "
-                f"backup_nodes={self.backup_nodes})")
+        return _record_repr(self, ("prefix_len", "last_node", "backup_nodes"))
 
 
 @cython.final
@@ -234,16 +247,15 @@ cdef class InsertResult:
 cdef class InsertHostResult:
     """See :class:`hiradix._results.InsertHostResult`."""
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
-
     cdef readonly int64_t matched_length
     cdef readonly int64_t inserted_length
     cdef readonly int64_t last_node
 
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
     def __repr__(self):
-        return (f"InsertHostResult(matched_length={self.matched_length}, "
-                f"inserted_length={self.inserted_length}, last_node={self.last_node})")
+        return _record_repr(self, ("matched_length", "inserted_length", "last_node"))
 
 
 @cython.final
@@ -251,18 +263,16 @@ cdef class InsertHostResult:
 cdef class EvictResult:
     """See :class:`hiradix._results.EvictResult`."""
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
-
     cdef readonly int64_t num_evicted
     cdef readonly object device_indices
     cdef readonly tuple write_back_nodes
     cdef readonly tuple backup_nodes
 
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
     def __repr__(self):
-        return (f"EvictResult(num_evicted={self.num_evicted}, "
-                f"device_indices=<{len(self.device_indices)} indices>, "
-                f"write_back_nodes={self.write_back_nodes}, backup_nodes={self.backup_nodes})")
+        return _record_repr(self, ("num_evicted", "device_indices", "write_back_nodes", "backup_nodes"))
 
 
 @cython.final
@@ -270,15 +280,14 @@ cdef class EvictResult:
 cdef class EvictHostResult:
     """See :class:`hiradix._results.EvictHostResult`."""
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is only made by HiRadixTree")
-
     cdef readonly int64_t num_evicted
     cdef readonly object host_indices
 
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
     def __repr__(self):
-        return (f"EvictHostResult(num_evicted={self.num_evicted}, "
-                f"host_indices=<{len(self.host_indices)} indices>)")
+        return _record_repr(self, ("num_evicted", "host_indices"))
 
 
 cdef inline int64_t _handle(Node* n, node_t i) noexcept nogil:
