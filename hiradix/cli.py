@@ -1,8 +1,9 @@
 """The ``hiradix`` command line.
 
 ``hiradix sim`` replays a workload (by default the Mooncake conversation trace) through
-the tiered radix tree, prints hit rates per tier against the infinite-capacity ideal
-(see :mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
+the three-tier :class:`~hiradix.cache.HiRadixCache` (L3: in-memory storage by default),
+prints hit rates per tier against the infinite-capacity ideal (see
+:mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
 :mod:`hiradix.sim.timing`), and optionally writes JSON, PNG plots and an HTML report.
 ``hiradix sweep`` (also spelled ``hiradix sim sweep``) replays one workload over a grid
 of capacities and policies on every core. Run ``hiradix sim --help``.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hiradix
+from hiradix.l3 import PREFETCH_POLICIES
 from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
@@ -148,6 +150,67 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--skip-bad-lines", action="store_true", help="skip and count malformed trace lines instead of stopping"
     )
+
+
+DEFAULT_L3_TOKENS = 32_000_000
+
+
+def _add_l3_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("L3 storage tier (see hiradix.sim.replay)")
+    group.add_argument(
+        "--l3-backend",
+        choices=["memory", "file", "none"],
+        default="memory",
+        metavar="NAME",
+        help="L3 backend: memory (in-process pages, LRU), file (segment files under --l3-path), none (default: memory)",
+    )
+    group.add_argument(
+        "--l3-tokens",
+        metavar="SIZE",
+        type=parse_tokens,
+        default=DEFAULT_L3_TOKENS,
+        help="L3 capacity in tokens, 'inf' for unbounded (default: 32M)",
+    )
+    group.add_argument(
+        "--l3-path", metavar="DIR", help="folder of the file backend (default: a temporary folder, removed after)"
+    )
+    group.add_argument(
+        "--prefetch-policy",
+        choices=list(PREFETCH_POLICIES),
+        default="best_effort",
+        metavar="NAME",
+        help=f"when a request stops waiting for its L3 prefetch: {', '.join(PREFETCH_POLICIES)} (default: best_effort)",
+    )
+    group.add_argument(
+        "--prefetch-threshold",
+        metavar="TOKENS",
+        type=_count("prefetch threshold", 0),
+        default=256,
+        help="fewest missed tokens worth an L3 prefetch (default: 256)",
+    )
+    group.add_argument(
+        "--no-prefetch-wait",
+        action="store_true",
+        help=(
+            "do not let prefetches and L3 writes finish between requests: the policy then ends a "
+            "prefetch with whatever landed so far, and results depend on thread timing"
+        ),
+    )
+
+
+def _l3_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The replayer keywords of the L3 options."""
+    backend = None if args.l3_backend == "none" else args.l3_backend
+    if args.l3_path is not None and backend != "file":
+        raise _UsageError("--l3-path is for --l3-backend file")
+    return {
+        "l3_backend": backend,
+        "l3_tokens": args.l3_tokens,
+        "l3_path": args.l3_path,
+        "prefetch_policy": args.prefetch_policy,
+        "prefetch_threshold": args.prefetch_threshold,
+        "prefetch_wait": not args.no_prefetch_wait,
+    }
 
 
 def _add_timing_options(parser: argparse.ArgumentParser) -> None:
@@ -282,19 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim = commands.add_parser(
         "sim",
-        help="replay a workload through the tiered tree: hit rates per tier, estimated TTFT, plots",
+        help="replay a workload through the three-tier cache: hit rates per tier, estimated TTFT, plots",
         description=(
-            "Replay a workload (by default the Mooncake conversation trace) through the tiered "
-            "radix tree (device = GPU tier, host = CPU-memory tier) and report how many prompt "
-            "tokens each tier served against what an infinite cache would serve, with the TTFT "
-            "and traffic a timing model estimates from them. KV slots are simulated: no KV data "
-            "is stored, so full traces need little memory. See also: hiradix sim sweep --help."
+            "Replay a workload (by default the Mooncake conversation trace) through HiRadixCache "
+            "(device = GPU tier, host = CPU-memory tier, L3 = storage tier) and report how many "
+            "prompt tokens each tier served against what an infinite cache would serve, with the "
+            "TTFT and traffic a timing model estimates from them. Every request goes through the "
+            "real cache, with KV pools of 2 bytes per token, so full traces need little memory. "
+            "See also: hiradix sim sweep --help."
         ),
         epilog=_EPILOG + "Examples: hiradix sim --limit 2000 --device-tokens 500k --json out.json; "
         "hiradix sim --workload chat --model llama-3-70b --tp 4 --html report.html",
     )
     _add_workload_options(sim)
     _add_cache_options(sim, sweep=False)
+    _add_l3_options(sim)
     _add_timing_options(sim)
     out = sim.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", type=Path, help="also write the configuration and results as JSON")
@@ -326,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_workload_options(sweep)
     _add_cache_options(sweep, sweep=True)
+    _add_l3_options(sweep)
     _add_timing_options(sweep)
     out = sweep.add_argument_group("output")
     out.add_argument("--jobs", metavar="N", type=_count("job count", 1), help="worker processes (default: CPU count)")
@@ -413,6 +479,7 @@ def run_sim(args: argparse.Namespace) -> int:
             eviction_policy=args.eviction_policy,
             write_policy=args.write_policy,
             check_every=args.check_invariants_every,
+            **_l3_options(args),
         )
     except _UsageError as exc:
         return _fail("sim", str(exc))
@@ -456,6 +523,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             timing=timing,
             jobs=args.jobs,
             progress=False if args.no_progress else None,
+            replayer_options=_l3_options(args),
         )
     except _UsageError as exc:
         return _fail("sweep", str(exc))

@@ -105,7 +105,8 @@ def to_json(result: SimResult) -> dict[str, Any]:
 def _prefetch(result: SimResult) -> dict[str, Any]:
     s = result.stats
     counts = {"completed": s.prefetch_completed, "partial": s.prefetch_partial, "failed": s.prefetch_failed}
-    return {"applicable": bool(sum(counts.values()) or s.l3_hit_tokens), **counts}
+    applicable = bool(result.config.get("l3_backend")) or bool(sum(counts.values()) or s.l3_hit_tokens)
+    return {"applicable": applicable, **counts}
 
 
 def summary(result: SimResult) -> str:
@@ -132,6 +133,12 @@ def summary(result: SimResult) -> str:
         + f", {result.implementation} tree",
         f"  page {cfg['page_size']} tokens, device {format_tokens(cfg['device_tokens'])} tokens, "
         f"host {format_tokens(cfg['host_tokens'])} tokens, {cfg['eviction_policy']}, {cfg['write_policy']}",
+        (
+            f"  L3 {cfg['l3_backend']} {format_tokens(cfg.get('l3_tokens'))} tokens, "
+            f"prefetch {cfg.get('prefetch_policy')}{'' if cfg.get('prefetch_wait', True) else ' (no wait)'}"
+            if cfg.get("l3_backend")
+            else "  no L3 tier"
+        ),
         "",
         f"  {'':<18}{'tokens':>15}{'rate':>9}{'blocks':>11}{'rate':>9}",
         row("device hit", stats.device_hit_tokens, pct(rates["device_token_hit_rate"]),

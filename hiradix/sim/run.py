@@ -2,8 +2,8 @@
 
 :func:`simulate` is the single place that builds the replayer and feeds it a workload;
 the CLI, the sweeps and the example all go through it. Swapping the replayer's internals
-(for one that goes through ``HiRadixCache`` with an L3 tier) changes nothing here as
-long as it keeps :class:`~hiradix.sim.replay.Replayer`'s ``replay(requests, observer)``,
+(it goes through ``HiRadixCache``, with an optional L3 tier) changed nothing here: it
+keeps :class:`~hiradix.sim.replay.Replayer`'s ``replay(requests, observer)``,
 ``config()`` and ``occupancy()``.
 """
 
@@ -102,8 +102,10 @@ def simulate(
 
     ``replayer_options`` go to :class:`~hiradix.sim.replay.Replayer` (``page_size``,
     ``device_tokens``, ``host_tokens``, ``eviction_policy``, ``write_policy``,
-    ``check_every``). ``progress``: ``True`` shows a progress bar on stderr, ``None``
-    shows it only when stderr is a terminal, ``False`` never. Errors of the workload
+    ``check_every``, ``l3_backend``, ``l3_tokens``, ``l3_path``, ``prefetch_policy``, ...);
+    the replayer's cache is closed (its threads stopped) before this returns.
+    ``progress``: ``True`` shows a progress bar on stderr, ``None`` shows it only when
+    stderr is a terminal, ``False`` never. Errors of the workload
     (:class:`~hiradix.sim.trace.TraceError`, ``OSError``) propagate.
     Runtime complexity: the replay's, plus ``O(requests)``.
     """
@@ -115,14 +117,17 @@ def simulate(
         source = workload.trace()  # keep the reader to read its bad-line count
     start = time.perf_counter()
     total = workload.count() if progress is not False else None
-    with tqdm(
-        source,
-        total=total,
-        unit="req",
-        file=sys.stderr,
-        disable=True if progress is False else (None if progress is None else False),
-        dynamic_ncols=True,
-    ) as requests:
+    with (
+        tqdm(
+            source,
+            total=total,
+            unit="req",
+            file=sys.stderr,
+            disable=True if progress is False else (None if progress is None else False),
+            dynamic_ncols=True,
+        ) as requests,
+        replayer,
+    ):
         stats = replayer.replay(requests, timeline)
     wall = time.perf_counter() - start
     columns = timeline.arrays()

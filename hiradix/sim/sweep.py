@@ -57,6 +57,8 @@ class SweepRow:
     device_to_host_bytes: float
     too_large_requests: int
     wall_s: float
+    l3_write_tokens: int = 0
+    prefetches: int = 0  # prefetches that found pages in L3
 
     def to_dict(self) -> dict[str, Any]:
         """Flat JSON-ready record (the cell's fields first)."""
@@ -79,12 +81,21 @@ def grid(
     return [SweepCell(*combo) for combo in combos]
 
 
-def run_cell(workload: Workload, cell: SweepCell, page_size: int, timing: TimingModel) -> SweepRow:
-    """Replay ``workload`` with ``cell``'s settings (a module-level function, so that
-    spawned workers can import it)."""
+def run_cell(
+    workload: Workload,
+    cell: SweepCell,
+    page_size: int,
+    timing: TimingModel,
+    replayer_options: dict[str, Any] | None = None,
+) -> SweepRow:
+    """Replay ``workload`` with ``cell``'s settings through the same path as ``hiradix
+    sim`` (:func:`~hiradix.sim.run.simulate`, i.e. a real ``HiRadixCache``);
+    ``replayer_options`` (the L3 tier, prefetch policy ...) apply to every cell. A
+    module-level function, so that spawned workers can import it."""
     result = simulate(
         workload,
         timing=timing,
+        **(replayer_options or {}),
         page_size=page_size,
         device_tokens=cell.device_tokens,
         host_tokens=cell.host_tokens,
@@ -111,6 +122,8 @@ def run_cell(workload: Workload, cell: SweepCell, page_size: int, timing: Timing
         device_to_host_bytes=moved["device_to_host"],
         too_large_requests=stats.too_large_requests,
         wall_s=result.wall_s,
+        l3_write_tokens=stats.l3_write_tokens,
+        prefetches=stats.prefetch_completed + stats.prefetch_partial + stats.prefetch_failed,
     )
 
 
@@ -122,8 +135,12 @@ def run_sweep(
     timing: TimingModel | None = None,
     jobs: int | None = None,
     progress: bool | None = False,
+    replayer_options: dict[str, Any] | None = None,
 ) -> list[SweepRow]:
     """Run every cell; returns the rows in the order of ``cells``.
+
+    ``replayer_options`` go to every cell's replayer (e.g. ``l3_backend="memory",
+    l3_tokens=32_000_000``; default: no L3 tier).
 
     ``jobs`` worker processes (default: one per CPU, at most one per cell); ``jobs=1``
     runs in this process. ``progress`` as in :func:`~hiradix.sim.run.simulate`, one
@@ -144,11 +161,14 @@ def run_sweep(
     with bar:
         if jobs == 1:
             for i, cell in enumerate(cells):
-                rows[i] = run_cell(workload, cell, page_size, timing)
+                rows[i] = run_cell(workload, cell, page_size, timing, replayer_options)
                 bar.update()
         else:
             with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {pool.submit(run_cell, workload, cell, page_size, timing): i for i, cell in enumerate(cells)}
+                futures = {
+                    pool.submit(run_cell, workload, cell, page_size, timing, replayer_options): i
+                    for i, cell in enumerate(cells)
+                }
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
                     bar.update()
@@ -158,7 +178,7 @@ def run_sweep(
 def sweep_table(rows: Sequence[SweepRow]) -> str:
     """The rows as a fixed-width text table (hit rates in % of prompt tokens)."""
     header = (
-        f"{'device':>8}{'host':>8}  {'eviction':<9}{'write':<24}{'device':>8}{'host':>8}{'total':>8}"
+        f"{'device':>8}{'host':>8}  {'eviction':<9}{'write':<24}{'device':>8}{'host':>8}{'L3':>8}{'total':>8}"
         f"{'ideal':>8}{'/ideal':>8}{'TTFT p50':>11}{'TTFT p90':>11}{'H2D':>10}"
     )
     lines = [header]
@@ -168,6 +188,7 @@ def sweep_table(rows: Sequence[SweepRow]) -> str:
         lines.append(
             f"{format_tokens(c.device_tokens):>8}{format_tokens(c.host_tokens):>8}  {c.eviction_policy:<9}"
             f"{c.write_policy:<24}{100 * r.device_hit_rate:>7.2f}%{100 * r.host_hit_rate:>7.2f}%"
+            f"{100 * r.l3_hit_rate:>7.2f}%"
             f"{100 * r.hit_rate:>7.2f}%{100 * r.ideal_hit_rate:>7.2f}%{of_ideal:>8}"
             f"{r.ttft_p50_s * 1000:>8.1f} ms{r.ttft_p90_s * 1000:>8.1f} ms{r.host_to_device_bytes / 1e9:>7.1f} GB"
         )
