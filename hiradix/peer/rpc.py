@@ -34,8 +34,9 @@ from typing import Any
 
 import msgpack
 
-from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
+from hiradix.transport.auth import AuthError, client_handshake, load_token
 from hiradix.transport.base import ChannelPool, parse_peer
+from hiradix.transport.listener import AuthListener
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -244,15 +245,19 @@ class RpcServer:
         self.frame_timeout = frame_timeout
         self.idle_timeout = idle_timeout
         self._methods: dict[str, Callable[..., Any]] = {}
-        self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._listener = socket.create_server((host, port), backlog=128)
-        self._listener.settimeout(0.25)  # the accept loop re-checks the close flag this often
-        h, p = self._listener.getsockname()[:2]
-        self.address = f"{h}:{p}"
-        self._thread = threading.Thread(target=self._accept_loop, name=f"rpc-accept-{p}", daemon=True)
-        self._thread.start()
+        self._listener = AuthListener(
+            self._serve,
+            self._token,
+            _AUTH_CONTEXT,
+            host=host,
+            port=port,
+            max_connections=max_connections,
+            handshake_timeout=handshake_timeout,
+            name="rpc",
+        )
+        self._closed = self._listener.closed
+        self.address = self._listener.address
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         """Serve ``fn`` as ``name``; its arguments and result must be msgpack data."""
@@ -263,52 +268,29 @@ class RpcServer:
         with self._lock:
             self._methods[name] = fn
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            with self._lock:
-                if len(self._conns) >= self.max_connections or self._closed.is_set():
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="rpc-conn", daemon=True).start()
-
     def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server_handshake(conn, self._token, _AUTH_CONTEXT, self.handshake_timeout)
-            while not self._closed.is_set():
-                conn.settimeout(self.idle_timeout)
-                head = _recv_exact(conn, _LEN.size)
-                if head is None:
-                    return
-                (n,) = _LEN.unpack(head)
-                if n > self.max_frame:
-                    # The stream is no longer trustworthy: say why, then hang up.
-                    self._reply(conn, None, ("frame_too_large", f"{n} > {self.max_frame}"), None)
-                    return
-                conn.settimeout(self.frame_timeout)
-                body = _recv_exact(conn, n) if n else b""
-                if body is None:
-                    return
-                try:
-                    req = decode_request(body)
-                except FrameError as e:
-                    self._reply(conn, None, ("malformed", str(e)), None)
-                    continue
-                error, result = self._dispatch(req)
-                self._reply(conn, req.req_id, error, result)
-        except (OSError, AuthError):
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+        """One authenticated connection: frames in, replies out, until it closes."""
+        while not self._closed.is_set():
+            conn.settimeout(self.idle_timeout)
+            head = _recv_exact(conn, _LEN.size)
+            if head is None:
+                return
+            (n,) = _LEN.unpack(head)
+            if n > self.max_frame:
+                # The stream is no longer trustworthy: say why, then hang up.
+                self._reply(conn, None, ("frame_too_large", f"{n} > {self.max_frame}"), None)
+                return
+            conn.settimeout(self.frame_timeout)
+            body = _recv_exact(conn, n) if n else b""
+            if body is None:
+                return
+            try:
+                req = decode_request(body)
+            except FrameError as e:
+                self._reply(conn, None, ("malformed", str(e)), None)
+                continue
+            error, result = self._dispatch(req)
+            self._reply(conn, req.req_id, error, result)
 
     def _dispatch(self, req: Request) -> tuple[tuple[str, str] | None, Any]:
         with self._lock:
@@ -337,17 +319,7 @@ class RpcServer:
 
     def close(self) -> None:
         """Stop accepting and close every connection. Idempotent."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=2.0)
+        self._listener.close()
 
     def __enter__(self) -> RpcServer:
         return self

@@ -34,7 +34,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
+from hiradix.transport.auth import AuthError, client_handshake, load_token
 from hiradix.transport.base import (
     MAX_ITEM_BYTES,
     Capabilities,
@@ -45,6 +45,7 @@ from hiradix.transport.base import (
     _BatchPlan,
     parse_peer,
 )
+from hiradix.transport.listener import AuthListener
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
 
@@ -201,65 +202,47 @@ class TcpTransport(Transport):
         self._pool: ChannelPool[_Channel] = ChannelPool(self._connect, self._close_channel, max_channels_per_peer)
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        self._closed = threading.Event()
-        self._listener = socket.create_server((host, port), backlog=128)
-        self._listener.settimeout(0.25)  # the accept loop re-checks the close flag this often
-        lhost, lport = self._listener.getsockname()[:2]
-        self._address = f"{lhost}:{lport}"
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{lport}", daemon=True)
-        self._acceptor.start()
+        self._listener = AuthListener(
+            self._serve,
+            self._token,
+            _AUTH_CONTEXT,
+            host=host,
+            port=port,
+            max_connections=max_connections,
+            handshake_timeout=handshake_timeout,
+            name="tcp",
+            quiet=(InjectedFault,),
+        )
+        self._closed = self._listener.closed
+        self._address = self._listener.address
 
     @property
     def address(self) -> str:
         return self._address
 
     # -- responder ------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            with self._conns_lock:
-                if len(self._conns) >= self.max_connections or self._closed.is_set():
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-responder", daemon=True).start()
-
     def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server_handshake(conn, self._token, _AUTH_CONTEXT, self.handshake_timeout)
-            conn.settimeout(None)
-            # Idle channels may wait long for the next frame; a reader that stops draining
-            # may hold a region in flight (and a deregister) only for send_timeout.
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout))
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.send_timeout))
-            hdr = bytearray(_REQ.size)
-            hview = memoryview(hdr)
-            body = bytearray(MAX_ITEMS * _ITEM.size)
-            bview = memoryview(body)
-            while not self._closed.is_set():
-                if not _recv_exact(conn, hview):
-                    return
-                magic, op, count, seq, _ = _REQ.unpack(hdr)
-                if magic != MAGIC or op != OP_READ or not 0 < count <= MAX_ITEMS:
-                    return  # the stream cannot be trusted any more
-                n = count * _ITEM.size
-                if not _recv_exact(conn, bview[:n]):
-                    return
-                self._serve_frame(conn, count, seq, bview[:n])
-        except (OSError, AuthError, InjectedFault):
-            pass  # the reader sees the connection close and reports CHANNEL_ERROR
-        finally:
-            with self._conns_lock:
-                self._conns.discard(conn)
-            conn.close()
+        """One authenticated reader connection: READ frames in, payloads out. Any error
+        closes it; the reader reports CHANNEL_ERROR."""
+        conn.settimeout(None)
+        # Idle channels may wait long for the next frame; a reader that stops draining
+        # may hold a region in flight (and a deregister) only for send_timeout.
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.send_timeout))
+        hdr = bytearray(_REQ.size)
+        hview = memoryview(hdr)
+        body = bytearray(MAX_ITEMS * _ITEM.size)
+        bview = memoryview(body)
+        while not self._closed.is_set():
+            if not _recv_exact(conn, hview):
+                return
+            magic, op, count, seq, _ = _REQ.unpack(hdr)
+            if magic != MAGIC or op != OP_READ or not 0 < count <= MAX_ITEMS:
+                return  # the stream cannot be trusted any more
+            n = count * _ITEM.size
+            if not _recv_exact(conn, bview[:n]):
+                return
+            self._serve_frame(conn, count, seq, bview[:n])
 
     def _serve_frame(self, conn: socket.socket, count: int, seq: int, body: memoryview) -> None:
         got = self.regions.acquire_remote((a, n, k) for a, n, k, _ in _ITEM.iter_unpack(body))
@@ -432,16 +415,8 @@ class TcpTransport(Transport):
     def close(self) -> None:
         if self._closed.is_set():
             return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        with self._conns_lock:
-            conns = list(self._conns)
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
         self._pool.close()
-        self._acceptor.join(timeout=2.0)
         with self._exec_lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
