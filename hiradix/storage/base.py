@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -371,12 +371,19 @@ class StorageBackend(ABC):
         """Fill each of ``outs`` with its key's page (see :meth:`_get_into`). The default
         calls ``_get_into`` key by key, so that one failing key is one miss; backends
         override it to batch their I/O."""
+        return self._per_key("get", self._get_into, keys, outs)
+
+    def _per_key(
+        self, op: str, fn: Callable[[str, memoryview], Any], keys: list[str], bufs: list[memoryview]
+    ) -> list[bool]:
+        """``fn(key, buf)`` key by key: a key whose call raises is one miss or ``False``
+        (counted and logged), never the whole batch's."""
         results = []
-        for key, out in zip(keys, outs, strict=True):
+        for key, buf in zip(keys, bufs, strict=True):
             try:
-                ok = bool(self._get_into(key, out))
-            except Exception as exc:  # any backend failure is a miss (module docstring)
-                self._failed("get", key, exc)
+                ok = bool(fn(key, buf))
+            except Exception as exc:  # any backend failure is a miss / False (module docstring)
+                self._failed(op, key, exc)
                 ok = False
             results.append(ok)
         return results
@@ -410,15 +417,7 @@ class StorageBackend(ABC):
         """Store each of ``views`` under its key (see :meth:`_put`). The default calls
         ``_put`` key by key, so that one failing key is one ``False``; backends override
         it to batch their I/O."""
-        results = []
-        for key, view in zip(keys, views, strict=True):
-            try:
-                ok = bool(self._put(key, view))
-            except Exception as exc:  # any backend failure is a False (module docstring)
-                self._failed("set", key, exc)
-                ok = False
-            results.append(ok)
-        return results
+        return self._per_key("set", self._put, keys, views)
 
     def _put_many_safe(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         if not keys:
