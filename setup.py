@@ -14,6 +14,7 @@ from setuptools import Extension, setup
 EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix._core", ["hiradix/_core.pyx"]),
     ("hiradix.memory._gather", ["hiradix/memory/_gather.pyx"]),
+    ("hiradix.peer._verify", ["hiradix/peer/_verify.pyx"]),
 ]
 
 

@@ -331,3 +331,73 @@ def test_node_rejects_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIRADIX_CLUSTER_TOKEN", raising=False)
     with pytest.raises(ValueError, match="cluster token"):
         PeerNode(PeerConfig(metrics_enabled=False), start=False)
+
+
+# ---------------------------------------------------------------------- chunk verify + copy
+def _chunk(pages: list[bytes], keys: list[str], gens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    from hiradix.peer.pool import pack_header
+
+    blobs = [pack_header(k, g, p) + p for k, g, p in zip(keys, gens, pages, strict=True)]
+    offs = np.cumsum([0] + [len(b) for b in blobs[:-1]]).astype(np.int64)
+    return np.frombuffer(b"".join(blobs) + b"\0" * 8, dtype=np.uint8).copy(), offs
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_verify_copy_accepts_good_and_rejects_stale_torn_and_foreign(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hiradix.peer.node as node_mod
+    from hiradix.peer.pool import key_digest
+
+    if compiled:
+        if node_mod._verify is None:
+            pytest.skip("hiradix.peer._verify not built (pure-Python run)")
+    else:
+        monkeypatch.setattr(node_mod, "_verify", None)
+    rng = np.random.default_rng(5)
+    sizes = [100, 4096, 16384, 63, 70000, 4096]
+    pages = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    keys = [f"key-{i}" for i in range(len(pages))]
+    gens = [10, 11, 12, 13, 14, 15]
+    written = [*keys[:2], "someone-else", *keys[3:]]  # slot 2 holds another key's page
+    chunk, offs = _chunk(pages, written, gens)
+    want_gens = np.array(gens, dtype=np.uint64)
+    want_gens[1] = 99  # the slot was reused: another generation
+    digests = np.frombuffer(b"".join(key_digest(k) for k in keys), dtype=np.uint8).reshape(-1, 32)
+    chunk[offs[3] + 64 + 5] ^= 0xFF  # torn payload: CRC mismatch
+    outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    dsts = np.array([o.ctypes.data for o in outs], dtype=np.uint64)
+    good = np.array([1, 1, 1, 1, 1, 0], dtype=np.uint8)  # the last READ failed
+    lens = np.array(sizes, dtype=np.int64)
+    stale = node_mod._verify_copy(chunk, offs, lens, want_gens, digests, dsts, good, keys)
+    assert stale == 3
+    assert good.tolist() == [1, 0, 0, 0, 1, 0]
+    assert outs[0].tobytes() == pages[0] and outs[4].tobytes() == pages[4]
+    assert not outs[1].any() and not outs[2].any() and not outs[3].any() and not outs[5].any()
+
+
+def test_compiled_crc_matches_zlib() -> None:
+    import zlib
+
+    v = pytest.importorskip("hiradix.peer._verify")
+    rng = np.random.default_rng(1)
+    for n in [*range(0, 200), 4095, 16384 + 13, 1 << 20]:
+        b = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert v.crc32(b) == zlib.crc32(b)
+        assert v.crc32(b, 0xDEADBEEF) == zlib.crc32(b, 0xDEADBEEF)
+
+
+def test_verify_copy_rejects_slots_outside_the_chunk() -> None:
+    v = pytest.importorskip("hiradix.peer._verify")
+    chunk = np.zeros(256, dtype=np.uint8)
+    one = np.ones(1, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        v.verify_copy(
+            chunk,
+            np.array([100], dtype=np.int64),
+            np.array([200], dtype=np.int64),
+            np.array([1], dtype=np.uint64),
+            np.zeros((1, 32), dtype=np.uint8),
+            np.array([0], dtype=np.uint64),
+            one,
+        )

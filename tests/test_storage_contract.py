@@ -246,7 +246,8 @@ class StorageContract:
         def boom(*args: Any) -> Any:
             raise OSError("injected backend failure")
 
-        for prim in ("_exists", "_exists_many", "_size", "_get_into", "_get_many_into", "_put", "_put_many"):
+        prims = ("_exists", "_exists_many", "_size", "_get_into", "_get_many_into", "_get_many_at", "_put", "_put_many")
+        for prim in prims:
             monkeypatch.setattr(store, prim, boom)
         assert store.batch_exists([key(0), key(1)]) == 0
         assert store.batch_get([key(0)]) == [None]

@@ -255,6 +255,15 @@ class DirectoryShard:
         raise ValueError(f"unknown directory method {method!r}; expected one of {DIR_METHODS}")
 
 
+def _wire_ok(w: Any) -> bool:
+    """The checks of :meth:`DirEntry.from_wire`, inlined for the batch read path."""
+    if type(w) not in (list, tuple) or len(w) != 6 or type(w[0]) is not str:
+        return False
+    _, a, r, n, g, _ = w
+    ints = type(a) is int and type(r) is int and type(n) is int and type(g) is int
+    return ints and a >= 0 and r >= 0 and n >= 0 and g >= 0
+
+
 def _key(k: Any) -> str:
     if not isinstance(k, str):
         raise ValueError(f"directory keys are str, got {type(k).__name__}")
@@ -422,8 +431,19 @@ class DirectoryView:
         keys whose owner failed (or missed, with ``fallback_on_miss``) go to round ``r + 1``.
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
-        results: list[DirEntry | None] = [None] * len(keys)
-        owners = [self.ring.owners(k, self.replicas) if len(self.ring) else () for k in keys]
+        wires = self.batch_get_wire(keys)
+        return [None if w is None else DirEntry(w[0], w[1], w[2], w[3], w[4], bool(w[5])) for w in wires]
+
+    def batch_get_wire(self, keys: Sequence[str]) -> list[list[Any] | None]:
+        """:meth:`batch_get` without building :class:`DirEntry` objects: each hit is its
+        validated wire list ``[node, addr, rkey, length, generation, resident]`` (the batch
+        read path decodes them column by column). Malformed answers count as that owner
+        failing for the key, exactly as in :meth:`batch_get`.
+
+        Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
+        """
+        results: list[list[Any] | None] = [None] * len(keys)
+        owners = self.ring.owners_many(keys, self.replicas)
         pending = list(range(len(keys)))
         for rnd in range(self.replicas):
             groups: dict[str, list[int]] = defaultdict(list)
@@ -437,14 +457,15 @@ class DirectoryView:
                     pending.extend(idxs)
                     continue
                 for i, wire in zip(idxs, wires, strict=True):
-                    try:
-                        results[i] = None if wire is None else DirEntry.from_wire(wire)
-                    except ValueError:
+                    if wire is None:
+                        results[i] = None
+                        if self.fallback_on_miss:
+                            pending.append(i)
+                    elif _wire_ok(wire):
+                        results[i] = wire
+                    else:
                         self.failures += 1
                         results[i] = None
-                        pending.append(i)
-                        continue
-                    if wire is None and self.fallback_on_miss:
                         pending.append(i)
             if not pending:
                 break

@@ -31,7 +31,10 @@ the fake NIC) for tests, examples and the simulator.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -49,7 +52,7 @@ from hiradix.peer.directory import DIR_METHODS, DirectoryShard, DirectoryView, D
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
-from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
+from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, key_digest, verify_parts
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.auth import load_token
@@ -62,6 +65,65 @@ __all__ = ["InProcessCluster", "PeerNode"]
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
+
+_verify: Any = None
+if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
+    try:
+        _verify = importlib.import_module("hiradix.peer._verify")
+    except ImportError:  # pragma: no cover - not built: the pure-Python loop below
+        _verify = None
+
+
+def _view_at(addr: int, n: int) -> memoryview:
+    """A writable view of ``n`` bytes at the raw address ``addr`` (caller keeps it alive)."""
+    return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
+
+
+def _chunk_bounds(ends: list[int], half: int) -> list[int]:
+    """Cut slots with cumulative end offsets ``ends`` into runs of at most ``half`` bytes:
+    the start index of every run, then ``len(ends)``. Every slot fits ``half`` on its own.
+
+    >>> _chunk_bounds([10, 20, 30, 40, 45], 20)
+    [0, 2, 4, 5]
+    """
+    bounds = [0]
+    base = 0
+    for j, end in enumerate(ends):
+        if end - base > half:
+            bounds.append(j)
+            base = ends[j - 1]
+    bounds.append(len(ends))
+    return bounds
+
+
+def _verify_copy(
+    chunk: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    gens: np.ndarray,
+    digests: np.ndarray,
+    dsts: np.ndarray,
+    good: np.ndarray,
+    keys: list[str],
+) -> int:
+    """Verify every slot of a fetched chunk and copy the good payloads out; ``good`` is
+    updated in place, the count of stale slots returned. Compiled: one GIL-free call
+    (:func:`hiradix.peer._verify.verify_copy`); pure Python: :func:`verify_parts` per slot."""
+    if _verify is not None:
+        return int(_verify.verify_copy(chunk, offs, lens, gens, digests, dsts, good))
+    stale = 0
+    for j in range(len(offs)):
+        if not good[j]:
+            continue
+        o, n = int(offs[j]), int(lens[j])
+        head = chunk[o : o + SLOT_HEADER_SIZE]
+        body = chunk[o + SLOT_HEADER_SIZE : o + SLOT_HEADER_SIZE + n]
+        if verify_parts(head, body, keys[j], int(gens[j]), n):
+            ctypes.memmove(int(dsts[j]), body.ctypes.data, n)
+        else:
+            good[j] = 0
+            stale += 1
+    return stale
 
 
 def size_class(n: int, page_size: int | None) -> int:
@@ -479,14 +541,14 @@ class PeerNode:
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the directory knows (disk-resident pages count and are
         warmed asynchronously). Runtime complexity: one RPC per owner."""
-        entries = self.lookup(keys)
+        wires = self.directory.batch_get_wire(list(keys))
         n = 0
         cold: list[tuple[str, DirEntry]] = []
-        for key, e in zip(keys, entries, strict=True):
-            if e is None:
+        for key, w in zip(keys, wires, strict=True):
+            if w is None:
                 break
-            if not e.resident:
-                cold.append((key, e))
+            if not w[5]:
+                cold.append((key, DirEntry(w[0], w[1], w[2], w[3], w[4], False)))
             n += 1
         if cold:
             self._warm(cold)
@@ -500,48 +562,90 @@ class PeerNode:
         Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch READ
         per producer.
         """
+        arrays = [np.frombuffer(o, dtype=np.uint8) for o in outs]
+        for a in arrays:
+            if a.size and not a.flags.writeable:
+                raise ValueError("read_into needs writable destinations")
+        addrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
+        lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        return self.read_pages(keys, addrs, lens, hold=arrays).tolist()
+
+    def read_pages(self, keys: Sequence[str], addrs: np.ndarray, lengths: np.ndarray, hold: Any = None) -> np.ndarray:
+        """:meth:`read_into` for raw destinations: page ``i`` (exactly ``lengths[i]`` bytes)
+        goes to the address ``addrs[i]``, which the caller keeps writable and alive (``hold``
+        is kept referenced for the call). Returns a boolean array, one per key.
+
+        This is the batch path of ``batch_get_v1``: no per-page Python objects besides the
+        directory's wire lists; verification and copy run per READ chunk in one GIL-free
+        call (:mod:`hiradix.peer._verify`), overlapped with the next chunk's READ.
+        Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch READ
+        per producer.
+        """
         t0 = time.perf_counter()
-        results = [False] * len(keys)
-        entries = self.lookup(keys)
-        remote: dict[str, list[tuple[int, DirEntry]]] = defaultdict(list)
+        n = len(keys)
+        addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
+        lens = np.ascontiguousarray(lengths, dtype=np.int64)
+        if addrs.shape != (n,) or lens.shape != (n,):
+            raise ValueError(f"{n} keys need {n} addresses and lengths")
+        ok = np.zeros(n, dtype=bool)
+        wires = self.directory.batch_get_wire(list(keys))
+        want = lens.tolist()
+        me = self.node_id
+        remote: dict[str, list[int]] = defaultdict(list)
         cold: dict[str, list[int]] = defaultdict(list)
-        for i, (e, out) in enumerate(zip(entries, outs, strict=True)):
-            if e is None or e.length != len(out):
+        local: list[int] = []
+        for i, w in enumerate(wires):
+            if w is None or w[3] != want[i]:
                 continue
-            if e.length == 0:
-                results[i] = True
-            elif e.node == self.node_id:
-                results[i] = self._read_local(keys[i], e, out)
-            elif not e.resident:
-                cold[e.node].append(i)
+            if w[3] == 0:
+                ok[i] = True
+            elif w[0] == me:
+                local.append(i)
+            elif not w[5]:
+                cold[w[0]].append(i)
             else:
-                remote[e.node].append((i, e))
+                remote[w[0]].append(i)
+        for i in local:
+            w = wires[i]
+            assert w is not None
+            ok[i] = self._read_local(keys[i], DirEntry.from_wire(w), _view_at(int(addrs[i]), want[i]))
         for node, idxs in cold.items():
-            info = self.membership.info(node)
-            if info is None:
-                continue
-            try:
-                wires = self.client.call(
-                    info.rpc, "data_promote", [keys[i] for i in idxs], timeout=self.config.promote_timeout_s
-                )
-            except Exception as exc:
-                log.debug("promote on %s failed: %r", node, exc)
-                continue
-            if not isinstance(wires, list) or len(wires) != len(idxs):
-                continue
-            for i, w in zip(idxs, wires, strict=True):
-                with contextlib.suppress(ValueError):
-                    if w is not None:
-                        e = DirEntry.from_wire(w)
-                        if e.length == len(outs[i]) and e.node == node:
-                            remote[node].append((i, e))
-        for node, items in remote.items():
-            self._fetch(node, items, keys, outs, results)
-        hits = sum(results)
-        self.metrics.record_read(
-            len(keys), hits, sum(len(o) for o, r in zip(outs, results, strict=True) if r), time.perf_counter() - t0
-        )
-        return results
+            self._promote_for_read(node, idxs, keys, wires, want, remote)
+        for node, idxs in remote.items():
+            self._fetch(node, idxs, wires, keys, addrs, lens, ok)
+        hits = int(ok.sum())
+        self.metrics.record_read(n, hits, int(lens[ok].sum()), time.perf_counter() - t0)
+        del hold
+        return ok
+
+    def _promote_for_read(
+        self,
+        node: str,
+        idxs: list[int],
+        keys: Sequence[str],
+        wires: list[Any],
+        want: list[int],
+        remote: dict[str, list[int]],
+    ) -> None:
+        info = self.membership.info(node)
+        if info is None:
+            return
+        try:
+            fresh = self.client.call(
+                info.rpc, "data_promote", [keys[i] for i in idxs], timeout=self.config.promote_timeout_s
+            )
+        except Exception as exc:  # an unreachable owner: its pages are misses
+            log.debug("promote on %s failed: %r", node, exc)
+            return
+        if not isinstance(fresh, list) or len(fresh) != len(idxs):
+            return
+        for i, w in zip(idxs, fresh, strict=True):
+            with contextlib.suppress(ValueError):
+                if w is not None:
+                    e = DirEntry.from_wire(w)
+                    if e.length == want[i] and e.node == node:
+                        wires[i] = e.to_wire()
+                        remote[node].append(i)
 
     def _read_local(self, key: str, entry: DirEntry, out: memoryview) -> bool:
         if not entry.resident:
@@ -557,88 +661,74 @@ class PeerNode:
     def _fetch(
         self,
         node: str,
-        items: list[tuple[int, DirEntry]],
+        idxs: list[int],
+        wires: list[Any],
         keys: Sequence[str],
-        outs: Sequence[memoryview],
-        results: list[bool],
+        addrs: np.ndarray,
+        lens: np.ndarray,
+        ok: np.ndarray,
     ) -> None:
-        """READ ``items`` from ``node`` into a receive lane, verify, copy to ``outs``.
+        """READ the slots of ``idxs`` from ``node`` into a receive lane, verify, copy out.
 
         The lane is split in two halves and the batch in chunks of at most half a lane:
-        while one chunk is verified and copied out (both GIL-free in their bulk), the next
-        is already being READ into the other half by a helper thread.
+        while one chunk is verified and copied out (GIL-free), the next is already being
+        READ into the other half by a helper thread.
         """
         info = self.membership.info(node)
         if info is None:
             return  # not a live member: its pages are misses
         timeout = self.config.read_timeout_s
+        ws = [wires[i] for i in idxs]
+        idx = np.array(idxs, dtype=np.int64)
+        need = lens[idx] + SLOT_HEADER_SIZE
         try:
             with self.recv.lease(timeout) as (base, lane):
-                biggest = max(SLOT_HEADER_SIZE + e.length for _, e in items)
-                half = min(len(lane) // 2, max(self.chunk_bytes, biggest))
-                chunks: list[list[tuple[int, DirEntry]]] = []
-                cur: list[tuple[int, DirEntry]] = []
-                size = 0
-                for i, e in items:
-                    need = SLOT_HEADER_SIZE + e.length
-                    if need > half:
-                        continue  # can never fit half a receive lane: a miss
-                    if cur and size + need > half:
-                        chunks.append(cur)
-                        cur, size = [], 0
-                    cur.append((i, e))
-                    size += need
-                if cur:
-                    chunks.append(cur)
-                if not chunks:
+                half = min(len(lane) // 2, max(self.chunk_bytes, int(need.max())))
+                fits = need <= half  # a slot larger than half a lane can never be read: a miss
+                if not fits.all():
+                    keep = np.flatnonzero(fits)
+                    ws = [ws[j] for j in keep.tolist()]
+                    idx, need = idx[keep], need[keep]
+                if not ws:
                     return
-                pending = self._reader.submit(self._read_chunk, info.data, chunks[0], base, timeout)
-                for k, chunk in enumerate(chunks):
+                gens = np.array([w[4] for w in ws], dtype=np.uint64)
+                digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idx.tolist()]), dtype=np.uint8)
+                digests = digests.reshape(-1, 32)
+                ends = np.cumsum(need)
+                bounds = _chunk_bounds(ends.tolist(), half)
+                lane_arr = np.frombuffer(lane, dtype=np.uint8)
+
+                def read(k: int) -> list[Status]:
+                    s, e = bounds[k], bounds[k + 1]
+                    off0 = int(ends[s - 1]) if s else 0
+                    nb = base + (k % 2) * half - off0
+                    ops = [
+                        ReadOp(w[1], w[2], w[3] + SLOT_HEADER_SIZE, nb + int(o))
+                        for w, o in zip(ws[s:e], (ends[s:e] - need[s:e]).tolist(), strict=True)
+                    ]
+                    return self.transport.read_batch(info.data, ops, timeout=timeout)
+
+                pending = self._reader.submit(read, 0)
+                stale = 0
+                for k in range(len(bounds) - 1):
                     statuses = pending.result()
-                    if k + 1 < len(chunks):
-                        nb = base + ((k + 1) % 2) * half
-                        pending = self._reader.submit(self._read_chunk, info.data, chunks[k + 1], nb, timeout)
-                    view = lane[(k % 2) * half :]
-                    self._verify_chunk(chunk, statuses, view, keys, outs, results)
+                    if k + 2 < len(bounds):
+                        pending = self._reader.submit(read, k + 1)
+                    s, e = bounds[k], bounds[k + 1]
+                    off0 = int(ends[s - 1]) if s else 0
+                    part = idx[s:e]
+                    good = np.fromiter((st == Status.OK for st in statuses), dtype=np.uint8, count=e - s)
+                    view = lane_arr[(k % 2) * half : (k % 2) * half + half]
+                    offs = ends[s:e] - need[s:e] - off0
+                    stale += _verify_copy(
+                        view, offs, lens[part], gens[s:e], digests[s:e], addrs[part], good, [keys[i] for i in part]
+                    )
+                    ok[part] = good.view(bool)
+                if stale:
+                    with self._lock:
+                        self.stale_reads += stale
         except queue.Empty:
-            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(items), node)
-
-    def _read_chunk(self, peer: str, chunk: list[tuple[int, DirEntry]], base: int, timeout: float) -> list[Status]:
-        ops: list[ReadOp] = []
-        off = 0
-        for _, e in chunk:
-            n = SLOT_HEADER_SIZE + e.length
-            ops.append(ReadOp(e.addr, e.rkey, n, base + off))
-            off += n
-        return self.transport.read_batch(peer, ops, timeout=timeout)
-
-    def _verify_chunk(
-        self,
-        chunk: list[tuple[int, DirEntry]],
-        statuses: list[Status],
-        view: memoryview,
-        keys: Sequence[str],
-        outs: Sequence[memoryview],
-        results: list[bool],
-    ) -> None:
-        off = 0
-        stale = 0
-        for (i, e), st in zip(chunk, statuses, strict=True):
-            o = off
-            off += SLOT_HEADER_SIZE + e.length
-            if st != Status.OK:
-                continue
-            head = view[o : o + SLOT_HEADER_SIZE]
-            body = view[o + SLOT_HEADER_SIZE : o + SLOT_HEADER_SIZE + e.length]
-            if verify_parts(head, body, keys[i], e.generation, e.length):
-                # numpy copies without the GIL (a memoryview slice assignment holds it).
-                np.copyto(np.frombuffer(outs[i], dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
-                results[i] = True
-            else:
-                stale += 1
-        if stale:
-            with self._lock:
-                self.stale_reads += stale
+            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idxs), node)
 
     # ------------------------------------------------------------------ data over RPC
     def enable_data_rpc(self) -> None:

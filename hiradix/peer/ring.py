@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_VNODES", "HashRing", "Move", "hash64", "moved_keys", "owner_counts"]
@@ -89,6 +89,7 @@ class HashRing:
         self._nodes: set[str] = set()
         self._points: list[int] = []  # sorted vnode hashes
         self._owners: list[str] = []  # node of each point, parallel to _points
+        self._succ: dict[int, list[tuple[str, ...]]] = {}  # n -> owners(point i, n), built lazily
         for node in nodes:
             self.add_node(node)
 
@@ -125,6 +126,7 @@ class HashRing:
         # result does not depend on insertion order.
         self._points = [p for p, _ in merged]
         self._owners = [n for _, n in merged]
+        self._succ = {}
 
     def remove_node(self, node: str) -> None:
         """Remove ``node`` (``KeyError`` if not a member).
@@ -137,6 +139,7 @@ class HashRing:
         kept = [(p, n) for p, n in zip(self._points, self._owners, strict=True) if n != node]
         self._points = [p for p, _ in kept]
         self._owners = [n for _, n in kept]
+        self._succ = {}
 
     def copy(self) -> HashRing:
         """An independent ring with the same members.
@@ -164,6 +167,40 @@ class HashRing:
             return ()
         want = min(n, len(self._nodes))
         i = bisect.bisect_left(self._points, hash64(key))
+        out: list[str] = []
+        total = len(self._points)
+        for step in range(total):
+            node = self._owners[(i + step) % total]
+            if node not in out:
+                out.append(node)
+                if len(out) == want:
+                    break
+        return tuple(out)
+
+    def owners_many(self, keys: Sequence[Key], n: int = 1) -> list[tuple[str, ...]]:
+        """:meth:`owners` of each key. The owner tuple of every ring point is computed once
+        per ring and ``n`` (``O(N * V)``), so each key costs one hash and one bisection.
+
+        Runtime complexity: ``O(K * log(N * V))``.
+
+        >>> ring = HashRing(["a", "b", "c"])
+        >>> ring.owners_many(["x", "y"], 2) == [ring.owners("x", 2), ring.owners("y", 2)]
+        True
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        points = self._points
+        if not points:
+            return [()] * len(keys)
+        succ = self._succ.get(n)
+        if succ is None:
+            succ = [self._walk(i, min(n, len(self._nodes))) for i in range(len(points))]
+            self._succ[n] = succ
+        total = len(points)
+        bl = bisect.bisect_left
+        return [succ[bl(points, hash64(k)) % total] for k in keys]
+
+    def _walk(self, i: int, want: int) -> tuple[str, ...]:
         out: list[str] = []
         total = len(self._points)
         for step in range(total):

@@ -41,6 +41,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numpy as np
+
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import InProcessCluster, PeerNode
 from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig
@@ -139,6 +141,10 @@ class PeerCacheStore(StorageBackend):
 
     def _get_many_into(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
         return self.node.read_into(keys, outs)
+
+    def _get_many_at(self, keys: list[str], addrs: np.ndarray, lengths: np.ndarray, hold: Any) -> list[bool] | None:
+        # The page-first v1 get: raw page addresses straight to the node's batch path.
+        return self.node.read_pages(keys, addrs, lengths, hold=hold).tolist()  # type: ignore[no-any-return]
 
     def _put(self, key: str, data: memoryview) -> bool:
         return self.node.publish_many([key], [data])[0]

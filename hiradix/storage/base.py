@@ -388,6 +388,25 @@ class StorageBackend(ABC):
             results.append(ok)
         return results
 
+    def _get_many_at(self, keys: list[str], addrs: np.ndarray, lengths: np.ndarray, hold: Any) -> list[bool] | None:
+        """Optional batch primitive of the page-first v1 get: fill page ``i`` at the raw
+        address ``addrs[i]`` (``lengths[i]`` bytes, kept alive by ``hold``). ``None`` (the
+        default) means "not supported": the caller builds one view per page and uses
+        :meth:`_get_many_into`. Backends whose get path is per batch override it to skip
+        the per-page views."""
+        return None
+
+    def _get_many_at_safe(self, keys: list[str], rows: np.ndarray, pages: np.ndarray) -> list[bool] | None:
+        if not keys:
+            return []
+        page_bytes = rows.shape[1]
+        addrs = rows.ctypes.data + pages.astype(np.uint64) * np.uint64(page_bytes)
+        try:
+            return self._get_many_at(keys, addrs, np.full(len(keys), page_bytes, dtype=np.int64), rows)
+        except Exception as exc:  # a failing batch override: every key of it is a miss
+            self._failed("get", keys[0], exc)
+            return [False] * len(keys)
+
     def _get_many_safe(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
         if not keys:
             return []
@@ -481,7 +500,10 @@ class StorageBackend(ABC):
         assert pool is not None
         if pool.layout != "layer_first":  # each page is one row of the pool: read in place
             rows = pool.pages_array()
-            results = self._get_many_safe(keys, [_buffer(rows[p]) for p in pool.page_ids(starts).tolist()])
+            pages = pool.page_ids(starts)
+            results = self._get_many_at_safe(keys, rows, pages)
+            if results is None:
+                results = self._get_many_safe(keys, [_buffer(rows[p]) for p in pages.tolist()])
         else:  # gathered layout: read into a per-thread buffer, then scatter the good pages
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
             results = self._get_many_safe(keys, [_buffer(row) for row in scratch.numpy()])
