@@ -213,6 +213,7 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
         import subprocess
 
         cmd = [py, str(script), name, "--total-mib", str(args.total_mib), "--repeats", str(args.repeats)]
+        cmd += ["--warmup", str(args.warmup), "--exists-reps", str(args.exists_reps)]
         cmd += ["--pages", *[str(p) for p in args.pages]]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.others_timeout)
@@ -224,7 +225,14 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name}: failed: {res.stderr.strip()[-300:]}", flush=True)
             continue
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])
-        print(f"{name}: {out[name]}", flush=True)
+        for r in out[name]["rows"]:
+            print(
+                f"{name} {r['page_kib']:>5} KiB  {r['gbps_median']:.2f} GB/s  raw {r['raw_gbps_median']:.2f} GB/s"
+                f"  ratio {r['ratio']:.2f}",
+                flush=True,
+            )
+        ex = out[name]["exists"]
+        print(f"{name} exists(128): p50 {ex['p50_ms']:.3f} ms  p99 {ex['p99_ms']:.3f} ms", flush=True)
     return out
 
 

@@ -1,0 +1,413 @@
+"""PeerCache 0.8.4 (TCP mode) and Mooncake Store (TCP) under the workload of ``bench/peer.py``.
+
+Run by ``bench/peer.py`` with the interpreter of a separate venv that has the system
+installed (never the hiradix venv; neither system is a hiradix dependency)::
+
+    /work/venvs/peercache/bin/python bench/peer_others.py peercache --pages 16384 65536
+    /work/venvs/mooncake/bin/python bench/peer_others.py mooncake
+
+Same shape as our bench: a producer process publishes ``--total-mib`` of random pages per
+page size and serves the same bytes over a raw socket; a consumer process reads every page
+into a host buffer through the system's batch get, alternating repeat by repeat with a raw
+``recv_into`` of the same bytes (the same-run baseline); then ``batch_exists`` of 128 keys.
+Prints progress on stderr and one JSON line on stdout.
+
+Only public APIs are used: PeerCache's ``PeerCacheStore`` (SGLang HiCache storage:
+``register_mem_pool_host``, ``batch_set_v1``, ``batch_get_v1``, ``batch_exists``) with
+``protocol="tcp"``; Mooncake's ``MooncakeDistributedStore`` (``setup``, ``register_buffer``,
+``batch_put_from``, ``batch_get_into``, ``batch_is_exist``) with ``protocol="tcp"``, a
+``mooncake_master`` on 127.0.0.1 and the P2P handshake instead of a metadata server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+PAGES = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _keys(page: int, n: int) -> list[str]:
+    return [f"bench-{page}-{i:06d}" for i in range(n)]
+
+
+def _data(page: int, n: int) -> np.ndarray:
+    return np.random.default_rng(page).integers(0, 256, size=n * page, dtype=np.uint8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _raw_serve(sock: socket.socket, pages: dict[int, np.ndarray], stop: threading.Event) -> None:
+    sock.settimeout(0.5)
+    while not stop.is_set():
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                head = conn.recv(16, socket.MSG_WAITALL)
+                if len(head) < 16:
+                    break
+                total, page = struct.unpack("<QQ", head)
+                view = memoryview(pages[page])
+                for off in range(0, total, page):
+                    conn.sendall(view[off : off + page])
+
+
+def _raw_get(raw: socket.socket, flat: np.ndarray, n: int, p: int) -> float:
+    hview = memoryview(flat)
+    t0 = time.perf_counter()
+    raw.sendall(struct.pack("<QQ", n * p, p))
+    for off in range(0, n * p, p):
+        v = hview[off : off + p]
+        got = 0
+        while got < p:
+            k = raw.recv_into(v[got:])
+            if not k:
+                raise RuntimeError("raw server closed")
+            got += k
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- PeerCache
+class _KVBuffer:
+    """The two calls PeerCache makes on ``mem_pool_host.kv_buffer``."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def data_ptr(self) -> int:
+        return int(self.arr.ctypes.data)
+
+    def numel(self) -> int:
+        return int(self.arr.size)
+
+    def element_size(self) -> int:
+        return 1
+
+
+class _HostPool:
+    """A page-first host pool as PeerCache sees SGLang's: ``kv_buffer`` plus
+    ``get_page_buffer_meta`` (one pointer and size per page)."""
+
+    def __init__(self, arr: np.ndarray, page: int) -> None:
+        self.page_bytes = page
+        self.kv_buffer = _KVBuffer(arr)
+
+    def get_page_buffer_meta(self, host_indices: Any) -> tuple[list[int], list[int]]:
+        base = self.kv_buffer.data_ptr()
+        idx = list(host_indices)
+        return [base + int(i) * self.page_bytes for i in idx], [self.page_bytes] * len(idx)
+
+
+def _pc_store(discovery: str, node_id: str, seg_bytes: int) -> Any:
+    from peercache.store import PeerCacheStore
+
+    cfg = SimpleNamespace(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        is_mla_model=True,  # one object per page, as our page_first pool
+        extra_config={
+            "discovery_addr": discovery,
+            "protocol": "tcp",
+            "local_hostname": "127.0.0.1",
+            "node_id": node_id,
+            "global_segment_size": seg_bytes,
+            "metrics_enabled": False,
+            "disk_enabled": False,
+            "heartbeat_interval": 0.2,
+            "member_ttl": 30.0,
+        },
+    )
+    return PeerCacheStore(cfg)
+
+
+def _pc_producer(conn: Any, total: int, pages: list[int]) -> None:
+    from peercache.discovery import DiscoveryServer
+
+    meta = DiscoveryServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{meta.start()}"
+    seg = sum(total // p * (p + 4096) for p in pages) + (64 << 20)
+    store = _pc_store(addr, "producer", seg)
+    data = {p: _data(p, total // p) for p in pages}
+    big = np.concatenate([data[p] for p in pages])
+    host = _HostPool(big, 1)  # byte-addressed: page index = byte offset
+    store.register_mem_pool_host(host)
+    base = 0
+    for p in pages:
+        n = total // p
+        keys = _keys(p, n)
+        host.page_bytes = p
+        for s in range(0, n, 256):
+            e = min(n, s + 256)
+            first = base // p
+            ok = store.batch_set_v1(keys[s:e], list(range(first + s, first + e)))
+            if not all(ok):
+                raise RuntimeError(f"peercache producer: batch_set_v1 failed at page {p}")
+        base += n * p
+    stop = threading.Event()
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_serve, args=(raw, data, stop), daemon=True).start()
+    conn.send((addr, raw.getsockname()[1]))
+    conn.recv()
+    stop.set()
+    raw.close()
+    store.close()
+    meta.stop()
+
+
+def run_peercache(args: argparse.Namespace) -> dict[str, Any]:
+    total = args.total_mib << 20
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pc_producer, args=(child, total, args.pages), daemon=True)
+    proc.start()
+    addr, raw_port = parent.recv()
+    store = _pc_store(addr, "consumer", 64 << 20)
+    deadline = time.time() + 20
+    while time.time() < deadline and len(store.runtime.ring) < 2:
+        time.sleep(0.05)
+    # The producer published alone; its entries move to the keys' new owners when it
+    # sees the consumer join (re-publish on a membership change). Wait until all resolve.
+    probe = _keys(min(args.pages), total // min(args.pages))
+    while time.time() < deadline + 30 and int(store.batch_exists(probe)) < len(probe):
+        time.sleep(0.2)
+    raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        rows = []
+        for p in args.pages:
+            n = total // p
+            keys = _keys(p, n)
+            flat = np.zeros(n * p, dtype=np.uint8)
+            store.register_mem_pool_host(_HostPool(flat, p))
+            ref = _data(p, n)
+            idx = list(range(n))
+
+            def get(keys: list[str] = keys, idx: list[int] = idx) -> list[bool]:
+                out: list[bool] = []
+                for s in range(0, len(keys), args.batch):
+                    out += store.batch_get_v1(keys[s : s + args.batch], idx[s : s + args.batch])
+                return out
+
+            rows.append(_measure("peercache", p, n, flat, ref, get, raw, args))
+        exists = _exists_lat(
+            lambda ks: int(store.batch_exists(ks)), _keys(min(args.pages), total // min(args.pages)), args
+        )
+    finally:
+        raw.close()
+        store.close()
+        parent.send("stop")
+        proc.join(timeout=30)
+    return {"system": "peercache 0.8.4 (tcp)", "rows": rows, "exists": exists}
+
+
+# ---------------------------------------------------------------------- Mooncake
+def _mc_store(master: str, seg_bytes: int, buf_bytes: int) -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", seg_bytes, buf_bytes, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"mooncake setup failed: {rc}")
+    return store
+
+
+def _mc_producer(conn: Any, master: str, total: int, pages: list[int]) -> None:
+    seg = sum(total // p * p for p in pages) + (64 << 20)
+    store = _mc_store(master, seg, 64 << 20)
+    data = {p: _data(p, total // p) for p in pages}
+    for p in pages:
+        arr = data[p]
+        n = total // p
+        if store.register_buffer(int(arr.ctypes.data), int(arr.nbytes)) != 0:
+            raise RuntimeError("mooncake register_buffer failed")
+        keys = _keys(p, n)
+        base = int(arr.ctypes.data)
+        for s in range(0, n, 256):
+            e = min(n, s + 256)
+            rc = store.batch_put_from(keys[s:e], [base + i * p for i in range(s, e)], [p] * (e - s))
+            if any(r != 0 for r in rc):
+                raise RuntimeError(f"mooncake producer: batch_put_from failed at page {p}: {set(rc)}")
+    stop = threading.Event()
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_serve, args=(raw, data, stop), daemon=True).start()
+    conn.send(raw.getsockname()[1])
+    conn.recv()
+    stop.set()
+    raw.close()
+    store.close()
+
+
+def run_mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    total = args.total_mib << 20
+    exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or shutil.which("mooncake_master")
+    if exe is None:
+        raise RuntimeError("mooncake_master not found next to this interpreter")
+    port = _free_port()
+    master = f"127.0.0.1:{port}"
+    mlog = open(os.environ.get("MOONCAKE_MASTER_LOG", "/tmp/mooncake_master.log"), "w")  # noqa: SIM115
+    mproc = subprocess.Popen(
+        [exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false"],
+        stdout=mlog,
+        stderr=subprocess.STDOUT,
+    )
+    time.sleep(1.5)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_mc_producer, args=(child, master, total, args.pages), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("mooncake producer did not come up")
+        raw_port = parent.recv()
+        # Joins after every put: no object lands in the consumer's own segment.
+        store = _mc_store(master, 16 << 20, 16 << 20)
+        raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            rows = []
+            for p in args.pages:
+                n = total // p
+                keys = _keys(p, n)
+                flat = np.zeros(n * p, dtype=np.uint8)
+                if store.register_buffer(int(flat.ctypes.data), int(flat.nbytes)) != 0:
+                    raise RuntimeError("mooncake register_buffer failed")
+                ref = _data(p, n)
+                ptrs = [int(flat.ctypes.data) + i * p for i in range(n)]
+
+                def get(keys: list[str] = keys, ptrs: list[int] = ptrs, p: int = p) -> list[bool]:
+                    out: list[bool] = []
+                    for s in range(0, len(keys), args.batch):
+                        ks = keys[s : s + args.batch]
+                        rc = store.batch_get_into(ks, ptrs[s : s + args.batch], [p] * len(ks))
+                        out += [r == p for r in rc]
+                    return out
+
+                rows.append(_measure("mooncake", p, n, flat, ref, get, raw, args))
+                store.unregister_buffer(int(flat.ctypes.data))
+
+            def exists(ks: list[str]) -> int:
+                n = 0
+                for r in store.batch_is_exist(ks):
+                    if r != 1:
+                        break
+                    n += 1
+                return n
+
+            ex = _exists_lat(exists, _keys(min(args.pages), total // min(args.pages)), args)
+        finally:
+            raw.close()
+            store.close()
+    finally:
+        parent.send("stop")
+        proc.join(timeout=30)
+        mproc.terminate()
+        mproc.wait(timeout=10)
+        mlog.close()
+    return {"system": "mooncake store (tcp)", "rows": rows, "exists": ex}
+
+
+# ---------------------------------------------------------------------- shared
+def _measure(
+    name: str, p: int, n: int, flat: np.ndarray, ref: np.ndarray, get: Any, raw: socket.socket, args: Any
+) -> dict[str, Any]:
+    t_sys: list[float] = []
+    t_raw: list[float] = []
+    for rep in range(args.warmup + args.repeats):
+        flat[:] = 0
+        t0 = time.perf_counter()
+        ok = get()
+        dt = time.perf_counter() - t0
+        if not all(ok) or not np.array_equal(flat[::4099], ref[::4099]):
+            raise RuntimeError(f"{name} get failed at page {p}: {ok.count(False)} misses")
+        flat[:] = 0
+        dt_raw = _raw_get(raw, flat, n, p)
+        if not np.array_equal(flat[::4099], ref[::4099]):
+            raise RuntimeError("raw transfer mismatch")
+        if rep >= args.warmup:
+            t_sys.append(dt)
+            t_raw.append(dt_raw)
+    gb = n * p / 1e9
+    row = {
+        "page_kib": p >> 10,
+        "gbps_median": gb / statistics.median(t_sys),
+        "gbps_best": gb / min(t_sys),
+        "raw_gbps_median": gb / statistics.median(t_raw),
+        "raw_gbps_best": gb / min(t_raw),
+    }
+    row["ratio"] = row["gbps_median"] / row["raw_gbps_median"]
+    _log(
+        f"{name} {p >> 10:>5} KiB  {row['gbps_median']:.2f} GB/s  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}"
+    )
+    return row
+
+
+def _exists_lat(fn: Any, keys: list[str], args: Any) -> dict[str, Any]:
+    lat: list[float] = []
+    for i in range(args.exists_reps + 50):
+        s = (i * 128) % max(1, len(keys) - 128)
+        t0 = time.perf_counter()
+        hit = fn(keys[s : s + 128])
+        dt = time.perf_counter() - t0
+        if hit != 128:
+            raise RuntimeError(f"exists returned {hit}")
+        if i >= 50:
+            lat.append(dt)
+    lat.sort()
+    out = {
+        "keys": 128,
+        "p50_ms": lat[len(lat) // 2] * 1e3,
+        "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
+        "reps": len(lat),
+    }
+    _log(f"exists(128): p50 {out['p50_ms']:.3f} ms  p99 {out['p99_ms']:.3f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("system", choices=["peercache", "mooncake"])
+    ap.add_argument("--pages", type=int, nargs="+", default=PAGES)
+    ap.add_argument("--total-mib", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1 << 30, help="keys per batch get call (default: all)")
+    ap.add_argument("--exists-reps", type=int, default=1000)
+    args = ap.parse_args()
+    result = run_peercache(args) if args.system == "peercache" else run_mooncake(args)
+    result["load"] = os.getloadavg()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
