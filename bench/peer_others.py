@@ -367,7 +367,8 @@ def _measure(
     }
     row["ratio"] = row["gbps_median"] / row["raw_gbps_median"]
     _log(
-        f"{name} {p >> 10:>5} KiB  {row['gbps_median']:.2f} GB/s  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}"
+        f"{name} {p >> 10:>5} KiB  {row['gbps_median']:.2f} GB/s"
+        f"  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}"
     )
     return row
 
