@@ -402,9 +402,17 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=1 << 30, help="keys per batch get call (default: all)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="keys per batch get call (default: all for peercache; 512 for mooncake, whose batch_get_into"
+        " of 4096 keys over TCP missed 1758 of them here while batches of 512 all hit)",
+    )
     ap.add_argument("--exists-reps", type=int, default=1000)
     args = ap.parse_args()
+    if args.batch <= 0:
+        args.batch = 512 if args.system == "mooncake" else 1 << 30
     result = run_peercache(args) if args.system == "peercache" else run_mooncake(args)
     result["load"] = os.getloadavg()
     print(json.dumps(result))
