@@ -130,6 +130,9 @@ class HiRadixCache:
         prefetch policy, the key namespace (its ``extra_key()`` is the tree namespace of
         requests that pass it), this rank's TP rank (key suffix for sharded pages) and
         the agreement the prefetch thread uses (a process group of its own).
+    l3_inline:
+        Run the L3 operations in the caller's thread (simulators; see
+        :class:`~hiradix.l3.L3Controller`).
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class HiRadixCache:
         namespace: KeyNamespace | None = None,
         tp_rank: int = 0,
         prefetch_agreement: RankAgreement | None = None,
+        l3_inline: bool = False,
     ) -> None:
         if load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
@@ -203,7 +207,7 @@ class HiRadixCache:
         self.prefetch_loaded_tokens_by_reqid: dict[Any, int] = {}
         self._release_queue: list[tuple[PrefetchOperation, torch.Tensor]] = []
         if storage is not None:
-            ok, msg = self.attach_storage_backend(storage, prefetch=prefetch)
+            ok, msg = self.attach_storage_backend(storage, prefetch=prefetch, inline=l3_inline)
             assert ok, msg
 
     # ------------------------------------------------------------------ sizes
@@ -430,11 +434,12 @@ class HiRadixCache:
         return storage_keys(hashes, self.namespace, self.tp_rank)
 
     def attach_storage_backend(
-        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None
+        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
-        message)``; refuses while another backend is attached. ``O(1)`` plus starting
-        the three L3 threads."""
+        message)``; refuses while another backend is attached. ``inline`` runs the L3
+        operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`).
+        ``O(1)`` plus starting the three L3 threads."""
         if self.l3 is not None:
             return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
         if not self.enable_hash:
@@ -446,6 +451,7 @@ class HiRadixCache:
             config=prefetch,
             key_fn=self._key_fn,
             agreement=self.prefetch_agreement,
+            inline=inline,
             **kwargs,
         )
         return True, f"attached storage backend {backend.name!r}"
@@ -723,7 +729,7 @@ class HiRadixCache:
         self.device_allocator.clear()
         self.host_pool.clear()
         if l3 is not None:
-            self.attach_storage_backend(l3.backend, prefetch=l3.config)
+            self.attach_storage_backend(l3.backend, prefetch=l3.config, inline=l3.inline)
 
     def close(self) -> None:
         """Flush, detach any L3 backend and stop the controller's engines."""

@@ -159,6 +159,10 @@ class L3Controller:
         scheduler's.
     clock:
         Seconds, for prefetch start times (``time.monotonic`` by default).
+    inline:
+        Run every operation to completion in the caller's thread instead of on the three
+        threads (same code, no hand-offs): for a simulator that would wait for each one
+        anyway. A prefetch is then complete when :meth:`prefetch` returns.
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class L3Controller:
         key_fn: KeyFn | None = None,
         agreement: RankAgreement | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inline: bool = False,
     ) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"backend must be a StorageBackend, got {type(backend).__name__}")
@@ -207,11 +212,14 @@ class L3Controller:
             "backup_failed_pages": 0,
         }
         self._stats_lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._prefetch_loop, name="hiradix-l3-prefetch", daemon=True),
-            threading.Thread(target=self._io_loop, name="hiradix-l3-io", daemon=True),
-            threading.Thread(target=self._backup_loop, name="hiradix-l3-backup", daemon=True),
-        ]
+        self.inline = inline
+        self._threads = []
+        if not inline:
+            self._threads = [
+                threading.Thread(target=self._prefetch_loop, name="hiradix-l3-prefetch", daemon=True),
+                threading.Thread(target=self._io_loop, name="hiradix-l3-io", daemon=True),
+                threading.Thread(target=self._backup_loop, name="hiradix-l3-backup", daemon=True),
+            ]
         for t in self._threads:
             t.start()
 
@@ -233,7 +241,11 @@ class L3Controller:
             raise ValueError(f"prefetch of {len(tokens)} tokens into {len(host_indices)} slots (page {self.page_size})")
         op = PrefetchOperation(request_id, host_indices, np.asarray(tokens), prior_hash, self.clock())
         self._count(prefetch_ops=1)
-        self._prefetch_q.put(op)
+        if self.inline:
+            if self._query_and_decide(op):
+                self._io_one(op)
+        else:
+            self._prefetch_q.put(op)
         return op
 
     def can_terminate(self, op: PrefetchOperation) -> bool:
@@ -267,7 +279,10 @@ class L3Controller:
         self._backup_ids += 1
         op = BackupOperation(self._backup_ids, node, self.key_fn(hashes), host_indices)
         self._count(backup_ops=1)
-        self._backup_q.put(op)
+        if self.inline:
+            self._backup_one(op)
+        else:
+            self._backup_q.put(op)
         return op
 
     def stop(self) -> None:
@@ -277,6 +292,8 @@ class L3Controller:
         if self._stopped:
             return
         self._stopped = True
+        if self.inline:
+            return
         self._prefetch_q.put(_STOP)  # the prefetch thread forwards it to the IO thread
         self._backup_q.put(_STOP)
         for t in self._threads:
@@ -301,27 +318,40 @@ class L3Controller:
                 break
         return hits
 
+    def _query_and_decide(self, op: PrefetchOperation) -> bool:
+        """Agree the hit count of ``op`` and decide its fate; ``True`` if its pages are
+        to be read. The agreement call is made whatever this rank's state."""
+        with op.lock:
+            skip = op.terminated
+        local = 0 if skip else self._query(op)
+        hits = self.agreement.min_int(local)  # every op, every rank, in queue order
+        enough = hits * self.page_size >= max(self.config.threshold_tokens, 1)
+        with op.lock:
+            op.hit_pages = hits
+            op.queried = True
+            if not enough or op.terminated:
+                op.revoked = not enough
+                op.io_done.set()
+        if op.revoked:
+            self._count(prefetch_revoked=1)
+        if op.io_done.is_set():
+            return False
+        self._count(prefetch_hit_pages=hits)
+        return True
+
+    def _io_one(self, op: PrefetchOperation) -> None:
+        try:
+            self._transfer(op)
+        finally:
+            op.io_done.set()
+
     def _prefetch_loop(self) -> None:
         while True:
             op = self._prefetch_q.get()
             if op is _STOP:
                 self._io_q.put(_STOP)
                 return
-            with op.lock:
-                skip = op.terminated
-            local = 0 if skip else self._query(op)
-            hits = self.agreement.min_int(local)  # every op, every rank, in queue order
-            enough = hits * self.page_size >= max(self.config.threshold_tokens, 1)
-            with op.lock:
-                op.hit_pages = hits
-                op.queried = True
-                if not enough or op.terminated:
-                    op.revoked = not enough
-                    op.io_done.set()
-            if op.revoked:
-                self._count(prefetch_revoked=1)
-            if not op.io_done.is_set():
-                self._count(prefetch_hit_pages=hits)
+            if self._query_and_decide(op):
                 self._io_q.put(op)
 
     def _io_loop(self) -> None:
@@ -329,10 +359,7 @@ class L3Controller:
             op = self._io_q.get()
             if op is _STOP:
                 return
-            try:
-                self._transfer(op)
-            finally:
-                op.io_done.set()
+            self._io_one(op)
 
     def _transfer(self, op: PrefetchOperation) -> None:
         step = self.config.batch_pages
@@ -372,18 +399,21 @@ class L3Controller:
             op = self._backup_q.get()
             if op is _STOP:
                 return
-            try:
-                starts = self._page_starts(op.host_indices, 0, len(op.keys))
-                if self.use_v1:
-                    results = self.backend.batch_set_v1(op.keys, starts)
-                    stored = sum(results)
-                else:
-                    pages = [self.host_pool.get_page_bytes(s) for s in starts.tolist()]
-                    stored = len(pages) if self.backend.batch_set(op.keys, pages) else 0
-                op.stored_pages = stored
-                self._count(backup_pages=stored, backup_failed_pages=len(op.keys) - stored)
-            except Exception:  # a storage error is a failed backup (a later miss), never a crash
-                log.exception("L3 backup of node %s failed", op.node)
-                self._count(backup_failed_pages=len(op.keys))
-            finally:
-                op.done.set()
+            self._backup_one(op)
+
+    def _backup_one(self, op: BackupOperation) -> None:
+        try:
+            starts = self._page_starts(op.host_indices, 0, len(op.keys))
+            if self.use_v1:
+                results = self.backend.batch_set_v1(op.keys, starts)
+                stored = sum(results)
+            else:
+                pages = [self.host_pool.get_page_bytes(s) for s in starts.tolist()]
+                stored = len(pages) if self.backend.batch_set(op.keys, pages) else 0
+            op.stored_pages = stored
+            self._count(backup_pages=stored, backup_failed_pages=len(op.keys) - stored)
+        except Exception:  # a storage error is a failed backup (a later miss), never a crash
+            log.exception("L3 backup of node %s failed", op.node)
+            self._count(backup_failed_pages=len(op.keys))
+        finally:
+            op.done.set()

@@ -66,6 +66,7 @@ def make(
     namespace: KeyNamespace | None = None,
     device: int = 512,
     host: int = 512,
+    inline: bool = False,
 ) -> HiRadixCache:
     dev = DeviceKVPool(shape, size=device, page_size=page, dtype=torch.bfloat16)
     hpool = HostKVPool(shape, host, page, torch.bfloat16, layout, reserve_bytes=0)
@@ -77,6 +78,7 @@ def make(
         prefetch=PrefetchConfig(policy=policy, threshold_tokens=threshold, batch_pages=4),
         clock=clock,
         namespace=namespace,
+        l3_inline=inline,
     )
 
 
@@ -145,12 +147,13 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageB
     backend.close()
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline"])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_round_trip_through_storage(storage: StorageBackend, page: int, layout: str) -> None:
+def test_round_trip_through_storage(storage: StorageBackend, page: int, layout: str, inline: bool) -> None:
     """Insert, back up to L2 and L3, evict L1 and L2 completely, prefetch back from L3,
-    load to L1: identical bytes."""
-    with make(storage, page=page, layout=layout, threshold=page) as cache:
+    load to L1: identical bytes (L3 operations on their threads, or inline)."""
+    with make(storage, page=page, layout=layout, threshold=page, inline=inline) as cache:
         rng = np.random.default_rng(page)
         a = rng.integers(0, 1000, 96)
         b = np.concatenate((a[:48], rng.integers(0, 1000, 48)))
@@ -311,9 +314,10 @@ def test_detach_and_attach_under_a_running_loop() -> None:
     assert cache.pending_storage() == (0, 0, 0)
 
 
-def test_storage_failure_is_a_miss() -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline"])
+def test_storage_failure_is_a_miss(inline: bool) -> None:
     storage = BrokenStorage()
-    with make(storage) as cache:
+    with make(storage, inline=inline) as cache:
         t = np.arange(128)
         compute(cache, t)
         evict_l1_l2(cache)
