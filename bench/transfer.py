@@ -12,9 +12,12 @@ random page order on both sides (every page of both pools, shuffled), through
 ``torch``    the engine's torch indexing path (``native=False``), the fallback
 
 The baseline is a plain contiguous copy of the same number of bytes between two other
-buffers, measured in the same run: ``memmove`` (one thread, ``ctypes.memmove``) and
-``torch.Tensor.copy_`` (torch's default threads); the ratio is against the faster of the
-two. Target: ``native`` >= 80% of it for pages of 16 KiB and up.
+buffers allocated like the pools (huge pages, faulted in): ``memmove`` (one thread,
+``ctypes.memmove``) and ``torch.Tensor.copy_`` (torch's default threads). Baselines and
+the copy under test are timed in alternation, round by round (:func:`interleaved`), and
+``% base`` is the median over rounds of (faster baseline of the round) / (copy of the
+round). Target: ``native`` >= 80% of it for pages of 16 KiB and up. Both pools are
+faulted in with non-zero bytes first. ``HIRADIX_HUGEPAGES=0`` runs it on 4 KiB pages.
 
 **B. Layer-wise pipeline.** A load of ``--pipeline-mib`` is consumed by a synthetic forward
 pass: for each layer, ``wait_until(layer)`` and then a compute step that releases the GIL
@@ -59,6 +62,7 @@ import torch
 
 from hiradix.memory import HOST_LAYOUTS, CopyEngine, DeviceKVPool, HostKVPool, MHAShape, ThreadCopyEngine
 from hiradix.memory import copy as copy_mod
+from hiradix.memory.pools import alloc_cpu_buffer, huge_pages_enabled
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -88,7 +92,27 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "loadavg_start": [round(x, 2) for x in load],
+        "thp": thp_setting(),
+        "huge_pages": huge_pages_enabled(),
     }
+
+
+def thp_setting() -> str:
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+def anon_huge_mib() -> float:
+    """This process's anonymous memory in transparent huge pages, MiB (0 where unknown)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict:
@@ -119,8 +143,13 @@ class Case:
         tokens = max(1, total_bytes // (page_size * bytes_per_token())) * page_size
         dev = DeviceKVPool(SHAPE, size=tokens, page_size=page_size, dtype=DTYPE, device=device)
         host = HostKVPool(SHAPE, tokens, page_size, DTYPE, layout, reserve_bytes=0)  # type: ignore[arg-type]
-        # Fault in every host page once (torch.empty leaves them untouched), with non-zero bytes.
+        # Fault in every page of both pools, with non-zero bytes. Untouched anonymous memory
+        # reads as the shared zero page, which stays in cache: a backup from a device pool
+        # never written would measure a cache-resident read, not a copy.
         host._buf.view(torch.uint8).fill_(0x5A)
+        for layer in range(SHAPE.layer_num):
+            for buf in dev.layer_buffers(layer):
+                buf.view(torch.uint8).fill_(0xA5)
         n_pages = tokens // page_size
         return cls(
             dev,
@@ -149,56 +178,84 @@ def shuffled_slots(n_pages: int, page_size: int, first_page: int, seed: int) -> 
 
 
 # ----------------------------------------------------------------------------- A
-def baseline(total: int, page_bytes: int, repeats: int) -> dict:
-    src = torch.empty(total, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(total, dtype=torch.uint8).fill_(2)
-    mm = median_time(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), total), repeats)
-    tc = median_time(lambda: dst.copy_(src), repeats)
-    out = {"memmove": mm, "torch_copy": tc}
-    if copy_mod.NATIVE_AVAILABLE:
-        # The ceiling for random page order: every page one memcpy, pages shuffled on both
-        # sides, no layout at all (what "memcpy gathering pages" measures in DESIGN.md).
-        from hiradix.memory import _gather
+class Baseline:
+    """Plain copies of the same number of bytes between two other buffers, allocated as the
+    pools are (huge pages unless ``HIRADIX_HUGEPAGES=0``) and faulted in, so the baseline
+    and the pools pay the same TLB and first-touch costs."""
 
-        n = total // page_bytes
-        g = torch.Generator().manual_seed(page_bytes)
-        d_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
-        s_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
-        s_np, d_np = src.numpy(), dst.numpy()
-        out["random_pages"] = median_time(
-            lambda: _gather.copy_rows(d_np, d_off, 0, s_np, s_off, 0, page_bytes), repeats
-        )
-    return out
+    def __init__(self, total: int, page_bytes: int) -> None:
+        self.src = alloc_cpu_buffer(total, torch.uint8).fill_(1)
+        self.dst = alloc_cpu_buffer(total, torch.uint8).fill_(2)
+        src, dst = self.src, self.dst
+        self.fns: dict[str, Callable[[], object]] = {
+            "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), total),
+            "torch_copy": lambda: dst.copy_(src),
+        }
+        if copy_mod.NATIVE_AVAILABLE:
+            # The ceiling for random page order: every page one memcpy, pages shuffled on
+            # both sides, no layout at all (what "memcpy gathering pages" measures in DESIGN.md).
+            from hiradix.memory import _gather
+
+            n = total // page_bytes
+            g = torch.Generator().manual_seed(page_bytes)
+            d_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
+            s_off = (torch.randperm(n, generator=g) * page_bytes).numpy()
+            s_np, d_np = src.numpy(), dst.numpy()
+            self.fns["random_pages"] = lambda: _gather.copy_rows(d_np, d_off, 0, s_np, s_off, 0, page_bytes)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Run every function once to warm up, then ``repeats`` rounds of each in turn: on a
+    shared machine the load changes from second to second, and a baseline timed minutes
+    before the copy it is compared with measures another machine."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def bench_layout(args: argparse.Namespace, ps: int, layout: str) -> list[dict]:
+    huge0 = anon_huge_mib()
     case = Case.make(ps, args.total_mib * MIB, layout, seed=ps * 7 + 1)
     nbytes = case.nbytes
-    base = baseline(nbytes, ps * bytes_per_token(), args.repeats)
-    best_base = min(base["memmove"]["median"], base["torch_copy"]["median"])
+    # Share of the two pools' bytes in huge pages (approximate: other allocations count too).
+    pool_huge = min(1.0, (anon_huge_mib() - huge0) * MIB / (case.dev.size_bytes + case.host.size_bytes))
+    base = Baseline(nbytes, ps * bytes_per_token())
     rows = []
     for direction in ("backup", "load"):
-        row = {
+        row: dict = {
             "layout": layout,
             "direction": direction,
             "page_size": ps,
             "page_kib": ps * bytes_per_token() / 1024,
             "bytes": nbytes,
-            "memmove_gbs": nbytes / base["memmove"]["median"] / 1e9,
-            "torch_copy_gbs": nbytes / base["torch_copy"]["median"] / 1e9,
+            "pool_huge": pool_huge,
         }
-        if "random_pages" in base:
-            row["random_pages_gbs"] = nbytes / base["random_pages"]["median"] / 1e9
+        base_times: dict[str, list[float]] = {k: [] for k in base.fns}
         paths = [(f"native{t}", True, t) for t in args.copy_threads] + [("torch", False, 1)]
         for path, native, threads in paths:
             if native and not copy_mod.NATIVE_AVAILABLE:
                 continue
             with ThreadCopyEngine(native=native, copy_threads=threads) as eng:
                 reps = args.repeats if native else max(1, args.repeats // 2)
-                t = median_time(lambda e=eng, d=direction: case.run(e, d), reps)  # type: ignore[misc]
-            row[f"{path}_s"] = t["median"]
-            row[f"{path}_gbs"] = nbytes / t["median"] / 1e9
-            row[f"{path}_vs_base"] = best_base / t["median"]
+                fns = {**base.fns, path: lambda e=eng, d=direction: case.run(e, d)}
+                times = interleaved(fns, reps)  # type: ignore[arg-type]
+            for k in base.fns:
+                base_times[k] += times[k]
+            t = statistics.median(times[path])
+            row[f"{path}_s"] = t
+            row[f"{path}_gbs"] = nbytes / t / 1e9
+            # Per round: the faster contiguous copy of that round over this path's time.
+            row[f"{path}_vs_base"] = statistics.median(
+                min(m, c) / x for m, c, x in zip(times["memmove"], times["torch_copy"], times[path], strict=True)
+            )
+        for k, ts in base_times.items():
+            row[f"{k}_gbs"] = nbytes / statistics.median(ts) / 1e9
         rows.append(row)
         log(
             f"  {layout:18s} {direction:6s} {row['page_kib']:7.0f} KiB: "
@@ -264,10 +321,24 @@ def bench_pipeline(args: argparse.Namespace, ratios: list[float]) -> list[dict]:
             load = median_time(lambda: case.run(eng, "load"), args.repeats)["median"]
             for r in ratios:
                 comp.calibrate(r * load / layers)
-                compute = median_time(lambda: forward(comp), args.repeats)["median"]
-                total = median_time(lambda: pipelined(eng, case, comp), args.repeats)["median"]
-                load_now = median_time(lambda: case.run(eng, "load"), args.repeats)["median"]
-                ideal = max(load_now, compute) + min(load_now, compute) / layers
+                # Interleaved rounds, as in section A: the ideal of a round comes from the
+                # load and compute times of the same round.
+                times = interleaved(
+                    {
+                        "load": lambda: case.run(eng, "load"),
+                        "compute": lambda: forward(comp),
+                        "pipelined": lambda: pipelined(eng, case, comp),
+                    },
+                    args.repeats,
+                )
+                ideals = [
+                    max(lo, co) + min(lo, co) / layers for lo, co in zip(times["load"], times["compute"], strict=True)
+                ]
+                load_now = statistics.median(times["load"])
+                compute = statistics.median(times["compute"])
+                total = statistics.median(times["pipelined"])
+                ideal = statistics.median(ideals)
+                ratio = statistics.median(p / i for p, i in zip(times["pipelined"], ideals, strict=True))
                 rows.append(
                     {
                         "compute_over_load": r,
@@ -277,13 +348,13 @@ def bench_pipeline(args: argparse.Namespace, ratios: list[float]) -> list[dict]:
                         "compute_s": compute,
                         "pipelined_s": total,
                         "ideal_s": ideal,
-                        "ratio": total / ideal,
+                        "ratio": ratio,
                         "serial_s": load_now + compute,
                     }
                 )
                 log(
                     f"  compute/load {r}: load {load_now * 1e3:.1f} ms, compute {compute * 1e3:.1f} ms, "
-                    f"pipelined {total * 1e3:.1f} ms, ideal {ideal * 1e3:.1f} ms, ratio {total / ideal:.3f}"
+                    f"pipelined {total * 1e3:.1f} ms, ideal {ideal * 1e3:.1f} ms, ratio {ratio:.3f}"
                 )
     finally:
         torch.set_num_threads(threads)
@@ -344,23 +415,26 @@ def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | N
         f"(the torch path: half the repeats). torch {m['torch']} with {m['torch_threads']} threads; "
         f"load average {m['loadavg_start']} at the start, {meta['loadavg_end']} at the end.",
         f"Shape: {SHAPE} {DTYPE} ({bytes_per_token() // 1024} KiB per token); {meta['total_mib']} MiB "
-        "of whole pages per copy, random page order on both sides. Device pool on the CPU.",
+        "of whole pages per copy, random page order on both sides. Device pool on the CPU. "
+        f"THP `{m.get('thp', 'n/a')}`; pools and baseline buffers on huge pages: {m.get('huge_pages', False)} "
+        "(`huge` column: share of the two pools' bytes the kernel backed with huge pages).",
         "",
         "### A. Page copies, CPU <-> CPU",
         "",
         "GB/s. `nativeN` = compiled row copy with `copy_threads=N`; `torch` = the torch indexing path; "
-        "`% base` = time of the faster contiguous baseline (memmove or torch `copy_`) / time; "
+        "`% base` = median over rounds of the faster contiguous baseline (memmove or torch `copy_`, "
+        "timed in the same round) / time; "
         "`random pages` = one memcpy per whole page, pages shuffled on both sides (no layout): "
         "the ceiling for random page order on this machine.",
         "",
     ]
     paths = meta["native_paths"] + ["torch"]
     lines.append(
-        "| layout | direction | page | memmove | torch copy_ | random pages | "
+        "| layout | direction | page | huge | memmove | torch copy_ | random pages | "
         + " | ".join(f"{p} | {p} % base" for p in paths)
         + " | best native / random pages | best native / torch |"
     )
-    lines.append("|---|---|---|---|---|---|" + "---|---|" * len(paths) + "---|---|")
+    lines.append("|---|---|---|---|---|---|---|" + "---|---|" * len(paths) + "---|---|")
     for r in pages:
         cells = []
         for p in paths:
@@ -368,7 +442,8 @@ def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | N
         best = max((r[p + "_gbs"] for p in meta["native_paths"] if p + "_gbs" in r), default=None)
         rp = r.get("random_pages_gbs")
         lines.append(
-            f"| {r['layout']} | {r['direction']} | {r['page_kib']:.0f} KiB | {r['memmove_gbs']:.2f} | "
+            f"| {r['layout']} | {r['direction']} | {r['page_kib']:.0f} KiB | {r.get('pool_huge', 0):.0%} | "
+            f"{r['memmove_gbs']:.2f} | "
             f"{r['torch_copy_gbs']:.2f} | "
             + (f"{rp:.2f}" if rp else "n/a")
             + " | "
@@ -393,7 +468,8 @@ def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | N
         "### B. Layer-wise pipeline (load + per-layer compute on one torch thread)",
         "",
         f"page_first_direct, page size 16, {meta['pipeline_mib']} MiB per load, {SHAPE.layer_num} layers; "
-        "ideal = max(load, compute) + one layer of the shorter side.",
+        "ideal = max(load, compute) + one layer of the shorter side; load, compute and pipelined are timed "
+        "in alternation and `pipelined / ideal` is the median over rounds.",
         "",
         "| compute / load | load | compute | serial (sum) | pipelined | ideal | pipelined / ideal |",
         "|---|---|---|---|---|---|---|",

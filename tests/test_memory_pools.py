@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import mmap
 import random
 
 import pytest
@@ -18,6 +20,7 @@ from hiradix.memory import (
     fp8_dtypes,
     read_meminfo,
 )
+from hiradix.memory.pools import HUGE_PAGE, alloc_cpu_buffer, huge_pages_enabled
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU on this machine")
@@ -466,3 +469,55 @@ def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: s
         pool.read_pages([1] if page_size > 1 else [8], out[:1])
     with pytest.raises(ValueError, match="uint8"):
         pool.write_pages(starts, new[:2])
+
+
+# ----------------------------------------------------------------------------- huge-page buffers
+needs_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+
+
+@needs_thp
+def test_alloc_cpu_buffer_large_is_2mib_aligned_mapping_of_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HIRADIX_HUGEPAGES", raising=False)
+    assert huge_pages_enabled()
+    t = alloc_cpu_buffer((3 << 20) // 2 + 7, torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.numel() == (3 << 20) // 2 + 7 and t.storage_offset() == 0
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert not t.view(torch.uint8).any()  # anonymous memory reads as zeros
+    t.fill_(1.5)
+    assert float(t[-1]) == 1.5
+
+
+def test_alloc_cpu_buffer_small_pinned_or_disabled_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = alloc_cpu_buffer(1000, torch.float16, zero=True)
+    assert small.numel() == 1000 and not small.any()
+    monkeypatch.setenv("HIRADIX_HUGEPAGES", "0")
+    assert not huge_pages_enabled()
+    big = alloc_cpu_buffer(3 << 20, torch.uint8, zero=True)
+    assert big.numel() == 3 << 20 and not big.any()
+
+
+@needs_thp
+def test_cpu_device_pool_layers_share_one_huge_buffer_without_overlap() -> None:
+    shape = MHAShape(layer_num=3, head_num=2, head_dim=64)
+    dev = DeviceKVPool(shape, size=4096, page_size=16, dtype=torch.float16)
+    bufs = [b for layer in range(3) for b in dev.layer_buffers(layer)]
+    base = bufs[0].untyped_storage().data_ptr()
+    assert base % HUGE_PAGE == 0
+    assert all(b.untyped_storage().data_ptr() == base for b in bufs)
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs)
+    assert all(hi <= lo for (_, hi), (lo, _) in itertools.pairwise(spans))
+    for i, b in enumerate(bufs):
+        assert not b.any()
+        b.fill_(i + 1)
+    assert [int(b[0, 0, 0]) for b in bufs] == list(range(1, len(bufs) + 1))
+
+
+@needs_thp
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_huge_host_pool_page_round_trip(layout: str) -> None:
+    shape = MHAShape(layer_num=2, head_num=2, head_dim=64)
+    host = HostKVPool(shape, 8192, 16, torch.float16, layout, **NO_RESERVE)  # type: ignore[arg-type]
+    assert host.size_bytes >= HUGE_PAGE and host._buf.data_ptr() % HUGE_PAGE == 0
+    page = torch.arange(host.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    host.set_page_bytes(16 * 100, page)
+    assert torch.equal(host.get_page_bytes(16 * 100), page)

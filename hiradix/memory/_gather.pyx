@@ -39,6 +39,23 @@ MAX_THREADS = 8
 cdef int64_t _NOGIL_MIN = NOGIL_MIN_BYTES
 cdef int64_t _PARALLEL_MIN = PARALLEL_MIN_BYTES
 
+# Software prefetch for rows that are copied one by one (not merged into a longer run):
+# page_first rows sit one token stride apart (16 KiB in the benchmark's shape), where the
+# hardware prefetchers do not follow, so each row's read would stall on memory. Reading
+# the row PREFETCH_AHEAD rows on measured 1.1-1.2x on page_first and nothing on merged runs,
+# which is why merged runs do not prefetch (bench/RESULTS_transfer.md).
+cdef enum:
+    PREFETCH_AHEAD = 4
+    PREFETCH_MAX_ROW = 1024
+    CACHE_LINE = 64
+
+cdef extern from *:
+    """
+    #define HR_PREFETCH(p) __builtin_prefetch((p), 0, 0)
+    """
+    void HR_PREFETCH(const void* p) noexcept nogil
+
+
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
     int pthread_create(pthread_t* thread, const void* attr, void* (*start)(void*) noexcept nogil, void* arg)
@@ -115,7 +132,8 @@ cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, con
     cdef Py_ssize_t i = 0
     cdef Py_ssize_t j
     cdef Py_ssize_t runs = 0
-    cdef int64_t d, s, length
+    cdef int64_t d, s, length, line
+    cdef const uint8_t* pf
     while i < n:
         d = doff[i]
         s = soff[i]
@@ -125,6 +143,12 @@ cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, con
         while not overlap and j < n and doff[j] == d + length and soff[j] == s + length:
             length += row
             j += 1
+        if length == row and row <= PREFETCH_MAX_ROW and j + PREFETCH_AHEAD < n:
+            pf = src + soff[j + PREFETCH_AHEAD]
+            line = 0
+            while line < row:
+                HR_PREFETCH(pf + line)
+                line += CACHE_LINE
         if overlap:
             memmove(dst + d, src + s, <size_t>length)
         else:

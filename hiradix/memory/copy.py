@@ -396,16 +396,19 @@ class _RowPlan:
 
 
 def _row_plan(
-    device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor, source: str
+    device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor
 ) -> _RowPlan | None:
     """The compiled-copy plan for validated indices, or ``None`` to use the torch path.
 
-    Rows are put in the order of their ``source`` slots (``"device"`` for a backup,
-    ``"host"`` for a load). Pages in random order make the reads random, and a random read
-    stalls on memory where a random write drains from the store buffer: reading in address
-    order measured up to 1.4x faster than in the given order on random pages.
-    The pairing of slots is unchanged; only rows that name the same destination slot
-    twice could land differently, and the torch path leaves that undefined too.
+    Rows are put in the order of their *host* slots, in both directions. The host pool is
+    the large side whose layouts scatter a page (layer_first: one run per layer and
+    component; page_first: one row per token stride), and on huge-page-backed pools
+    walking it in address order measured 1.06-1.3x faster than walking it in the order
+    given (random pages), whether it is read (load) or written (backup). Sorting by the
+    source side instead, which is what the 4 KiB-page pools preferred, lost 5-30% on
+    backups (``bench/RESULTS_transfer.md``). The pairing of slots is unchanged; only
+    rows that name the same destination slot twice could land differently, and the
+    torch path leaves that undefined too.
 
     Runtime complexity: ``O(n log n)`` for the sort (skipped when already in order) and
     ``O(n x components)`` for the offsets, all vectorized.
@@ -415,10 +418,11 @@ def _row_plan(
     dregs, hregs = _regions(device_pool), _regions(host_pool)
     if dregs is None or hregs is None:
         return None
-    key = dev if source == "device" else host
-    if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):
-        order = torch.argsort(key, stable=True)
-        dev, host = dev[order], host[order]
+    if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
+        order = torch.argsort(host, stable=True)
+        # index_select, not dev[order]: torch's advanced-indexing kernel took 8 ms for 16k
+        # int64 indices here, index_select 11 us; that was a third of a 256 MiB copy.
+        dev, host = dev.index_select(0, order), host.index_select(0, order)
     ps = host_pool.page_size
     dev_off, host_off = [], []
     for c, (d, h) in enumerate(zip(dregs[0], hregs[0], strict=True)):
@@ -449,8 +453,9 @@ def _native_load_layer(plan: _RowPlan, layer: int, threads: int) -> None:
 
 
 def _default_copy_threads() -> int:
-    # Random page rows are latency bound, so a second thread nearly doubles a gather (see
-    # bench/RESULTS_transfer.md). Half the cores, at most 4: the rest run the model.
+    # A second thread helps a random-page gather only when a core is free for it; on a busy
+    # 2-core machine it made copies slower (bench/RESULTS_transfer.md). Half the cores, at
+    # most 4: the rest run the model.
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
@@ -559,7 +564,7 @@ class ThreadCopyEngine(CopyEngine):
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
         dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
-        plan = _row_plan(device_pool, host_pool, dev, host, "device") if self.native else None
+        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
         if plan is not None:
             return self._submit(
                 "backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
@@ -573,7 +578,7 @@ class ThreadCopyEngine(CopyEngine):
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
     ) -> LoadHandle:
         dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
-        plan = _row_plan(device_pool, host_pool, dev, host, "host") if self.native else None
+        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
         if plan is not None:
             return self._submit(
                 "load", device_pool.layer_num, lambda layer: _native_load_layer(plan, layer, self.copy_threads)

@@ -33,6 +33,7 @@ order.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,7 +51,9 @@ __all__ = [
     "KVShape",
     "MHAShape",
     "MLAShape",
+    "alloc_cpu_buffer",
     "fp8_dtypes",
+    "huge_pages_enabled",
     "read_meminfo",
 ]
 
@@ -59,6 +62,43 @@ HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first", "page_first
 GB = 10**9  # SGLang's --hicache-size is in GB (1e9 bytes), not GiB.
 GIB = 1 << 30
 _DEFAULT_RESERVE_MIN = 2 * GIB
+HUGE_PAGE = 2 << 20  # x86-64 / arm64 transparent huge page
+
+
+def huge_pages_enabled() -> bool:
+    """Whether large CPU pool buffers are backed by transparent huge pages: on Linux,
+    unless ``HIRADIX_HUGEPAGES=0``. Read at each allocation."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("HIRADIX_HUGEPAGES", "1") != "0"
+
+
+def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False, zero: bool = False) -> torch.Tensor:
+    """A flat CPU tensor of ``numel`` elements for a KV pool; all zeros if ``zero``,
+    otherwise whatever the allocator hands out (the mapping is zeros anyway).
+
+    Buffers of 2 MiB and more (unless pinned, or :func:`huge_pages_enabled` says no) are a
+    private anonymous mapping advised ``MADV_HUGEPAGE``, its tensor starting on a 2 MiB
+    boundary. A page transfer touches pages all over a pool: layer_first copies one run
+    per (layer, component) per page, page_first strides one row per token per layer.
+    With 4 KiB pages a 256 MiB pool is 65536 TLB entries and nearly every run is a TLB
+    miss (a page walk); with 2 MiB pages it is 128, which the second-level TLB holds (see
+    ``bench/RESULTS_transfer.md``). The kernel zeroes pages when they are first touched,
+    so nothing is written here (a pool sized in tens of GB is not faulted in at start-up).
+    Where THP is off (``/sys/kernel/mm/transparent_hugepage/enabled`` = never) the advice
+    is ignored and this is an ordinary mapping. Pinned buffers come from torch's pinned
+    allocator (``cudaHostAlloc``) as before.
+
+    >>> alloc_cpu_buffer(3 << 20, torch.float16).shape
+    torch.Size([3145728])
+    """
+    nbytes = numel * _itemsize(dtype)
+    if pin_memory or nbytes < HUGE_PAGE or not huge_pages_enabled():
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, pin_memory=pin_memory)
+    # MAP_PRIVATE: mmap's default MAP_SHARED makes shmem, which follows shmem_enabled instead.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive, as the tensor keeps raw
+    skip = -raw.ctypes.data % HUGE_PAGE
+    return torch.from_numpy(raw[skip : skip + nbytes]).view(dtype)
 
 
 def fp8_dtypes() -> tuple[torch.dtype, ...]:
@@ -198,10 +238,25 @@ class DeviceKVPool(_KVPoolBase):
         self.total_slots = self.size + page_size
         # _buffers[component][layer]: separate per-layer tensors, as SGLang, so a layer's
         # attention kernel gets a plain contiguous [slots, *shape] buffer.
-        self._buffers: list[list[torch.Tensor]] = [
-            [torch.zeros((self.total_slots, *comp), dtype=dtype, device=self.device) for _ in range(self.layer_num)]
-            for comp in shape.components
-        ]
+        self._buffers: list[list[torch.Tensor]] = self._allocate(shape.components)
+
+    def _allocate(self, components: tuple[tuple[int, ...], ...]) -> list[list[torch.Tensor]]:
+        shapes = [(self.total_slots, *comp) for comp in components]
+        if self.device.type != "cpu":
+            return [
+                [torch.zeros(sh, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)] for sh in shapes
+            ]
+        # On the CPU, one zeroed huge-page buffer (alloc_cpu_buffer) cut into the per-layer
+        # tensors: even a pool whose layers are under 2 MiB each gets huge pages.
+        sizes = [math.prod(sh) for sh in shapes]
+        flat = alloc_cpu_buffer(self.layer_num * sum(sizes), self.dtype, zero=True)
+        out: list[list[torch.Tensor]] = [[] for _ in shapes]
+        off = 0
+        for _ in range(self.layer_num):
+            for c, (sh, n) in enumerate(zip(shapes, sizes, strict=True)):
+                out[c].append(flat[off : off + n].view(sh))
+                off += n
+        return out
 
     @property
     def size_bytes(self) -> int:
@@ -285,8 +340,9 @@ class HostKVPool(_KVPoolBase):
 
     Build it from a device pool with :meth:`for_device` (``ratio`` or ``size_gb``) or
     directly. The whole pool is one flat buffer of ``dtype`` (pinned when CUDA is
-    available, unless ``pin_memory`` says otherwise); typed views of it give each layout
-    (module docstring). Host slots are ``0 .. size - 1``: no padding page.
+    available, unless ``pin_memory`` says otherwise; else on transparent huge pages, see
+    :func:`alloc_cpu_buffer`); typed views of it give each layout (module docstring).
+    Host slots are ``0 .. size - 1``: no padding page.
 
     Before allocating, the size is checked against ``MemAvailable`` minus a reserve
     (``reserve_bytes``; default the larger of 10% of ``MemTotal`` and 2 GiB), and a pool
@@ -347,9 +403,9 @@ class HostKVPool(_KVPoolBase):
                 f"lower the ratio / size_gb or reserve_bytes"
             )
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        # torch.empty, not zeros: zeroing would touch every page of a pool sized in tens
-        # of GB at start-up; slots are written before they are read.
-        self._buf = torch.empty(self.size * self._elems_per_token, dtype=dtype, pin_memory=self.pin_memory)
+        # Not zeroed: that would touch every page of a pool sized in tens of GB at
+        # start-up; slots are written before they are read. Huge pages: alloc_cpu_buffer.
+        self._buf = alloc_cpu_buffer(self.size * self._elems_per_token, dtype, pin_memory=self.pin_memory)
         self.allocator = PagedSlotAllocator(self.size, page_size, "cpu", reserve_first_page=False)
 
     @classmethod
@@ -454,7 +510,9 @@ class HostKVPool(_KVPoolBase):
                 token_stride = self._comp_elems[c]
             views.append(
                 self._buf.as_strided(
-                    (self.page_num, self.page_size, *comp_shape), (self._page_elems, token_stride, *inner), offset
+                    (self.page_num, self.page_size, *comp_shape),
+                    (self._page_elems, token_stride, *inner),
+                    self._buf.storage_offset() + offset,
                 )
             )
         return tuple(views)
@@ -581,7 +639,7 @@ class HostKVPool(_KVPoolBase):
         if out.is_contiguous() and self._native_segments_copy(pages.numpy(), out, to_pool=False):
             return
         for view, offset, run in self._page_segments():
-            out[:, offset : offset + run] = view[pages]
+            out[:, offset : offset + run] = view.index_select(0, pages)
 
     def write_pages(self, host_indices: Any, src: torch.Tensor) -> None:
         """Overwrite the pages starting at ``host_indices`` with the rows of ``src``
@@ -591,12 +649,14 @@ class HostKVPool(_KVPoolBase):
         if tuple(src.shape) != (len(pages), self.page_bytes) or src.dtype != torch.uint8:
             raise ValueError(f"src must be uint8 [{len(pages)}, {self.page_bytes}], got {src.dtype} {tuple(src.shape)}")
         if self.layout != "layer_first":
-            torch.from_numpy(self.pages_array())[pages] = src
+            # index_copy_, not [pages] = ...: torch's advanced indexing is ~1000x slower
+            # than index_select / index_copy_ on large index tensors (copy._row_plan).
+            torch.from_numpy(self.pages_array()).index_copy_(0, pages, src)
             return
         if src.is_contiguous() and self._native_segments_copy(pages.numpy(), src, to_pool=True):
             return
         for view, offset, run in self._page_segments():
-            view[pages] = src[:, offset : offset + run]
+            view.index_copy_(0, pages, src[:, offset : offset + run])
 
     def __repr__(self) -> str:
         return (
