@@ -540,6 +540,9 @@ class Replayer:
             enable_hash=storage is not None,
             storage=storage,
             prefetch=self.prefetch if storage is not None else None,
+            # Waiting for every L3 operation anyway: run them inline, without the thread
+            # hand-offs (the same L3 code; see hiradix.l3.L3Controller).
+            l3_inline=storage is not None and self.prefetch_wait,
         )
         ledger = _EvictionLedger(cache)
         self._cache, self._ledger = cache, ledger
