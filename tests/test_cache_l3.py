@@ -24,18 +24,18 @@ SHAPE = MHAShape(2, 2, 4)
 
 
 class GatedStorage(MemoryStorage):
-    """Reads block until the test opens ``gate`` (bounded), so a prefetch can be caught
-    in flight without sleeping."""
+    """Batch reads block until the test opens ``gate`` (bounded), so a prefetch can be
+    caught in flight without sleeping."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
         self.reading = threading.Event()
 
-    def _get_into(self, key: str, out: memoryview) -> bool:
+    def _get_many_into(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
         self.reading.set()
         assert self.gate.wait(30), "test never opened the gate"
-        return super()._get_into(key, out)
+        return super()._get_many_into(keys, outs)
 
 
 class BrokenStorage(MemoryStorage):
@@ -43,15 +43,15 @@ class BrokenStorage(MemoryStorage):
 
     broken = False
 
-    def _exists(self, key: str) -> bool:
+    def _exists_many(self, keys: list[str]) -> int:
         if self.broken:
             raise OSError("backend down")
-        return super()._exists(key)
+        return super()._exists_many(keys)
 
-    def _get_into(self, key: str, out: memoryview) -> bool:
+    def _get_many_into(self, keys: list[str], outs: list[memoryview]) -> list[bool]:
         if self.broken:
             raise OSError("backend down")
-        return super()._get_into(key, out)
+        return super()._get_many_into(keys, outs)
 
 
 def make(

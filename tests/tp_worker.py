@@ -101,8 +101,9 @@ class PartialStorage(MemoryStorage):
 
     missing: frozenset[str] = frozenset()
 
-    def _exists(self, key: str) -> bool:
-        return key not in self.missing and super()._exists(key)
+    def _exists_many(self, keys: list[str]) -> int:
+        n = super()._exists_many(keys)
+        return next((i for i, k in enumerate(keys[:n]) if k in self.missing), n)
 
 
 def l3_rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:

@@ -168,6 +168,14 @@ def _buffer(obj: Any) -> memoryview:
     return memoryview(obj)
 
 
+def _row_views(rows: np.ndarray, pages: Any) -> list[memoryview]:
+    """Views of rows ``pages`` of a C-contiguous 2-D uint8 array: slices of one flat
+    memoryview, several times cheaper than indexing numpy row by row."""
+    flat = _buffer(rows.reshape(-1))
+    width = rows.shape[1]
+    return [flat[p * width : p * width + width] for p in pages]
+
+
 def as_byte_view(data: Any, *, writable: bool = False) -> memoryview:
     """A flat ``uint8`` memoryview over ``data`` (bytes-like, numpy array or CPU tensor),
     without copying when ``data`` is contiguous. CUDA and non-contiguous tensors are
@@ -503,10 +511,10 @@ class StorageBackend(ABC):
             pages = pool.page_ids(starts)
             results = self._get_many_at_safe(keys, rows, pages)
             if results is None:
-                results = self._get_many_safe(keys, [_buffer(rows[p]) for p in pages.tolist()])
+                results = self._get_many_safe(keys, _row_views(rows, pages.tolist()))
         else:  # gathered layout: read into a per-thread buffer, then scatter the good pages
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
-            results = self._get_many_safe(keys, [_buffer(row) for row in scratch.numpy()])
+            results = self._get_many_safe(keys, _row_views(scratch.numpy(), range(len(keys))))
             good = [i for i, ok in enumerate(results) if ok]
             if good:
                 pool.write_pages(starts[good], scratch[good] if len(good) < len(keys) else scratch)
@@ -527,11 +535,11 @@ class StorageBackend(ABC):
         assert pool is not None
         if pool.layout != "layer_first":  # written straight from the pool
             rows = pool.pages_array()
-            views = [_buffer(rows[p]) for p in pool.page_ids(starts).tolist()]
+            views = _row_views(rows, pool.page_ids(starts).tolist())
         else:  # gathered into a per-thread buffer first
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
             pool.read_pages(starts, scratch)
-            views = [_buffer(row) for row in scratch.numpy()]
+            views = _row_views(scratch.numpy(), range(len(keys)))
         return self._put_many_safe(keys, views)
 
     # ------------------------------------------------------------------ management
