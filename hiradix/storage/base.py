@@ -158,7 +158,7 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     for k in out:
         if not isinstance(k, str):
             raise TypeError(f"storage keys must be str, got {type(k).__name__}")
-        if not k or len(k.encode()) > MAX_KEY_BYTES:
+        if not k or (len(k) if k.isascii() else len(k.encode())) > MAX_KEY_BYTES:
             raise ValueError(f"storage key must be 1..{MAX_KEY_BYTES} UTF-8 bytes, got {k!r:.80}")
     return out
 
