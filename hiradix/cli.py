@@ -6,7 +6,8 @@ prints hit rates per tier against the infinite-capacity ideal (see
 :mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
 :mod:`hiradix.sim.timing`), and optionally writes JSON, PNG plots and an HTML report.
 ``hiradix sweep`` (also spelled ``hiradix sim sweep``) replays one workload over a grid
-of capacities and policies on every core. Run ``hiradix sim --help``.
+of capacities and policies on every core. ``hiradix peer serve|status`` runs or inspects
+a peer-cache node. Run ``hiradix sim --help``.
 
 Bad input (an unreadable or malformed trace, a bad option) ends with a one-line error on
 stderr and exit status 2, never a traceback.
@@ -24,6 +25,7 @@ from typing import Any, NoReturn
 
 import hiradix
 from hiradix.l3 import PREFETCH_POLICIES
+from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
@@ -399,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", metavar="FILE", type=Path, help="write the hit rate by capacity and policy as a PNG")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sweep.set_defaults(run=run_sweep)
+    add_peer_subparsers(commands)
     return parser
 
 

@@ -26,6 +26,17 @@ from typing import Any
 
 __all__ = ["add_subparsers", "build_parser", "main"]
 
+_DESCRIPTION = """Run a peer-cache node, or ask one how it is doing.
+
+examples:
+  hiradix peer serve --config peer.toml                  # settings from a file
+  hiradix peer serve --rpc-port 7000 --pool-size 8GiB     # the first node is the head
+  hiradix peer serve --join 10.0.0.1:7000 --join 10.0.0.2:7000
+  hiradix peer status --node 127.0.0.1:7000 [--json]
+
+The cluster token comes from cluster_token in the config, --token-file, or
+$HIRADIX_CLUSTER_TOKEN. Listeners bind to 127.0.0.1 unless --bind says otherwise."""
+
 
 def _add_serve(commands: Any) -> None:
     p = commands.add_parser(
@@ -72,7 +83,12 @@ def _add_status(commands: Any) -> None:
 
 def add_subparsers(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``peer`` (with ``serve`` and ``status``) to a parent ``add_subparsers()`` object."""
-    peer = subparsers.add_parser("peer", help="run or inspect a peer-cache node", description=__doc__)
+    peer = subparsers.add_parser(
+        "peer",
+        help="run or inspect a peer-cache node",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = peer.add_subparsers(dest="peer_command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_status(commands)
@@ -81,7 +97,9 @@ def add_subparsers(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The standalone parser: ``python -m hiradix.peer.cli serve|status ...``."""
-    parser = argparse.ArgumentParser(prog="hiradix peer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hiradix peer", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="peer_command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_status(commands)
