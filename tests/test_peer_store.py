@@ -25,6 +25,7 @@ from hiradix.peer.membership import Membership, NodeInfo, compute_masters
 from hiradix.peer.node import InProcessCluster, PeerNode, size_class
 from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import StorageConfig, create_backend
+from hiradix.transport.base import Status
 from hiradix.transport.fake import FakeClock
 
 PAGE = 4096
@@ -84,10 +85,60 @@ def test_v1_remote_into_host_pool(cluster: InProcessCluster) -> None:
     assert b.batch_get_v1(keys + [key(99)], [3 * ps, 4 * ps, 5 * ps, 6 * ps]) == [True, True, True, False]
     for s, d in ((0, 3), (1, 4), (2, 5)):
         assert torch.equal(dst.get_page_bytes(d * ps), src.get_page_bytes(s * ps))
-    # the host (L2) pool is never registered with the transport
-    span = (dst._buf.data_ptr(), dst._buf.data_ptr() + dst._buf.numel() * dst._buf.element_size())
+    # Payloads were READ straight into the host pool: header + payload = two items a page.
+    assert b.node.transport.stats.remote_items == 6
+    # The host (L2) pool is a local receive region of b only, and never published: a
+    # peer presenting its handle is refused, and no directory entry names it.
+    lo = dst._buf.data_ptr()
+    hi = lo + dst._buf.numel() * dst._buf.element_size()
+    handle = b._receive_handle
+    assert handle is not None
     for node in cluster.nodes:
-        assert node.transport.regions.acquire_local(span[0], 1) is None
+        if node is not b.node:
+            assert node.transport.regions.acquire_local(lo, 1) is None
+    sink = bytearray(64)
+    c_node = cluster.nodes[2]
+    c_node.transport.register(sink)
+    sink_addr = np.frombuffer(sink, dtype=np.uint8).ctypes.data
+    assert c_node.transport.read_batch(b.node.transport.address, [(lo, handle, 64, sink_addr)]) == [Status.BAD_RKEY]
+    for node in cluster.nodes:
+        for k in keys:
+            e = node.shard.get(k)
+            assert e is None or not (lo <= e.addr < hi)
+    assert all(not (lo <= e.addr < hi) for e in b.node.lookup(keys) if e is not None)
+
+
+def test_v1_direct_stale_is_a_miss(cluster: InProcessCluster) -> None:
+    """Reused slot, wrong generation and torn payload, on the direct (in-place) path."""
+    a, b, _ = stores(cluster)
+    src, dst = make_pool("page_first", False), make_pool("page_first", False)
+    a.register_mem_pool_host(src)
+    b.register_mem_pool_host(dst)
+    ps = src.page_size
+    keys = [key(i, "st") for i in range(3)]
+    assert a.batch_set_v1(keys, [0, ps, 2 * ps]) == [True] * 3
+    pool = a.node._pool_for(src.page_bytes)
+    entry = b.node.lookup([keys[0]])[0]
+    assert entry is not None
+    # reused slot: the directory still names it for keys[0]
+    pool.delete(keys[0])
+    pool.set(key(9, "st"), page(9, src.page_bytes))
+    for dir_node in cluster.nodes:
+        dir_node.shard.put(keys[0], entry)
+    # wrong generation for keys[1]
+    loc = pool.location(keys[1])
+    assert loc is not None
+    forged = DirEntry(a.node.node_id, loc.addr, loc.rkey, src.page_bytes, loc.generation + 1)
+    for dir_node in cluster.nodes:
+        dir_node.shard.put(keys[1], forged)
+    # torn payload for keys[2]: one payload byte changes under an intact header
+    loc2 = pool.location(keys[2])
+    assert loc2 is not None
+    view = pool.slot_view(loc2.slot)
+    view[70] ^= 0xFF
+    before = b.node.stale_reads
+    assert b.batch_get_v1(keys, [3 * ps, 4 * ps, 5 * ps]) == [False, False, False]
+    assert b.node.stale_reads == before + 3
 
 
 def test_stale_slot_is_a_miss_never_wrong_bytes(cluster: InProcessCluster) -> None:

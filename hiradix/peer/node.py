@@ -126,6 +126,32 @@ def _verify_copy(
     return stale
 
 
+def _verify_inplace(
+    heads: np.ndarray,
+    lens: np.ndarray,
+    gens: np.ndarray,
+    digests: np.ndarray,
+    dsts: np.ndarray,
+    good: np.ndarray,
+    keys: list[str],
+) -> int:
+    """Verify slots whose headers were READ into ``heads`` (64 bytes each, in order) and
+    whose payloads already lie at ``dsts``; ``good`` is updated in place, the count of
+    stale slots returned. Compiled: :func:`hiradix.peer._verify.verify_inplace`."""
+    if _verify is not None:
+        return int(_verify.verify_inplace(heads, lens, gens, digests, dsts, good))
+    stale = 0
+    for j in range(len(lens)):
+        if not good[j]:
+            continue
+        n = int(lens[j])
+        head = heads[j * SLOT_HEADER_SIZE : (j + 1) * SLOT_HEADER_SIZE]
+        if not verify_parts(head, _view_at(int(dsts[j]), n), keys[j], int(gens[j]), n):
+            good[j] = 0
+            stale += 1
+    return stale
+
+
 def size_class(n: int, page_size: int | None) -> int:
     """The slot payload size a page of ``n`` bytes goes to: the configured page size when
     it fits, else the next power of two (at least 64).
@@ -237,6 +263,9 @@ class PeerNode:
         self.stale_reads = 0  # remote slots fetched that failed verification
         self.on_evictions: Callable[[int], None] | None = None
         self.recv = _ReceiveRegion(self.transport, recv_bytes, recv_lanes)
+        #: Local receive regions (the caller's host KV pool): ``(start, end, handle)``.
+        #: Payloads are READ straight into them; they are never served to peers.
+        self._receive_spans: list[tuple[int, int, int]] = []
         self.metrics = PeerMetrics()
         self.metrics.track("pool", lambda: (self.pool_used_bytes, self.config.pool_size, self.pool_pages))
         self.disk: DiskTier | None = None
@@ -554,6 +583,31 @@ class PeerNode:
             self._warm(cold)
         return n
 
+    def register_receive(self, buffer: Any) -> int:
+        """Register ``buffer`` (the host KV pool) as a *local receive* region: remote
+        payloads are READ straight into it, then verified in place. It is never published:
+        the transport refuses any peer read of it, and no directory entry names it.
+        Returns a handle for :meth:`deregister_receive`. Runtime complexity: ``O(regions)``.
+        """
+        region = self.transport.register(buffer, remote=False)
+        with self._lock:
+            self._receive_spans.append((region.addr, region.addr + region.length, region.rkey))
+        return region.rkey
+
+    def deregister_receive(self, handle: int, timeout: float | None = None) -> None:
+        """Undo :meth:`register_receive` (waits for reads landing in it)."""
+        with self._lock:
+            self._receive_spans = [s for s in self._receive_spans if s[2] != handle]
+        self.transport.deregister(handle, timeout)
+
+    def _direct_mask(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Which destinations lie inside a local receive region."""
+        mask = np.zeros(len(addrs), dtype=bool)
+        ends = addrs + lens.astype(np.uint64)
+        for lo, hi, _ in self._receive_spans:
+            mask |= (addrs >= np.uint64(lo)) & (ends <= np.uint64(hi))
+        return mask
+
     def read_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[bool]:
         """Fill each of ``outs`` (writable flat bytes) with its key's verified page.
 
@@ -611,8 +665,15 @@ class PeerNode:
             ok[i] = self._read_local(keys[i], DirEntry.from_wire(w), _view_at(int(addrs[i]), want[i]))
         for node, idxs in cold.items():
             self._promote_for_read(node, idxs, keys, wires, want, remote)
+        direct = self._direct_mask(addrs, lens) if remote and self._receive_spans else None
         for node, idxs in remote.items():
-            self._fetch(node, idxs, wires, keys, addrs, lens, ok)
+            if direct is not None:
+                d = [i for i in idxs if direct[i]]
+                if d:
+                    self._fetch_direct(node, d, wires, keys, addrs, lens, ok)
+                idxs = [i for i in idxs if not direct[i]]
+            if idxs:
+                self._fetch(node, idxs, wires, keys, addrs, lens, ok)
         hits = int(ok.sum())
         self.metrics.record_read(n, hits, int(lens[ok].sum()), time.perf_counter() - t0)
         del hold
@@ -722,6 +783,80 @@ class PeerNode:
                     offs = ends[s:e] - need[s:e] - off0
                     stale += _verify_copy(
                         view, offs, lens[part], gens[s:e], digests[s:e], addrs[part], good, [keys[i] for i in part]
+                    )
+                    ok[part] = good.view(bool)
+                if stale:
+                    with self._lock:
+                        self.stale_reads += stale
+        except queue.Empty:
+            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idxs), node)
+
+    def _fetch_direct(
+        self,
+        node: str,
+        idxs: list[int],
+        wires: list[Any],
+        keys: Sequence[str],
+        addrs: np.ndarray,
+        lens: np.ndarray,
+        ok: np.ndarray,
+    ) -> None:
+        """READ each slot of ``idxs`` from ``node`` as two items, the header into a receive
+        lane and the payload straight into its destination page (inside a local receive
+        region), then verify header + CRC over the payload in place. No copy.
+
+        A slot that fails is a miss and its page holds unspecified bytes. Whatever order
+        the two items land in, a rewrite of the slot is caught: the header is zeroed
+        first and generations never repeat, and a header read before the rewrite with a
+        payload read during it fails the CRC. Batches go in chunks of ``chunk_bytes`` of
+        payload (headers in alternating halves of the lane), the next chunk READ while
+        this one is verified.
+        """
+        info = self.membership.info(node)
+        if info is None:
+            return
+        timeout = self.config.read_timeout_s
+        ws = [wires[i] for i in idxs]
+        idx = np.array(idxs, dtype=np.int64)
+        plens = lens[idx]
+        try:
+            with self.recv.lease(timeout) as (base, lane):
+                half_heads = len(lane) // 2 // SLOT_HEADER_SIZE
+                gens = np.array([w[4] for w in ws], dtype=np.uint64)
+                digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idxs]), dtype=np.uint8)
+                digests = digests.reshape(-1, 32)
+                bounds = _chunk_bounds(np.cumsum(plens).tolist(), max(self.chunk_bytes, int(plens.max())))
+                bounds = sorted(set(bounds) | set(range(0, len(idxs), half_heads)))
+                lane_arr = np.frombuffer(lane, dtype=np.uint8)
+                dsts = addrs[idx]
+                hsize = SLOT_HEADER_SIZE
+
+                def read(k: int) -> list[Status]:
+                    s, e = bounds[k], bounds[k + 1]
+                    hb = base + (k % 2) * half_heads * hsize
+                    ops: list[ReadOp] = []
+                    for j, (w, d) in enumerate(zip(ws[s:e], dsts[s:e].tolist(), strict=True)):
+                        ops.append(ReadOp(w[1], w[2], hsize, hb + j * hsize))
+                        ops.append(ReadOp(w[1] + hsize, w[2], w[3], d))
+                    return self.transport.read_batch(info.data, ops, timeout=timeout)
+
+                pending = self._reader.submit(read, 0)
+                stale = 0
+                for k in range(len(bounds) - 1):
+                    statuses = pending.result()
+                    if k + 2 < len(bounds):
+                        pending = self._reader.submit(read, k + 1)
+                    s, e = bounds[k], bounds[k + 1]
+                    good = np.fromiter(
+                        (a == Status.OK and b == Status.OK for a, b in zip(statuses[::2], statuses[1::2], strict=True)),
+                        dtype=np.uint8,
+                        count=e - s,
+                    )
+                    h0 = (k % 2) * half_heads * hsize
+                    heads = lane_arr[h0 : h0 + (e - s) * hsize]
+                    part = idx[s:e]
+                    stale += _verify_inplace(
+                        heads, plens[s:e], gens[s:e], digests[s:e], dsts[s:e], good, [keys[i] for i in part.tolist()]
                     )
                     ok[part] = good.view(bool)
                 if stale:

@@ -25,11 +25,14 @@ Semantics, on top of :class:`~hiradix.storage.base.StorageBackend`:
 
 - ``set`` is one memcpy into a published-pool slot plus a directory PUT to the key's
   replica owners; the bytes never leave this node until someone reads them.
-- ``get`` is a batched directory lookup (one RPC per owner), one transport READ batch per
-  producer into the registered receive region, verification of every slot (magic, key
-  digest, generation, CRC), then one copy into the caller's page (the host KV pool for
-  the v1 calls; that pool is never registered with the transport). Pages this node
-  published are a local memcpy. Anything that fails is a miss, never wrong bytes.
+- ``get`` is a batched directory lookup (one RPC per owner) and one transport READ batch
+  per producer. For the page-first v1 calls the host KV pool is registered as a *local
+  receive* region (never published: no peer can read it), and each slot is READ as two
+  items, its header into the receive region and its payload straight into the host page,
+  then verified in place (magic, key digest, generation, CRC): no copy. Other
+  destinations get whole slots in the receive region, verified, then copied out. Pages
+  this node published are a local memcpy. Anything that fails is a miss, never wrong
+  bytes (a missed page's bytes are unspecified and ``batch_get_v1`` returns ``False``).
 - ``batch_exists`` is one batched lookup, longest prefix. Disk-resident pages count as
   hits and are promoted in the background so the following ``get`` is warm.
 """
@@ -96,6 +99,7 @@ class PeerCacheStore(StorageBackend):
         if node is None:
             node = self._start_node({**self.config.extra_config, **dict(kwargs or {})})
         self.node = node
+        self._receive_handle: int | None = None
         node.on_evictions = lambda n: self._count(evictions=n)
 
     def _start_node(self, extra: dict[str, Any]) -> PeerNode:
@@ -124,6 +128,20 @@ class PeerCacheStore(StorageBackend):
             heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
             recv_bytes=int(extra.get("recv_bytes", 64 << 20)),
         )
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Attach the host pool and register it with the node's transport as a *local
+        receive* region (page-first layouts), so remote payloads are READ straight into
+        their pages. It is never published: no peer can read it. ``O(regions)``."""
+        super().register_mem_pool_host(mem_pool_host)
+        if self._receive_handle is not None:
+            self.node.deregister_receive(self._receive_handle)
+            self._receive_handle = None
+        if mem_pool_host.layout != "layer_first":
+            try:
+                self._receive_handle = self.node.register_receive(mem_pool_host.pages_array())
+            except ValueError as exc:  # overlaps a region already registered: the staged path
+                log.warning("peer store: host pool not registered for direct reads: %s", exc)
 
     # ------------------------------------------------------------------ primitives
     def _exists(self, key: str) -> bool:
@@ -170,6 +188,9 @@ class PeerCacheStore(StorageBackend):
 
     def close(self) -> None:
         """Stop the node (and the in-process cluster) this store started. Idempotent."""
+        if self._receive_handle is not None and not self._owns_node:
+            self.node.deregister_receive(self._receive_handle)
+        self._receive_handle = None
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None

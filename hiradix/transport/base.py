@@ -221,6 +221,7 @@ class _Entry:
     view: memoryview
     inflight: int = 0
     dying: bool = False
+    remote: bool = True  # False: a local receive region, never served to a peer
 
 
 class RegionTable:
@@ -237,8 +238,10 @@ class RegionTable:
         self._starts: list[int] = []  # sorted region start addresses
         self._by_start: dict[int, _Entry] = {}
 
-    def add(self, addr: int, view: memoryview) -> Region:
+    def add(self, addr: int, view: memoryview, remote: bool = True) -> Region:
         """Register ``view`` (which starts at ``addr``) under a fresh random 32-bit rkey.
+        ``remote=False`` makes it a local receive region: a destination for reads only,
+        whose rkey (a handle for :meth:`remove`) the responder never serves.
 
         Runtime complexity: ``O(n)`` in the number of regions (sorted insert).
         """
@@ -255,6 +258,7 @@ class RegionTable:
             while rkey == 0 or rkey in self._by_rkey:
                 rkey = secrets.randbits(32)
             entry = _Entry(Region(addr, rkey, n), view)
+            entry.remote = remote
             self._by_rkey[rkey] = entry
             self._starts.insert(i, addr)
             self._by_start[addr] = entry
@@ -289,7 +293,7 @@ class RegionTable:
         with self._lock:
             for addr, length, rkey in items:
                 entry = self._by_rkey.get(rkey)
-                if entry is None or entry.dying:
+                if entry is None or entry.dying or not entry.remote:
                     out.append((Status.BAD_RKEY, None, None))
                     continue
                 off = addr - entry.region.addr
@@ -481,15 +485,20 @@ class Transport(ABC):
         """This node's peer address, as other nodes name it in ``read_batch``."""
 
     # -- regions --------------------------------------------------------------------------
-    def register(self, buffer: Any) -> Region:
+    def register(self, buffer: Any, *, remote: bool = True) -> Region:
         """Register a writable host buffer (numpy array, CPU tensor, ``bytearray``...) and
         return its :class:`Region`. The transport keeps the buffer alive until
         :meth:`deregister`.
 
+        ``remote=False`` registers a *local receive* region (an ``lkey`` without an
+        ``rkey``): reads may land in it, but no peer can read from it; a peer presenting
+        its key gets :attr:`Status.BAD_RKEY`. Its ``rkey`` only names it for
+        :meth:`deregister` and must not be published.
+
         Runtime complexity: ``O(n)`` in the number of registered regions.
         """
         addr, view = buffer_span(buffer)
-        return self.regions.add(addr, view)
+        return self.regions.add(addr, view, remote)
 
     def deregister(self, rkey: int, timeout: float | None = None) -> None:
         """Unpublish ``rkey``: new reads of it fail with ``BAD_RKEY`` at once; then wait for
