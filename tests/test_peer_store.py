@@ -427,6 +427,40 @@ def test_verify_copy_accepts_good_and_rejects_stale_torn_and_foreign(
     assert not outs[1].any() and not outs[2].any() and not outs[3].any() and not outs[5].any()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_verify_inplace_accepts_good_and_rejects_stale_torn_and_foreign(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hiradix.peer.node as node_mod
+    from hiradix.peer.pool import key_digest, pack_header
+
+    if compiled:
+        if node_mod._verify is None:
+            pytest.skip("hiradix.peer._verify not built (pure-Python run)")
+    else:
+        monkeypatch.setattr(node_mod, "_verify", None)
+    rng = np.random.default_rng(6)
+    sizes = [100, 4096, 16384, 63, 70000, 4096]
+    pages = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    keys = [f"key-{i}" for i in range(len(pages))]
+    gens = [10, 11, 12, 13, 14, 15]
+    written = [*keys[:2], "someone-else", *keys[3:]]  # slot 2 holds another key's page
+    heads = np.frombuffer(
+        b"".join(pack_header(k, g, p) for k, g, p in zip(written, gens, pages, strict=True)), dtype=np.uint8
+    ).copy()
+    want_gens = np.array(gens, dtype=np.uint64)
+    want_gens[1] = 99  # the slot was reused: another generation
+    digests = np.frombuffer(b"".join(key_digest(k) for k in keys), dtype=np.uint8).reshape(-1, 32)
+    outs = [p.copy() for p in pages]  # the payloads already landed in their pages
+    outs[3][5] ^= 0xFF  # torn payload: CRC mismatch
+    dsts = np.array([o.ctypes.data for o in outs], dtype=np.uint64)
+    good = np.array([1, 1, 1, 1, 1, 0], dtype=np.uint8)  # the last READ failed
+    lens = np.array(sizes, dtype=np.int64)
+    stale = node_mod._verify_inplace(heads, lens, want_gens, digests, dsts, good, keys)
+    assert stale == 3
+    assert good.tolist() == [1, 0, 0, 0, 1, 0]
+
+
 def test_compiled_crc_matches_zlib() -> None:
     import zlib
 

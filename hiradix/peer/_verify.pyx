@@ -9,6 +9,9 @@ verifies to its destination address, all in one call and without the GIL. The pe
 Python work of the old path (struct unpack, slicing, a CRC call and a copy call per page:
 about 9 us per page) becomes a few nanoseconds of C per page.
 
+:func:`verify_inplace` is the no-copy variant: headers were READ into the receive region
+and payloads straight into their destination pages, and each is checked where it lies.
+
 The CRC is zlib's CRC-32 (same values, :func:`crc32`): carry-less multiply folding
 (PCLMULQDQ, checked at run time with cpuid) for the bulk, slice-by-8 tables otherwise.
 

@@ -5,9 +5,10 @@ A :class:`PeerNode` runs
 - an :class:`~hiradix.peer.rpc.RpcServer` serving its directory shard (``dir_*``), the
   embedded discovery service (``disc_*``), ``data_promote`` (bring disk-resident pages back
   into the pool and return their fresh locations) and ``node_status``;
-- a transport (TCP, or the fake NIC in-process) whose responder serves exactly two
-  registered regions: the published pools and the receive region. The caller's host KV
-  pool (L2) is never registered;
+- a transport (TCP, or the fake NIC in-process) whose responder serves only the
+  published pools. The receive region and the caller's host KV pool (L2, through
+  :meth:`PeerNode.register_receive`) are registered as local receive regions: reads land
+  in them, no peer can read them;
 - published pools, one per page-size class (SGLang uses one page size, hence one pool),
   an optional :class:`~hiradix.peer.disk.DiskTier`, and :class:`PeerMetrics` with an
   optional :class:`MetricsServer`;
@@ -18,10 +19,12 @@ A :class:`PeerNode` runs
 
 Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
 PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Reads:
-:meth:`PeerNode.read_into` looks the keys up (one RPC per owner), READs each remote slot
-(header + payload) into the receive region, verifies it (:func:`~hiradix.peer.pool.verify_parts`:
-magic, key digest, generation, CRC) and only then copies the payload to the caller. A read
-that fails in any way is a miss, never wrong bytes. Pages this node publishes itself are
+:meth:`PeerNode.read_pages` looks the keys up (one RPC per owner). A destination inside
+a local receive region gets its slot as two READ items, the header into the receive
+region and the payload straight into the page, verified there (magic, key digest,
+generation, CRC; :func:`~hiradix.peer.pool.verify_parts`). Other destinations get the whole
+slot in the receive region, verified, then copied out. A read that fails in any way is a
+miss, never a hit with wrong bytes. Pages this node publishes itself are
 served by a local memcpy.
 
 :class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
