@@ -125,9 +125,10 @@ class MemoryStorage(StorageBackend):
                 if cap is not None and n > cap:
                     results.append(False)
                     continue
-                old = pages.pop(key, None)
+                old = pages.get(key)  # a plain lookup: most keys are new, and pop(key, None) is slow on a miss
                 if old is not None:
                     self._bytes -= len(old)
+                    del pages[key]
                 if cap is not None:
                     while pages and self._bytes + n > cap:
                         _, victim = pages.popitem(last=False)
