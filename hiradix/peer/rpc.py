@@ -22,7 +22,6 @@ Server error codes: ``no_such_method``, ``bad_params``, ``malformed``,
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import socket
 import struct
@@ -34,9 +33,9 @@ from typing import Any
 
 import msgpack
 
-from hiradix.transport.auth import AuthError, client_handshake, load_token
+from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import ChannelPool, parse_peer
-from hiradix.transport.listener import AuthListener
+from hiradix.transport.listener import AuthListener, dial, hang_up
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -373,24 +372,16 @@ class RpcClient:
         host, port = parse_peer(peer)
         limit = self.timeout if timeout is None else timeout
         try:
-            sock = socket.create_connection((host, port), timeout=limit)
-        except TimeoutError:
+            sock = dial(host, port, self._token, _AUTH_CONTEXT, limit)
+        except (TimeoutError, AuthError):
             raise
         except OSError as e:
             raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._token, _AUTH_CONTEXT, limit)
-        except BaseException:
-            sock.close()
-            raise
         return _Conn(sock)
 
     @staticmethod
     def _close_conn(c: _Conn) -> None:
-        with contextlib.suppress(OSError):
-            c.sock.shutdown(socket.SHUT_RDWR)
-        c.sock.close()
+        hang_up(c.sock)
 
     def call(self, peer: str, method: str, /, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Call ``method(*args, **kwargs)`` on ``peer`` (``"host:port"``) and return its result.

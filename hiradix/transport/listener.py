@@ -1,5 +1,6 @@
-"""The server side shared by the TCP responder and the RPC server: accept, cap,
-authenticate, serve one connection per thread.
+"""Both ends of an authenticated TCP connection, shared by the TCP transport and the RPC
+layer: :class:`AuthListener` (accept, cap, authenticate, serve one connection per thread)
+and :func:`dial` / :func:`hang_up` for the client side.
 
 Every connection is authenticated with the cluster-token handshake
 (:func:`hiradix.transport.auth.server_handshake`, in the listener's ``context``) before a
@@ -15,9 +16,30 @@ import socket
 import threading
 from collections.abc import Callable
 
-from hiradix.transport.auth import AuthError, server_handshake
+from hiradix.transport.auth import AuthError, client_handshake, server_handshake
 
-__all__ = ["AuthListener"]
+__all__ = ["AuthListener", "dial", "hang_up"]
+
+
+def dial(host: str, port: int, token: bytes, context: bytes, timeout: float) -> socket.socket:
+    """Connect to ``(host, port)`` with TCP_NODELAY and complete the client side of the
+    handshake within ``timeout`` seconds each; the socket is closed if anything fails.
+    Raises ``OSError`` (``TimeoutError`` included) or ``AuthError``."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, token, context, timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def hang_up(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways (waking any thread blocked on it) and close it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 class AuthListener:
@@ -97,5 +119,5 @@ class AuthListener:
             conns = list(self._conns)
         for c in conns:
             with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+                c.shutdown(socket.SHUT_RDWR)  # the serving thread closes it
         self._thread.join(timeout=2.0)

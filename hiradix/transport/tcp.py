@@ -26,7 +26,6 @@ GIL is held only to parse up to 256 item headers.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
 import threading
@@ -34,7 +33,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
-from hiradix.transport.auth import AuthError, client_handshake, load_token
+from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import (
     MAX_ITEM_BYTES,
     Capabilities,
@@ -45,7 +44,7 @@ from hiradix.transport.base import (
     _BatchPlan,
     parse_peer,
 )
-from hiradix.transport.listener import AuthListener
+from hiradix.transport.listener import AuthListener, dial, hang_up
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
 
@@ -262,21 +261,13 @@ class TcpTransport(Transport):
     def _connect(self, peer: str, timeout: float | None) -> _Channel:
         host, port = parse_peer(peer)
         limit = self.handshake_timeout if timeout is None else min(timeout, self.handshake_timeout)
-        sock = socket.create_connection((host, port), timeout=limit)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._token, _AUTH_CONTEXT, limit)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
+        sock = dial(host, port, self._token, _AUTH_CONTEXT, limit)
+        sock.settimeout(None)
         return _Channel(sock)
 
     @staticmethod
     def _close_channel(ch: _Channel) -> None:
-        with contextlib.suppress(OSError):
-            ch.sock.shutdown(socket.SHUT_RDWR)
-        ch.sock.close()
+        hang_up(ch.sock)
 
     def _frames(self, plan: _BatchPlan) -> list[list[int]]:
         frames: list[list[int]] = []
