@@ -236,10 +236,6 @@ class HiCacheController:
         """
         return self._ack(self._writes, wait_all, "backup")
 
-    def num_pending_writes(self) -> int:
-        """Backups submitted and not yet acknowledged, plus queued writes."""
-        return len(self._writes.acks) + len(self._writes.pending)
-
     # ------------------------------------------------------------------ loads
     def load(self, host_indices: Any, device_indices: Any, node: int = -1) -> None:
         """Queue a host -> device copy for ``node``. ``O(1)``; see :meth:`start_loading`."""
@@ -269,10 +265,6 @@ class HiCacheController:
             assert isinstance(ack.handle, LoadHandle)
             self.layer_done_counter.retire(ack.handle)
         return acks
-
-    def num_pending_loads(self) -> int:
-        """Loads submitted and not yet acknowledged, plus queued loads."""
-        return len(self._loads.acks) + len(self._loads.pending)
 
     # ------------------------------------------------------------------ common
     def _ack(self, q: _Queue, wait_all: bool, kind: str) -> list[tuple[TransferAck, bool]]:

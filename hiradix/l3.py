@@ -116,10 +116,6 @@ class PrefetchOperation:
     io_done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys) if self.queried else -1
-
     def finished(self) -> bool:
         """The threads are done with this operation (its slots may be freed)."""
         return self.io_done.is_set()
