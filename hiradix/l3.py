@@ -381,13 +381,14 @@ class L3Controller:
     def _read(self, keys: list[str], starts: torch.Tensor) -> list[bool]:
         if self.use_v1:
             return self.backend.batch_get_v1(keys, starts)
-        pages = self.backend.batch_get(keys)
-        out = []
-        for start, page in zip(starts.tolist(), pages, strict=True):
-            ok = page is not None and page.numel() == self.host_pool.page_bytes
-            if ok:
-                self.host_pool.set_page_bytes(start, page)
-            out.append(ok)
+        # generic backend: read into one [n, page_bytes] buffer, scatter the good pages at once
+        pool = self.host_pool
+        buf = torch.empty((len(keys), pool.page_bytes), dtype=torch.uint8)
+        got = self.backend.batch_get(keys, list(buf))
+        out = [page is not None for page in got]
+        good = [i for i, ok in enumerate(out) if ok]
+        if good:
+            pool.write_pages(starts[good], buf[good])
         return out
 
     def _backup_loop(self) -> None:
@@ -404,8 +405,9 @@ class L3Controller:
                 results = self.backend.batch_set_v1(op.keys, starts)
                 stored = sum(results)
             else:
-                pages = [self.host_pool.get_page_bytes(s) for s in starts.tolist()]
-                stored = len(pages) if self.backend.batch_set(op.keys, pages) else 0
+                pages = torch.empty((len(op.keys), self.host_pool.page_bytes), dtype=torch.uint8)
+                self.host_pool.read_pages(starts, pages)
+                stored = len(op.keys) if self.backend.batch_set(op.keys, list(pages)) else 0
             op.stored_pages = stored
             self._count(backup_pages=stored, backup_failed_pages=len(op.keys) - stored)
         except Exception:  # a storage error is a failed backup (a later miss), never a crash

@@ -18,7 +18,7 @@ from support import FakeClock
 from hiradix.cache import HiRadixCache, Req
 from hiradix.l3 import PrefetchConfig
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
-from hiradix.storage import FileStorage, KeyNamespace, MemoryStorage, StorageBackend
+from hiradix.storage import Capabilities, FileStorage, KeyNamespace, MemoryStorage, StorageBackend
 
 SHAPE = MHAShape(2, 2, 4)
 
@@ -361,3 +361,19 @@ def test_aborted_request_releases_its_prefetch() -> None:
         assert cache.host_pool.available_size() == cache.host_pool.size
         assert cache.tree.parent(mount) == -1 or cache.tree.node_info(mount)["host_ref_counter"] == 0
         cache.check_invariants()
+
+
+class GenericOnlyStorage(MemoryStorage):
+    """A backend without the v1 calls: the L3 threads use batch_get / batch_set."""
+
+    capabilities = Capabilities(supports_v1=False)
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_round_trip_through_a_generic_backend(layout: str) -> None:
+    with make(GenericOnlyStorage(), layout=layout) as cache:
+        assert cache.l3 is not None and not cache.l3.use_v1
+        t = np.arange(128)
+        compute(cache, t)
+        evict_l1_l2(cache)
+        assert fetch(cache, t) == (128, 128)
