@@ -95,7 +95,8 @@ def test_v1_remote_into_host_pool(cluster: InProcessCluster) -> None:
     assert handle is not None
     for node in cluster.nodes:
         if node is not b.node:
-            assert node.transport.regions.acquire_local(lo, 1) is None
+            landing, pins = node.transport.regions.acquire_local(np.array([lo], np.uint64), np.array([1], np.uint64))
+            assert not landing.any() and len(pins) == 0
     sink = bytearray(64)
     c_node = cluster.nodes[2]
     c_node.transport.register(sink)

@@ -40,6 +40,7 @@ class Harness:
     """Builds transports of one kind and tears them down."""
 
     kind = ""
+    transport_kind = ""  #: what the transport declares in ``capabilities.kind``
 
     def __init__(self) -> None:
         self.made: list[Transport] = []
@@ -57,7 +58,7 @@ class Harness:
 
 
 class TcpHarness(Harness):
-    kind = "tcp"
+    kind = transport_kind = "tcp"
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,8 +80,20 @@ class TcpHarness(Harness):
             s.close()
 
 
+class TcpPythonHarness(TcpHarness):
+    """TCP through the Python loops (``native=False``): the twin of the compiled data
+    plane, speaking the same wire format."""
+
+    kind = "tcp-py"
+    transport_kind = "tcp"
+
+    def make(self, **kw: object) -> Transport:
+        kw.setdefault("native", False)
+        return super().make(**kw)
+
+
 class FakeHarness(Harness):
-    kind = "fake"
+    kind = transport_kind = "fake"
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +117,7 @@ class FakeHarness(Harness):
         return t.address
 
 
-HARNESSES: dict[str, Callable[[], Harness]] = {"tcp": TcpHarness, "fake": FakeHarness}
+HARNESSES: dict[str, Callable[[], Harness]] = {"tcp": TcpHarness, "tcp-py": TcpPythonHarness, "fake": FakeHarness}
 
 
 @pytest.fixture(params=sorted(HARNESSES))
@@ -178,7 +191,7 @@ def test_capabilities_are_declared(h: Harness) -> None:
     t = h.make()
     caps = type(t).capabilities
     assert isinstance(caps, Capabilities)
-    assert caps.kind == h.kind and caps.releases_gil and caps.local_memcpy
+    assert caps.kind == h.transport_kind and caps.releases_gil and caps.local_memcpy
 
 
 def test_round_trip_gathers_pages_in_any_order(h: Harness) -> None:
@@ -465,7 +478,7 @@ def test_peer_gone_reports_an_error_without_hanging(h: Harness) -> None:
 def test_unknown_peer_is_unreachable(h: Harness) -> None:
     reader = h.make()
     lr = reader.register(bytearray(64))
-    peer = "127.0.0.1:1" if h.kind == "tcp" else "nobody"
+    peer = "127.0.0.1:1" if h.transport_kind == "tcp" else "nobody"
     assert reader.read_batch(peer, [(0, 1, 8, lr.addr)], timeout=2.0) == [Status.PEER_UNREACHABLE]
 
 

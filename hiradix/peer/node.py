@@ -44,7 +44,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
 
@@ -59,7 +59,7 @@ from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, key_
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.auth import load_token
-from hiradix.transport.base import ReadOp, Status, Transport
+from hiradix.transport.base import Status, Transport, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
@@ -75,11 +75,6 @@ if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
         _verify = importlib.import_module("hiradix.peer._verify")
     except ImportError:  # pragma: no cover - not built: the pure-Python loop below
         _verify = None
-
-
-def _view_at(addr: int, n: int) -> memoryview:
-    """A writable view of ``n`` bytes at the raw address ``addr`` (caller keeps it alive)."""
-    return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
 
 
 def _chunk_bounds(ends: list[int], half: int) -> list[int]:
@@ -149,7 +144,7 @@ def _verify_inplace(
             continue
         n = int(lens[j])
         head = heads[j * SLOT_HEADER_SIZE : (j + 1) * SLOT_HEADER_SIZE]
-        if not verify_parts(head, _view_at(int(dsts[j]), n), keys[j], int(gens[j]), n):
+        if not verify_parts(head, view_at(int(dsts[j]), n), keys[j], int(gens[j]), n):
             good[j] = 0
             stale += 1
     return stale
@@ -665,7 +660,7 @@ class PeerNode:
         for i in local:
             w = wires[i]
             assert w is not None
-            ok[i] = self._read_local(keys[i], DirEntry.from_wire(w), _view_at(int(addrs[i]), want[i]))
+            ok[i] = self._read_local(keys[i], DirEntry.from_wire(w), view_at(int(addrs[i]), want[i]))
         for node, idxs in cold.items():
             self._promote_for_read(node, idxs, keys, wires, want, remote)
         direct = self._direct_mask(addrs, lens) if remote and self._receive_spans else None
@@ -758,19 +753,20 @@ class PeerNode:
                 gens = np.array([w[4] for w in ws], dtype=np.uint64)
                 digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idx.tolist()]), dtype=np.uint8)
                 digests = digests.reshape(-1, 32)
+                raddr = np.array([w[1] for w in ws], dtype=np.uint64)
+                rkey = np.array([w[2] for w in ws], dtype=np.uint32)
                 ends = np.cumsum(need)
+                offs = ends - need
                 bounds = _chunk_bounds(ends.tolist(), half)
                 lane_arr = np.frombuffer(lane, dtype=np.uint8)
 
-                def read(k: int) -> list[Status]:
+                def read(k: int) -> np.ndarray:
                     s, e = bounds[k], bounds[k + 1]
-                    off0 = int(ends[s - 1]) if s else 0
-                    nb = base + (k % 2) * half - off0
-                    ops = [
-                        ReadOp(w[1], w[2], w[3] + SLOT_HEADER_SIZE, nb + int(o))
-                        for w, o in zip(ws[s:e], (ends[s:e] - need[s:e]).tolist(), strict=True)
-                    ]
-                    return self.transport.read_batch(info.data, ops, timeout=timeout)
+                    # Chunk k lands back to back from the start of half k % 2 of the lane.
+                    laddr = offs[s:e] - offs[s] + (base + (k % 2) * half)
+                    return self.transport.read_batch_arrays(
+                        info.data, raddr[s:e], rkey[s:e], need[s:e], laddr, timeout=timeout
+                    )
 
                 pending = self._reader.submit(read, 0)
                 stale = 0
@@ -779,13 +775,18 @@ class PeerNode:
                     if k + 2 < len(bounds):
                         pending = self._reader.submit(read, k + 1)
                     s, e = bounds[k], bounds[k + 1]
-                    off0 = int(ends[s - 1]) if s else 0
                     part = idx[s:e]
-                    good = np.fromiter((st == Status.OK for st in statuses), dtype=np.uint8, count=e - s)
+                    good = (statuses == Status.OK).view(np.uint8)
                     view = lane_arr[(k % 2) * half : (k % 2) * half + half]
-                    offs = ends[s:e] - need[s:e] - off0
                     stale += _verify_copy(
-                        view, offs, lens[part], gens[s:e], digests[s:e], addrs[part], good, [keys[i] for i in part]
+                        view,
+                        offs[s:e] - offs[s],
+                        lens[part],
+                        gens[s:e],
+                        digests[s:e],
+                        addrs[part],
+                        good,
+                        [keys[i] for i in part],
                     )
                     ok[part] = good.view(bool)
                 if stale:
@@ -811,9 +812,11 @@ class PeerNode:
         A slot that fails is a miss and its page holds unspecified bytes. Whatever order
         the two items land in, a rewrite of the slot is caught: the header is zeroed
         first and generations never repeat, and a header read before the rewrite with a
-        payload read during it fails the CRC. Batches go in chunks of ``chunk_bytes`` of
-        payload (headers in alternating halves of the lane), the next chunk READ while
-        this one is verified.
+        payload read during it fails the CRC.
+
+        Every slot's header has its own place in the lane, so the chunks (``chunk_bytes``
+        of payload each) are all queued to the reader threads at once: the transport
+        never waits for verification, and each chunk is verified as soon as it has landed.
         """
         info = self.membership.info(node)
         if info is None:
@@ -822,46 +825,49 @@ class PeerNode:
         ws = [wires[i] for i in idxs]
         idx = np.array(idxs, dtype=np.int64)
         plens = lens[idx]
+        hsize = SLOT_HEADER_SIZE
         try:
             with self.recv.lease(timeout) as (base, lane):
-                half_heads = len(lane) // 2 // SLOT_HEADER_SIZE
                 gens = np.array([w[4] for w in ws], dtype=np.uint64)
                 digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idxs]), dtype=np.uint8)
                 digests = digests.reshape(-1, 32)
-                bounds = _chunk_bounds(np.cumsum(plens).tolist(), max(self.chunk_bytes, int(plens.max())))
-                bounds = sorted(set(bounds) | set(range(0, len(idxs), half_heads)))
-                lane_arr = np.frombuffer(lane, dtype=np.uint8)
                 dsts = addrs[idx]
-                hsize = SLOT_HEADER_SIZE
-
-                def read(k: int) -> list[Status]:
-                    s, e = bounds[k], bounds[k + 1]
-                    hb = base + (k % 2) * half_heads * hsize
-                    ops: list[ReadOp] = []
-                    for j, (w, d) in enumerate(zip(ws[s:e], dsts[s:e].tolist(), strict=True)):
-                        ops.append(ReadOp(w[1], w[2], hsize, hb + j * hsize))
-                        ops.append(ReadOp(w[1] + hsize, w[2], w[3], d))
-                    return self.transport.read_batch(info.data, ops, timeout=timeout)
-
-                pending = self._reader.submit(read, 0)
+                raddr = np.array([w[1] for w in ws], dtype=np.uint64)
+                rkey = np.array([w[2] for w in ws], dtype=np.uint32)
+                # Each slot is two items: its header into the lane, its payload in place.
+                pair_raddr = np.stack([raddr, raddr + np.uint64(hsize)], axis=1).ravel()
+                pair_rkey = np.repeat(rkey, 2)
+                pair_len = np.stack([np.full(len(ws), hsize, dtype=np.uint64), plens.astype(np.uint64)], axis=1).ravel()
+                lane_arr = np.frombuffer(lane, dtype=np.uint8)
+                per_round = len(lane) // hsize  # slots whose headers fit the lane together
                 stale = 0
-                for k in range(len(bounds) - 1):
-                    statuses = pending.result()
-                    if k + 2 < len(bounds):
-                        pending = self._reader.submit(read, k + 1)
-                    s, e = bounds[k], bounds[k + 1]
-                    good = np.fromiter(
-                        (a == Status.OK and b == Status.OK for a, b in zip(statuses[::2], statuses[1::2], strict=True)),
-                        dtype=np.uint8,
-                        count=e - s,
-                    )
-                    h0 = (k % 2) * half_heads * hsize
-                    heads = lane_arr[h0 : h0 + (e - s) * hsize]
-                    part = idx[s:e]
-                    stale += _verify_inplace(
-                        heads, plens[s:e], gens[s:e], digests[s:e], dsts[s:e], good, [keys[i] for i in part.tolist()]
-                    )
-                    ok[part] = good.view(bool)
+                for r0 in range(0, len(ws), per_round):
+                    r1 = min(len(ws), r0 + per_round)
+                    cuts = _chunk_bounds(np.cumsum(plens[r0:r1]).tolist(), max(self.chunk_bytes, int(plens.max())))
+                    chunks = [(r0 + cuts[j], r0 + cuts[j + 1]) for j in range(len(cuts) - 1)]
+                    heads_at = np.uint64(base) + (np.arange(r1 - r0, dtype=np.uint64) * np.uint64(hsize))
+
+                    def read(s: int, e: int, heads_at: np.ndarray = heads_at, r0: int = r0) -> np.ndarray:
+                        laddr = np.stack([heads_at[s - r0 : e - r0], dsts[s:e]], axis=1).ravel()
+                        two = slice(2 * s, 2 * e)
+                        return self.transport.read_batch_arrays(
+                            info.data, pair_raddr[two], pair_rkey[two], pair_len[two], laddr, timeout=timeout
+                        )
+
+                    futures = [self._reader.submit(read, s, e) for s, e in chunks]
+                    try:
+                        for (s, e), fut in zip(chunks, futures, strict=True):
+                            statuses = fut.result()
+                            good = ((statuses[0::2] == Status.OK) & (statuses[1::2] == Status.OK)).view(np.uint8)
+                            heads = lane_arr[(s - r0) * hsize : (e - r0) * hsize]
+                            part = idx[s:e]
+                            stale += _verify_inplace(
+                                heads, plens[s:e], gens[s:e], digests[s:e], dsts[s:e], good, [keys[i] for i in part]
+                            )
+                            ok[part] = good.view(bool)
+                    finally:
+                        # The lane goes back only once no READ can still land in it.
+                        wait(futures)
                 if stale:
                     with self._lock:
                         self.stale_reads += stale

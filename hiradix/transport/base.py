@@ -38,15 +38,18 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+
+import numpy as np
 
 __all__ = [
     "MAX_ITEM_BYTES",
     "Capabilities",
     "ChannelPool",
     "InjectedFault",
+    "Pins",
     "ReadOp",
     "Region",
     "RegionBusyError",
@@ -57,6 +60,7 @@ __all__ = [
     "TransportStats",
     "buffer_span",
     "parse_peer",
+    "view_at",
 ]
 
 #: Largest single read item, in bytes. Bigger reads must be split by the caller.
@@ -224,11 +228,59 @@ class _Entry:
     remote: bool = True  # False: a local receive region, never served to a peer
 
 
+class Pins:
+    """Reads marked in flight by :meth:`RegionTable.acquire_local` /
+    :meth:`~RegionTable.acquire_remote`: ``(entry, count)`` pairs, one per region touched,
+    handed back once to :meth:`RegionTable.release`."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held: list[tuple[_Entry, int]] | None = None) -> None:
+        self._held = held or []
+
+    def __len__(self) -> int:
+        return sum(c for _, c in self._held)
+
+
+@dataclass
+class _Index:
+    """Sorted numpy columns over the live regions, rebuilt after each table change (rare);
+    lookups of whole batches are then a few vectorized operations under the lock."""
+
+    starts: np.ndarray  # uint64 region start addresses, ascending
+    ends: np.ndarray  # uint64 region ends (exclusive), same order
+    by_addr: list[_Entry]  # entries in address order
+    rkeys: np.ndarray  # uint32 rkeys of the servable (remote, not dying) regions, ascending
+    bases: np.ndarray  # uint64 their start addresses
+    lengths: np.ndarray  # uint64 their lengths
+    by_rkey: list[_Entry]  # entries in rkey order
+
+
+def view_at(addr: int, n: int) -> memoryview:
+    """A writable flat view of ``n`` bytes at the raw address ``addr``; the caller keeps
+    the memory alive (a registered region marked in flight)."""
+    return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
+
+
+def _pin(entries: list[_Entry], which: np.ndarray) -> Pins:
+    """Count one read in flight per position of ``which`` (indices into ``entries``)."""
+    held: list[tuple[_Entry, int]] = []
+    if which.size:
+        counts = np.bincount(which, minlength=len(entries))
+        for j in np.flatnonzero(counts).tolist():
+            e = entries[j]
+            c = int(counts[j])
+            e.inflight += c
+            held.append((e, c))
+    return Pins(held)
+
+
 class RegionTable:
     """The regions one transport has registered: rkey lookup for the responder, address
     lookup for local destinations, and in-flight counts for ``deregister``.
 
-    All methods are thread-safe; each takes the table lock once.
+    All methods are thread-safe; each takes the table lock once, and the batch lookups
+    run as vectorized numpy over a sorted index of the regions (no per-item Python).
     """
 
     def __init__(self) -> None:
@@ -237,13 +289,14 @@ class RegionTable:
         self._by_rkey: dict[int, _Entry] = {}
         self._starts: list[int] = []  # sorted region start addresses
         self._by_start: dict[int, _Entry] = {}
+        self._index: _Index | None = None
 
     def add(self, addr: int, view: memoryview, remote: bool = True) -> Region:
         """Register ``view`` (which starts at ``addr``) under a fresh random 32-bit rkey.
         ``remote=False`` makes it a local receive region: a destination for reads only,
         whose rkey (a handle for :meth:`remove`) the responder never serves.
 
-        Runtime complexity: ``O(n)`` in the number of regions (sorted insert).
+        Runtime complexity: ``O(n log n)`` in the number of regions (index rebuild).
         """
         n = view.nbytes
         with self._lock:
@@ -262,6 +315,7 @@ class RegionTable:
             self._by_rkey[rkey] = entry
             self._starts.insert(i, addr)
             self._by_start[addr] = entry
+            self._index = None
             return entry.region
 
     def remove(self, rkey: int, timeout: float | None = None) -> None:
@@ -276,6 +330,7 @@ class RegionTable:
             if entry is None:
                 raise KeyError(f"rkey {rkey:#x} is not registered")
             entry.dying = True
+            self._index = None
             if not self._idle.wait_for(lambda: entry.inflight == 0, timeout):
                 raise RegionBusyError(f"{entry.inflight} reads still in flight on rkey {rkey:#x}")
             del self._by_rkey[rkey]
@@ -283,54 +338,78 @@ class RegionTable:
             del self._by_start[start]
             self._starts.pop(bisect.bisect_left(self._starts, start))
 
-    def acquire_remote(self, items: Iterable[tuple[int, int, int]]) -> list[tuple[Status, memoryview | None, Any]]:
-        """For each ``(addr, length, rkey)``: a status, the source view, and a token for
-        :meth:`release`. Items that are OK count as in flight until released.
+    def _current(self) -> _Index:
+        """The index of the live regions (caller holds the lock)."""
+        if self._index is None:
+            live = [self._by_start[a] for a in self._starts if not self._by_start[a].dying]
+            served = sorted((e for e in live if e.remote), key=lambda e: e.region.rkey)
+            u64 = np.uint64
+            self._index = _Index(
+                starts=np.array([e.region.addr for e in live], dtype=u64),
+                ends=np.array([e.region.addr + e.region.length for e in live], dtype=u64),
+                by_addr=live,
+                rkeys=np.array([e.region.rkey for e in served], dtype=np.uint32),
+                bases=np.array([e.region.addr for e in served], dtype=u64),
+                lengths=np.array([e.region.length for e in served], dtype=u64),
+                by_rkey=served,
+            )
+        return self._index
 
-        Runtime complexity: ``O(1)`` per item.
-        """
-        out: list[tuple[Status, memoryview | None, Any]] = []
-        with self._lock:
-            for addr, length, rkey in items:
-                entry = self._by_rkey.get(rkey)
-                if entry is None or entry.dying or not entry.remote:
-                    out.append((Status.BAD_RKEY, None, None))
-                    continue
-                off = addr - entry.region.addr
-                if length < 0 or length > MAX_ITEM_BYTES:
-                    out.append((Status.INVALID, None, None))
-                elif off < 0 or off > entry.region.length - length:
-                    out.append((Status.OUT_OF_BOUNDS, None, None))
-                else:
-                    entry.inflight += 1
-                    out.append((Status.OK, entry.view[off : off + length], entry))
-        return out
+    def acquire_remote(self, addr: np.ndarray, length: np.ndarray, rkey: np.ndarray) -> tuple[np.ndarray, Pins]:
+        """The responder's check of a batch (``uint64``, ``uint64``, ``uint32`` arrays):
+        a ``uint8`` :class:`Status` per item and the :class:`Pins` of the OK ones, which
+        count as in flight until released. An unknown, dying or receive-only rkey is
+        ``BAD_RKEY``; a length over :data:`MAX_ITEM_BYTES` is ``INVALID``;
+        ``[addr, addr + length)`` not inside the region is ``OUT_OF_BOUNDS`` (checked on
+        offsets, so no sum can overflow).
 
-    def acquire_local(self, addr: int, length: int) -> tuple[memoryview, _Entry] | None:
-        """The view of ``[addr, addr+length)`` inside a live local region, marked in flight;
-        ``None`` when no region covers it.
-
-        Runtime complexity: ``O(log n)``.
+        Runtime complexity: ``O(k log n)`` for ``k`` items and ``n`` regions, vectorized.
         """
         with self._lock:
-            i = bisect.bisect_right(self._starts, addr) - 1
-            if i < 0:
-                return None
-            entry = self._by_start[self._starts[i]]
-            off = addr - entry.region.addr
-            if entry.dying or length < 0 or off > entry.region.length - length:
-                return None
-            entry.inflight += 1
-            return entry.view[off : off + length], entry
+            ix = self._current()
+            n = len(addr)
+            if not ix.rkeys.size:
+                return np.full(n, Status.BAD_RKEY, dtype=np.uint8), Pins()
+            j = np.minimum(np.searchsorted(ix.rkeys, rkey), ix.rkeys.size - 1)
+            found = ix.rkeys[j] == rkey
+            base = ix.bases[j]
+            size = ix.lengths[j]
+            with np.errstate(over="ignore"):
+                inside = (addr >= base) & (length <= size) & (addr - base <= size - length)
+            status = np.where(
+                found,
+                np.where(length > MAX_ITEM_BYTES, Status.INVALID, np.where(inside, Status.OK, Status.OUT_OF_BOUNDS)),
+                Status.BAD_RKEY,
+            ).astype(np.uint8)
+            return status, _pin(ix.by_rkey, j[status == Status.OK])
 
-    def release(self, entries: Iterable[Any]) -> None:
-        """End the reads started by ``acquire_*`` (``None`` tokens are skipped)."""
+    def acquire_local(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, Pins]:
+        """Which destinations ``[addr, addr + length)`` (``uint64`` arrays) lie inside one
+        live local region: a boolean mask, and the :class:`Pins` of those that do.
+
+        Runtime complexity: ``O(k log n)`` for ``k`` items and ``n`` regions, vectorized.
+        """
+        with self._lock:
+            ix = self._current()
+            if not ix.starts.size:
+                return np.zeros(len(addr), dtype=bool), Pins()
+            i = np.searchsorted(ix.starts, addr, side="right").astype(np.int64) - 1
+            ic = np.maximum(i, 0)
+            end = ix.ends[ic]
+            with np.errstate(over="ignore"):
+                ok = (i >= 0) & (addr <= end) & (length <= end - addr)
+            return ok, _pin(ix.by_addr, ic[ok])
+
+    def release(self, pins: Pins) -> None:
+        """End the reads started by ``acquire_*``. Each :class:`Pins` is released once."""
+        held, pins._held = pins._held, []
+        if not held:
+            return
         with self._lock:
             wake = False
-            for e in entries:
-                if e is not None:
-                    e.inflight -= 1
-                    wake = wake or (e.dying and e.inflight == 0)
+            for e, c in held:
+                e.inflight -= c
+                wake = wake or (e.dying and e.inflight == 0)
             if wake:
                 self._idle.notify_all()
 
@@ -434,12 +513,40 @@ ResponderHook = Callable[[Sequence[int]], None]
 
 @dataclass
 class _BatchPlan:
-    """The remote part of a batch, after local checks: indices into the caller's ops."""
+    """The remote part of a batch, after the local checks: column arrays of its items and,
+    in ``index``, each item's position in the caller's batch. Destinations are pinned."""
 
-    index: list[int] = field(default_factory=list)
-    ops: list[ReadOp] = field(default_factory=list)
-    views: list[memoryview] = field(default_factory=list)
-    entries: list[Any] = field(default_factory=list)
+    index: np.ndarray  # int64 positions in the caller's batch
+    raddr: np.ndarray  # uint64
+    rkey: np.ndarray  # uint32
+    length: np.ndarray  # uint64
+    laddr: np.ndarray  # uint64
+    _ops: list[ReadOp] | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def ops(self) -> list[ReadOp]:
+        """The items as :class:`ReadOp` tuples, for transports that post them one by one."""
+        if self._ops is None:
+            cols = (self.raddr.tolist(), self.rkey.tolist(), self.length.tolist(), self.laddr.tolist())
+            self._ops = [ReadOp(*item) for item in zip(*cols, strict=True)]
+        return self._ops
+
+
+def _column(values: Any, dtype: type, name: str, n: int | None) -> np.ndarray:
+    """``values`` as a contiguous 1-D array of ``dtype``; integers out of its range raise."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (n is not None and len(arr) != n):
+        raise ValueError(f"{name} must be a 1-D array{'' if n is None else f' of {n} items'}")
+    if arr.size and arr.dtype != dtype:
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        info = np.iinfo(dtype)
+        if int(arr.min()) < 0 or int(arr.max()) > info.max:
+            raise ValueError(f"{name} values must lie in [0, {info.max}]")
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 class Transport(ABC):
@@ -513,9 +620,56 @@ class Transport(ABC):
         """Copy every item's bytes from ``peer``'s registered memory into local registered
         memory, and return one :class:`Status` per item, in order.
 
-        ``ops`` items are ``(remote_addr, rkey, length, local_addr)``. Bytes move without
-        the GIL. ``peer == self.address`` degrades to ``memcpy``. Items after a channel
-        failure report ``CHANNEL_ERROR`` (or ``TIMEOUT``); no item is half-reported as OK.
+        ``ops`` items are ``(remote_addr, rkey, length, local_addr)``; an item whose values
+        are out of range (negative, rkey over 32 bits, length over :data:`MAX_ITEM_BYTES`)
+        is ``INVALID``. Same contract as :meth:`read_batch_arrays`, which this unpacks to.
+
+        Runtime complexity: ``O(items + bytes)``.
+        """
+        n = len(ops)
+        cols = np.zeros((4, n), dtype=np.uint64)
+        bad = np.zeros(n, dtype=bool)
+        for i, op in enumerate(ops):
+            if len(op) != 4:
+                raise ValueError(f"read item {i} must be (remote_addr, rkey, length, local_addr), got {op!r}")
+            try:
+                raddr, rkey, length, laddr = (operator.index(v) for v in op)
+            except TypeError:
+                raise TypeError(f"read item {i} must hold integers, got {op!r}") from None
+            if not (
+                0 <= length <= MAX_ITEM_BYTES and 0 <= raddr <= _U64 and 0 <= rkey < 1 << 32 and 0 <= laddr <= _U64
+            ):
+                bad[i] = True
+                continue
+            cols[0, i], cols[1, i], cols[2, i], cols[3, i] = raddr, rkey, length, laddr
+        status = self.read_batch_arrays(peer, cols[0], cols[1].astype(np.uint32), cols[2], cols[3], timeout, _skip=bad)
+        status[bad] = Status.INVALID
+        return [Status(v) for v in status.tolist()]
+
+    def read_batch_arrays(
+        self,
+        peer: str,
+        raddr: Any,
+        rkey: Any,
+        length: Any,
+        laddr: Any,
+        timeout: float | None = None,
+        *,
+        _skip: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """:meth:`read_batch` over columns: item ``k`` copies ``length[k]`` bytes from
+        ``raddr[k]`` in ``peer``'s region ``rkey[k]`` to the local address ``laddr[k]``.
+        Returns a ``uint8`` array of :class:`Status` values, one per item.
+
+        The batch path of the peer cache: no per-item Python anywhere (vectorized local
+        checks, and on TCP one GIL-free call per channel). Bytes move without the GIL.
+        ``peer == self.address`` degrades to ``memcpy``. Items after a channel failure
+        report ``CHANNEL_ERROR`` (or ``TIMEOUT``); no item is half-reported as OK. A length
+        over :data:`MAX_ITEM_BYTES` is ``INVALID``; a destination outside every local
+        region is ``BAD_LOCAL`` and no byte is written.
+
+        Raises ``ValueError`` for columns of different lengths or values out of their
+        type's range (negative, rkey over 32 bits), ``TypeError`` for non-integer columns.
 
         Runtime complexity: ``O(items + bytes)``.
         """
@@ -523,52 +677,44 @@ class Transport(ABC):
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         deadline = self.clock() + timeout
-        statuses: list[Status] = [Status.OK] * len(ops)
-        plan = _BatchPlan()
+        raddr = _column(raddr, np.uint64, "raddr", None)
+        n = len(raddr)
+        rkey = _column(rkey, np.uint32, "rkey", n)
+        length = _column(length, np.uint64, "length", n)
+        laddr = _column(laddr, np.uint64, "laddr", n)
+        status = np.zeros(n, dtype=np.uint8)
+        status[length > MAX_ITEM_BYTES] = Status.INVALID
+        if _skip is not None:
+            status[_skip] = Status.INVALID
+        live = np.flatnonzero(status == Status.OK)
+        landing, pins = self.regions.acquire_local(laddr[live], length[live])
         try:
-            for i, op in enumerate(ops):
-                if len(op) != 4:
-                    raise ValueError(f"read item {i} must be (remote_addr, rkey, length, local_addr), got {op!r}")
-                try:
-                    raddr, rkey, length, laddr = (operator.index(v) for v in op)
-                except TypeError:
-                    raise TypeError(f"read item {i} must hold integers, got {op!r}") from None
-                if length < 0 or length > MAX_ITEM_BYTES or not 0 <= raddr <= _U64 or not 0 <= rkey < 1 << 32:
-                    statuses[i] = Status.INVALID
-                    continue
-                got = self.regions.acquire_local(laddr, length)
-                if got is None:
-                    statuses[i] = Status.BAD_LOCAL
-                    continue
-                plan.index.append(i)
-                plan.ops.append(ReadOp(raddr, rkey, length, laddr))
-                plan.views.append(got[0])
-                plan.entries.append(got[1])
-            if plan.ops:
+            status[live[~landing]] = Status.BAD_LOCAL
+            sel = live[landing]
+            if sel.size:
+                plan = _BatchPlan(sel, raddr[sel], rkey[sel], length[sel], laddr[sel])
                 if peer == self.address:
-                    self._read_local(plan, statuses)
+                    self._read_local(plan, status)
                 else:
-                    self._read_remote(peer, plan, statuses, deadline)
+                    self._read_remote(peer, plan, status, deadline)
         finally:
-            self.regions.release(plan.entries)
-        return statuses
+            self.regions.release(pins)
+        return status
 
-    def _read_local(self, plan: _BatchPlan, statuses: list[Status]) -> None:
-        got = self.regions.acquire_remote((op.remote_addr, op.length, op.rkey) for op in plan.ops)
+    def _read_local(self, plan: _BatchPlan, status: np.ndarray) -> None:
+        got, pins = self.regions.acquire_remote(plan.raddr, plan.length, plan.rkey)
         try:
-            for i, op, (st, src, _entry) in zip(plan.index, plan.ops, got, strict=True):
-                statuses[i] = st
-                if st == Status.OK and src is not None:
-                    # ctypes foreign calls release the GIL while memmove runs.
-                    ctypes.memmove(op.local_addr, op.remote_addr, op.length)
+            status[plan.index] = got
+            for k in np.flatnonzero(got == Status.OK).tolist():
+                # ctypes foreign calls release the GIL while memmove runs.
+                ctypes.memmove(int(plan.laddr[k]), int(plan.raddr[k]), int(plan.length[k]))
         finally:
-            self.regions.release(e for _, _, e in got)
-        with self._stats_lock:
-            self.stats.local_items += len(plan.ops)
+            self.regions.release(pins)
+        self._count(local_items=len(plan))
 
     @abstractmethod
-    def _read_remote(self, peer: str, plan: _BatchPlan, statuses: list[Status], deadline: float) -> None:
-        """Move ``plan``'s items from ``peer``; set ``statuses[plan.index[k]]`` for each."""
+    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+        """Move ``plan``'s items from ``peer``; set ``status[plan.index[k]]`` for each."""
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

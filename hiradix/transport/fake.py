@@ -31,6 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
+
 from hiradix.transport.base import (
     Capabilities,
     ChannelPool,
@@ -176,44 +178,39 @@ class FakeTransport(Transport):
                 return True
             return False
 
-    def _read_remote(self, peer: str, plan: _BatchPlan, statuses: list[Status], deadline: float) -> None:
+    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
         start = 0
         try:
-            while start < len(plan.ops):
+            while start < len(plan):
                 try:
                     qp = self._pool.lease(peer, max(deadline - self.clock(), 0.0))
                 except TimeoutError:
-                    self._fill(plan, statuses, start, Status.TIMEOUT)
+                    status[plan.index[start:]] = Status.TIMEOUT
                     return
                 except (ConnectionError, OSError):
-                    self._fill(plan, statuses, start, Status.PEER_UNREACHABLE)
+                    status[plan.index[start:]] = Status.PEER_UNREACHABLE
                     return
                 try:
-                    start = self._run_qp(qp, plan, statuses, start, deadline)
+                    start = self._run_qp(qp, plan, status, start, deadline)
                 finally:
                     self._pool.give_back(peer, qp, not qp.error)
         finally:
             with self._stats_lock:
                 self.stats.channels_opened = self._pool.opened
                 self.stats.channels_discarded = self._pool.discarded
-                self.stats.remote_items += len(plan.ops)
+                self.stats.remote_items += len(plan)
 
-    @staticmethod
-    def _fill(plan: _BatchPlan, statuses: list[Status], start: int, st: Status) -> None:
-        for k in range(start, len(plan.ops)):
-            statuses[plan.index[k]] = st
-
-    def _run_qp(self, qp: _QP, plan: _BatchPlan, statuses: list[Status], start: int, deadline: float) -> int:
+    def _run_qp(self, qp: _QP, plan: _BatchPlan, status: np.ndarray, start: int, deadline: float) -> int:
         """Post ``plan.ops[start:]`` on ``qp``; the index to resume from on a fresh QP
-        (``len(plan.ops)`` when the batch is finished)."""
-        end = len(plan.ops)
+        (``len(plan)`` when the batch is finished)."""
+        end = len(plan)
         remote = self.fabric.lookup(qp.peer)
         if remote is None or remote._closed:
             qp.error = True
-            self._fill(plan, statuses, start, Status.PEER_UNREACHABLE)
+            status[plan.index[start:]] = Status.PEER_UNREACHABLE
             return end
         ops = plan.ops[start:]
-        got = remote.regions.acquire_remote((op.remote_addr, op.length, op.rkey) for op in ops)
+        got, pins = remote.regions.acquire_remote(plan.raddr[start:], plan.length[start:], plan.rkey[start:])
         try:
             hook = remote.responder_hook
             if hook is not None:
@@ -221,14 +218,14 @@ class FakeTransport(Transport):
                     hook([op.rkey for op in ops])
                 except InjectedFault:
                     qp.error = True
-                    self._fill(plan, statuses, start, Status.CHANNEL_ERROR)
+                    status[plan.index[start:]] = Status.CHANNEL_ERROR
                     return end
             clock = self.clock
-            for k, (op, (st, _src, _)) in enumerate(zip(ops, got, strict=True), start):
+            for k, (op, st) in enumerate(zip(ops, got.tolist(), strict=True), start):
                 if self._post():
                     # The QP goes to error and flushes every later work request.
                     qp.error = True
-                    self._fill(plan, statuses, k, Status.CHANNEL_ERROR)
+                    status[plan.index[k:]] = Status.CHANNEL_ERROR
                     return end
                 if self.delay is not None:
                     dt = self.delay(op)
@@ -237,9 +234,9 @@ class FakeTransport(Transport):
                 if clock() > deadline:
                     # Retry budget exhausted: the WR completes in error and the QP with it.
                     qp.error = True
-                    self._fill(plan, statuses, k, Status.TIMEOUT)
+                    status[plan.index[k:]] = Status.TIMEOUT
                     return end
-                statuses[plan.index[k]] = st
+                status[plan.index[k]] = st
                 if st != Status.OK:
                     # A remote access error is fatal to an RC QP; the reader reports this
                     # item and re-posts the flushed rest on a fresh QP.
@@ -252,7 +249,7 @@ class FakeTransport(Transport):
                 remote.stats.served_items += len(ops)
             return end
         finally:
-            remote.regions.release(e for _, _, e in got)
+            remote.regions.release(pins)
 
     def close(self) -> None:
         if self._closed:

@@ -16,26 +16,30 @@ connection is closed. The responder serves one frame at a time per connection, s
 connection has at most ``max_inflight_frames`` frames queued (the reader's window) plus
 what TCP buffers.
 
-Why it is fast without C: the reader sends a window of frames ahead (pipelining) over
-several channels; the responder answers a frame with a *single* ``sendmsg`` whose iovec
-points straight at the region's memory, and the reader receives a frame's payloads with
-``recvmsg_into`` whose iovec points straight at the destinations. Both calls release the
-GIL for the whole syscall and there is no intermediate copy in user space; per frame the
-GIL is held only to parse up to 256 item headers.
+The data plane is C (:mod:`hiradix.transport._tcpio`): a reader hands a channel's whole
+share of a batch to one GIL-free call that sends its frames with a window in flight and
+receives every payload straight into its destination (``recvmsg`` with an iovec per
+item, no copy in user space); the responder checks a frame's items against its regions
+in a few vectorized operations and answers with one GIL-free ``sendmsg`` loop whose iovec
+points at the region's memory. Per frame the GIL is held for a few microseconds, per
+item never. With ``HIRADIX_PUREPYTHON=1`` (or ``native=False``) the same bytes go through
+``recvmsg_into``/``sendmsg`` from Python; the conformance suite runs over both.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import socket
 import struct
 import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import numpy as np
 
 from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import (
-    MAX_ITEM_BYTES,
     Capabilities,
     ChannelPool,
     InjectedFault,
@@ -43,6 +47,7 @@ from hiradix.transport.base import (
     Transport,
     _BatchPlan,
     parse_peer,
+    view_at,
 )
 from hiradix.transport.listener import AuthListener, dial, hang_up
 
@@ -59,6 +64,16 @@ _ITEM = struct.Struct("<QQII")
 _RESP = struct.Struct("<IHHIIQ")
 _OK = int(Status.OK)
 _IOV_BATCH = 512
+_ITEM_DTYPE = np.dtype([("addr", "<u8"), ("length", "<u8"), ("rkey", "<u4"), ("reserved", "<u4")])
+# Error codes of a channel run, as the compiled data plane reports them.
+E_OK, E_TIMEOUT, E_CHANNEL = 0, 1, 2
+
+_tcpio: Any = None
+if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
+    try:
+        _tcpio = importlib.import_module("hiradix.transport._tcpio")
+    except ImportError:  # pragma: no cover - not built: the Python loops below
+        _tcpio = None
 
 
 def _timeval(seconds: float) -> bytes:
@@ -122,6 +137,89 @@ def _send_views(sock: socket.socket, views: list[memoryview | bytes]) -> None:
                 n = 0
 
 
+def plan_frames(length: np.ndarray, max_items: int, frame_bytes: int) -> np.ndarray:
+    """Frame boundaries: start index of each frame of at most ``max_items`` items and
+    ``frame_bytes`` payload bytes, then ``len(length)`` (the Python twin of
+    ``_tcpio.plan_frames``). Runtime complexity: ``O(n)``.
+
+    >>> plan_frames(np.array([4, 4, 4, 9, 1], dtype=np.uint64), 2, 8).tolist()
+    [0, 2, 3, 4, 5]
+    """
+    starts = []
+    count = size = 0
+    for k, n in enumerate(length.tolist()):
+        if count and (count == max_items or size + n > frame_bytes):
+            count = size = 0
+        if count == 0:
+            starts.append(k)
+        count += 1
+        size += n
+    starts.append(len(length))
+    return np.array(starts, dtype=np.int64)
+
+
+def read_frames_py(
+    sock: socket.socket,
+    raddr: np.ndarray,
+    rkey: np.ndarray,
+    length: np.ndarray,
+    laddr: np.ndarray,
+    starts: np.ndarray,
+    window: int,
+    seq: int,
+    timeout: float,
+    status: np.ndarray,
+) -> tuple[int, int, int]:
+    """The Python twin of ``_tcpio.read_frames`` (same arguments, a socket for the fd,
+    same wire bytes, same ``(frames_done, error, last_seq)``)."""
+    import time
+
+    stop = time.monotonic() + timeout
+    n_frames = len(starts) - 1
+    bounds = starts.tolist()
+    lens = length.tolist()
+    head = bytearray(_RESP.size + MAX_ITEMS)
+    hview = memoryview(head)
+    done = sent = 0
+    try:
+        while done < n_frames:
+            if sent < n_frames and sent - done < window:
+                upto = min(n_frames, done + window)
+                reqs = []
+                for f in range(sent, upto):
+                    a, b = bounds[f], bounds[f + 1]
+                    reqs.append(_REQ.pack(MAGIC, OP_READ, b - a, (seq + 1 + f) & 0xFFFFFFFF, 0))
+                    items = np.zeros(b - a, dtype=_ITEM_DTYPE)
+                    items["addr"], items["length"], items["rkey"] = raddr[a:b], length[a:b], rkey[a:b]
+                    reqs.append(items.tobytes())
+                sock.sendall(b"".join(reqs))
+                sent = upto
+            a, b = bounds[done], bounds[done + 1]
+            view = hview[: _RESP.size + b - a]
+            if not _recv_exact(sock, view):
+                return done, E_CHANNEL, seq + done
+            magic, op, r_count, r_seq, _, total = _RESP.unpack_from(view)
+            if magic != MAGIC or op != OP_READ or r_count != b - a or r_seq != (seq + 1 + done) & 0xFFFFFFFF:
+                return done, E_CHANNEL, seq + done
+            codes = bytes(view[_RESP.size :])
+            if max(codes) > int(Status.INVALID):
+                return done, E_CHANNEL, seq + done
+            ok = [k for k, c in zip(range(a, b), codes, strict=True) if c == _OK and lens[k]]
+            if sum(lens[k] for k in ok) != total:
+                return done, E_CHANNEL, seq + done
+            _recv_views(sock, [view_at(int(laddr[k]), lens[k]) for k in ok])
+            # Only now, with every byte of the frame landed, do its items count.
+            status[a:b] = np.frombuffer(codes, dtype=np.uint8)
+            done += 1
+            if done < n_frames and time.monotonic() > stop:
+                return done, E_TIMEOUT, seq + done
+    except (TimeoutError, BlockingIOError):
+        return done, E_TIMEOUT, seq + done
+    except (OSError, ValueError):
+        return done, E_CHANNEL, seq + done
+    return done, E_OK, (seq + done) & 0xFFFFFFFF
+
+
 class _Channel:
     """One authenticated connection to a peer, used by one reader at a time."""
 
@@ -159,6 +257,9 @@ class TcpTransport(Transport):
         The responder drops a reader that accepts no bytes for this long.
     max_connections:
         Responder connections accepted at once; more are closed at accept.
+    native:
+        Move bytes through the compiled data plane (the default when it is built);
+        ``False`` uses the Python loops (same wire format; for tests and parity).
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -180,6 +281,7 @@ class TcpTransport(Transport):
         idle_timeout: float = 300.0,
         send_timeout: float = 30.0,
         max_connections: int = 1024,
+        native: bool | None = None,
     ) -> None:
         super().__init__(max_channels_per_peer=max_channels_per_peer, timeout=timeout)
         for name, v in (
@@ -190,6 +292,9 @@ class TcpTransport(Transport):
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if native and _tcpio is None:
+            raise RuntimeError("the compiled TCP data plane is not built (hiradix.transport._tcpio)")
+        self._io = _tcpio if native is None else (_tcpio if native else None)
         self._token = load_token(token)
         self.channels_per_read = min(channels_per_read, max_channels_per_peer)
         self.max_inflight_frames = max_inflight_frames
@@ -244,17 +349,29 @@ class TcpTransport(Transport):
             self._serve_frame(conn, count, seq, bview[:n])
 
     def _serve_frame(self, conn: socket.socket, count: int, seq: int, body: memoryview) -> None:
-        got = self.regions.acquire_remote((a, n, k) for a, n, k, _ in _ITEM.iter_unpack(body))
+        items = np.frombuffer(body, dtype=_ITEM_DTYPE, count=count)
+        addr = np.ascontiguousarray(items["addr"])
+        length = np.ascontiguousarray(items["length"])
+        rkey = np.ascontiguousarray(items["rkey"])
+        status, pins = self.regions.acquire_remote(addr, length, rkey)
         try:
             if self.responder_hook is not None:
-                self.responder_hook([k for _, _, k, _ in _ITEM.iter_unpack(body)])
-            statuses = bytes([st for st, _, _ in got])
-            views = [v for st, v, _ in got if st == _OK and v is not None]
-            total = sum(len(v) for v in views)
-            head = _RESP.pack(MAGIC, OP_READ, count, seq, 0, total) + statuses
-            _send_views(conn, [head, *views])
+                self.responder_hook(rkey.tolist())
+            ok = status == _OK
+            src, lens = addr[ok], length[ok]
+            head = _RESP.pack(MAGIC, OP_READ, count, seq, 0, int(lens.sum())) + status.tobytes()
+            if self._io is not None:
+                rc = self._io.send_response(conn.fileno(), head, src, lens)
+                if rc == E_TIMEOUT:
+                    raise TimeoutError("reader stopped draining its channel")
+                if rc != E_OK:
+                    raise ConnectionError("reader channel broke")
+            else:
+                _send_views(
+                    conn, [head, *(view_at(a, n) for a, n in zip(src.tolist(), lens.tolist(), strict=True) if n)]
+                )
         finally:
-            self.regions.release(e for _, _, e in got)
+            self.regions.release(pins)
         self._count(served_items=count)
 
     # -- reader ---------------------------------------------------------------------------
@@ -269,34 +386,25 @@ class TcpTransport(Transport):
     def _close_channel(ch: _Channel) -> None:
         hang_up(ch.sock)
 
-    def _frames(self, plan: _BatchPlan) -> list[list[int]]:
-        frames: list[list[int]] = []
-        cur: list[int] = []
-        size = 0
-        for k, op in enumerate(plan.ops):
-            if cur and (len(cur) == MAX_ITEMS or size + op.length > self.frame_bytes):
-                frames.append(cur)
-                cur, size = [], 0
-            cur.append(k)
-            size += op.length
-        if cur:
-            frames.append(cur)
-        return frames
-
-    def _read_remote(self, peer: str, plan: _BatchPlan, statuses: list[Status], deadline: float) -> None:
-        frames = self._frames(plan)
-        n_ch = min(self.channels_per_read, len(frames))
-        # Contiguous shares keep each channel's frames in address order.
-        shares = [frames[i * len(frames) // n_ch : (i + 1) * len(frames) // n_ch] for i in range(n_ch)]
+    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+        if self._io is not None:
+            starts = self._io.plan_frames(plan.length, MAX_ITEMS, self.frame_bytes)
+        else:
+            starts = plan_frames(plan.length, MAX_ITEMS, self.frame_bytes)
+        n_frames = len(starts) - 1
+        n_ch = min(self.channels_per_read, n_frames)
+        # Contiguous shares of frames keep each channel's items in address order.
+        cuts = [starts[i * n_frames // n_ch] for i in range(n_ch)] + [len(plan)]
+        shares = [(int(cuts[i]), int(cuts[i + 1])) for i in range(n_ch)]
         if n_ch == 1:
-            self._run_channel(peer, plan, shares[0], statuses, deadline)
+            self._run_channel(peer, plan, starts, 0, len(plan), status, deadline)
         else:
             ex = self._get_executor()
-            futs = [ex.submit(self._run_channel, peer, plan, s, statuses, deadline) for s in shares[1:]]
-            self._run_channel(peer, plan, shares[0], statuses, deadline)
+            futs = [ex.submit(self._run_channel, peer, plan, starts, a, b, status, deadline) for a, b in shares[1:]]
+            self._run_channel(peer, plan, starts, *shares[0], status, deadline)
             for f in futs:
                 f.result()
-        self._count(remote_items=len(plan.ops))
+        self._count(remote_items=len(plan))
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._exec_lock:
@@ -307,91 +415,44 @@ class TcpTransport(Transport):
             return self._executor
 
     def _run_channel(
-        self, peer: str, plan: _BatchPlan, frames: list[list[int]], statuses: list[Status], deadline: float
+        self, peer: str, plan: _BatchPlan, starts: np.ndarray, a: int, b: int, status: np.ndarray, deadline: float
     ) -> None:
-        def fail(from_frame: int, st: Status) -> None:
-            for fr in frames[from_frame:]:
-                for k in fr:
-                    statuses[plan.index[k]] = st
-
+        """Items ``a..b-1`` of ``plan`` (whole frames of ``starts``) over one leased channel."""
+        index = plan.index[a:b]
         try:
             ch = self._pool.lease(peer, max(deadline - self.clock(), 0.0))
         except TimeoutError:
-            fail(0, Status.TIMEOUT)
+            status[index] = Status.TIMEOUT
             return
         except (OSError, AuthError, ValueError):
-            fail(0, Status.PEER_UNREACHABLE)
+            status[index] = Status.PEER_UNREACHABLE
             return
-        done = 0
         ok = False
         try:
             remaining = deadline - self.clock()
             if remaining <= 0:
-                raise TimeoutError
+                status[index] = Status.TIMEOUT
+                return
             _set_io_timeout(ch.sock, remaining)
-            sent = 0
-            window: deque[int] = deque()
-            head = bytearray(_RESP.size + MAX_ITEMS)
-            hview = memoryview(head)
-            while done < len(frames):
-                if sent < len(frames) and len(window) < self.max_inflight_frames:
-                    reqs = []
-                    while sent < len(frames) and len(window) < self.max_inflight_frames:
-                        ch.seq = (ch.seq + 1) & 0xFFFFFFFF
-                        window.append(ch.seq)
-                        reqs.append(self._request(plan, frames[sent], ch.seq))
-                        sent += 1
-                    ch.sock.sendall(b"".join(reqs))
-                self._receive(ch, plan, frames[done], window.popleft(), hview, statuses)
-                done += 1
-                if done < len(frames) and self.clock() > deadline:
-                    raise TimeoutError
-            ok = True
-        except (TimeoutError, BlockingIOError):
-            fail(done, Status.TIMEOUT)
-        except (OSError, ValueError):
-            fail(done, Status.CHANNEL_ERROR)
+            frames = starts[(starts >= a) & (starts <= b)] - a
+            got = np.zeros(b - a, dtype=np.uint8)
+            cols = (plan.raddr[a:b], plan.rkey[a:b], plan.length[a:b], plan.laddr[a:b])
+            if self._io is not None:
+                done, err, ch.seq = self._io.read_frames(
+                    ch.sock.fileno(), *cols, frames, self.max_inflight_frames, ch.seq, remaining, got
+                )
+            else:
+                done, err, ch.seq = read_frames_py(
+                    ch.sock, *cols, frames, self.max_inflight_frames, ch.seq, remaining, got
+                )
+            landed = int(frames[done])
+            status[index[:landed]] = got[:landed]
+            if err != E_OK:
+                status[index[landed:]] = Status.TIMEOUT if err == E_TIMEOUT else Status.CHANNEL_ERROR
+            ok = err == E_OK
         finally:
             self._pool.give_back(peer, ch, ok)
             self._sync_pool_stats()
-
-    @staticmethod
-    def _request(plan: _BatchPlan, frame: list[int], seq: int) -> bytes:
-        parts = [_REQ.pack(MAGIC, OP_READ, len(frame), seq, 0)]
-        ops = plan.ops
-        for k in frame:
-            op = ops[k]
-            parts.append(_ITEM.pack(op.remote_addr, op.length, op.rkey, 0))
-        return b"".join(parts)
-
-    @staticmethod
-    def _receive(
-        ch: _Channel, plan: _BatchPlan, frame: list[int], seq: int, hview: memoryview, statuses: list[Status]
-    ) -> None:
-        count = len(frame)
-        view = hview[: _RESP.size + count]
-        if not _recv_exact(ch.sock, view):
-            raise ConnectionError("peer closed the channel")
-        magic, op, r_count, r_seq, _, total = _RESP.unpack_from(view)
-        if magic != MAGIC or op != OP_READ or r_count != count or r_seq != seq:
-            raise ConnectionError("response frame does not match the request")
-        codes = bytes(view[_RESP.size :])
-        dests = []
-        expect = 0
-        for k, code in zip(frame, codes, strict=True):
-            if code == _OK:
-                n = plan.ops[k].length
-                expect += n
-                if n:
-                    dests.append(plan.views[k])
-            elif code > int(Status.INVALID):
-                raise ConnectionError(f"unknown status code {code}")
-        if expect != total or total > MAX_ITEM_BYTES * count:
-            raise ConnectionError("response payload size does not match its statuses")
-        _recv_views(ch.sock, dests)
-        # Only now, with every byte of the frame landed, do its items count.
-        for k, code in zip(frame, codes, strict=True):
-            statuses[plan.index[k]] = Status(code)
 
     def _sync_pool_stats(self) -> None:
         with self._stats_lock:
