@@ -15,6 +15,7 @@ EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix._core", ["hiradix/_core.pyx"]),
     ("hiradix.memory._gather", ["hiradix/memory/_gather.pyx"]),
     ("hiradix.peer._verify", ["hiradix/peer/_verify.pyx"]),
+    ("hiradix.peer._hash", ["hiradix/peer/_hash.pyx"]),
     ("hiradix.transport._tcpio", ["hiradix/transport/_tcpio.pyx"]),
 ]
 

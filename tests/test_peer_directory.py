@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from hiradix.peer.directory import DirectoryShard, DirectoryView, DirEntry, republish_plan
+from hiradix.peer.directory import MISS, ON_DISK, RESIDENT, DirectoryShard, DirectoryView, DirEntry, republish_plan
 from hiradix.peer.ring import HashRing
 
 KEYS = [f"{i:064x}" for i in range(300)]
@@ -222,3 +222,88 @@ def test_republish_on_join_and_leave() -> None:
     # fresh start: everything goes to all owners
     fresh = republish_plan(KEYS, None, newer, 2)
     assert sum(len(v) for v in fresh.values()) == 2 * len(KEYS)
+
+
+# ---------------------------------------------------------------------- dir_exists
+def _codes_from_wires(view: DirectoryView, keys: list[str]) -> bytes:
+    return bytes(MISS if w is None else RESIDENT if w[5] else ON_DISK for w in view.batch_get_wire(keys))
+
+
+def test_shard_exists_codes_and_bad_keys() -> None:
+    s = DirectoryShard()
+    s.put("a", entry())
+    s.put("b", entry(2, resident=False))
+    assert s.dispatch("dir_exists", ["a", "b", "c", "a"]) == bytes([RESIDENT, ON_DISK, MISS, RESIDENT])
+    assert s.dispatch("dir_exists", []) == b""
+    for bad in ([3], ["a", b"b"], [None]):
+        with pytest.raises(ValueError, match="malformed"):
+            s.dispatch("dir_exists", bad)
+
+
+@pytest.mark.parametrize("down", [set(), {"a"}, {"a", "b"}, {"a", "b", "c"}])
+@pytest.mark.parametrize("fallback_on_miss", [False, True])
+def test_view_exists_matches_get_wire(down: set[str], fallback_on_miss: bool) -> None:
+    # Same rounds, same replica fallback, same failure count as batch_get_wire.
+    nodes = ["a", "b", "c"]
+    cl = Cluster(nodes)
+    ring = HashRing(nodes)
+    writer = DirectoryView(ring, cl.call, replicas=2)
+    writer.batch_put([(k, entry(resident=i % 3 != 0)) for i, k in enumerate(KEYS[:200])])
+    for i, k in enumerate(KEYS[:200]):
+        if i % 7 == 0:  # present on the secondary only: a miss unless fallback_on_miss
+            cl.shards[ring.owners(k, 2)[0]].delete(k)
+    cl.down = down
+    keys = KEYS[::-1]  # misses (never written) mixed in, order scrambled
+    v1 = DirectoryView(ring, cl.call, replicas=2, fallback_on_miss=fallback_on_miss)
+    v2 = DirectoryView(ring, cl.call, replicas=2, fallback_on_miss=fallback_on_miss)
+    got = v1.batch_exists(keys)
+    assert got == _codes_from_wires(v2, keys)
+    assert v1.failures == v2.failures
+    assert (v1.failures > 0) == bool(down)
+    if not down and not fallback_on_miss:
+        assert got.count(ON_DISK) > 0 and got.count(RESIDENT) > 0 and got.count(MISS) > 0
+
+
+def test_view_exists_malformed_answers_are_failures() -> None:
+    ring = HashRing(["a", "b"])
+    good = DirectoryShard()
+    keys = KEYS[:40]
+    for k in keys:
+        good.put(k, entry(resident=False))
+    primary = {k: ring.owner(k) for k in keys}
+    keys_a = [k for k in keys if primary[k] == "a"]
+    answers: dict[str, Any] = {}
+
+    def call(owner: str, method: str, args: list[Any]) -> Any:
+        if owner == "a" and method in answers:
+            return answers[method](args)
+        return good.dispatch(method, args)
+
+    # A whole answer of the wrong type or length: the owner failed for all its keys.
+    for bad in (lambda a: [1] * len(a), lambda a: b"\x01" * (len(a) + 1), lambda a: "x" * len(a), lambda a: None):
+        answers["dir_exists"] = bad
+        view = DirectoryView(ring, call, replicas=2)
+        assert view.batch_exists(keys) == bytes([ON_DISK]) * len(keys)
+        assert view.failures == 1
+    # One bad byte: only that key fails over (counted once); the rest is taken as answered.
+    answers["dir_exists"] = lambda a: bytes([9 if k == keys_a[0] else MISS for k in a])
+    view = DirectoryView(ring, call, replicas=2)
+    got = view.batch_exists(keys)
+    assert got == bytes(ON_DISK if primary[k] == "b" or k == keys_a[0] else MISS for k in keys)
+    assert view.failures == 1
+    # Both owners fail: a miss, never an exception.
+    view = DirectoryView(ring, lambda o, m, a: 1 / 0, replicas=2)
+    assert view.batch_exists(keys) == bytes(len(keys)) and view.failures == 4  # 2 rounds x 2 owners
+
+
+def test_view_exists_local_shard_short_circuits() -> None:
+    ring = HashRing(["me"])
+    shard = DirectoryShard()
+    shard.put("k", entry())
+
+    def call(owner: str, method: str, args: list[Any]) -> Any:
+        raise AssertionError("no RPC to the local node")
+
+    view = DirectoryView(ring, call, local_node="me", local_shard=shard)
+    assert view.batch_exists(["k", "x"]) == bytes([RESIDENT, MISS])
+    assert DirectoryView(HashRing(), call).batch_exists(["k"]) == bytes([MISS])

@@ -215,6 +215,33 @@ def test_disk_tier_promote_and_exists_warming(tmp_path: Path) -> None:
                 break
 
 
+def test_exists_prefix_fetches_entries_only_for_disk_pages(tmp_path: Path) -> None:
+    with InProcessCluster(
+        2, transport="fake", pool_size=4 * (PAGE + 64), disk_enabled=True, disk_path=str(tmp_path / "d0")
+    ) as c:
+        a, b = stores(c)
+        keys = [key(i, "warm") for i in range(8)]
+        assert a.batch_set(keys, [page(i) for i in range(8)])
+        assert a.node.disk is not None and a.node.disk.flush(10)
+        node = b.node
+        cold = {k for k, e in zip(keys, node.lookup(keys), strict=True) if e is not None and not e.resident}
+        hot = [k for k in keys if k not in cold]
+        assert len(cold) == 4
+        fetched: list[list[str]] = []
+        warmed: list[list[str]] = []
+        get_wire = node.directory.batch_get_wire
+        node.directory.batch_get_wire = lambda ks: fetched.append(list(ks)) or get_wire(ks)  # type: ignore[method-assign]
+        node._warm = lambda entries: warmed.append([k for k, _ in entries])  # type: ignore[method-assign]
+        # All resident: the one-byte answers suffice, no full entry is fetched.
+        assert node.exists_prefix(hot) == 4 and fetched == [] and warmed == []
+        # The disk-resident keys of the prefix, and only they, are fetched and warmed.
+        missing = key(99, "warm")
+        order = [*hot[:2], *sorted(cold)[:2], missing, *sorted(cold)[2:]]
+        assert node.exists_prefix(order) == 4
+        assert fetched == [sorted(cold)[:2]] and warmed == [sorted(cold)[:2]]
+        assert b.batch_exists(keys) == 8 and warmed[-1] == [k for k in keys if k in cold]
+
+
 # ---------------------------------------------------------------------- store config
 def test_registry_dynamic_and_sglang_style_config() -> None:
     s = create_backend(

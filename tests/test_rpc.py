@@ -27,7 +27,7 @@ from hiradix.peer.rpc import (
     encode_frame,
     split_frames,
 )
-from hiradix.transport.auth import AuthError, client_handshake
+from hiradix.transport.auth import AuthError, client_handshake, server_handshake
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -298,3 +298,53 @@ def test_fuzz_structured_messages_never_crash(msg: object) -> None:
     for decode in (decode_request, decode_response):
         with contextlib.suppress(FrameError):
             decode(body)
+
+
+def test_pipelined_and_split_frames_are_served_in_order(server) -> None:
+    # The server buffers its input: several frames in one send, and one frame cut into
+    # pieces, must each come out whole and in order.
+    s = _raw(server)
+    frames = b"".join(encode_frame([0, i, "add", [i, 1], {}]) for i in range(1, 6))
+    s.sendall(frames)
+    assert [_read_frame(s)[3] for _ in range(5)] == [2, 3, 4, 5, 6]
+    one = encode_frame([0, 9, "echo", [b"y" * 1000], {}])
+    for part in (one[:2], one[2:7], one[7:]):
+        s.sendall(part)
+    assert _read_frame(s)[3] == b"y" * 1000
+    s.close()
+
+
+def test_frames_larger_than_the_read_buffers() -> None:
+    big = RpcServer(TOKEN)  # 64 KiB server read buffer, 16 KiB client read buffer
+    big.register("echo", lambda x: x)
+    c = RpcClient(TOKEN)
+    try:
+        for n in (16 << 10, 64 << 10, 1 << 20):
+            blob = bytes(range(256)) * (n // 256)
+            assert c.call(big.address, "echo", blob) == blob
+        assert c.call(big.address, "echo", 1) == 1
+    finally:
+        c.close()
+        big.close()
+
+
+def test_bytes_after_a_reply_break_the_connection(client) -> None:
+    # A server that answers twice: the client must not take the extra reply as the next one.
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            server_handshake(conn, TOKEN, b"rpc", 5.0)
+            req = _read_frame(conn)
+            conn.sendall(encode_frame([1, req[1], None, "a"]) + encode_frame([1, req[1] + 1, None, "b"]))
+            conn.recv(16)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    with pytest.raises(RpcConnectionError):
+        client.call(addr, "echo", 1)
+    assert client.open_connections(addr) == 0
+    t.join(10)
+    listener.close()

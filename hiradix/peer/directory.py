@@ -16,7 +16,9 @@ copy they are about, so a late eviction callback for an old copy never removes t
 newer one, and a stale re-publish from the same node never replaces a newer entry.
 
 Wire format. An entry travels as the list ``[node, addr, rkey, length, generation,
-resident]`` (msgpack-friendly: no pickled objects).
+resident]`` (msgpack-friendly: no pickled objects). An existence query (``dir_exists``)
+answers one byte per key instead (:data:`MISS`, :data:`RESIDENT`, :data:`ON_DISK`), so the
+hot ``batch_exists`` path moves and checks no full entries.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from hiradix.peer.ring import HashRing, moved_keys
 
 __all__ = [
     "DIR_METHODS",
+    "MISS",
+    "ON_DISK",
+    "RESIDENT",
     "CallFn",
     "DirEntry",
     "DirectoryShard",
@@ -41,7 +46,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DIR_METHODS = ("dir_put", "dir_get", "dir_delete", "dir_set_resident")
+DIR_METHODS = ("dir_put", "dir_get", "dir_exists", "dir_delete", "dir_set_resident")
+
+# One byte per key in a ``dir_exists`` answer.
+MISS = 0  # no entry
+RESIDENT = 1  # the page is in its producer's published pool
+ON_DISK = 2  # the page left the pool for its producer's disk tier (a read must promote it)
+_EXISTS_CODES = bytes(range(ON_DISK + 1))
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,21 @@ class DirectoryShard:
         with self._lock:
             return [self._entries.get(k) for k in keys]
 
+    def batch_exists(self, keys: Iterable[str]) -> bytes:
+        """One byte per key, in order: :data:`MISS`, :data:`RESIDENT` or :data:`ON_DISK`.
+
+        Runtime complexity: ``O(k)``.
+
+        >>> s = DirectoryShard()
+        >>> _ = s.put("a", DirEntry("n1", 0, 1, 10, 5)); _ = s.put("b", DirEntry("n1", 0, 1, 10, 6, False))
+        >>> list(s.batch_exists(["a", "b", "c"]))
+        [1, 2, 0]
+        """
+        get = self._entries.get
+        with self._lock:
+            found = [get(k) for k in keys]
+        return bytes([MISS if e is None else RESIDENT if e.resident else ON_DISK for e in found])
+
     def batch_delete(self, items: Iterable[tuple[str, str | None, int | None]]) -> int:
         """Conditional deletes of ``(key, node, generation)``; returns how many happened.
 
@@ -235,6 +261,8 @@ class DirectoryShard:
 
         ``dir_put``: ``[[key, entry_wire], ...]`` -> stored count.
         ``dir_get``: ``[key, ...]`` -> ``[entry_wire | None, ...]``.
+        ``dir_exists``: ``[key, ...]`` -> ``bytes``, one :data:`MISS` / :data:`RESIDENT` /
+        :data:`ON_DISK` byte per key.
         ``dir_delete``: ``[[key, node|None, generation|None], ...]`` -> deleted count.
         ``dir_set_resident``: ``[[key, node|None, generation|None, resident], ...]`` -> count.
 
@@ -246,6 +274,8 @@ class DirectoryShard:
                 return self.batch_put([(_key(k), DirEntry.from_wire(w)) for k, w in args])
             if method == "dir_get":
                 return [None if e is None else e.to_wire() for e in self.batch_get([_key(k) for k in args])]
+            if method == "dir_exists":
+                return self.batch_exists(_keys(args))
             if method == "dir_delete":
                 return self.batch_delete([(_key(k), n, g) for k, n, g in args])
             if method == "dir_set_resident":
@@ -270,9 +300,26 @@ def _key(k: Any) -> str:
     return k
 
 
+def _keys(args: Any) -> list[str]:
+    """``args`` checked to be a list of ``str`` (one type test per key, no call per key)."""
+    if type(args) is not list:
+        args = list(args)
+    if not all([type(k) is str for k in args]):
+        for k in args:
+            _key(k)  # raises on the first that is not (a str subclass passes here)
+    return cast(list[str], args)
+
+
 def _list_of(n: int) -> Callable[[Any], bool]:
     def check(result: Any) -> bool:
         return isinstance(result, list) and len(result) == n
+
+    return check
+
+
+def _bytes_of(n: int) -> Callable[[Any], bool]:
+    def check(result: Any) -> bool:
+        return type(result) is bytes and len(result) == n
 
     return check
 
@@ -443,33 +490,85 @@ class DirectoryView:
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
         results: list[list[Any] | None] = [None] * len(keys)
+
+        def take(idxs: list[int], wires: list[Any]) -> list[int]:
+            retry: list[int] = []
+            for i, wire in zip(idxs, wires, strict=True):
+                if wire is None:
+                    results[i] = None
+                    if self.fallback_on_miss:
+                        retry.append(i)
+                elif _wire_ok(wire):
+                    results[i] = wire
+                else:
+                    self.failures += 1
+                    results[i] = None
+                    retry.append(i)
+            return retry
+
+        self._read_rounds(keys, "dir_get", _list_of, take)
+        return results
+
+    def batch_exists(self, keys: Sequence[str]) -> bytes:
+        """Whether each key has an entry, as one byte per key: :data:`MISS`,
+        :data:`RESIDENT` or :data:`ON_DISK` (misses and all-owners-failed are :data:`MISS`).
+
+        The owners answer ``dir_exists`` (one byte per key) instead of full entries; the
+        replica rounds, the fallback and the failure accounting are those of
+        :meth:`batch_get_wire`: an owner that fails or answers anything but ``bytes`` of the
+        right length fails for all its keys, a byte outside the three codes fails for its
+        key alone, and failed keys go to their next owner.
+
+        Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
+        """
+        results = bytearray(len(keys))
+
+        def take(idxs: list[int], codes: bytes) -> list[int]:
+            retry: list[int] = []
+            if codes.translate(None, _EXISTS_CODES):  # some byte is not a known code
+                for i, c in zip(idxs, codes, strict=True):
+                    if c > ON_DISK:
+                        self.failures += 1
+                        retry.append(i)
+                    else:
+                        results[i] = c
+                        if c == MISS and self.fallback_on_miss:
+                            retry.append(i)
+                return retry
+            for i, c in zip(idxs, codes, strict=True):
+                results[i] = c
+            if self.fallback_on_miss and MISS in codes:
+                retry = [i for i, c in zip(idxs, codes, strict=True) if c == MISS]
+            return retry
+
+        self._read_rounds(keys, "dir_exists", _bytes_of, take)
+        return bytes(results)
+
+    def _read_rounds(
+        self,
+        keys: Sequence[str],
+        method: str,
+        check: Callable[[int], Callable[[Any], bool]],
+        take: Callable[[list[int], Any], list[int]],
+    ) -> None:
+        """The replica rounds of a batch read. Round ``r`` sends every pending key to its
+        ``r``-th owner, one ``method`` call per owner. An owner that fails, or whose answer
+        fails ``check(len(keys_sent))``, leaves all its keys pending; otherwise
+        ``take(indices, answer)`` records the answer and returns the indices to retry."""
         owners = self.ring.owners_many(keys, self.replicas)
-        pending = list(range(len(keys)))
+        pending: Sequence[int] = range(len(keys))
         for rnd in range(self.replicas):
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
                 if rnd < len(owners[i]):
                     groups[owners[i][rnd]].append(i)
-            pending = []
+            retry: list[int] = []
             for owner, idxs in groups.items():
-                ok, wires = self._try(owner, "dir_get", [keys[i] for i in idxs], _list_of(len(idxs)))
-                if not ok:
-                    pending.extend(idxs)
-                    continue
-                for i, wire in zip(idxs, wires, strict=True):
-                    if wire is None:
-                        results[i] = None
-                        if self.fallback_on_miss:
-                            pending.append(i)
-                    elif _wire_ok(wire):
-                        results[i] = wire
-                    else:
-                        self.failures += 1
-                        results[i] = None
-                        pending.append(i)
-            if not pending:
+                ok, answer = self._try(owner, method, [keys[i] for i in idxs], check(len(idxs)))
+                retry.extend(take(idxs, answer) if ok else idxs)
+            if not retry:
                 break
-        return results
+            pending = retry
 
     # ------------------------------------------------------------------ membership
     def republish(self, entries: Mapping[str, DirEntry], old: HashRing | None, new: HashRing) -> int:

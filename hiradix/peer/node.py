@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from hiradix.peer.config import PeerConfig
-from hiradix.peer.directory import DIR_METHODS, DirectoryShard, DirectoryView, DirEntry
+from hiradix.peer.directory import DIR_METHODS, MISS, ON_DISK, DirectoryShard, DirectoryView, DirEntry
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
@@ -567,18 +567,24 @@ class PeerNode:
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the directory knows (disk-resident pages count and are
-        warmed asynchronously). Runtime complexity: one RPC per owner."""
-        wires = self.directory.batch_get_wire(list(keys))
-        n = 0
-        cold: list[tuple[str, DirEntry]] = []
-        for key, w in zip(keys, wires, strict=True):
-            if w is None:
-                break
-            if not w[5]:
-                cold.append((key, DirEntry(w[0], w[1], w[2], w[3], w[4], False)))
-            n += 1
-        if cold:
-            self._warm(cold)
+        warmed asynchronously).
+
+        The owners answer one byte per key (:meth:`DirectoryView.batch_exists`); full entries
+        are fetched only for the disk-resident keys of the prefix, which the warm-up needs
+        (the rare path). Runtime complexity: ``O(k)`` plus one RPC per owner, and one more per
+        owner when some page of the prefix is on disk.
+        """
+        keys = list(keys)
+        codes = self.directory.batch_exists(keys)
+        n = codes.find(MISS)
+        if n < 0:
+            n = len(codes)
+        if codes.find(ON_DISK, 0, n) >= 0:
+            cold = [k for k, c in zip(keys[:n], codes, strict=False) if c == ON_DISK]
+            wires = self.directory.batch_get_wire(cold)
+            # A page promoted meanwhile is resident again; one gone meanwhile needs nothing.
+            warm = [(k, w) for k, w in zip(cold, wires, strict=True) if w is not None and not w[5]]
+            self._warm([(k, DirEntry(w[0], w[1], w[2], w[3], w[4], False)) for k, w in warm])
         return n
 
     def register_receive(self, buffer: Any) -> int:

@@ -5,8 +5,10 @@ after its own hash (wrapping at the top), and its replica owners are the next *d
 met walking clockwise from there. Writers and readers build the same ring from the same
 membership list, so they agree on a key's owners without asking anyone.
 
-Hashes are the first 8 bytes of BLAKE2b (big-endian), never Python's ``hash()``, which is
-salted per process: two processes (or two runs) must place every key identically.
+Hashes are the first 8 bytes (big-endian) of the key's SHA-256, the same digest slot headers
+carry (:mod:`hiradix.peer.keyhash`), never Python's ``hash()``, which is salted per process:
+two processes (or two runs) must place every key identically. :meth:`HashRing.owners_many`
+hashes a whole batch in one compiled call and places it with one :func:`numpy.searchsorted`.
 
 With ``N`` nodes and ``V`` virtual nodes each, adding a node moves about ``1 / (N + 1)`` of
 the keys' primary owners, all of them to the new node, and removing one moves only the keys
@@ -22,27 +24,18 @@ True
 from __future__ import annotations
 
 import bisect
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from hiradix.peer.keyhash import hash64, hash64_many
 
 __all__ = ["DEFAULT_VNODES", "HashRing", "Move", "hash64", "moved_keys", "owner_counts"]
 
 DEFAULT_VNODES = 160  # virtual nodes per node (the seed's default)
 
 Key = str | bytes
-
-
-def hash64(data: Key) -> int:
-    """Deterministic 64-bit hash of ``data`` (``str`` is hashed as its UTF-8 bytes).
-
-    Runtime complexity: ``O(len(data))``.
-
-    >>> hash64("abc") == hash64(b"abc")
-    True
-    """
-    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
@@ -90,6 +83,7 @@ class HashRing:
         self._points: list[int] = []  # sorted vnode hashes
         self._owners: list[str] = []  # node of each point, parallel to _points
         self._succ: dict[int, list[tuple[str, ...]]] = {}  # n -> owners(point i, n), built lazily
+        self._array: np.ndarray | None = None  # _points as uint64, built lazily for owners_many
         for node in nodes:
             self.add_node(node)
 
@@ -109,7 +103,7 @@ class HashRing:
         return f"HashRing(nodes={sorted(self._nodes)!r}, vnodes={self.vnodes})"
 
     def _vnode_points(self, node: str) -> list[int]:
-        return [hash64(f"{node}#{i}") for i in range(self.vnodes)]
+        return [int(h) for h in hash64_many([f"{node}#{i}" for i in range(self.vnodes)])]
 
     def add_node(self, node: str) -> None:
         """Add ``node`` (``ValueError`` if already a member).
@@ -127,6 +121,7 @@ class HashRing:
         self._points = [p for p, _ in merged]
         self._owners = [n for _, n in merged]
         self._succ = {}
+        self._array = None
 
     def remove_node(self, node: str) -> None:
         """Remove ``node`` (``KeyError`` if not a member).
@@ -140,6 +135,7 @@ class HashRing:
         self._points = [p for p, _ in kept]
         self._owners = [n for _, n in kept]
         self._succ = {}
+        self._array = None
 
     def copy(self) -> HashRing:
         """An independent ring with the same members.
@@ -179,7 +175,9 @@ class HashRing:
 
     def owners_many(self, keys: Sequence[Key], n: int = 1) -> list[tuple[str, ...]]:
         """:meth:`owners` of each key. The owner tuple of every ring point is computed once
-        per ring and ``n`` (``O(N * V)``), so each key costs one hash and one bisection.
+        per ring and ``n`` (``O(N * V)``); the keys are hashed in one batch
+        (:func:`~hiradix.peer.keyhash.hash64_many`) and placed by one
+        :func:`numpy.searchsorted` over the points, so no per-key Python call remains.
 
         Runtime complexity: ``O(K * log(N * V))``.
 
@@ -196,9 +194,13 @@ class HashRing:
         if succ is None:
             succ = [self._walk(i, min(n, len(self._nodes))) for i in range(len(points))]
             self._succ[n] = succ
-        total = len(points)
-        bl = bisect.bisect_left
-        return [succ[bl(points, hash64(k)) % total] for k in keys]
+        array = self._array
+        if array is None:
+            array = self._array = np.array(points, dtype=np.uint64)
+        # Both operands uint64: mixing in an int64 array would compare as float64.
+        idx = np.searchsorted(array, hash64_many(keys), side="left")
+        idx[idx == len(points)] = 0  # past the last point: wrap to the first
+        return [succ[i] for i in idx.tolist()]
 
     def _walk(self, i: int, want: int) -> tuple[str, ...]:
         out: list[str] = []
