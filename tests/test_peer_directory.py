@@ -6,9 +6,21 @@ import threading
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
-from hiradix.peer.directory import MISS, ON_DISK, RESIDENT, DirectoryShard, DirectoryView, DirEntry, republish_plan
+from hiradix.peer.directory import (
+    MISS,
+    NO_NODE,
+    ON_DISK,
+    PACKED_ENTRY,
+    RESIDENT,
+    DirectoryShard,
+    DirectoryView,
+    DirEntry,
+    pack_entries,
+    republish_plan,
+)
 from hiradix.peer.ring import HashRing
 
 KEYS = [f"{i:064x}" for i in range(300)]
@@ -226,7 +238,7 @@ def test_republish_on_join_and_leave() -> None:
 
 # ---------------------------------------------------------------------- dir_exists
 def _codes_from_wires(view: DirectoryView, keys: list[str]) -> bytes:
-    return bytes(MISS if w is None else RESIDENT if w[5] else ON_DISK for w in view.batch_get_wire(keys))
+    return bytes(MISS if e is None else RESIDENT if e.resident else ON_DISK for e in view.batch_get(keys))
 
 
 def test_shard_exists_codes_and_bad_keys() -> None:
@@ -243,7 +255,7 @@ def test_shard_exists_codes_and_bad_keys() -> None:
 @pytest.mark.parametrize("down", [set(), {"a"}, {"a", "b"}, {"a", "b", "c"}])
 @pytest.mark.parametrize("fallback_on_miss", [False, True])
 def test_view_exists_matches_get_wire(down: set[str], fallback_on_miss: bool) -> None:
-    # Same rounds, same replica fallback, same failure count as batch_get_wire.
+    # Same rounds, same replica fallback, same failure count as batch_get.
     nodes = ["a", "b", "c"]
     cl = Cluster(nodes)
     ring = HashRing(nodes)
@@ -307,3 +319,68 @@ def test_view_exists_local_shard_short_circuits() -> None:
     view = DirectoryView(ring, call, local_node="me", local_shard=shard)
     assert view.batch_exists(["k", "x"]) == bytes([RESIDENT, MISS])
     assert DirectoryView(HashRing(), call).batch_exists(["k"]) == bytes([MISS])
+
+
+# ---------------------------------------------------------------------- packed dir_get
+def test_packed_entries_round_trip_and_columns() -> None:
+    entries = [
+        entry(1, "p"),
+        None,
+        entry(2, "q", resident=False),
+        entry(3, "p"),
+        DirEntry("q", 2**63, 2**32 - 1, 0, 2**64 - 1),
+    ]
+    names, body = pack_entries(entries)
+    assert names == ["p", "q"] and len(body) == len(entries) * PACKED_ENTRY.itemsize
+    assert int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
+    shard = DirectoryShard()
+    for i, e in enumerate(entries):
+        if e is not None:
+            shard.put(KEYS[i], e)
+    view = DirectoryView(HashRing(["me"]), lambda o, m, a: 1 / 0, replicas=1, local_node="me", local_shard=shard)
+    cols = view.batch_get_columns(KEYS[: len(entries)])
+    assert cols.entries() == entries and view.batch_get(KEYS[: len(entries)]) == entries
+    assert cols.node_index("q") == cols.nodes.index("q") and cols.node_index("zz") == -1
+    assert pack_entries([]) == [[], b""]
+
+
+def test_packed_answer_bad_record_fails_that_key_only() -> None:
+    ring = HashRing(["a", "b"])
+    good = DirectoryShard()
+    keys = KEYS[:40]
+    for i, k in enumerate(keys):
+        good.put(k, entry(i + 1))
+    keys_a = [k for k in keys if ring.owner(k) == "a"]
+    answers: dict[str, Any] = {}
+
+    def call(owner: str, method: str, args: list[Any]) -> Any:
+        if owner == "a" and "dir_get" in answers:
+            return answers["dir_get"](args)
+        return good.dispatch(method, args)
+
+    def node_out_of_range(args: list[Any]) -> Any:
+        names, body = good.dispatch("dir_get", args)
+        recs = np.frombuffer(body, PACKED_ENTRY).copy()
+        recs["node"][args.index(keys_a[0])] = len(names)  # names no node of the answer
+        return [names, recs.tobytes()]
+
+    answers["dir_get"] = node_out_of_range
+    view = DirectoryView(ring, call, replicas=2)
+    assert view.batch_get(keys) == [entry(i + 1) for i in range(len(keys))]  # the bad one came from "b"
+    assert view.failures == 1
+    # Whole answers of the wrong shape: the owner failed for all its keys.
+    for bad in (
+        lambda a: None,
+        lambda a: [["p"], b"\0" * (PACKED_ENTRY.itemsize * len(a) + 1)],
+        lambda a: [[3], b"\0" * PACKED_ENTRY.itemsize * len(a)],
+        lambda a: ["p", b"\0" * PACKED_ENTRY.itemsize * len(a)],
+        lambda a: [["p"], "x"],
+    ):
+        answers["dir_get"] = bad
+        view = DirectoryView(ring, call, replicas=2)
+        assert view.batch_get(keys) == [entry(i + 1) for i in range(len(keys))]
+        assert view.failures == 1
+    # No second owner to fall back to: the keys of the failed owner are misses.
+    view = DirectoryView(ring, call, replicas=1)
+    got = view.batch_get(keys)
+    assert [g is None for g in got] == [k in keys_a for k in keys]

@@ -203,6 +203,8 @@ def test_disk_tier_promote_and_exists_warming(tmp_path: Path) -> None:
         cold = [e for e in b.node.lookup(keys) if e is not None and not e.resident]
         assert len(cold) == 4
         assert b.batch_exists(keys) == 8
+        # The warm-up that exists started moves pages between pool and disk; let it finish.
+        assert b.node.drain_background(10) and a.node.disk.flush(10)
         # Remote read of a disk-resident page: data_promote on the producer, then READ.
         got = b.batch_get(keys[:2])
         assert [bytes(g.numpy()) for g in got] == [page(0), page(1)]
@@ -229,8 +231,8 @@ def test_exists_prefix_fetches_entries_only_for_disk_pages(tmp_path: Path) -> No
         assert len(cold) == 4
         fetched: list[list[str]] = []
         warmed: list[list[str]] = []
-        get_wire = node.directory.batch_get_wire
-        node.directory.batch_get_wire = lambda ks: fetched.append(list(ks)) or get_wire(ks)  # type: ignore[method-assign]
+        get_entries = node.directory.batch_get
+        node.directory.batch_get = lambda ks: fetched.append(list(ks)) or get_entries(ks)  # type: ignore[method-assign]
         node._warm = lambda entries: warmed.append([k for k, _ in entries])  # type: ignore[method-assign]
         # All resident: the one-byte answers suffice, no full entry is fetched.
         assert node.exists_prefix(hot) == 4 and fetched == [] and warmed == []

@@ -30,17 +30,23 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import numpy as np
+
 from hiradix.peer.ring import HashRing, moved_keys
 
 __all__ = [
     "DIR_METHODS",
     "MISS",
+    "NO_NODE",
     "ON_DISK",
+    "PACKED_ENTRY",
     "RESIDENT",
     "CallFn",
+    "DirColumns",
     "DirEntry",
     "DirectoryShard",
     "DirectoryView",
+    "pack_entries",
     "republish_plan",
 ]
 
@@ -109,6 +115,76 @@ class DirEntry:
 
 def _matches(entry: DirEntry, node: str | None, generation: int | None) -> bool:
     return (node is None or entry.node == node) and (generation is None or entry.generation == generation)
+
+
+#: One entry of a ``dir_get`` answer: fixed-width little-endian columns (32 bytes).
+#: ``node`` indexes the answer's node-name list; :data:`NO_NODE` marks a miss.
+PACKED_ENTRY = np.dtype(
+    [
+        ("node", "<u2"),
+        ("resident", "u1"),
+        ("reserved", "u1"),
+        ("rkey", "<u4"),
+        ("addr", "<u8"),
+        ("length", "<u8"),
+        ("generation", "<u8"),
+    ]
+)
+NO_NODE = 0xFFFF
+
+
+def pack_entries(entries: Sequence[DirEntry | None]) -> list[Any]:
+    """The ``dir_get`` answer for ``entries``: ``[node_names, records]`` where
+    ``records`` is ``bytes`` of one :data:`PACKED_ENTRY` per entry (misses are
+    :data:`NO_NODE`). A reader decodes a whole batch with one ``np.frombuffer``.
+
+    Runtime complexity: ``O(k)``.
+
+    >>> names, body = pack_entries([DirEntry("n1", 64, 7, 100, 3), None])
+    >>> names, len(body), int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
+    (['n1'], 64, True)
+    """
+    names: dict[str, int] = {}
+    miss = (NO_NODE, 0, 0, 0, 0, 0, 0)
+    rows = [
+        miss
+        if e is None
+        else (names.setdefault(e.node, len(names)), e.resident, 0, e.rkey, e.addr, e.length, e.generation)
+        for e in entries
+    ]
+    return [list(names), np.array(rows, dtype=PACKED_ENTRY).tobytes()]
+
+
+@dataclass(frozen=True)
+class DirColumns:
+    """Directory entries of a batch as columns (what :meth:`DirectoryView.batch_get_columns`
+    returns). ``records`` holds one :data:`PACKED_ENTRY` per key, in order, its ``node``
+    field an index into ``nodes`` or :data:`NO_NODE` for a miss."""
+
+    nodes: list[str]
+    records: np.ndarray
+
+    def node_index(self, node: str) -> int:
+        """The index of ``node`` in :attr:`nodes`, or -1. Runtime complexity: ``O(nodes)``."""
+        return self.nodes.index(node) if node in self.nodes else -1
+
+    def entry(self, i: int) -> DirEntry | None:
+        """Key ``i``'s entry as a :class:`DirEntry`. Runtime complexity: ``O(1)``."""
+        r = self.records[i]
+        if int(r["node"]) == NO_NODE:
+            return None
+        return DirEntry(
+            self.nodes[int(r["node"])],
+            int(r["addr"]),
+            int(r["rkey"]),
+            int(r["length"]),
+            int(r["generation"]),
+            bool(r["resident"]),
+        )
+
+    def entries(self) -> list[DirEntry | None]:
+        """Every key's entry. Runtime complexity: ``O(k)``."""
+        return [self.entry(i) for i in range(len(self.records))]
 
 
 class DirectoryShard:
@@ -260,7 +336,7 @@ class DirectoryShard:
         """Run one of :data:`DIR_METHODS` on wire-format ``args``; the RPC server's hook.
 
         ``dir_put``: ``[[key, entry_wire], ...]`` -> stored count.
-        ``dir_get``: ``[key, ...]`` -> ``[entry_wire | None, ...]``.
+        ``dir_get``: ``[key, ...]`` -> ``[nodes, records]`` (:func:`pack_entries`).
         ``dir_exists``: ``[key, ...]`` -> ``bytes``, one :data:`MISS` / :data:`RESIDENT` /
         :data:`ON_DISK` byte per key.
         ``dir_delete``: ``[[key, node|None, generation|None], ...]`` -> deleted count.
@@ -273,7 +349,7 @@ class DirectoryShard:
             if method == "dir_put":
                 return self.batch_put([(_key(k), DirEntry.from_wire(w)) for k, w in args])
             if method == "dir_get":
-                return [None if e is None else e.to_wire() for e in self.batch_get([_key(k) for k in args])]
+                return pack_entries(self.batch_get(_keys(args)))
             if method == "dir_exists":
                 return self.batch_exists(_keys(args))
             if method == "dir_delete":
@@ -285,13 +361,22 @@ class DirectoryShard:
         raise ValueError(f"unknown directory method {method!r}; expected one of {DIR_METHODS}")
 
 
-def _wire_ok(w: Any) -> bool:
-    """The checks of :meth:`DirEntry.from_wire`, inlined for the batch read path."""
-    if type(w) not in (list, tuple) or len(w) != 6 or type(w[0]) is not str:
-        return False
-    _, a, r, n, g, _ = w
-    ints = type(a) is int and type(r) is int and type(n) is int and type(g) is int
-    return ints and a >= 0 and r >= 0 and n >= 0 and g >= 0
+def _packed_of(n: int) -> Callable[[Any], bool]:
+    """The shape check of a ``dir_get`` answer for ``n`` keys."""
+
+    def check(answer: Any) -> bool:
+        if not isinstance(answer, list) or len(answer) != 2:
+            return False
+        names, body = answer
+        return (
+            isinstance(names, list)
+            and all(type(nm) is str for nm in names)
+            and len(names) < NO_NODE
+            and isinstance(body, bytes)
+            and len(body) == n * PACKED_ENTRY.itemsize
+        )
+
+    return check
 
 
 def _key(k: Any) -> str:
@@ -308,13 +393,6 @@ def _keys(args: Any) -> list[str]:
         for k in args:
             _key(k)  # raises on the first that is not (a str subclass passes here)
     return cast(list[str], args)
-
-
-def _list_of(n: int) -> Callable[[Any], bool]:
-    def check(result: Any) -> bool:
-        return isinstance(result, list) and len(result) == n
-
-    return check
 
 
 def _bytes_of(n: int) -> Callable[[Any], bool]:
@@ -478,36 +556,40 @@ class DirectoryView:
         keys whose owner failed (or missed, with ``fallback_on_miss``) go to round ``r + 1``.
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
-        wires = self.batch_get_wire(keys)
-        return [None if w is None else DirEntry(w[0], w[1], w[2], w[3], w[4], bool(w[5])) for w in wires]
+        return self.batch_get_columns(keys).entries()
 
-    def batch_get_wire(self, keys: Sequence[str]) -> list[list[Any] | None]:
-        """:meth:`batch_get` without building :class:`DirEntry` objects: each hit is its
-        validated wire list ``[node, addr, rkey, length, generation, resident]`` (the batch
-        read path decodes them column by column). Malformed answers count as that owner
-        failing for the key, exactly as in :meth:`batch_get`.
+    def batch_get_columns(self, keys: Sequence[str]) -> DirColumns:
+        """:meth:`batch_get` as columns (:class:`DirColumns`), without a Python object per
+        entry: the owners answer packed records and the batch read path uses the arrays as
+        they are. A record naming a node the answer does not list counts as that owner
+        failing for the key, which then goes to its next owner; an answer of the wrong
+        shape fails the owner for all its keys.
 
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
-        results: list[list[Any] | None] = [None] * len(keys)
+        out = np.zeros(len(keys), dtype=PACKED_ENTRY)
+        out["node"] = NO_NODE
+        table: dict[str, int] = {}
 
-        def take(idxs: list[int], wires: list[Any]) -> list[int]:
-            retry: list[int] = []
-            for i, wire in zip(idxs, wires, strict=True):
-                if wire is None:
-                    results[i] = None
-                    if self.fallback_on_miss:
-                        retry.append(i)
-                elif _wire_ok(wire):
-                    results[i] = wire
-                else:
-                    self.failures += 1
-                    results[i] = None
-                    retry.append(i)
-            return retry
+        def take(idxs: list[int], answer: list[Any]) -> list[int]:
+            names, body = answer
+            recs = np.frombuffer(body, dtype=PACKED_ENTRY).copy()
+            node = recs["node"].astype(np.int64)
+            miss = node == NO_NODE
+            bad = ~miss & (node >= len(names))
+            # Owner-local node numbers -> this batch's table.
+            remap = np.array([table.setdefault(nm, len(table)) for nm in names] + [NO_NODE], dtype=np.int64)
+            recs["node"] = remap[np.where(miss | bad, len(names), node)]
+            at = np.asarray(idxs, dtype=np.int64)
+            out[at] = recs
+            n_bad = int(bad.sum())
+            if n_bad:
+                self.failures += n_bad
+                out["node"][at[bad]] = NO_NODE
+            return at[bad | (miss & self.fallback_on_miss)].tolist()
 
-        self._read_rounds(keys, "dir_get", _list_of, take)
-        return results
+        self._read_rounds(keys, "dir_get", _packed_of, take)
+        return DirColumns(list(table), out)
 
     def batch_exists(self, keys: Sequence[str]) -> bytes:
         """Whether each key has an entry, as one byte per key: :data:`MISS`,
@@ -515,7 +597,7 @@ class DirectoryView:
 
         The owners answer ``dir_exists`` (one byte per key) instead of full entries; the
         replica rounds, the fallback and the failure accounting are those of
-        :meth:`batch_get_wire`: an owner that fails or answers anything but ``bytes`` of the
+        :meth:`batch_get_columns`: an owner that fails or answers anything but ``bytes`` of the
         right length fails for all its keys, a byte outside the three codes fails for its
         key alone, and failed keys go to their next owner.
 

@@ -44,18 +44,19 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from hiradix.peer.config import PeerConfig
-from hiradix.peer.directory import DIR_METHODS, MISS, ON_DISK, DirectoryShard, DirectoryView, DirEntry
+from hiradix.peer.directory import DIR_METHODS, MISS, NO_NODE, ON_DISK, DirectoryShard, DirectoryView, DirEntry
 from hiradix.peer.disk import DiskTier
+from hiradix.peer.keyhash import key_digests
 from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
-from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, key_digest, verify_parts
+from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.auth import load_token
@@ -306,6 +307,7 @@ class PeerNode:
             local_shard=self.shard,
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
+        self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
         #: Bytes READ per chunk of a remote batch; the next chunk is READ while this one is
         #: verified and copied out. Small enough to stay in cache between the two.
         self.chunk_bytes = 2 << 20
@@ -554,7 +556,26 @@ class PeerNode:
         for node, keys in by_node.items():
             info = self.membership.info(node)
             if info is not None:
-                self._bg.submit(self._promote_remote_quiet, info.rpc, keys)
+                self._background(self._promote_remote_quiet, info.rpc, keys)
+
+    def _background(self, fn: Callable[..., Any], *args: Any) -> None:
+        fut = self._bg.submit(fn, *args)
+        with self._lock:
+            self._bg_pending.add(fut)
+        fut.add_done_callback(self._bg_done)
+
+    def _bg_done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._bg_pending.discard(fut)
+
+    def drain_background(self, timeout: float | None = None) -> bool:
+        """Wait until the background work started so far (the warm-ups of disk-resident
+        pages that ``exists`` reported) has finished, ``timeout`` seconds at most; whether
+        it has. The disk tier's own writes are waited for by ``disk.flush``.
+        Runtime complexity: ``O(pending)``."""
+        with self._lock:
+            pending = list(self._bg_pending)
+        return not wait(pending, timeout).not_done
 
     def _promote_remote_quiet(self, rpc: str, keys: list[str]) -> None:
         with contextlib.suppress(Exception):
@@ -581,10 +602,9 @@ class PeerNode:
             n = len(codes)
         if codes.find(ON_DISK, 0, n) >= 0:
             cold = [k for k, c in zip(keys[:n], codes, strict=False) if c == ON_DISK]
-            wires = self.directory.batch_get_wire(cold)
+            entries = self.directory.batch_get(cold)
             # A page promoted meanwhile is resident again; one gone meanwhile needs nothing.
-            warm = [(k, w) for k, w in zip(cold, wires, strict=True) if w is not None and not w[5]]
-            self._warm([(k, DirEntry(w[0], w[1], w[2], w[3], w[4], False)) for k, w in warm])
+            self._warm([(k, e) for k, e in zip(cold, entries, strict=True) if e is not None and not e.resident])
         return n
 
     def register_receive(self, buffer: Any) -> int:
@@ -646,71 +666,55 @@ class PeerNode:
         if addrs.shape != (n,) or lens.shape != (n,):
             raise ValueError(f"{n} keys need {n} addresses and lengths")
         ok = np.zeros(n, dtype=bool)
-        wires = self.directory.batch_get_wire(list(keys))
-        want = lens.tolist()
-        me = self.node_id
-        remote: dict[str, list[int]] = defaultdict(list)
-        cold: dict[str, list[int]] = defaultdict(list)
-        local: list[int] = []
-        for i, w in enumerate(wires):
-            if w is None or w[3] != want[i]:
-                continue
-            if w[3] == 0:
-                ok[i] = True
-            elif w[0] == me:
-                local.append(i)
-            elif not w[5]:
-                cold[w[0]].append(i)
-            else:
-                remote[w[0]].append(i)
-        for i in local:
-            w = wires[i]
-            assert w is not None
-            ok[i] = self._read_local(keys[i], DirEntry.from_wire(w), view_at(int(addrs[i]), want[i]))
-        for node, idxs in cold.items():
-            self._promote_for_read(node, idxs, keys, wires, want, remote)
-        direct = self._direct_mask(addrs, lens) if remote and self._receive_spans else None
-        for node, idxs in remote.items():
-            if direct is not None:
-                d = [i for i in idxs if direct[i]]
-                if d:
-                    self._fetch_direct(node, d, wires, keys, addrs, lens, ok)
-                idxs = [i for i in idxs if not direct[i]]
-            if idxs:
-                self._fetch(node, idxs, wires, keys, addrs, lens, ok)
+        cols = self.directory.batch_get_columns(keys)
+        rec = cols.records
+        node = rec["node"].astype(np.int64)
+        hit = (node != NO_NODE) & (rec["length"] == lens.astype(np.uint64))
+        ok[hit & (lens == 0)] = True
+        live = hit & (lens > 0)
+        me = cols.node_index(self.node_id)
+        for i in np.flatnonzero(live & (node == me)).tolist():
+            entry = cols.entry(i)
+            assert entry is not None
+            ok[i] = self._read_local(keys[i], entry, view_at(int(addrs[i]), int(lens[i])))
+        away = live & (node != me)
+        cold = away & (rec["resident"] == 0)
+        for j in np.unique(node[cold]).tolist():
+            self._promote_for_read(cols.nodes[j], j, np.flatnonzero(cold & (node == j)), keys, rec)
+        remote = away & (rec["resident"] != 0)  # promoted pages are resident now
+        direct = self._direct_mask(addrs, lens) if remote.any() and self._receive_spans else np.zeros(n, dtype=bool)
+        for j in np.unique(node[remote]).tolist():
+            on = remote & (node == j)
+            if (on & direct).any():
+                self._fetch_direct(cols.nodes[j], np.flatnonzero(on & direct), rec, keys, addrs, lens, ok)
+            if (on & ~direct).any():
+                self._fetch(cols.nodes[j], np.flatnonzero(on & ~direct), rec, keys, addrs, lens, ok)
         hits = int(ok.sum())
         self.metrics.record_read(n, hits, int(lens[ok].sum()), time.perf_counter() - t0)
         del hold
         return ok
 
-    def _promote_for_read(
-        self,
-        node: str,
-        idxs: list[int],
-        keys: Sequence[str],
-        wires: list[Any],
-        want: list[int],
-        remote: dict[str, list[int]],
-    ) -> None:
+    def _promote_for_read(self, node: str, j: int, idx: np.ndarray, keys: Sequence[str], rec: np.ndarray) -> None:
+        """Ask ``node`` to bring the disk-resident pages ``idx`` back into its pool; the rows
+        of ``rec`` that it promoted (same node, same length) are updated in place."""
         info = self.membership.info(node)
         if info is None:
             return
         try:
             fresh = self.client.call(
-                info.rpc, "data_promote", [keys[i] for i in idxs], timeout=self.config.promote_timeout_s
+                info.rpc, "data_promote", [keys[i] for i in idx.tolist()], timeout=self.config.promote_timeout_s
             )
         except Exception as exc:  # an unreachable owner: its pages are misses
             log.debug("promote on %s failed: %r", node, exc)
             return
-        if not isinstance(fresh, list) or len(fresh) != len(idxs):
+        if not isinstance(fresh, list) or len(fresh) != len(idx):
             return
-        for i, w in zip(idxs, fresh, strict=True):
+        for i, w in zip(idx.tolist(), fresh, strict=True):
             with contextlib.suppress(ValueError):
                 if w is not None:
                     e = DirEntry.from_wire(w)
-                    if e.length == want[i] and e.node == node:
-                        wires[i] = e.to_wire()
-                        remote[node].append(i)
+                    if e.length == int(rec["length"][i]) and e.node == node:
+                        rec[i] = (j, True, 0, e.rkey, e.addr, e.length, e.generation)
 
     def _read_local(self, key: str, entry: DirEntry, out: memoryview) -> bool:
         if not entry.resident:
@@ -726,14 +730,15 @@ class PeerNode:
     def _fetch(
         self,
         node: str,
-        idxs: list[int],
-        wires: list[Any],
+        idx: np.ndarray,
+        rec: np.ndarray,
         keys: Sequence[str],
         addrs: np.ndarray,
         lens: np.ndarray,
         ok: np.ndarray,
     ) -> None:
-        """READ the slots of ``idxs`` from ``node`` into a receive lane, verify, copy out.
+        """READ the slots of ``idx`` (rows of ``rec``) from ``node`` into a receive lane,
+        verify, copy out.
 
         The lane is split in two halves and the batch in chunks of at most half a lane:
         while one chunk is verified and copied out (GIL-free), the next is already being
@@ -743,24 +748,18 @@ class PeerNode:
         if info is None:
             return  # not a live member: its pages are misses
         timeout = self.config.read_timeout_s
-        ws = [wires[i] for i in idxs]
-        idx = np.array(idxs, dtype=np.int64)
         need = lens[idx] + SLOT_HEADER_SIZE
         try:
             with self.recv.lease(timeout) as (base, lane):
                 half = min(len(lane) // 2, max(self.chunk_bytes, int(need.max())))
                 fits = need <= half  # a slot larger than half a lane can never be read: a miss
-                if not fits.all():
-                    keep = np.flatnonzero(fits)
-                    ws = [ws[j] for j in keep.tolist()]
-                    idx, need = idx[keep], need[keep]
-                if not ws:
+                idx, need = idx[fits], need[fits]
+                if not idx.size:
                     return
-                gens = np.array([w[4] for w in ws], dtype=np.uint64)
-                digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idx.tolist()]), dtype=np.uint8)
-                digests = digests.reshape(-1, 32)
-                raddr = np.array([w[1] for w in ws], dtype=np.uint64)
-                rkey = np.array([w[2] for w in ws], dtype=np.uint32)
+                gens = rec["generation"][idx]
+                digests = key_digests([keys[i] for i in idx.tolist()])
+                raddr = rec["addr"][idx]
+                rkey = rec["rkey"][idx]
                 ends = np.cumsum(need)
                 offs = ends - need
                 bounds = _chunk_bounds(ends.tolist(), half)
@@ -799,19 +798,19 @@ class PeerNode:
                     with self._lock:
                         self.stale_reads += stale
         except queue.Empty:
-            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idxs), node)
+            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
 
     def _fetch_direct(
         self,
         node: str,
-        idxs: list[int],
-        wires: list[Any],
+        idx: np.ndarray,
+        rec: np.ndarray,
         keys: Sequence[str],
         addrs: np.ndarray,
         lens: np.ndarray,
         ok: np.ndarray,
     ) -> None:
-        """READ each slot of ``idxs`` from ``node`` as two items, the header into a receive
+        """READ each slot of ``idx`` (rows of ``rec``) from ``node`` as two items, the header into a receive
         lane and the payload straight into its destination page (inside a local receive
         region), then verify header + CRC over the payload in place. No copy.
 
@@ -828,27 +827,25 @@ class PeerNode:
         if info is None:
             return
         timeout = self.config.read_timeout_s
-        ws = [wires[i] for i in idxs]
-        idx = np.array(idxs, dtype=np.int64)
         plens = lens[idx]
         hsize = SLOT_HEADER_SIZE
         try:
             with self.recv.lease(timeout) as (base, lane):
-                gens = np.array([w[4] for w in ws], dtype=np.uint64)
-                digests = np.frombuffer(b"".join([key_digest(keys[i]) for i in idxs]), dtype=np.uint8)
-                digests = digests.reshape(-1, 32)
+                gens = rec["generation"][idx]
+                digests = key_digests([keys[i] for i in idx.tolist()])
                 dsts = addrs[idx]
-                raddr = np.array([w[1] for w in ws], dtype=np.uint64)
-                rkey = np.array([w[2] for w in ws], dtype=np.uint32)
+                raddr = rec["addr"][idx]
+                rkey = rec["rkey"][idx]
                 # Each slot is two items: its header into the lane, its payload in place.
                 pair_raddr = np.stack([raddr, raddr + np.uint64(hsize)], axis=1).ravel()
                 pair_rkey = np.repeat(rkey, 2)
-                pair_len = np.stack([np.full(len(ws), hsize, dtype=np.uint64), plens.astype(np.uint64)], axis=1).ravel()
+                heads_len = np.full(len(idx), hsize, dtype=np.uint64)
+                pair_len = np.stack([heads_len, plens.astype(np.uint64)], axis=1).ravel()
                 lane_arr = np.frombuffer(lane, dtype=np.uint8)
                 per_round = len(lane) // hsize  # slots whose headers fit the lane together
                 stale = 0
-                for r0 in range(0, len(ws), per_round):
-                    r1 = min(len(ws), r0 + per_round)
+                for r0 in range(0, len(idx), per_round):
+                    r1 = min(len(idx), r0 + per_round)
                     cuts = _chunk_bounds(np.cumsum(plens[r0:r1]).tolist(), max(self.chunk_bytes, int(plens.max())))
                     chunks = [(r0 + cuts[j], r0 + cuts[j + 1]) for j in range(len(cuts) - 1)]
                     heads_at = np.uint64(base) + (np.arange(r1 - r0, dtype=np.uint64) * np.uint64(hsize))
@@ -878,7 +875,7 @@ class PeerNode:
                     with self._lock:
                         self.stale_reads += stale
         except queue.Empty:
-            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idxs), node)
+            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
 
     # ------------------------------------------------------------------ data over RPC
     def enable_data_rpc(self) -> None:
