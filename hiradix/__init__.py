@@ -7,17 +7,12 @@ is set or the extension was not built, in which case the pure-Python twin
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from hiradix import _native
 from hiradix.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
-_impl: Any = None
-if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
-    try:
-        from hiradix import _core as _impl
-    except ImportError:  # no compiler at install time: msgpack-style fallback
-        _impl = None
+_impl: Any = _native.load("hiradix._core")
 if _impl is None:
     from hiradix import _reference as _impl
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hiradix._native import load
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
 __all__ = [
@@ -60,12 +61,7 @@ __all__ = [
     "make_copy_engine",
 ]
 
-_gather: Any = None
-if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
-    try:
-        from hiradix.memory import _gather as _gather
-    except ImportError:  # not built (no compiler): the torch path does the copies
-        _gather = None
+_gather: Any = load("hiradix.memory._gather")  # not built: the torch path does the copies
 
 NATIVE_AVAILABLE = _gather is not None
 """Whether the compiled row copy (:mod:`hiradix.memory._gather`) is in use for CPU pools."""

@@ -4,8 +4,8 @@
 A key's SHA-256 (of its UTF-8 bytes) is both the 32-byte digest a published-pool slot
 header carries (:func:`hiradix.peer.pool.key_digest`) and, through its first 8 bytes read
 big-endian, the key's position on the consistent-hash ring
-(:func:`hiradix.peer.ring.hash64`). :func:`hash64_many` and :func:`key_digests` compute
-either for a whole batch in one call: the UTF-8 pointers are collected with the GIL held
+(:func:`hiradix.peer.ring.hash64`). :func:`key_digests` computes them for a whole batch
+in one call: the UTF-8 pointers are collected with the GIL held
 (``str`` keeps its UTF-8 form cached, so ASCII keys are not copied), then the hashes run in
 one C loop (SHA-NI when the CPU has it), without the GIL for batches of at least
 :data:`NOGIL_MIN_BLOCKS` SHA-256 blocks.
@@ -20,7 +20,7 @@ The pure-Python fallback (``HIRADIX_PUREPYTHON=1`` or no compiler) is
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t
 from libc.stdlib cimport free, malloc
 
 import numpy as np
@@ -63,66 +63,18 @@ cdef Py_ssize_t _spans(tuple ks, list hold, _Span *spans) except -1:
     return blocks
 
 
-cdef inline uint64_t _be64(const uint8_t *d) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int j
-    for j in range(8):
-        v = (v << 8) | d[j]
-    return v
-
-
-cdef void _hash64_run(const _Span *spans, Py_ssize_t n, uint64_t *out) noexcept nogil:
-    cdef uint8_t d[32]
-    cdef Py_ssize_t i
-    for i in range(n):
-        hr_sha256(spans[i].data, <size_t>spans[i].size, d)
-        out[i] = _be64(d)
-
-
 cdef void _digest_run(const _Span *spans, Py_ssize_t n, uint8_t *out) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
         hr_sha256(spans[i].data, <size_t>spans[i].size, out + 32 * i)
 
 
-def hash64_many(keys) -> np.ndarray:
-    """Ring positions of ``keys``: the first 8 bytes, big-endian, of each key's SHA-256
-    (``str`` keys as UTF-8), as a ``uint64`` array.
+def key_digests(keys) -> np.ndarray:
+    """Each key's SHA-256 (``str`` keys as UTF-8) as rows of an ``(n, 32)`` ``uint8`` array.
 
     ``UnicodeEncodeError`` for a ``str`` that is not valid UTF-8 (lone surrogates), as
     ``str.encode`` would; ``TypeError`` for a key that is neither ``str`` nor bytes-like.
     Runtime complexity: ``O(total key bytes)``.
-
-    >>> import hashlib
-    >>> int(hash64_many(["abc"])[0]) == int.from_bytes(hashlib.sha256(b"abc").digest()[:8], "big")
-    True
-    """
-    cdef tuple ks = tuple(keys)  # holds every key alive while the GIL may be released
-    cdef Py_ssize_t n = len(ks), blocks
-    cdef list hold = []
-    out = np.empty(n, dtype=np.uint64)
-    if n == 0:
-        return out
-    cdef uint64_t[::1] view = out
-    cdef _Span *spans = <_Span *>malloc(n * sizeof(_Span))
-    if spans == NULL:
-        raise MemoryError()
-    try:
-        blocks = _spans(ks, hold, spans)
-        if blocks >= _NOGIL_MIN:
-            with nogil:
-                _hash64_run(spans, n, &view[0])
-        else:
-            _hash64_run(spans, n, &view[0])
-    finally:
-        free(spans)
-    return out
-
-
-def key_digests(keys) -> np.ndarray:
-    """Each key's SHA-256 (``str`` keys as UTF-8) as rows of an ``(n, 32)`` ``uint8`` array.
-
-    Errors as :func:`hash64_many`. Runtime complexity: ``O(total key bytes)``.
 
     >>> import hashlib
     >>> key_digests(["abc"])[0].tobytes() == hashlib.sha256(b"abc").digest()

@@ -19,6 +19,8 @@ The pure-Python fallback (``HIRADIX_PUREPYTHON=1`` or no compiler) is the same l
 :mod:`hiradix.peer.node` over :func:`~hiradix.peer.pool.verify_parts`.
 """
 
+import numpy as np
+
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcmp, memcpy
 
@@ -244,49 +246,15 @@ def verify_copy(
     holds at least :data:`NOGIL_MIN_BYTES`.
     """
     cdef Py_ssize_t n = offsets.shape[0], i
-    cdef int64_t size = chunk.shape[0], total = 0
-    cdef int64_t stale = 0
-    if (
-        lengths.shape[0] != n or generations.shape[0] != n or dst_addrs.shape[0] != n
-        or ok.shape[0] != n or digests.shape[0] != n or (n and digests.shape[1] != 32)
-    ):
-        raise ValueError("verify_copy: arrays of different lengths")
+    cdef int64_t size = chunk.shape[0]
+    _check_shapes("verify_copy", n, lengths, generations, digests, dst_addrs, ok)
     for i in range(n):
         if offsets[i] < 0 or lengths[i] < 0 or offsets[i] > size - HEADER - lengths[i]:
             raise ValueError(f"verify_copy: slot {i} lies outside the chunk")
-        total += lengths[i]
     if n == 0:
         return 0
-    if total >= _NOGIL_MIN:
-        with nogil:
-            stale = _run(&chunk[0], offsets, lengths, generations, digests, dst_addrs, ok)
-    else:
-        stale = _run(&chunk[0], offsets, lengths, generations, digests, dst_addrs, ok)
-    return stale
-
-
-cdef int64_t _run(
-    const uint8_t *base,
-    const int64_t[::1] offsets,
-    const int64_t[::1] lengths,
-    const uint64_t[::1] generations,
-    const uint8_t[:, ::1] digests,
-    const uint64_t[::1] dst_addrs,
-    uint8_t[::1] ok,
-) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef int64_t stale = 0
-    cdef const uint8_t *slot
-    for i in range(offsets.shape[0]):
-        if not ok[i]:
-            continue
-        slot = base + offsets[i]
-        if _check(slot, slot + HEADER, lengths[i], generations[i], &digests[i, 0]):
-            memcpy(<void *><uintptr_t>dst_addrs[i], slot + HEADER, <size_t>lengths[i])
-        else:
-            ok[i] = 0
-            stale += 1
-    return stale
+    heads = np.asarray(offsets, dtype=np.uint64) + np.uint64(<uintptr_t>&chunk[0])
+    return _verify(heads, heads + np.uint64(HEADER), lengths, generations, digests, dst_addrs, ok)
 
 
 def verify_inplace(
@@ -310,32 +278,60 @@ def verify_inplace(
     ``O(total bytes)`` (one CRC pass), GIL released from :data:`NOGIL_MIN_BYTES`.
     """
     cdef Py_ssize_t n = lengths.shape[0], i
-    cdef int64_t total = 0, stale = 0
-    if (
-        generations.shape[0] != n or payload_addrs.shape[0] != n or ok.shape[0] != n
-        or digests.shape[0] != n or (n and digests.shape[1] != 32) or headers.shape[0] < HEADER * n
-    ):
+    _check_shapes("verify_inplace", n, lengths, generations, digests, payload_addrs, ok)
+    if headers.shape[0] < HEADER * n:
         raise ValueError("verify_inplace: arrays of different lengths")
     for i in range(n):
         if lengths[i] < 0:
             raise ValueError(f"verify_inplace: slot {i} has a negative length")
-        total += lengths[i]
     if n == 0:
         return 0
-    if total >= _NOGIL_MIN:
-        with nogil:
-            stale = _run_inplace(&headers[0], lengths, generations, digests, payload_addrs, ok)
-    else:
-        stale = _run_inplace(&headers[0], lengths, generations, digests, payload_addrs, ok)
-    return stale
+    heads = np.arange(n, dtype=np.uint64) * np.uint64(HEADER) + np.uint64(<uintptr_t>&headers[0])
+    return _verify(heads, payload_addrs, lengths, generations, digests, None, ok)
 
 
-cdef int64_t _run_inplace(
-    const uint8_t *headers,
+cdef _check_shapes(
+    str name, Py_ssize_t n, const int64_t[::1] lengths, const uint64_t[::1] generations,
+    const uint8_t[:, ::1] digests, const uint64_t[::1] addrs, uint8_t[::1] ok,
+):
+    if (
+        lengths.shape[0] != n or generations.shape[0] != n or addrs.shape[0] != n
+        or ok.shape[0] != n or digests.shape[0] != n or (n and digests.shape[1] != 32)
+    ):
+        raise ValueError(f"{name}: arrays of different lengths")
+
+
+cdef int64_t _verify(
+    const uint64_t[::1] heads,
+    const uint64_t[::1] payloads,
     const int64_t[::1] lengths,
     const uint64_t[::1] generations,
     const uint8_t[:, ::1] digests,
-    const uint64_t[::1] payload_addrs,
+    const uint64_t[::1] dsts,
+    uint8_t[::1] ok,
+):
+    """Check slot ``i`` (header at ``heads[i]``, payload at ``payloads[i]``) and, when
+    ``dsts`` is given, copy a good payload there. The caller checked every shape."""
+    cdef Py_ssize_t i, n = lengths.shape[0]
+    cdef int64_t total = 0, stale
+    cdef const uint64_t *to = NULL if dsts is None else &dsts[0]
+    for i in range(n):
+        total += lengths[i]
+    if total >= _NOGIL_MIN:
+        with nogil:
+            stale = _verify_loop(heads, payloads, lengths, generations, digests, to, ok)
+    else:
+        stale = _verify_loop(heads, payloads, lengths, generations, digests, to, ok)
+    return stale
+
+
+cdef int64_t _verify_loop(
+    const uint64_t[::1] heads,
+    const uint64_t[::1] payloads,
+    const int64_t[::1] lengths,
+    const uint64_t[::1] generations,
+    const uint8_t[:, ::1] digests,
+    const uint64_t *dsts,
     uint8_t[::1] ok,
 ) noexcept nogil:
     cdef Py_ssize_t i
@@ -343,10 +339,13 @@ cdef int64_t _run_inplace(
     for i in range(lengths.shape[0]):
         if not ok[i]:
             continue
-        if not _check(
-            headers + HEADER * i, <const uint8_t *><uintptr_t>payload_addrs[i], lengths[i],
-            generations[i], &digests[i, 0]
+        if _check(
+            <const uint8_t *><uintptr_t>heads[i], <const uint8_t *><uintptr_t>payloads[i], lengths[i],
+            generations[i], &digests[i, 0],
         ):
+            if dsts != NULL:
+                memcpy(<void *><uintptr_t>dsts[i], <const void *><uintptr_t>payloads[i], <size_t>lengths[i])
+        else:
             ok[i] = 0
             stale += 1
     return stale

@@ -19,23 +19,18 @@ True
 from __future__ import annotations
 
 import hashlib
-import importlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from hiradix._native import load
+
 __all__ = ["compiled", "hash64", "hash64_many", "key_digest", "key_digests"]
 
 Key = str | bytes
 
-_hash: Any = None
-if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
-    try:
-        _hash = importlib.import_module("hiradix.peer._hash")
-    except ImportError:  # pragma: no cover - not built: the hashlib loops below
-        _hash = None
+_hash: Any = load("hiradix.peer._hash")
 
 
 def compiled() -> bool:
@@ -65,14 +60,13 @@ def hash64(key: Key) -> int:
 
 
 def hash64_many(keys: Sequence[Key]) -> np.ndarray:
-    """:func:`hash64` of each key as a ``uint64`` array.
+    """:func:`hash64` of each key as a ``uint64`` array (the first 8 bytes of each row of
+    :func:`key_digests`, big-endian).
 
     Runtime complexity: ``O(total key bytes)``; compiled, a few tens of nanoseconds per
     short key.
     """
-    if _hash is not None:
-        return _hash.hash64_many(keys)  # type: ignore[no-any-return]
-    return _hash64_many_py(keys)
+    return np.ascontiguousarray(key_digests(keys)[:, :8]).view(">u8").ravel().astype(np.uint64)
 
 
 def key_digests(keys: Sequence[Key]) -> np.ndarray:
@@ -83,12 +77,6 @@ def key_digests(keys: Sequence[Key]) -> np.ndarray:
     if _hash is not None:
         return _hash.key_digests(keys)  # type: ignore[no-any-return]
     return _key_digests_py(keys)
-
-
-def _hash64_many_py(keys: Sequence[Key]) -> np.ndarray:
-    sha = hashlib.sha256
-    raw = b"".join([sha(_raw(k)).digest()[:8] for k in keys])
-    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
 
 def _key_digests_py(keys: Sequence[Key]) -> np.ndarray:

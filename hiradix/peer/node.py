@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -50,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from hiradix._native import load
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.directory import DIR_METHODS, MISS, NO_NODE, ON_DISK, DirectoryShard, DirectoryView, DirEntry
 from hiradix.peer.disk import DiskTier
@@ -70,12 +69,7 @@ log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
 
-_verify: Any = None
-if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
-    try:
-        _verify = importlib.import_module("hiradix.peer._verify")
-    except ImportError:  # pragma: no cover - not built: the pure-Python loop below
-        _verify = None
+_verify: Any = load("hiradix.peer._verify")
 
 
 def _chunk_bounds(ends: list[int], half: int) -> list[int]:

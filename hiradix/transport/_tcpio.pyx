@@ -87,23 +87,11 @@ cdef inline int _io_error() noexcept nogil:
     return ERR_CHANNEL
 
 
-cdef int _send_all(int fd, const uint8_t* p, size_t n) noexcept nogil:
+cdef int _move_all(int fd, uint8_t* p, size_t n, bint receive) noexcept nogil:
+    """Send or receive exactly ``n`` bytes at ``p``."""
     cdef ssize_t k
     while n:
-        k = send(fd, p, n, MSG_NOSIGNAL)
-        if k < 0:
-            if errno == EINTR:
-                continue
-            return _io_error()
-        p += k
-        n -= <size_t>k
-    return ERR_OK
-
-
-cdef int _recv_all(int fd, uint8_t* p, size_t n) noexcept nogil:
-    cdef ssize_t k
-    while n:
-        k = recv(fd, p, n, MSG_WAITALL)
+        k = recv(fd, p, n, MSG_WAITALL) if receive else send(fd, p, n, MSG_NOSIGNAL)
         if k < 0:
             if errno == EINTR:
                 continue
@@ -228,7 +216,7 @@ cdef int _send_requests(
             _put32(p + 16, rkey[k])
             _put32(p + 20, 0)
             p += ITEM_SIZE
-    return _send_all(fd, buf, <size_t>(p - buf))
+    return _move_all(fd, buf, <size_t>(p - buf), False)
 
 
 cdef int _receive_frame(
@@ -238,7 +226,7 @@ cdef int _receive_frame(
     """Receive the response to items ``a..b-1`` (sequence ``seq``) into their destinations;
     their statuses are written only once every byte of the frame has landed."""
     cdef Py_ssize_t count = b - a, k
-    cdef int rc = _recv_all(fd, head, RESP_SIZE + <size_t>count)
+    cdef int rc = _move_all(fd, head, RESP_SIZE + <size_t>count, True)
     if rc:
         return rc
     if (_get32(head) != MAGIC or _get16(head + 4) != OP_READ or _get16(head + 6) != count

@@ -28,8 +28,6 @@ item never. With ``HIRADIX_PUREPYTHON=1`` (or ``native=False``) the same bytes g
 
 from __future__ import annotations
 
-import importlib
-import os
 import socket
 import struct
 import threading
@@ -38,6 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hiradix._native import load
 from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import (
     Capabilities,
@@ -68,12 +67,7 @@ _ITEM_DTYPE = np.dtype([("addr", "<u8"), ("length", "<u8"), ("rkey", "<u4"), ("r
 # Error codes of a channel run, as the compiled data plane reports them.
 E_OK, E_TIMEOUT, E_CHANNEL = 0, 1, 2
 
-_tcpio: Any = None
-if os.environ.get("HIRADIX_PUREPYTHON", "") in ("", "0"):
-    try:
-        _tcpio = importlib.import_module("hiradix.transport._tcpio")
-    except ImportError:  # pragma: no cover - not built: the Python loops below
-        _tcpio = None
+_tcpio: Any = load("hiradix.transport._tcpio")
 
 
 def _timeval(seconds: float) -> bytes:
