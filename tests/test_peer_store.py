@@ -491,15 +491,23 @@ def test_verify_inplace_accepts_good_and_rejects_stale_torn_and_foreign(
     assert good.tolist() == [1, 0, 0, 0, 1, 0]
 
 
-def test_compiled_crc_matches_zlib() -> None:
+@pytest.mark.parametrize("wide", [True, False], ids=["avx2-vpclmulqdq", "pclmul-or-tables"])
+def test_compiled_crc_matches_zlib(wide: bool) -> None:
     import zlib
 
     v = pytest.importorskip("hiradix.peer._verify")
-    rng = np.random.default_rng(1)
-    for n in [*range(0, 200), 4095, 16384 + 13, 1 << 20]:
-        b = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        assert v.crc32(b) == zlib.crc32(b)
-        assert v.crc32(b, 0xDEADBEEF) == zlib.crc32(b, 0xDEADBEEF)
+    if wide and not v.have_wide_clmul():
+        pytest.skip("this CPU has no AVX2 + VPCLMULQDQ: only the narrow path exists here")
+    before = v._test_set_wide_clmul(wide)
+    try:
+        rng = np.random.default_rng(1)
+        # Every length around the 64/128/256-byte block edges, then long ones.
+        for n in [*range(0, 700), 4095, 16384 + 13, 65536 + 129, 1 << 20]:
+            b = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            assert v.crc32(b) == zlib.crc32(b), n
+            assert v.crc32(b, 0xDEADBEEF) == zlib.crc32(b, 0xDEADBEEF), n
+    finally:
+        v._test_set_wide_clmul(before)
 
 
 def test_verify_copy_rejects_slots_outside_the_chunk() -> None:

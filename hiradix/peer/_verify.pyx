@@ -12,8 +12,10 @@ about 9 us per page) becomes a few nanoseconds of C per page.
 :func:`verify_inplace` is the no-copy variant: headers were READ into the receive region
 and payloads straight into their destination pages, and each is checked where it lies.
 
-The CRC is zlib's CRC-32 (same values, :func:`crc32`): carry-less multiply folding
-(PCLMULQDQ, checked at run time with cpuid) for the bulk, slice-by-8 tables otherwise.
+The CRC is zlib's CRC-32 (same values, :func:`crc32`): carry-less multiply folding for the
+bulk, checked at run time with cpuid: 256-bit VPCLMULQDQ with AVX2 where the CPU has it
+(about 25 GB/s on the 2-vCPU EPYC we measure on), else 128-bit PCLMULQDQ (about 13 GB/s),
+else slice-by-8 tables.
 
 The pure-Python fallback (``HIRADIX_PUREPYTHON=1`` or no compiler) is the same loop in
 :mod:`hiradix.peer.node` over :func:`~hiradix.peer.pool.verify_parts`.
@@ -38,6 +40,15 @@ cdef extern from *:
 
     static uint32_t hrx_crc_table[8][256];
     static int hrx_have_clmul = 0;
+    static int hrx_have_vclmul = 0;
+
+    #if HRX_X86
+    static unsigned long long hrx_xcr0(void) {  /* which register states the OS saves */
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        return ((unsigned long long)hi << 32) | lo;
+    }
+    #endif
 
     static void hrx_crc_init(void) {
         for (uint32_t i = 0; i < 256; i++) {
@@ -53,6 +64,11 @@ cdef extern from *:
         unsigned a, b, c, d;
         /* CPUID.1:ECX bit 1 = PCLMULQDQ, bit 19 = SSE4.1 */
         hrx_have_clmul = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 1)) && (c & (1u << 19));
+        /* CPUID.1:ECX bit 27 OSXSAVE + XCR0 ymm state, CPUID.7.0:EBX bit 5 AVX2,
+           CPUID.7.0:ECX bit 10 VPCLMULQDQ */
+        if (hrx_have_clmul && (c & (1u << 27)) && ((hrx_xcr0() & 6) == 6) &&
+                __get_cpuid_count(7, 0, &a, &b, &c, &d))
+            hrx_have_vclmul = (b & (1u << 5)) && (c & (1u << 10));
     #endif
     }
 
@@ -75,6 +91,48 @@ cdef extern from *:
     }
 
     #if HRX_X86
+    /* The bulk of long buffers: eight 128-bit lanes (four 256-bit registers, two lanes
+       each) folded forward by 1024 bits per 128-byte step with VPCLMULQDQ, then folded
+       pairwise by 512 bits into the four-lane state that hrx_crc_clmul continues from.
+       The constants are x^(1024+32) and x^(1024-32) mod P, bit-reflected and shifted
+       left by one, as for the 512-bit ones below. len >= 256; consumes a multiple of 128
+       bytes and leaves the four lanes in out[0..3]. */
+    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
+    static size_t hrx_crc_wide(uint32_t crc, const uint8_t *buf, size_t len, __m128i out[4]) {
+        const __m256i k = _mm256_set_epi64x(0x014a7fe880LL, 0x01e88ef372LL, 0x014a7fe880LL, 0x01e88ef372LL);
+        const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL);
+        __m256i y0 = _mm256_loadu_si256((const __m256i *)(buf + 0x00));
+        __m256i y1 = _mm256_loadu_si256((const __m256i *)(buf + 0x20));
+        __m256i y2 = _mm256_loadu_si256((const __m256i *)(buf + 0x40));
+        __m256i y3 = _mm256_loadu_si256((const __m256i *)(buf + 0x60));
+        y0 = _mm256_xor_si256(y0, _mm256_castsi128_si256(_mm_cvtsi32_si128((int)crc)));
+        size_t done = 128;
+        while (len - done >= 128) {
+            const uint8_t *p = buf + done;
+            __m256i l0 = _mm256_clmulepi64_epi128(y0, k, 0x00), h0 = _mm256_clmulepi64_epi128(y0, k, 0x11);
+            __m256i l1 = _mm256_clmulepi64_epi128(y1, k, 0x00), h1 = _mm256_clmulepi64_epi128(y1, k, 0x11);
+            __m256i l2 = _mm256_clmulepi64_epi128(y2, k, 0x00), h2 = _mm256_clmulepi64_epi128(y2, k, 0x11);
+            __m256i l3 = _mm256_clmulepi64_epi128(y3, k, 0x00), h3 = _mm256_clmulepi64_epi128(y3, k, 0x11);
+            y0 = _mm256_xor_si256(_mm256_xor_si256(l0, h0), _mm256_loadu_si256((const __m256i *)(p + 0x00)));
+            y1 = _mm256_xor_si256(_mm256_xor_si256(l1, h1), _mm256_loadu_si256((const __m256i *)(p + 0x20)));
+            y2 = _mm256_xor_si256(_mm256_xor_si256(l2, h2), _mm256_loadu_si256((const __m256i *)(p + 0x40)));
+            y3 = _mm256_xor_si256(_mm256_xor_si256(l3, h3), _mm256_loadu_si256((const __m256i *)(p + 0x60)));
+            done += 128;
+        }
+        /* Lanes in stream order: y0 = (c0, c1), y1 = (c2, c3), y2 = (c4, c5), y3 = (c6, c7).
+           Fold c0..c3 forward by 512 bits onto c4..c7. */
+        __m128i c[8] = {
+            _mm256_castsi256_si128(y0), _mm256_extracti128_si256(y0, 1),
+            _mm256_castsi256_si128(y1), _mm256_extracti128_si256(y1, 1),
+            _mm256_castsi256_si128(y2), _mm256_extracti128_si256(y2, 1),
+            _mm256_castsi256_si128(y3), _mm256_extracti128_si256(y3, 1),
+        };
+        for (int j = 0; j < 4; j++)
+            out[j] = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(c[j], k1k2, 0x00),
+                                                 _mm_clmulepi64_si128(c[j], k1k2, 0x11)), c[j + 4]);
+        return done;
+    }
+
     /* Folding by 4 x 128 bits with carry-less multiplies, then Barrett reduction (the
        published method for the reflected CRC-32 polynomial). len >= 64, len % 16 == 0;
        crc is the inverted state. */
@@ -86,14 +144,22 @@ cdef extern from *:
         const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);
         const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
         __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
-        x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
-        x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
-        x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
-        x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
-        x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+        if (hrx_have_vclmul && len >= 256) {
+            __m128i lanes[4];
+            size_t used = hrx_crc_wide(crc, buf, len, lanes);
+            x1 = lanes[0]; x2 = lanes[1]; x3 = lanes[2]; x4 = lanes[3];
+            buf += used;
+            len -= used;
+        } else {
+            x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+            x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+            x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+            x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+            x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+            buf += 64;
+            len -= 64;
+        }
         x0 = k1k2;
-        buf += 64;
-        len -= 64;
         while (len >= 64) {
             x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
             x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
@@ -167,6 +233,7 @@ cdef extern from *:
     void hrx_crc_init() noexcept nogil
     uint32_t hrx_crc32(uint32_t crc, const uint8_t *p, size_t n) noexcept nogil
     int hrx_have_clmul
+    int hrx_have_vclmul
 
 hrx_crc_init()
 
@@ -182,6 +249,23 @@ cdef int64_t _NOGIL_MIN = NOGIL_MIN_BYTES
 def have_clmul() -> bool:
     """Whether the CRC runs on carry-less multiplies (else slice-by-8 tables)."""
     return bool(hrx_have_clmul)
+
+
+def have_wide_clmul() -> bool:
+    """Whether long buffers fold 256 bits per instruction (AVX2 + VPCLMULQDQ)."""
+    return bool(hrx_have_vclmul)
+
+
+def _test_set_wide_clmul(bint on) -> bool:
+    """Test seam: turn the AVX2 path off (or back on where the CPU has it); returns the
+    previous setting, so both CRC paths can be checked on one machine."""
+    global hrx_have_vclmul
+    cdef bint before = hrx_have_vclmul
+    if on:
+        hrx_crc_init()
+    else:
+        hrx_have_vclmul = 0
+    return before
 
 
 def crc32(data, uint32_t value=0) -> int:

@@ -161,17 +161,8 @@ class HashRing:
             raise ValueError(f"n must be >= 1, got {n}")
         if not self._points:
             return ()
-        want = min(n, len(self._nodes))
         i = bisect.bisect_left(self._points, hash64(key))
-        out: list[str] = []
-        total = len(self._points)
-        for step in range(total):
-            node = self._owners[(i + step) % total]
-            if node not in out:
-                out.append(node)
-                if len(out) == want:
-                    break
-        return tuple(out)
+        return self._walk(i % len(self._points), min(n, len(self._nodes)))
 
     def owners_many(self, keys: Sequence[Key], n: int = 1) -> list[tuple[str, ...]]:
         """:meth:`owners` of each key. The owner tuple of every ring point is computed once
@@ -203,6 +194,7 @@ class HashRing:
         return [succ[i] for i in idx.tolist()]
 
     def _walk(self, i: int, want: int) -> tuple[str, ...]:
+        """The first ``want`` distinct owners clockwise from point ``i``."""
         out: list[str] = []
         total = len(self._points)
         for step in range(total):
