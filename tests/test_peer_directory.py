@@ -384,3 +384,91 @@ def test_packed_answer_bad_record_fails_that_key_only() -> None:
     view = DirectoryView(ring, call, replicas=1)
     got = view.batch_get(keys)
     assert [g is None for g in got] == [k in keys_a for k in keys]
+
+
+class Split(Cluster):
+    """``Cluster`` with the split ``begin`` form: requests are queued, answered on finish."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        super().__init__(nodes)
+        self.events: list[tuple[str, str]] = []
+        self.cancelled = 0
+
+    def begin(self, owner: str, method: str, args: list[Any]) -> Any:
+        self.events.append(("send", owner))
+        if owner in self.down:
+            raise ConnectionError(f"{owner} is down")
+        split = self
+
+        class Finish:
+            def __call__(self) -> Any:
+                split.events.append(("recv", owner))
+                return split.call(owner, method, args)
+
+            def cancel(self) -> None:
+                split.cancelled += 1
+
+        return Finish()
+
+
+@pytest.mark.parametrize("down", [set(), {"a"}, {"a", "b"}])
+@pytest.mark.parametrize("fallback_on_miss", [False, True])
+def test_view_begin_gives_the_same_answers_and_failures(down: set[str], fallback_on_miss: bool) -> None:
+    nodes = ["a", "b", "c"]
+    cl, sp = Cluster(nodes), Split(nodes)
+    ring = HashRing(nodes)
+    for c in (cl, sp):
+        DirectoryView(ring, c.call, replicas=2).batch_put([(k, entry(resident=i % 3 != 0)) for i, k in enumerate(KEYS)])
+        for k in KEYS[::7]:
+            c.shards[ring.owners(k, 2)[0]].delete(k)
+        c.down = down
+    keys = KEYS[::-1]
+    v1 = DirectoryView(ring, cl.call, replicas=2, fallback_on_miss=fallback_on_miss)
+    v2 = DirectoryView(ring, sp.call, replicas=2, fallback_on_miss=fallback_on_miss, begin=sp.begin)
+    assert v2.batch_exists(keys) == v1.batch_exists(keys)
+    assert v2.batch_get(keys) == v1.batch_get(keys)
+    assert v2.failures == v1.failures
+    # Within a round every request is sent before any answer is read.
+    first_recv = next((i for i, e in enumerate(sp.events) if e[0] == "recv"), len(sp.events))
+    assert all(e[0] == "send" for e in sp.events[:first_recv]) and first_recv >= 2 - len(down & {"a", "b"})
+
+
+def test_view_begin_queries_the_local_shard_while_remote_calls_are_in_flight() -> None:
+    ring = HashRing(["me", "far"])
+    local = DirectoryShard()
+    far = DirectoryShard()
+    for k in KEYS[:64]:
+        (local if ring.owner(k) == "me" else far).put(k, entry())
+    order: list[str] = []
+
+    class Probe(DirectoryShard):
+        def dispatch(self, method: str, args: Any) -> Any:
+            order.append("local")
+            return local.dispatch(method, args)
+
+    def begin(owner: str, method: str, args: list[Any]) -> Any:
+        order.append("send")
+
+        def finish() -> Any:
+            order.append("recv")
+            return far.dispatch(method, args)
+
+        return finish
+
+    view = DirectoryView(ring, lambda o, m, a: 1 / 0, local_node="me", local_shard=Probe(), begin=begin)
+    assert view.batch_exists(KEYS[:64]) == bytes([RESIDENT]) * 64
+    assert order == ["send", "local", "recv"] and view.failures == 0
+
+
+def test_view_begin_cancels_calls_in_flight_when_interrupted() -> None:
+    ring = HashRing(["me", "b", "c"])
+    sp = Split(["b", "c"])
+
+    class Boom(DirectoryShard):
+        def dispatch(self, method: str, args: Any) -> Any:
+            raise KeyboardInterrupt  # not an owner failure: it propagates
+
+    view = DirectoryView(ring, sp.call, local_node="me", local_shard=Boom(), begin=sp.begin)
+    with pytest.raises(KeyboardInterrupt):
+        view.batch_exists(KEYS[:64])
+    assert sp.cancelled == 2 and not any(e[0] == "recv" for e in sp.events)

@@ -348,3 +348,56 @@ def test_bytes_after_a_reply_break_the_connection(client) -> None:
     assert client.open_connections(addr) == 0
     t.join(10)
     listener.close()
+
+
+def test_begin_then_result_overlaps_work_with_the_call(server, client) -> None:
+    release = threading.Event()
+    server.register("gated", lambda x: (release.wait(WAIT), x)[1])
+    pending = client.begin(server.address, "gated", 7)
+    assert client.open_connections(server.address) == 1  # leased while in flight
+    release.set()  # the caller's own work happens here, before the receive
+    assert pending.result() == 7
+    with pytest.raises(RuntimeError):
+        pending.result()  # one answer per call
+    assert client.call(server.address, "add", 1, 2) == 3
+    assert client.open_connections(server.address) == 1  # the same connection, reused
+
+
+def test_cancel_closes_the_connection(server, client) -> None:
+    pending = client.begin(server.address, "echo", 1)
+    pending.cancel()
+    pending.cancel()  # idempotent
+    assert client.open_connections(server.address) == 0  # its reply can never be misread
+    assert client.call(server.address, "echo", 2) == 2
+
+
+def test_kernel_timeout_follows_each_calls_deadline(server, client) -> None:
+    # The socket's SO_RCVTIMEO is shortened for a short call and lengthened again for a
+    # longer one: the second call must not time out at the first call's limit.
+    gate = threading.Event()
+    server.register("slow", lambda: gate.wait(WAIT))
+    with pytest.raises(RpcTimeout):
+        client.call(server.address, "slow", timeout=0.1)
+    gate.set()
+    assert client.call(server.address, "add", 1, 2, timeout=0.3) == 3
+    # A handler that takes longer than the last call's 0.3 s limit (a duration, not an
+    # ordering: nothing waits for it).
+    server.register("nap", lambda s: threading.Event().wait(s))
+    assert client.call(server.address, "nap", 0.5, timeout=WAIT) is False
+
+
+def test_arity_is_checked_without_signature_bind_and_with_it(server, client) -> None:
+    server.register("kwonly", lambda a, *, b: a + b)
+    server.register("var", lambda *xs: sum(xs))
+    for method, args in (("add", (1,)), ("add", (1, 2, 3)), ("kwonly", (1,)), ("kwonly", (1, 2))):
+        with pytest.raises(RpcError) as e:
+            client.call(server.address, method, *args)
+        assert e.value.code == "bad_params"
+    assert client.call(server.address, "kwonly", 1, b=2) == 3
+    assert client.call(server.address, "var", *range(10)) == 45
+    assert client.call(server.address, "echo") is None
+    # A TypeError raised inside a handler is the handler's bug, not bad parameters.
+    server.register("typo", lambda a: len(a))
+    with pytest.raises(RpcError) as e:
+        client.call(server.address, "typo", 3)
+    assert e.value.code == "internal"

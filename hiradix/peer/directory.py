@@ -28,6 +28,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -41,6 +42,7 @@ __all__ = [
     "ON_DISK",
     "PACKED_ENTRY",
     "RESIDENT",
+    "BeginFn",
     "CallFn",
     "DirColumns",
     "DirEntry",
@@ -202,6 +204,9 @@ class DirectoryShard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, DirEntry] = {}
+        # key -> RESIDENT / ON_DISK, kept with _entries under the lock: batch_exists maps
+        # keys to bytes with one C-level dict lookup each, no Python code per key.
+        self._codes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -223,6 +228,7 @@ class DirectoryShard:
         if cur is not None and cur.node == entry.node and cur.generation > entry.generation:
             return False
         self._entries[key] = entry
+        self._codes[key] = RESIDENT if entry.resident else ON_DISK
         return True
 
     def get(self, key: str) -> DirEntry | None:
@@ -242,6 +248,7 @@ class DirectoryShard:
         if cur is None or not _matches(cur, node, generation):
             return False
         del self._entries[key]
+        del self._codes[key]
         return True
 
     def set_resident(self, key: str, resident: bool, node: str | None = None, generation: int | None = None) -> bool:
@@ -255,6 +262,7 @@ class DirectoryShard:
             return False
         if cur.resident != resident:
             self._entries[key] = DirEntry(cur.node, cur.addr, cur.rkey, cur.length, cur.generation, resident)
+            self._codes[key] = RESIDENT if resident else ON_DISK
         return True
 
     # ------------------------------------------------------------------ batch ops
@@ -281,10 +289,8 @@ class DirectoryShard:
         >>> list(s.batch_exists(["a", "b", "c"]))
         [1, 2, 0]
         """
-        get = self._entries.get
         with self._lock:
-            found = [get(k) for k in keys]
-        return bytes([MISS if e is None else RESIDENT if e.resident else ON_DISK for e in found])
+            return bytes(map(self._codes.get, keys, repeat(MISS)))
 
     def batch_delete(self, items: Iterable[tuple[str, str | None, int | None]]) -> int:
         """Conditional deletes of ``(key, node, generation)``; returns how many happened.
@@ -312,6 +318,7 @@ class DirectoryShard:
             gone = [k for k, e in self._entries.items() if e.node == node]
             for k in gone:
                 del self._entries[k]
+                del self._codes[k]
             return len(gone)
 
     def prune_unowned(self, ring: HashRing, self_node: str, replicas: int) -> list[str]:
@@ -324,6 +331,7 @@ class DirectoryShard:
             gone = [k for k in self._entries if self_node not in ring.owners(k, replicas)]
             for k in gone:
                 del self._entries[k]
+                del self._codes[k]
             return gone
 
     def snapshot(self) -> dict[str, DirEntry]:
@@ -386,13 +394,39 @@ def _key(k: Any) -> str:
 
 
 def _keys(args: Any) -> list[str]:
-    """``args`` checked to be a list of ``str`` (one type test per key, no call per key)."""
+    """``args`` checked to be a list of ``str``: ``str.join`` accepts exactly those, in C
+    (about 10 ns per key against 40 for a Python-level type test)."""
     if type(args) is not list:
         args = list(args)
-    if not all([type(k) is str for k in args]):
+    try:
+        "".join(args)
+    except TypeError:
         for k in args:
-            _key(k)  # raises on the first that is not (a str subclass passes here)
+            _key(k)  # raises on the first that is not
+        raise
     return cast(list[str], args)
+
+
+def _group(col: np.ndarray, pending: np.ndarray | None) -> list[tuple[int, np.ndarray]]:
+    """Split the keys of one round by owner: ``col[p]`` is the owner (an index) of the
+    ``p``-th pending key, ``pending[p]`` its index in the batch (``p`` itself when
+    ``pending`` is ``None``). Returns ``(owner, batch indices)`` pairs, owners in the order
+    their first key appears and each owner's indices in pending order (a stable sort).
+
+    Runtime complexity: ``O(k log k)`` in numpy.
+
+    >>> [(j, idx.tolist()) for j, idx in _group(np.array([1, 0, 1, 2]), None)]
+    [(1, [0, 2]), (0, [1]), (2, [3])]
+    """
+    order = np.argsort(col, kind="stable")
+    owners = col[order]
+    cuts = np.flatnonzero(owners[1:] != owners[:-1]) + 1
+    starts = [0, *cuts.tolist()]
+    ends = [*starts[1:], len(order)]
+    rows = order if pending is None else pending[order]
+    groups = [(int(owners[a]), rows[a:b], int(order[a])) for a, b in zip(starts, ends, strict=True)]
+    groups.sort(key=lambda g: g[2])  # owners by first appearance, as a dict would list them
+    return [(j, idx) for j, idx, _ in groups]
 
 
 def _bytes_of(n: int) -> Callable[[Any], bool]:
@@ -406,6 +440,14 @@ class CallFn(Protocol):
     """``call(owner, method, args) -> result``: one RPC to ``owner``; raises on failure."""
 
     def __call__(self, owner: str, method: str, args: list[Any]) -> Any: ...
+
+
+class BeginFn(Protocol):
+    """``begin(owner, method, args) -> finish``: send one RPC to ``owner`` and return at
+    once; ``finish()`` waits for and returns its result. Either raises on failure, and
+    ``finish`` must be called exactly once."""
+
+    def __call__(self, owner: str, method: str, args: list[Any]) -> Callable[[], Any]: ...
 
 
 def republish_plan(keys: Iterable[str], old: HashRing | None, new: HashRing, replicas: int) -> dict[str, list[str]]:
@@ -455,6 +497,10 @@ class DirectoryView:
         Exception types that mean "owner failed". The default is ``(Exception,)`` on purpose:
         the directory is advisory and every failure must become a miss (recompute), never a
         crash in serving. Failures are counted in :attr:`failures` and logged at debug level.
+    begin:
+        Optional split form of ``call`` (:class:`BeginFn`). Batch reads then send every
+        remote owner its request first and query the local shard while those are in
+        flight; without it they call the remote owners one after another.
     """
 
     def __init__(
@@ -467,6 +513,7 @@ class DirectoryView:
         local_shard: DirectoryShard | None = None,
         fallback_on_miss: bool = False,
         call_errors: tuple[type[BaseException], ...] = (Exception,),
+        begin: BeginFn | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -479,6 +526,7 @@ class DirectoryView:
         self.local_shard = local_shard
         self.fallback_on_miss = fallback_on_miss
         self._errors = call_errors
+        self._begin = begin
         self.failures = 0  # owner calls that raised or answered malformed data
 
     def _invoke(self, owner: str, method: str, args: list[Any]) -> Any:
@@ -571,7 +619,7 @@ class DirectoryView:
         out["node"] = NO_NODE
         table: dict[str, int] = {}
 
-        def take(idxs: list[int], answer: list[Any]) -> list[int]:
+        def take(idxs: np.ndarray, answer: list[Any]) -> list[int]:
             names, body = answer
             recs = np.frombuffer(body, dtype=PACKED_ENTRY).copy()
             node = recs["node"].astype(np.int64)
@@ -603,54 +651,105 @@ class DirectoryView:
 
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
-        results = bytearray(len(keys))
+        results = np.zeros(len(keys), dtype=np.uint8)
 
-        def take(idxs: list[int], codes: bytes) -> list[int]:
-            retry: list[int] = []
+        def take(idxs: np.ndarray, codes: bytes) -> np.ndarray | list[int]:
+            got = np.frombuffer(codes, dtype=np.uint8)
             if codes.translate(None, _EXISTS_CODES):  # some byte is not a known code
-                for i, c in zip(idxs, codes, strict=True):
-                    if c > ON_DISK:
-                        self.failures += 1
-                        retry.append(i)
-                    else:
-                        results[i] = c
-                        if c == MISS and self.fallback_on_miss:
-                            retry.append(i)
-                return retry
-            for i, c in zip(idxs, codes, strict=True):
-                results[i] = c
+                bad = got > ON_DISK
+                self.failures += int(np.count_nonzero(bad))
+                good = ~bad
+                results[idxs[good]] = got[good]
+                return idxs[bad | (got == MISS)] if self.fallback_on_miss else idxs[bad]
+            results[idxs] = got
             if self.fallback_on_miss and MISS in codes:
-                retry = [i for i, c in zip(idxs, codes, strict=True) if c == MISS]
-            return retry
+                return idxs[got == MISS]
+            return []
 
         self._read_rounds(keys, "dir_exists", _bytes_of, take)
-        return bytes(results)
+        return results.tobytes()
 
     def _read_rounds(
         self,
         keys: Sequence[str],
         method: str,
         check: Callable[[int], Callable[[Any], bool]],
-        take: Callable[[list[int], Any], list[int]],
+        take: Callable[[np.ndarray, Any], np.ndarray | list[int]],
     ) -> None:
         """The replica rounds of a batch read. Round ``r`` sends every pending key to its
-        ``r``-th owner, one ``method`` call per owner. An owner that fails, or whose answer
+        ``r``-th owner, one ``method`` call per owner (owners in the order their first key
+        appears, each owner's keys in pending order). An owner that fails, or whose answer
         fails ``check(len(keys_sent))``, leaves all its keys pending; otherwise
-        ``take(indices, answer)`` records the answer and returns the indices to retry."""
-        owners = self.ring.owners_many(keys, self.replicas)
-        pending: Sequence[int] = range(len(keys))
-        for rnd in range(self.replicas):
-            groups: dict[str, list[int]] = defaultdict(list)
-            for i in pending:
-                if rnd < len(owners[i]):
-                    groups[owners[i][rnd]].append(i)
-            retry: list[int] = []
-            for owner, idxs in groups.items():
-                ok, answer = self._try(owner, method, [keys[i] for i in idxs], check(len(idxs)))
-                retry.extend(take(idxs, answer) if ok else idxs)
+        ``take(indices, answer)`` records the answer and returns the indices to retry.
+
+        Remote owners are sent their requests first (through ``begin`` when given) and the
+        local shard answers while they are in flight; the answers are then taken in owner
+        order, so results, retries and failure counts do not depend on the overlap."""
+        if not keys:
+            return
+        names, table = self.ring.owner_table(keys, self.replicas)
+        pending: np.ndarray | None = None  # None: every key, in order
+        for rnd in range(table.shape[1]):
+            col = table[:, rnd] if pending is None else table[pending, rnd]
+            groups = _group(col, pending)
+            outcomes: list[tuple[bool, Any]] = [(False, None)] * len(groups)
+            waits: list[tuple[int, str, Callable[[], Any]]] = []
+            local: list[int] = []
+            try:
+                for g, (j, idxs) in enumerate(groups):
+                    owner = names[j]
+                    if self.local_shard is not None and owner == self.local_node:
+                        local.append(g)
+                        continue
+                    args = [keys[i] for i in idxs.tolist()]
+                    try:
+                        waits.append((g, owner, self._send(owner, method, args)))
+                    except self._errors as exc:
+                        self._failed(owner, method, exc)
+                for g in local:
+                    j, idxs = groups[g]
+                    outcomes[g] = self._try(names[j], method, [keys[i] for i in idxs.tolist()], check(len(idxs)))
+                while waits:
+                    g, owner, finish = waits.pop(0)
+                    outcomes[g] = self._finish(owner, method, finish, check(len(groups[g][1])))
+            finally:
+                for _, _, finish in waits:  # only when something above raised past us
+                    cancel = getattr(finish, "cancel", None)
+                    if cancel is not None:
+                        cancel()
+            retry: list[np.ndarray | list[int]] = []
+            for (_, idxs), (ok, answer) in zip(groups, outcomes, strict=True):
+                got = take(idxs, answer) if ok else idxs
+                if len(got):
+                    retry.append(got)
             if not retry:
                 break
-            pending = retry
+            pending = np.concatenate(retry).astype(np.intp, copy=False)
+
+    def _send(self, owner: str, method: str, args: list[Any]) -> Callable[[], Any]:
+        """Start ``method`` on a remote ``owner``; the returned function finishes it."""
+        if self._begin is not None:
+            return self._begin(owner, method, args)
+        result = self._call(owner, method, args)
+        return lambda: result
+
+    def _finish(
+        self, owner: str, method: str, finish: Callable[[], Any], check: Callable[[Any], bool]
+    ) -> tuple[bool, Any]:
+        try:
+            result = finish()
+        except self._errors as exc:
+            self._failed(owner, method, exc)
+            return False, None
+        if not check(result):
+            self.failures += 1
+            log.debug("directory %s on %s answered malformed %r", method, owner, result)
+            return False, None
+        return True, result
+
+    def _failed(self, owner: str, method: str, exc: BaseException) -> None:
+        self.failures += 1
+        log.debug("directory %s on %s failed: %r", method, owner, exc)
 
     # ------------------------------------------------------------------ membership
     def republish(self, entries: Mapping[str, DirEntry], old: HashRing | None, new: HashRing) -> int:

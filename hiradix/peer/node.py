@@ -57,7 +57,7 @@ from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
 from hiradix.peer.ring import HashRing
-from hiradix.peer.rpc import RpcClient, RpcServer
+from hiradix.peer.rpc import PendingCall, RpcClient, RpcServer
 from hiradix.transport.auth import load_token
 from hiradix.transport.base import Status, Transport, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
@@ -299,6 +299,7 @@ class PeerNode:
             replicas=cfg.directory_replicas,
             local_node=self.node_id,
             local_shard=self.shard,
+            begin=self._dir_begin,
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
@@ -328,6 +329,12 @@ class PeerNode:
         if info is None:
             raise LookupError(f"{owner} is not a live member")
         return self.client.call(info.rpc, method, args)
+
+    def _dir_begin(self, owner: str, method: str, args: list[Any]) -> PendingCall:
+        info = self.membership.info(owner)
+        if info is None:
+            raise LookupError(f"{owner} is not a live member")
+        return self.client.begin(info.rpc, method, args)
 
     def _dir_handler(self, method: str) -> Callable[[list[Any]], Any]:
         def handler(items: list[Any]) -> Any:
