@@ -26,45 +26,23 @@ import multiprocessing as mp
 import os
 import platform
 import secrets
-import socket
-import statistics
-import struct
 import sys
-import threading
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: rawsock.py sits here
+
+from rawsock import RawServer, connect, exists_latency, measure
 
 PAGES = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
 
 def _keys(page: int, n: int) -> list[str]:
     return [f"bench-{page}-{i:06d}" for i in range(n)]
-
-
-def _raw_serve(sock: socket.socket, pages: dict[int, np.ndarray], stop: threading.Event) -> None:
-    sock.settimeout(0.5)
-    while not stop.is_set():
-        try:
-            conn, _ = sock.accept()
-        except TimeoutError:
-            continue
-        except OSError:  # closed at shutdown
-            return
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                head = conn.recv(16, socket.MSG_WAITALL)
-                if len(head) < 16:
-                    break
-                total, page = struct.unpack("<QQ", head)
-                view = memoryview(pages[page])
-                for off in range(0, total, page):
-                    conn.sendall(view[off : off + page])
 
 
 def producer(conn: Any, token: str, total: int, page_sizes: list[int]) -> None:
@@ -86,19 +64,10 @@ def producer(conn: Any, token: str, total: int, page_sizes: list[int]) -> None:
         for s in range(0, n, 256):
             if not store.batch_set(keys[s : s + 256], [data[i * p : (i + 1) * p] for i in range(s, min(n, s + 256))]):
                 raise RuntimeError("producer: batch_set failed")
-    stop = threading.Event()
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_serve, args=(raw, pages, stop), daemon=True).start()
-    conn.send((node.address, raw.getsockname()[1]))
-    conn.recv()  # "stop"
-    stop.set()
-    raw.close()
+    with RawServer(pages) as raw:
+        conn.send((node.address, raw.port))
+        conn.recv()  # "stop"
     node.close()
-
-
-def _ms(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,8 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         recv_bytes=args.recv_mib << 20,
     )
     store = PeerCacheStore(node=node)
-    raw = socket.create_connection(("127.0.0.1", raw_port), timeout=60)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = connect(raw_port)
     rows = []
     try:
         for p in args.pages:
@@ -133,64 +101,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert host.page_bytes == p
             store.register_mem_pool_host(host)
             flat = host._buf.view(torch.uint8).numpy()
-            hview = memoryview(flat)
             ref = np.random.default_rng(p).integers(0, 256, size=n * p, dtype=np.uint8)
             idx = np.arange(n)
-            t_peer: list[float] = []
-            t_raw: list[float] = []
-            for rep in range(args.warmup + args.repeats):
-                flat[:] = 0
-                t0 = time.perf_counter()
-                ok = store.batch_get_v1(keys, idx)
-                dt = time.perf_counter() - t0
-                if not all(ok) or not np.array_equal(flat[::4099], ref[::4099]):
-                    raise RuntimeError(f"peer get failed at page {p}: {ok.count(False)} misses")
-                flat[:] = 0
-                t0 = time.perf_counter()
-                raw.sendall(struct.pack("<QQ", n * p, p))
-                for off in range(0, n * p, p):
-                    v = hview[off : off + p]
-                    got = 0
-                    while got < p:
-                        k = raw.recv_into(v[got:])
-                        if not k:
-                            raise RuntimeError("raw server closed")
-                        got += k
-                dt_raw = time.perf_counter() - t0
-                if not np.array_equal(flat[::4099], ref[::4099]):
-                    raise RuntimeError("raw transfer mismatch")
-                if rep >= args.warmup:
-                    t_peer.append(dt)
-                    t_raw.append(dt_raw)
-            gb = n * p / 1e9
-            row = {
-                "page_kib": p >> 10,
-                "peer_gbps_median": gb / statistics.median(t_peer),
-                "peer_gbps_best": gb / min(t_peer),
-                "raw_gbps_median": gb / statistics.median(t_raw),
-                "raw_gbps_best": gb / min(t_raw),
-            }
-            row["ratio"] = row["peer_gbps_median"] / row["raw_gbps_median"]
+            get = partial(store.batch_get_v1, keys, idx)
+            row = measure(
+                get, raw, flat, ref, page=p, n=n, warmup=args.warmup, repeats=args.repeats, name="peer", prefix="peer_"
+            )
             rows.append(row)
             print(
                 f"{p >> 10:>5} KiB  peer {row['peer_gbps_median']:.2f} GB/s (best {row['peer_gbps_best']:.2f})"
                 f"  raw {row['raw_gbps_median']:.2f} GB/s (best {row['raw_gbps_best']:.2f})  ratio {row['ratio']:.2f}",
                 flush=True,
             )
-            del host, flat, hview
+            del host, flat
         # batch_exists of 128 keys (all hits; owners spread over both nodes)
         keys = _keys(min(args.pages), total // min(args.pages))
-        lat: list[float] = []
-        for i in range(args.exists_reps + 50):
-            s = (i * 128) % max(1, len(keys) - 128)
-            t0 = time.perf_counter()
-            hit = store.batch_exists(keys[s : s + 128])
-            dt = time.perf_counter() - t0
-            if hit != 128:
-                raise RuntimeError(f"batch_exists returned {hit}")
-            if i >= 50:
-                lat.append(dt)
-        exists = {"keys": 128, "p50_ms": _ms(lat, 0.5), "p99_ms": _ms(lat, 0.99), "reps": len(lat)}
+        exists = exists_latency(store.batch_exists, keys, args.exists_reps)
         print(f"batch_exists(128): p50 {exists['p50_ms']:.3f} ms  p99 {exists['p99_ms']:.3f} ms", flush=True)
     finally:
         raw.close()

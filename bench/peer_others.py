@@ -27,17 +27,19 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
-import statistics
-import struct
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: rawsock.py sits here
+
+from rawsock import RawServer, connect, exists_latency, measure
 
 PAGES = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
@@ -58,42 +60,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _raw_serve(sock: socket.socket, pages: dict[int, np.ndarray], stop: threading.Event) -> None:
-    sock.settimeout(0.5)
-    while not stop.is_set():
-        try:
-            conn, _ = sock.accept()
-        except TimeoutError:
-            continue
-        except OSError:
-            return
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                head = conn.recv(16, socket.MSG_WAITALL)
-                if len(head) < 16:
-                    break
-                total, page = struct.unpack("<QQ", head)
-                view = memoryview(pages[page])
-                for off in range(0, total, page):
-                    conn.sendall(view[off : off + page])
-
-
-def _raw_get(raw: socket.socket, flat: np.ndarray, n: int, p: int) -> float:
-    hview = memoryview(flat)
-    t0 = time.perf_counter()
-    raw.sendall(struct.pack("<QQ", n * p, p))
-    for off in range(0, n * p, p):
-        v = hview[off : off + p]
-        got = 0
-        while got < p:
-            k = raw.recv_into(v[got:])
-            if not k:
-                raise RuntimeError("raw server closed")
-            got += k
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------- PeerCache
@@ -174,13 +140,9 @@ def _pc_producer(conn: Any, total: int, pages: list[int]) -> None:
             if not all(ok):
                 raise RuntimeError(f"peercache producer: batch_set_v1 failed at page {p}")
         base += n * p
-    stop = threading.Event()
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_serve, args=(raw, data, stop), daemon=True).start()
-    conn.send((addr, raw.getsockname()[1]))
-    conn.recv()
-    stop.set()
-    raw.close()
+    with RawServer(data) as raw:
+        conn.send((addr, raw.port))
+        conn.recv()
     store.close()
     meta.stop()
 
@@ -201,16 +163,11 @@ def run_peercache(args: argparse.Namespace) -> dict[str, Any]:
     probe = _keys(min(args.pages), total // min(args.pages))
     while time.time() < deadline + 30 and int(store.batch_exists(probe)) < len(probe):
         time.sleep(0.2)
-    raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = connect(raw_port, timeout=120)
     try:
         rows = []
-        for p in args.pages:
-            n = total // p
-            keys = _keys(p, n)
-            flat = np.zeros(n * p, dtype=np.uint8)
+        for p, n, keys, flat in _sweep(args, total):
             store.register_mem_pool_host(_HostPool(flat, p))
-            ref = _data(p, n)
             idx = list(range(n))
 
             def get(keys: list[str] = keys, idx: list[int] = idx) -> list[bool]:
@@ -219,7 +176,7 @@ def run_peercache(args: argparse.Namespace) -> dict[str, Any]:
                     out += store.batch_get_v1(keys[s : s + args.batch], idx[s : s + args.batch])
                 return out
 
-            rows.append(_measure("peercache", p, n, flat, ref, get, raw, args))
+            rows.append(_measure("peercache", p, n, flat, get, raw, args))
         exists = _exists_lat(
             lambda ks: int(store.batch_exists(ks)), _keys(min(args.pages), total // min(args.pages)), args
         )
@@ -258,13 +215,9 @@ def _mc_producer(conn: Any, master: str, total: int, pages: list[int]) -> None:
             rc = store.batch_put_from(keys[s:e], [base + i * p for i in range(s, e)], [p] * (e - s))
             if any(r != 0 for r in rc):
                 raise RuntimeError(f"mooncake producer: batch_put_from failed at page {p}: {set(rc)}")
-    stop = threading.Event()
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_serve, args=(raw, data, stop), daemon=True).start()
-    conn.send(raw.getsockname()[1])
-    conn.recv()
-    stop.set()
-    raw.close()
+    with RawServer(data) as raw:
+        conn.send(raw.port)
+        conn.recv()
     store.close()
 
 
@@ -292,17 +245,12 @@ def run_mooncake(args: argparse.Namespace) -> dict[str, Any]:
         raw_port = parent.recv()
         # Joins after every put: no object lands in the consumer's own segment.
         store = _mc_store(master, 16 << 20, 16 << 20)
-        raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw = connect(raw_port, timeout=120)
         try:
             rows = []
-            for p in args.pages:
-                n = total // p
-                keys = _keys(p, n)
-                flat = np.zeros(n * p, dtype=np.uint8)
+            for p, n, keys, flat in _sweep(args, total):
                 if store.register_buffer(int(flat.ctypes.data), int(flat.nbytes)) != 0:
                     raise RuntimeError("mooncake register_buffer failed")
-                ref = _data(p, n)
                 ptrs = [int(flat.ctypes.data) + i * p for i in range(n)]
 
                 def get(keys: list[str] = keys, ptrs: list[int] = ptrs, p: int = p) -> list[bool]:
@@ -313,7 +261,7 @@ def run_mooncake(args: argparse.Namespace) -> dict[str, Any]:
                         out += [r == p for r in rc]
                     return out
 
-                rows.append(_measure("mooncake", p, n, flat, ref, get, raw, args))
+                rows.append(_measure("mooncake", p, n, flat, get, raw, args))
                 store.unregister_buffer(int(flat.ctypes.data))
 
             def exists(ks: list[str]) -> int:
@@ -338,34 +286,15 @@ def run_mooncake(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- shared
-def _measure(
-    name: str, p: int, n: int, flat: np.ndarray, ref: np.ndarray, get: Any, raw: socket.socket, args: Any
-) -> dict[str, Any]:
-    t_sys: list[float] = []
-    t_raw: list[float] = []
-    for rep in range(args.warmup + args.repeats):
-        flat[:] = 0
-        t0 = time.perf_counter()
-        ok = get()
-        dt = time.perf_counter() - t0
-        if not all(ok) or not np.array_equal(flat[::4099], ref[::4099]):
-            raise RuntimeError(f"{name} get failed at page {p}: {ok.count(False)} misses")
-        flat[:] = 0
-        dt_raw = _raw_get(raw, flat, n, p)
-        if not np.array_equal(flat[::4099], ref[::4099]):
-            raise RuntimeError("raw transfer mismatch")
-        if rep >= args.warmup:
-            t_sys.append(dt)
-            t_raw.append(dt_raw)
-    gb = n * p / 1e9
-    row = {
-        "page_kib": p >> 10,
-        "gbps_median": gb / statistics.median(t_sys),
-        "gbps_best": gb / min(t_sys),
-        "raw_gbps_median": gb / statistics.median(t_raw),
-        "raw_gbps_best": gb / min(t_raw),
-    }
-    row["ratio"] = row["gbps_median"] / row["raw_gbps_median"]
+def _sweep(args: Any, total: int) -> Iterator[tuple[int, int, list[str], np.ndarray]]:
+    """Per page size: page bytes, page count, keys and a zeroed destination for them all."""
+    for p in args.pages:
+        n = total // p
+        yield p, n, _keys(p, n), np.zeros(n * p, dtype=np.uint8)
+
+
+def _measure(name: str, p: int, n: int, flat: np.ndarray, get: Any, raw: socket.socket, args: Any) -> dict[str, Any]:
+    row = measure(get, raw, flat, _data(p, n), page=p, n=n, warmup=args.warmup, repeats=args.repeats, name=name)
     _log(
         f"{name} {p >> 10:>5} KiB  {row['gbps_median']:.2f} GB/s"
         f"  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}"
@@ -374,23 +303,7 @@ def _measure(
 
 
 def _exists_lat(fn: Any, keys: list[str], args: Any) -> dict[str, Any]:
-    lat: list[float] = []
-    for i in range(args.exists_reps + 50):
-        s = (i * 128) % max(1, len(keys) - 128)
-        t0 = time.perf_counter()
-        hit = fn(keys[s : s + 128])
-        dt = time.perf_counter() - t0
-        if hit != 128:
-            raise RuntimeError(f"exists returned {hit}")
-        if i >= 50:
-            lat.append(dt)
-    lat.sort()
-    out = {
-        "keys": 128,
-        "p50_ms": lat[len(lat) // 2] * 1e3,
-        "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
-        "reps": len(lat),
-    }
+    out = exists_latency(fn, keys, args.exists_reps)
     _log(f"exists(128): p50 {out['p50_ms']:.3f} ms  p99 {out['p99_ms']:.3f} ms")
     return out
 

@@ -22,17 +22,17 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
-import statistics
-import struct
 import sys
 import threading
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: rawsock.py sits here
+
+from rawsock import RawServer, connect, measure
 
 from hiradix.transport import Status, TcpTransport
 
@@ -47,43 +47,20 @@ def _busy(stop: threading.Event) -> None:
             x += 1
 
 
-def _raw_serve(sock: socket.socket, view: memoryview, stop: threading.Event) -> None:
-    sock.settimeout(0.5)
-    while not stop.is_set():
-        try:
-            conn, _ = sock.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                head = conn.recv(16, socket.MSG_WAITALL)
-                if len(head) < 16:
-                    break
-                total, page = struct.unpack("<QQ", head)
-                for off in range(0, total, page):
-                    conn.sendall(view[off : off + page])
-
-
 def responder(conn, region_bytes: int, busy: bool, kw: dict) -> None:
     """Child process: publish a region, serve the transport and the raw socket."""
     t = TcpTransport(TOKEN, **kw)
     src = np.random.default_rng(0).integers(0, 256, size=region_bytes, dtype=np.uint8)
     r = t.register(src)
     stop = threading.Event()
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_serve, args=(raw, memoryview(src), stop), daemon=True).start()
+    raw = RawServer(lambda page: src)  # every page size reads the region from its start
     if busy:
         threading.Thread(target=_busy, args=(stop,), daemon=True).start()
-    conn.send((t.address, r.addr, r.rkey, r.length, raw.getsockname()[1], int(src[:4096].sum())))
+    conn.send((t.address, r.addr, r.rkey, r.length, raw.port, src[:4096].tobytes()))
     conn.recv()  # wait for "stop"
     stop.set()
     t.close()
     raw.close()
-
-
-def _median_min(xs: list[float]) -> tuple[float, float]:
-    return statistics.median(xs), min(xs)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -92,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     kw: dict = {}
     proc = ctx.Process(target=responder, args=(child, args.region_mib << 20, args.busy, kw), daemon=True)
     proc.start()
-    address, raddr, rkey, rlen, raw_port, checksum = parent.recv()
+    address, raddr, rkey, rlen, raw_port, head = parent.recv()
+    ref = np.frombuffer(head, dtype=np.uint8)  # the region's first 4 KiB, checked after every read
     reader = TcpTransport(
         TOKEN,
         channels_per_read=args.channels,
@@ -102,49 +80,29 @@ def run(args: argparse.Namespace) -> dict:
     )
     dst = np.zeros(rlen, dtype=np.uint8)
     lr = reader.register(dst)
-    raw = socket.create_connection(("127.0.0.1", raw_port), timeout=60)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    dview = memoryview(dst)
+    raw = connect(raw_port)
     rows = []
     try:
         for page in args.pages:
             n = rlen // page
             ops = [(raddr + i * page, rkey, page, lr.addr + i * page) for i in range(n)]
-            total = n * page
-            t_tr: list[float] = []
-            t_raw: list[float] = []
-            for rep in range(args.warmup + args.repeats):
-                dst[:4096] = 0
-                t0 = time.perf_counter()
-                st = reader.read_batch(address, ops)
-                dt = time.perf_counter() - t0
-                if st.count(Status.OK) != n or int(dst[:4096].sum()) != checksum:
-                    raise RuntimeError(f"transport read failed: {set(st)}")
-                t0 = time.perf_counter()
-                raw.sendall(struct.pack("<QQ", total, page))
-                for off in range(0, total, page):
-                    v = dview[off : off + page]
-                    got = 0
-                    while got < page:
-                        k = raw.recv_into(v[got:])
-                        if not k:
-                            raise RuntimeError("raw server closed")
-                        got += k
-                dt_raw = time.perf_counter() - t0
-                if rep >= args.warmup:
-                    t_tr.append(dt)
-                    t_raw.append(dt_raw)
-            med, best = _median_min(t_tr)
-            rmed, rbest = _median_min(t_raw)
-            row = {
-                "page_kib": page >> 10,
-                "pages": n,
-                "transport_gbps_median": total / med / 1e9,
-                "transport_gbps_best": total / best / 1e9,
-                "raw_gbps_median": total / rmed / 1e9,
-                "raw_gbps_best": total / rbest / 1e9,
-            }
-            row["ratio_median"] = row["transport_gbps_median"] / row["raw_gbps_median"]
+            get = partial(reader.read_batch, address, ops)
+            row = {"page_kib": page >> 10, "pages": n} | measure(
+                get,
+                raw,
+                dst,
+                ref,
+                page=page,
+                n=n,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                name="transport",
+                prefix="transport_",
+                ok=Status.OK,
+                clear=slice(0, 4096),
+                sample=slice(0, 4096),
+            )
+            row["ratio_median"] = row.pop("ratio")
             rows.append(row)
             print(
                 f"{page >> 10:5d} KiB x{n:5d}: transport {row['transport_gbps_median']:.2f} GB/s "
