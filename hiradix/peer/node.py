@@ -303,9 +303,11 @@ class PeerNode:
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
-        #: Bytes READ per chunk of a remote batch; the next chunk is READ while this one is
-        #: verified and copied out. Small enough to stay in cache between the two.
-        self.chunk_bytes = 2 << 20
+        #: Payload bytes READ per chunk of a remote batch that lands in place (the next chunk
+        #: is READ while this one is verified). Large, because every chunk drains the TCP
+        #: pipeline once: 2 MiB chunks measured 30-40% slower than 32 MiB on loopback. The
+        #: staged path (into a receive lane) is also capped at half a lane.
+        self.chunk_bytes = 32 << 20
         self._reader = ThreadPoolExecutor(max_workers=recv_lanes, thread_name_prefix="peer-read")
         for m in DIR_METHODS:
             self.rpc.register(m, self._dir_handler(m))
@@ -858,8 +860,22 @@ class PeerNode:
                             info.data, pair_raddr[two], pair_rkey[two], pair_len[two], laddr, timeout=timeout
                         )
 
-                    futures = [self._reader.submit(read, s, e) for s, e in chunks]
+                    # One reader task READs the chunks back to back (concurrent chunks of one
+                    # batch only add channels and threads that compete for two cores).
+                    futures: list[Future[np.ndarray]] = [Future() for _ in chunks]
+
+                    def run(
+                        chunks: list[tuple[int, int]] = chunks, futures: list[Future[np.ndarray]] = futures
+                    ) -> None:
+                        for (s, e), fut in zip(chunks, futures, strict=True):
+                            if fut.set_running_or_notify_cancel():
+                                try:
+                                    fut.set_result(read(s, e))
+                                except BaseException as exc:  # handed to the waiting caller
+                                    fut.set_exception(exc)
+
                     try:
+                        self._reader.submit(run)
                         for (s, e), fut in zip(chunks, futures, strict=True):
                             statuses = fut.result()
                             good = ((statuses[0::2] == Status.OK) & (statuses[1::2] == Status.OK)).view(np.uint8)
@@ -870,7 +886,10 @@ class PeerNode:
                             )
                             ok[part] = good.view(bool)
                     finally:
-                        # The lane goes back only once no READ can still land in it.
+                        # The lane goes back only once no READ can still land in it: chunks
+                        # not started are cancelled, the one running is waited for.
+                        for fut in futures:
+                            fut.cancel()
                         wait(futures)
                 if stale:
                     with self._lock:

@@ -240,7 +240,8 @@ class TcpTransport(Transport):
     max_inflight_frames:
         Frames a reader keeps queued on one channel.
     frame_bytes:
-        Target payload bytes per frame (items are never split).
+        Target payload bytes per frame (items are never split). 4 MiB: on loopback,
+        1 MiB frames measured 25-30% slower (more responder round trips per byte).
     timeout:
         Default ``read_batch`` deadline (seconds); also bounds connect + handshake.
     handshake_timeout:
@@ -269,7 +270,7 @@ class TcpTransport(Transport):
         max_channels_per_peer: int = 16,
         channels_per_read: int = 2,
         max_inflight_frames: int = 4,
-        frame_bytes: int = 1 << 20,
+        frame_bytes: int = 4 << 20,
         timeout: float = 5.0,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
