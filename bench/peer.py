@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
             print(
                 f"{p >> 10:>5} KiB  peer {row['peer_gbps_median']:.2f} GB/s (best {row['peer_gbps_best']:.2f})"
-                f"  raw {row['raw_gbps_median']:.2f} GB/s (best {row['raw_gbps_best']:.2f})  ratio {row['ratio']:.2f}",
+                f"  raw {row['raw_gbps_median']:.2f} GB/s (best {row['raw_gbps_best']:.2f})  ratio {row['ratio']:.2f}"
+                f"  paired {row['ratio_paired']:.2f}",
                 flush=True,
             )
             del host, flat
@@ -154,7 +155,7 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
         for r in out[name]["rows"]:
             print(
                 f"{name} {r['page_kib']:>5} KiB  {r['gbps_median']:.2f} GB/s  raw {r['raw_gbps_median']:.2f} GB/s"
-                f"  ratio {r['ratio']:.2f}",
+                f"  ratio {r['ratio']:.2f}  paired {r['ratio_paired']:.2f}",
                 flush=True,
             )
         ex = out[name]["exists"]

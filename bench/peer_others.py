@@ -297,7 +297,7 @@ def _measure(name: str, p: int, n: int, flat: np.ndarray, get: Any, raw: socket.
     row = measure(get, raw, flat, _data(p, n), page=p, n=n, warmup=args.warmup, repeats=args.repeats, name=name)
     _log(
         f"{name} {p >> 10:>5} KiB  {row['gbps_median']:.2f} GB/s"
-        f"  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}"
+        f"  raw {row['raw_gbps_median']:.2f}  ratio {row['ratio']:.2f}  paired {row['ratio_paired']:.2f}"
     )
     return row
 

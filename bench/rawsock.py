@@ -131,8 +131,11 @@ def measure(
     Before each get ``dst[clear]`` is zeroed (untimed); after it ``dst[sample]`` must equal
     ``ref[sample]`` and every item ``get()`` returns must equal ``ok``. The first ``warmup``
     rounds are not counted. Returns ``page_kib``, ``{prefix}gbps_median``,
-    ``{prefix}gbps_best``, ``raw_gbps_median``, ``raw_gbps_best`` and ``ratio`` (system
-    median over raw median).
+    ``{prefix}gbps_best``, ``raw_gbps_median``, ``raw_gbps_best``, ``ratio`` (system
+    median over raw median) and ``ratio_paired`` (the median over rounds of system over raw
+    within the round: a get and its raw twin run back to back, so a slow minute of the
+    shared machine slows both and cancels out, where the ratio of medians can pair a
+    fast get with a slow raw transfer).
     """
     nbytes = n * page
     t_sys: list[float] = []
@@ -161,6 +164,7 @@ def measure(
         "raw_gbps_best": gb / min(t_raw),
     }
     row["ratio"] = row[f"{prefix}gbps_median"] / row["raw_gbps_median"]
+    row["ratio_paired"] = statistics.median(r / s for s, r in zip(t_sys, t_raw, strict=True))
     return row
 
 
