@@ -7,10 +7,14 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import hiradix.transport.tcp as tcpmod
 from hiradix.transport import FakeClock, FakeFabric, FakeTransport, ReadOp, Status, TcpTransport
 from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
 from hiradix.transport.tcp import MAGIC, OP_READ
@@ -235,3 +239,63 @@ def test_fake_detached_peer_is_unreachable(fake_pair) -> None:
         FakeTransport(fabric, "reader")
     with pytest.raises(ValueError):
         reader.fail_nth_read(0)
+
+
+# ---------------------------------------------------------------------- hostile responder
+_RESP = struct.Struct("<IHHIIQ")
+
+
+def _hostile(reply: Callable[[int, int], bytes]) -> TcpTransport:
+    """A responder whose frames are answered with ``reply(count, seq)`` instead of data."""
+    t = TcpTransport(TOKEN)
+
+    def serve_frame(conn: socket.socket, count: int, seq: int, body: memoryview) -> None:
+        conn.sendall(reply(count, seq))
+        conn.shutdown(socket.SHUT_WR)  # then EOF: a reader waiting for more sees the channel end
+
+    t._serve_frame = serve_frame  # type: ignore[method-assign]
+    return t
+
+
+_reply_parts = st.tuples(
+    st.sampled_from(["valid-header", "random"]),
+    st.integers(0, 2**32 - 1),  # magic when random
+    st.lists(st.integers(0, 255), max_size=6),  # statuses (may be the wrong count)
+    st.integers(0, 2**64 - 1),  # total
+    st.binary(max_size=96),  # payload bytes that follow
+    st.booleans(),  # right sequence number
+)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+@given(parts=_reply_parts)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_reader_survives_any_response(native: bool, parts) -> None:  # type: ignore[no-untyped-def]
+    """Whatever a responder sends back, the reader reports per-item statuses, writes no byte
+    outside the destinations it asked for, and never reports OK for bytes that did not come."""
+    if native and tcpmod._tcpio is None:
+        pytest.skip("the compiled TCP data plane is not built (pure-Python run)")
+    kind, magic, codes, total, payload, right_seq = parts
+
+    def reply(count: int, seq: int) -> bytes:
+        if kind == "random":
+            return struct.pack("<I", magic) + bytes(codes) + payload
+        head = _RESP.pack(MAGIC, OP_READ, count, seq if right_seq else seq ^ 1, 0, total)
+        return head + bytes(codes) + payload
+
+    server = _hostile(reply)
+    reader = TcpTransport(TOKEN, native=native, timeout=2.0)
+    try:
+        buf = np.full(3 * 64, 0xAB, dtype=np.uint8)  # 64 guard bytes on each side
+        reader.register(buf)
+        dst = buf.ctypes.data + 64
+        ops = [(4096, 7, 16, dst), (8192, 7, 48, dst + 16)]
+        st_ = reader.read_batch(server.address, ops)
+        assert len(st_) == 2 and all(isinstance(s, Status) for s in st_)
+        assert (buf[:64] == 0xAB).all() and (buf[128:] == 0xAB).all()
+        if Status.OK in st_:
+            # Only a well-formed frame whose statuses and total match its payload counts.
+            assert kind == "valid-header" and right_seq and len(codes) == 2
+    finally:
+        reader.close()
+        server.close()
