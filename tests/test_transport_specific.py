@@ -299,3 +299,50 @@ def test_reader_survives_any_response(native: bool, parts) -> None:  # type: ign
     finally:
         reader.close()
         server.close()
+
+
+_item = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1))
+
+
+@given(
+    count=st.integers(0, 300),
+    items=st.lists(_item, max_size=5),
+    aim=st.lists(st.tuples(st.integers(-8, 300), st.integers(0, 300)), max_size=4),
+    tail=st.binary(max_size=40),
+)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_responder_survives_any_request(tcp_pair, count: int, items, aim, tail: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Request frames with any count, any (addr, length, rkey) items, near misses of a real
+    region and trailing garbage: the responder answers per-item statuses or hangs up, serves
+    only bytes of the region, and keeps serving everyone else."""
+    reader, server = tcp_pair
+    region = bytes(range(256))
+    r = server.register(bytearray(region))
+    near = [(r.addr + off, n, r.rkey) for off, n in aim if r.addr + off >= 0]
+    body = [*items, *near]
+    frame = struct.pack("<IHHII", MAGIC, OP_READ, count, 7, 0)
+    frame += b"".join(struct.pack("<QQII", a, n, k, 0) for a, n, k in body) + tail
+    s = _raw_client(server)
+    data = b""
+    try:
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(5)
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:  # it hung up with our garbage unread: a reset, not a FIN
+        data = b""
+    finally:
+        s.close()
+    if data:  # answered: a well-formed reply whose payload is exactly the OK items' bytes
+        magic, op, n, seq, _, total = struct.unpack_from("<IHHIIQ", data)
+        assert (magic, op, seq) == (MAGIC, OP_READ, 7) and 0 < n <= 256 and n == count
+        codes = data[24 : 24 + n]
+        sent = (body + [(0, 0, 0)] * n)[:n]  # items the frame held (zero-padded by tail bytes)
+        want = b""
+        for code, (a, ln, k) in zip(codes, sent, strict=True):
+            assert code <= Status.INVALID
+            if code == Status.OK and k == r.rkey:
+                want += region[a - r.addr : a - r.addr + ln]
+        assert total == len(data) - 24 - n and (not want or data[24 + n : 24 + n + len(want)] == want)
+    _still_serves(reader, server)
