@@ -207,6 +207,61 @@ def test_round_trip_gathers_pages_in_any_order(h: Harness) -> None:
     assert np.array_equal(dst.reshape(n, page), src.reshape(n, page)[order])
 
 
+def test_on_landed_reports_every_item_once_with_its_final_status(h: Harness) -> None:
+    reader, server = _pair(h, frame_bytes=64 << 10) if h.transport_kind == "tcp" else _pair(h)
+    page, n = 4096, 600  # several frames and channels on TCP
+    src = _pages(n, page, seed=3)
+    dst = np.zeros_like(src)
+    r = server.register(src)
+    lr = reader.register(dst)
+    raddr = r.addr + np.arange(n, dtype=np.uint64) * page
+    laddr = lr.addr + np.arange(n, dtype=np.uint64) * page
+    rkey = np.full(n, r.rkey, dtype=np.uint32)
+    rkey[7] ^= 1  # one bad rkey, one destination outside every region, one oversized item
+    laddr[9] = 8
+    length = np.full(n, page, dtype=np.uint64)
+    length[11] = (1 << 30) + 1
+    seen = np.zeros(n, dtype=np.int64)
+    reported = np.zeros(n, dtype=np.uint8)
+    lock = threading.Lock()
+
+    def on_landed(items: np.ndarray, statuses: np.ndarray) -> None:
+        # Whatever a call reports as OK has landed already.
+        for i in items[statuses == Status.OK].tolist():
+            assert np.array_equal(dst[i * page : (i + 1) * page], src[i * page : (i + 1) * page])
+        with lock:
+            np.add.at(seen, items, 1)
+            reported[items] = statuses
+
+    st = reader.read_batch_arrays(server.address, raddr, rkey, length, laddr, on_landed=on_landed)
+    assert (seen == 1).all()
+    assert np.array_equal(reported, st)
+    assert st[7] == Status.BAD_RKEY and st[9] == Status.BAD_LOCAL and st[11] == Status.INVALID
+    assert (np.delete(st, [7, 9, 11]) == Status.OK).all()
+
+
+def test_on_landed_exception_propagates_and_the_transport_recovers(h: Harness) -> None:
+    reader, server = _pair(h)
+    src = _pages(64, 4096, seed=4)
+    dst = np.zeros_like(src)
+    r, lr = server.register(src), reader.register(dst)
+    cols = (
+        r.addr + np.arange(64, dtype=np.uint64) * 4096,
+        np.full(64, r.rkey, dtype=np.uint32),
+        np.full(64, 4096, dtype=np.uint64),
+        lr.addr + np.arange(64, dtype=np.uint64) * 4096,
+    )
+
+    def boom(items: np.ndarray, statuses: np.ndarray) -> None:
+        raise KeyError("caller bug")
+
+    with pytest.raises(KeyError, match="caller bug"):
+        reader.read_batch_arrays(server.address, *cols, on_landed=boom)
+    dst[:] = 0
+    assert (reader.read_batch_arrays(server.address, *cols) == Status.OK).all()
+    assert np.array_equal(dst, src)
+
+
 def test_register_accepts_buffers_and_rejects_bad_ones(h: Harness) -> None:
     torch = pytest.importorskip("torch")
     reader, server = _pair(h)

@@ -303,10 +303,9 @@ class PeerNode:
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
-        #: Payload bytes READ per chunk of a remote batch that lands in place (the next chunk
-        #: is READ while this one is verified). Large, because every chunk drains the TCP
-        #: pipeline once: 2 MiB chunks measured 30-40% slower than 32 MiB on loopback. The
-        #: staged path (into a receive lane) is also capped at half a lane.
+        #: Bytes READ per chunk of a remote batch staged through a receive lane (at most half
+        #: a lane; the next chunk is READ into the other half while this one is verified and
+        #: copied out). Batches landing in place are one READ, verified frame by frame.
         self.chunk_bytes = 32 << 20
         self._reader = ThreadPoolExecutor(max_workers=recv_lanes, thread_name_prefix="peer-read")
         for m in DIR_METHODS:
@@ -813,18 +812,19 @@ class PeerNode:
         lens: np.ndarray,
         ok: np.ndarray,
     ) -> None:
-        """READ each slot of ``idx`` (rows of ``rec``) from ``node`` as two items, the header into a receive
-        lane and the payload straight into its destination page (inside a local receive
-        region), then verify header + CRC over the payload in place. No copy.
+        """READ each slot of ``idx`` (rows of ``rec``) from ``node`` as two items, the header
+        into a receive lane and the payload straight into its destination page (inside a
+        local receive region), then verify header + CRC over the payload in place. No copy.
 
         A slot that fails is a miss and its page holds unspecified bytes. Whatever order
         the two items land in, a rewrite of the slot is caught: the header is zeroed
         first and generations never repeat, and a header read before the rewrite with a
         payload read during it fails the CRC.
 
-        Every slot's header has its own place in the lane, so the chunks (``chunk_bytes``
-        of payload each) are all queued to the reader threads at once: the transport
-        never waits for verification, and each chunk is verified as soon as it has landed.
+        The batch is one READ (every header has its own place in the lane; a batch with
+        more slots than the lane has places goes in rounds). Slots are verified as they
+        land (the transport's ``on_landed``, on TCP once per frame from the reader
+        thread), while later frames are still on the wire and the bytes are in cache.
         """
         info = self.membership.info(node)
         if info is None:
@@ -849,53 +849,82 @@ class PeerNode:
                 stale = 0
                 for r0 in range(0, len(idx), per_round):
                     r1 = min(len(idx), r0 + per_round)
-                    cuts = _chunk_bounds(np.cumsum(plens[r0:r1]).tolist(), max(self.chunk_bytes, int(plens.max())))
-                    chunks = [(r0 + cuts[j], r0 + cuts[j + 1]) for j in range(len(cuts) - 1)]
-                    heads_at = np.uint64(base) + (np.arange(r1 - r0, dtype=np.uint64) * np.uint64(hsize))
-
-                    def read(s: int, e: int, heads_at: np.ndarray = heads_at, r0: int = r0) -> np.ndarray:
-                        laddr = np.stack([heads_at[s - r0 : e - r0], dsts[s:e]], axis=1).ravel()
-                        two = slice(2 * s, 2 * e)
-                        return self.transport.read_batch_arrays(
-                            info.data, pair_raddr[two], pair_rkey[two], pair_len[two], laddr, timeout=timeout
-                        )
-
-                    # One reader task READs the chunks back to back (concurrent chunks of one
-                    # batch only add channels and threads that compete for two cores).
-                    futures: list[Future[np.ndarray]] = [Future() for _ in chunks]
-
-                    def run(
-                        chunks: list[tuple[int, int]] = chunks, futures: list[Future[np.ndarray]] = futures
-                    ) -> None:
-                        for (s, e), fut in zip(chunks, futures, strict=True):
-                            if fut.set_running_or_notify_cancel():
-                                try:
-                                    fut.set_result(read(s, e))
-                                except BaseException as exc:  # handed to the waiting caller
-                                    fut.set_exception(exc)
-
-                    try:
-                        self._reader.submit(run)
-                        for (s, e), fut in zip(chunks, futures, strict=True):
-                            statuses = fut.result()
-                            good = ((statuses[0::2] == Status.OK) & (statuses[1::2] == Status.OK)).view(np.uint8)
-                            heads = lane_arr[(s - r0) * hsize : (e - r0) * hsize]
-                            part = idx[s:e]
-                            stale += _verify_inplace(
-                                heads, plens[s:e], gens[s:e], digests[s:e], dsts[s:e], good, [keys[i] for i in part]
-                            )
-                            ok[part] = good.view(bool)
-                    finally:
-                        # The lane goes back only once no READ can still land in it: chunks
-                        # not started are cancelled, the one running is waited for.
-                        for fut in futures:
-                            fut.cancel()
-                        wait(futures)
+                    stale += self._read_round(
+                        info.data,
+                        timeout,
+                        base,
+                        lane_arr,
+                        keys,
+                        idx[r0:r1],
+                        pair_raddr[2 * r0 : 2 * r1],
+                        pair_rkey[2 * r0 : 2 * r1],
+                        pair_len[2 * r0 : 2 * r1],
+                        plens[r0:r1],
+                        gens[r0:r1],
+                        digests[r0:r1],
+                        dsts[r0:r1],
+                        ok,
+                    )
                 if stale:
                     with self._lock:
                         self.stale_reads += stale
         except queue.Empty:
             log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
+
+    def _read_round(
+        self,
+        peer: str,
+        timeout: float,
+        base: int,
+        lane: np.ndarray,
+        keys: Sequence[str],
+        idx: np.ndarray,
+        raddr: np.ndarray,
+        rkey: np.ndarray,
+        length: np.ndarray,
+        plens: np.ndarray,
+        gens: np.ndarray,
+        digests: np.ndarray,
+        dsts: np.ndarray,
+        ok: np.ndarray,
+    ) -> int:
+        """One READ of ``len(idx)`` slots (header ``j`` to ``lane[64 j:]``, payload to
+        ``dsts[j]``), each slot verified once both of its items have landed; sets ``ok``
+        for the good ones and returns how many were read but did not verify."""
+        m = len(idx)
+        hsize = SLOT_HEADER_SIZE
+        heads = lane[: m * hsize].reshape(m, hsize)
+        laddr = np.stack([np.arange(m, dtype=np.uint64) * np.uint64(hsize) + np.uint64(base), dsts], axis=1).ravel()
+        lock = threading.Lock()
+        landed = np.zeros(m, dtype=np.uint8)  # items of each slot that landed OK (3: taken)
+        good = np.zeros(m, dtype=np.uint8)
+        stale = [0]
+
+        def on_landed(items: np.ndarray, statuses: np.ndarray) -> None:
+            slots = items[statuses == Status.OK] // 2
+            with lock:
+                np.add.at(landed, slots, 1)
+                ready = np.unique(slots[landed[slots] == 2])
+                landed[ready] = 3
+            if not ready.size:
+                return
+            g = np.ones(ready.size, dtype=np.uint8)
+            bad = _verify_inplace(
+                heads[ready].ravel(),
+                plens[ready],
+                gens[ready],
+                digests[ready],
+                dsts[ready],
+                g,
+                [keys[i] for i in idx[ready].tolist()],
+            )
+            with lock:
+                good[ready] = g
+                stale[0] += bad
+
+        self.transport.read_batch_arrays(peer, raddr, rkey, length, laddr, timeout=timeout, on_landed=on_landed)
+        ok[idx] = good.view(bool)
+        return stale[0]
 
     # ------------------------------------------------------------------ data over RPC
     def enable_data_rpc(self) -> None:

@@ -264,11 +264,17 @@ def read_frames(
     uint32_t seq,
     double timeout,
     uint8_t[::1] status,
+    object on_frame=None,
 ):
     """Run frames ``starts[0..]`` over the blocking socket ``fd`` with ``window`` requests
     in flight; item ``k``'s bytes land at ``laddr[k]`` and its status in ``status[k]``
     (items of frames not completed keep what ``status`` held). Frame ``f`` carries
     sequence ``seq + 1 + f``. The caller keeps every destination pinned.
+
+    ``on_frame(a, b)``, when given, runs (with the GIL) as soon as the items ``a..b-1`` of
+    a frame have landed and their statuses are written, while the next frames are already
+    on the wire: the caller can use bytes still in cache. An exception from it ends the
+    run and propagates once the buffers are freed.
 
     Returns ``(frames_done, error, last_seq)``; ``error`` is :data:`E_OK`,
     :data:`E_TIMEOUT` (also when ``timeout`` seconds pass between frames) or
@@ -298,6 +304,8 @@ def read_frames(
         raise MemoryError()
     cdef Py_ssize_t done = 0, sent = 0, upto
     cdef int rc = ERR_OK
+    cdef bint notify = on_frame is not None
+    cdef object failure = None
     cdef double stop = _now() + timeout
     cdef uint32_t first_seq = seq + 1
     try:
@@ -315,6 +323,14 @@ def read_frames(
                 if rc:
                     break
                 done += 1
+                if notify:
+                    with gil:
+                        try:
+                            on_frame(starts[done - 1], starts[done])
+                        except BaseException as exc:  # re-raised below, after the frees
+                            failure = exc
+                    if failure is not None:
+                        break
                 if done < n_frames and _now() > stop:
                     rc = ERR_TIMEOUT
                     break
@@ -322,6 +338,8 @@ def read_frames(
         free(req)
         free(head)
         free(iov)
+    if failure is not None:
+        raise failure
     return done, rc, <uint32_t>(first_seq + <uint32_t>done - 1)
 
 

@@ -521,6 +521,9 @@ class _BatchPlan:
     rkey: np.ndarray  # uint32
     length: np.ndarray  # uint64
     laddr: np.ndarray  # uint64
+    #: ``on_landed(indices, statuses)`` for items whose bytes have landed (see
+    #: :meth:`Transport.read_batch_arrays`); ``None`` when the caller did not ask.
+    on_landed: Callable[[np.ndarray, np.ndarray], None] | None = None
     _ops: list[ReadOp] | None = None
 
     def __len__(self) -> int:
@@ -655,6 +658,7 @@ class Transport(ABC):
         laddr: Any,
         timeout: float | None = None,
         *,
+        on_landed: Callable[[np.ndarray, np.ndarray], None] | None = None,
         _skip: np.ndarray | None = None,
     ) -> np.ndarray:
         """:meth:`read_batch` over columns: item ``k`` copies ``length[k]`` bytes from
@@ -667,6 +671,14 @@ class Transport(ABC):
         report ``CHANNEL_ERROR`` (or ``TIMEOUT``); no item is half-reported as OK. A length
         over :data:`MAX_ITEM_BYTES` is ``INVALID``; a destination outside every local
         region is ``BAD_LOCAL`` and no byte is written.
+
+        ``on_landed(indices, statuses)``, when given, is called once for every item, with
+        the item's final status: as soon as a group of items has landed (on TCP one frame,
+        from the channel's reader thread, while later frames are still on the wire, so the
+        caller can check the bytes while they are in cache), and for the items not
+        reported that way (failures, other transports) before this method returns. Calls
+        may come from several threads at once, for disjoint items. An exception from it
+        propagates out of this call.
 
         Raises ``ValueError`` for columns of different lengths or values out of their
         type's range (negative, rkey over 32 bits), ``TypeError`` for non-integer columns.
@@ -688,15 +700,27 @@ class Transport(ABC):
             status[_skip] = Status.INVALID
         live = np.flatnonzero(status == Status.OK)
         landing, pins = self.regions.acquire_local(laddr[live], length[live])
+        notify = None
+        if on_landed is not None:
+            reported = np.zeros(n, dtype=bool)
+
+            def notify(idx: np.ndarray, st: np.ndarray) -> None:
+                reported[idx] = True
+                on_landed(idx, st)
+
         try:
             status[live[~landing]] = Status.BAD_LOCAL
             sel = live[landing]
             if sel.size:
-                plan = _BatchPlan(sel, raddr[sel], rkey[sel], length[sel], laddr[sel])
+                plan = _BatchPlan(sel, raddr[sel], rkey[sel], length[sel], laddr[sel], on_landed=notify)
                 if peer == self.address:
                     self._read_local(plan, status)
                 else:
                     self._read_remote(peer, plan, status, deadline)
+            if on_landed is not None:
+                rest = np.flatnonzero(~reported)
+                if rest.size:
+                    on_landed(rest, status[rest])
         finally:
             self.regions.release(pins)
         return status

@@ -31,7 +31,8 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 
 import numpy as np
@@ -163,9 +164,10 @@ def read_frames_py(
     seq: int,
     timeout: float,
     status: np.ndarray,
+    on_frame: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int, int]:
     """The Python twin of ``_tcpio.read_frames`` (same arguments, a socket for the fd,
-    same wire bytes, same ``(frames_done, error, last_seq)``)."""
+    same wire bytes, same ``(frames_done, error, last_seq)``, same ``on_frame`` calls)."""
     import time
 
     stop = time.monotonic() + timeout
@@ -175,20 +177,20 @@ def read_frames_py(
     head = bytearray(_RESP.size + MAX_ITEMS)
     hview = memoryview(head)
     done = sent = 0
-    try:
-        while done < n_frames:
+    while done < n_frames:
+        a, b = bounds[done], bounds[done + 1]
+        try:
             if sent < n_frames and sent - done < window:
                 upto = min(n_frames, done + window)
                 reqs = []
                 for f in range(sent, upto):
-                    a, b = bounds[f], bounds[f + 1]
-                    reqs.append(_REQ.pack(MAGIC, OP_READ, b - a, (seq + 1 + f) & 0xFFFFFFFF, 0))
-                    items = np.zeros(b - a, dtype=_ITEM_DTYPE)
-                    items["addr"], items["length"], items["rkey"] = raddr[a:b], length[a:b], rkey[a:b]
+                    fa, fb = bounds[f], bounds[f + 1]
+                    reqs.append(_REQ.pack(MAGIC, OP_READ, fb - fa, (seq + 1 + f) & 0xFFFFFFFF, 0))
+                    items = np.zeros(fb - fa, dtype=_ITEM_DTYPE)
+                    items["addr"], items["length"], items["rkey"] = raddr[fa:fb], length[fa:fb], rkey[fa:fb]
                     reqs.append(items.tobytes())
                 sock.sendall(b"".join(reqs))
                 sent = upto
-            a, b = bounds[done], bounds[done + 1]
             view = hview[: _RESP.size + b - a]
             if not _recv_exact(sock, view):
                 return done, E_CHANNEL, seq + done
@@ -202,15 +204,17 @@ def read_frames_py(
             if sum(lens[k] for k in ok) != total:
                 return done, E_CHANNEL, seq + done
             _recv_views(sock, [view_at(int(laddr[k]), lens[k]) for k in ok])
-            # Only now, with every byte of the frame landed, do its items count.
-            status[a:b] = np.frombuffer(codes, dtype=np.uint8)
-            done += 1
-            if done < n_frames and time.monotonic() > stop:
-                return done, E_TIMEOUT, seq + done
-    except (TimeoutError, BlockingIOError):
-        return done, E_TIMEOUT, seq + done
-    except (OSError, ValueError):
-        return done, E_CHANNEL, seq + done
+        except (TimeoutError, BlockingIOError):
+            return done, E_TIMEOUT, seq + done
+        except (OSError, ValueError):
+            return done, E_CHANNEL, seq + done
+        # Only now, with every byte of the frame landed, do its items count.
+        status[a:b] = np.frombuffer(codes, dtype=np.uint8)
+        done += 1
+        if on_frame is not None:
+            on_frame(a, b)
+        if done < n_frames and time.monotonic() > stop:
+            return done, E_TIMEOUT, seq + done
     return done, E_OK, (seq + done) & 0xFFFFFFFF
 
 
@@ -396,7 +400,10 @@ class TcpTransport(Transport):
         else:
             ex = self._get_executor()
             futs = [ex.submit(self._run_channel, peer, plan, starts, a, b, status, deadline) for a, b in shares[1:]]
-            self._run_channel(peer, plan, starts, *shares[0], status, deadline)
+            try:
+                self._run_channel(peer, plan, starts, *shares[0], status, deadline)
+            finally:
+                wait(futs)  # no channel may still write into the destinations once we return
             for f in futs:
                 f.result()
         self._count(remote_items=len(plan))
@@ -432,13 +439,20 @@ class TcpTransport(Transport):
             frames = starts[(starts >= a) & (starts <= b)] - a
             got = np.zeros(b - a, dtype=np.uint8)
             cols = (plan.raddr[a:b], plan.rkey[a:b], plan.length[a:b], plan.laddr[a:b])
+            on_frame = None
+            if plan.on_landed is not None:
+                report = plan.on_landed
+
+                def on_frame(x: int, y: int) -> None:
+                    report(index[x:y], got[x:y])
+
             if self._io is not None:
                 done, err, ch.seq = self._io.read_frames(
-                    ch.sock.fileno(), *cols, frames, self.max_inflight_frames, ch.seq, remaining, got
+                    ch.sock.fileno(), *cols, frames, self.max_inflight_frames, ch.seq, remaining, got, on_frame
                 )
             else:
                 done, err, ch.seq = read_frames_py(
-                    ch.sock, *cols, frames, self.max_inflight_frames, ch.seq, remaining, got
+                    ch.sock, *cols, frames, self.max_inflight_frames, ch.seq, remaining, got, on_frame
                 )
             landed = int(frames[done])
             status[index[:landed]] = got[:landed]
