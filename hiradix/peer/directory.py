@@ -535,17 +535,7 @@ class DirectoryView:
         return self._call(owner, method, args)
 
     def _try(self, owner: str, method: str, args: list[Any], check: Callable[[Any], bool]) -> tuple[bool, Any]:
-        try:
-            result = self._invoke(owner, method, args)
-        except self._errors as exc:
-            self.failures += 1
-            log.debug("directory %s on %s failed: %r", method, owner, exc)
-            return False, None
-        if not check(result):
-            self.failures += 1
-            log.debug("directory %s on %s answered malformed %r", method, owner, result)
-            return False, None
-        return True, result
+        return self._finish(owner, method, lambda: self._invoke(owner, method, args), check)
 
     # ------------------------------------------------------------------ writes
     def _fan_out(self, method: str, items: Sequence[tuple[str, list[Any]]]) -> list[int]:
