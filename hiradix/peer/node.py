@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import queue
 import secrets
@@ -303,11 +304,6 @@ class PeerNode:
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
-        #: Bytes READ per chunk of a remote batch staged through a receive lane (at most half
-        #: a lane; the next chunk is READ into the other half while this one is verified and
-        #: copied out). Batches landing in place are one READ, verified frame by frame.
-        self.chunk_bytes = 32 << 20
-        self._reader = ThreadPoolExecutor(max_workers=recv_lanes, thread_name_prefix="peer-read")
         for m in DIR_METHODS:
             self.rpc.register(m, self._dir_handler(m))
         for m in DISC_METHODS:
@@ -739,12 +735,11 @@ class PeerNode:
         lens: np.ndarray,
         ok: np.ndarray,
     ) -> None:
-        """READ the slots of ``idx`` (rows of ``rec``) from ``node`` into a receive lane,
-        verify, copy out.
+        """READ the slots of ``idx`` (rows of ``rec``) from ``node`` whole into a receive
+        lane, then verify each and copy its payload out as it lands.
 
-        The lane is split in two halves and the batch in chunks of at most half a lane:
-        while one chunk is verified and copied out (GIL-free), the next is already being
-        READ into the other half by a helper thread.
+        Slots go back to back into the lane, in rounds of at most a lane; a slot larger
+        than the lane can never be read (a miss).
         """
         info = self.membership.info(node)
         if info is None:
@@ -753,49 +748,51 @@ class PeerNode:
         need = lens[idx] + SLOT_HEADER_SIZE
         try:
             with self.recv.lease(timeout) as (base, lane):
-                half = min(len(lane) // 2, max(self.chunk_bytes, int(need.max())))
-                fits = need <= half  # a slot larger than half a lane can never be read: a miss
+                fits = need <= len(lane)
                 idx, need = idx[fits], need[fits]
                 if not idx.size:
                     return
                 gens = rec["generation"][idx]
                 digests = key_digests([keys[i] for i in idx.tolist()])
-                raddr = rec["addr"][idx]
-                rkey = rec["rkey"][idx]
                 ends = np.cumsum(need)
                 offs = ends - need
-                bounds = _chunk_bounds(ends.tolist(), half)
+                bounds = _chunk_bounds(ends.tolist(), len(lane))
                 lane_arr = np.frombuffer(lane, dtype=np.uint8)
-
-                def read(k: int) -> np.ndarray:
-                    s, e = bounds[k], bounds[k + 1]
-                    # Chunk k lands back to back from the start of half k % 2 of the lane.
-                    laddr = offs[s:e] - offs[s] + (base + (k % 2) * half)
-                    return self.transport.read_batch_arrays(
-                        info.data, raddr[s:e], rkey[s:e], need[s:e], laddr, timeout=timeout
-                    )
-
-                pending = self._reader.submit(read, 0)
                 stale = 0
-                for k in range(len(bounds) - 1):
-                    statuses = pending.result()
-                    if k + 2 < len(bounds):
-                        pending = self._reader.submit(read, k + 1)
-                    s, e = bounds[k], bounds[k + 1]
-                    part = idx[s:e]
-                    good = (statuses == Status.OK).view(np.uint8)
-                    view = lane_arr[(k % 2) * half : (k % 2) * half + half]
-                    stale += _verify_copy(
-                        view,
-                        offs[s:e] - offs[s],
-                        lens[part],
-                        gens[s:e],
-                        digests[s:e],
-                        addrs[part],
-                        good,
-                        [keys[i] for i in part],
+                for r0, r1 in itertools.pairwise(bounds):
+                    part, rel = idx[r0:r1], offs[r0:r1] - offs[r0]
+
+                    def check(
+                        ready: np.ndarray,
+                        good: np.ndarray,
+                        part: np.ndarray = part,
+                        rel: np.ndarray = rel,
+                        r0: int = r0,
+                    ) -> int:
+                        at = part[ready]
+                        return _verify_copy(
+                            lane_arr,
+                            rel[ready],
+                            lens[at],
+                            gens[r0 + ready],
+                            digests[r0 + ready],
+                            addrs[at],
+                            good,
+                            [keys[i] for i in at.tolist()],
+                        )
+
+                    stale += self._read_verified(
+                        info.data,
+                        timeout,
+                        part,
+                        1,
+                        rec["addr"][part],
+                        rec["rkey"][part],
+                        need[r0:r1],
+                        rel + base,
+                        check,
+                        ok,
                     )
-                    ok[part] = good.view(bool)
                 if stale:
                     with self._lock:
                         self.stale_reads += stale
@@ -821,10 +818,8 @@ class PeerNode:
         first and generations never repeat, and a header read before the rewrite with a
         payload read during it fails the CRC.
 
-        The batch is one READ (every header has its own place in the lane; a batch with
-        more slots than the lane has places goes in rounds). Slots are verified as they
-        land (the transport's ``on_landed``, on TCP once per frame from the reader
-        thread), while later frames are still on the wire and the bytes are in cache.
+        Every header has its own place in the lane, so a batch is one READ (in rounds when
+        it has more slots than the lane has places).
         """
         info = self.membership.info(node)
         if info is None:
@@ -838,31 +833,42 @@ class PeerNode:
                 digests = key_digests([keys[i] for i in idx.tolist()])
                 dsts = addrs[idx]
                 raddr = rec["addr"][idx]
-                rkey = rec["rkey"][idx]
                 # Each slot is two items: its header into the lane, its payload in place.
                 pair_raddr = np.stack([raddr, raddr + np.uint64(hsize)], axis=1).ravel()
-                pair_rkey = np.repeat(rkey, 2)
+                pair_rkey = np.repeat(rec["rkey"][idx], 2)
                 heads_len = np.full(len(idx), hsize, dtype=np.uint64)
                 pair_len = np.stack([heads_len, plens.astype(np.uint64)], axis=1).ravel()
-                lane_arr = np.frombuffer(lane, dtype=np.uint8)
                 per_round = len(lane) // hsize  # slots whose headers fit the lane together
+                heads = np.frombuffer(lane, dtype=np.uint8)[: per_round * hsize].reshape(per_round, hsize)
+                head_at = np.arange(per_round, dtype=np.uint64) * np.uint64(hsize) + np.uint64(base)
                 stale = 0
                 for r0 in range(0, len(idx), per_round):
                     r1 = min(len(idx), r0 + per_round)
-                    stale += self._read_round(
+                    laddr = np.stack([head_at[: r1 - r0], dsts[r0:r1]], axis=1).ravel()
+
+                    def check(ready: np.ndarray, good: np.ndarray, r0: int = r0) -> int:
+                        at = r0 + ready
+                        return _verify_inplace(
+                            heads[ready].ravel(),
+                            plens[at],
+                            gens[at],
+                            digests[at],
+                            dsts[at],
+                            good,
+                            [keys[i] for i in idx[at].tolist()],
+                        )
+
+                    two = slice(2 * r0, 2 * r1)
+                    stale += self._read_verified(
                         info.data,
                         timeout,
-                        base,
-                        lane_arr,
-                        keys,
                         idx[r0:r1],
-                        pair_raddr[2 * r0 : 2 * r1],
-                        pair_rkey[2 * r0 : 2 * r1],
-                        pair_len[2 * r0 : 2 * r1],
-                        plens[r0:r1],
-                        gens[r0:r1],
-                        digests[r0:r1],
-                        dsts[r0:r1],
+                        2,
+                        pair_raddr[two],
+                        pair_rkey[two],
+                        pair_len[two],
+                        laddr,
+                        check,
                         ok,
                     )
                 if stale:
@@ -871,53 +877,41 @@ class PeerNode:
         except queue.Empty:
             log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
 
-    def _read_round(
+    def _read_verified(
         self,
         peer: str,
         timeout: float,
-        base: int,
-        lane: np.ndarray,
-        keys: Sequence[str],
         idx: np.ndarray,
+        per_slot: int,
         raddr: np.ndarray,
         rkey: np.ndarray,
         length: np.ndarray,
-        plens: np.ndarray,
-        gens: np.ndarray,
-        digests: np.ndarray,
-        dsts: np.ndarray,
+        laddr: np.ndarray,
+        check: Callable[[np.ndarray, np.ndarray], int],
         ok: np.ndarray,
     ) -> int:
-        """One READ of ``len(idx)`` slots (header ``j`` to ``lane[64 j:]``, payload to
-        ``dsts[j]``), each slot verified once both of its items have landed; sets ``ok``
-        for the good ones and returns how many were read but did not verify."""
+        """One READ of ``len(idx)`` slots of ``per_slot`` consecutive items each. A slot is
+        checked as soon as all of its items have landed OK (the transport's ``on_landed``:
+        on TCP once per frame, from the reader thread, while later frames are still on the
+        wire and the bytes in cache): ``check(slots, good)`` gets the slot positions, sets
+        ``good`` (all ones on entry) and returns how many did not verify. Sets ``ok[idx]``
+        and returns the count of slots read that did not verify."""
         m = len(idx)
-        hsize = SLOT_HEADER_SIZE
-        heads = lane[: m * hsize].reshape(m, hsize)
-        laddr = np.stack([np.arange(m, dtype=np.uint64) * np.uint64(hsize) + np.uint64(base), dsts], axis=1).ravel()
         lock = threading.Lock()
-        landed = np.zeros(m, dtype=np.uint8)  # items of each slot that landed OK (3: taken)
+        landed = np.zeros(m, dtype=np.uint8)  # items of each slot that landed OK
         good = np.zeros(m, dtype=np.uint8)
         stale = [0]
 
         def on_landed(items: np.ndarray, statuses: np.ndarray) -> None:
-            slots = items[statuses == Status.OK] // 2
+            slots = items[statuses == Status.OK] // per_slot
             with lock:
                 np.add.at(landed, slots, 1)
-                ready = np.unique(slots[landed[slots] == 2])
-                landed[ready] = 3
+                ready = np.unique(slots[landed[slots] == per_slot])
+                landed[ready] = per_slot + 1  # taken: checked once
             if not ready.size:
                 return
             g = np.ones(ready.size, dtype=np.uint8)
-            bad = _verify_inplace(
-                heads[ready].ravel(),
-                plens[ready],
-                gens[ready],
-                digests[ready],
-                dsts[ready],
-                g,
-                [keys[i] for i in idx[ready].tolist()],
-            )
+            bad = check(ready, g)
             with lock:
                 good[ready] = g
                 stale[0] += bad
@@ -993,7 +987,6 @@ class PeerNode:
             with contextlib.suppress(Exception):
                 self.membership.leave()
         self._bg.shutdown(wait=False, cancel_futures=True)
-        self._reader.shutdown(wait=True, cancel_futures=True)
         if self.metrics_server is not None:
             self.metrics_server.stop()
         self.rpc.close()
