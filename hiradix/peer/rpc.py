@@ -42,7 +42,7 @@ import msgpack
 
 from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import ChannelPool, parse_peer
-from hiradix.transport.listener import AuthListener, dial, hang_up
+from hiradix.transport.listener import AuthListener, dial, hang_up, set_recv_timeout, set_send_timeout
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -71,23 +71,6 @@ _AUTH_CONTEXT = b"rpc"
 #: A client re-arms its socket's kernel timeout only when the call's remaining time falls
 #: more than this below it (seconds): a call overruns its deadline by at most this much.
 _ARM_SLACK = 1e-3
-
-
-def _timeval(seconds: float) -> bytes:
-    # A zero timeval means "wait forever" to the kernel: never round down to it.
-    us = max(1, round(seconds * 1e6))
-    return struct.pack("ll", us // 1_000_000, us % 1_000_000)
-
-
-def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """A ``recv`` on blocking ``sock`` that waits longer than ``seconds`` fails with
-    ``EAGAIN`` (:class:`BlockingIOError`). One syscall."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-
-
-def _set_send_timeout(sock: socket.socket, seconds: float) -> None:
-    """As :func:`_set_recv_timeout`, for ``send``."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
 
 class FrameError(ValueError):
@@ -417,11 +400,11 @@ class RpcServer:
         frames = _FrameReader(conn)
         idle = True
         conn.settimeout(None)  # blocking: no poll() before each recv and send
-        _set_recv_timeout(conn, self.idle_timeout)
-        _set_send_timeout(conn, self.frame_timeout)
+        set_recv_timeout(conn, self.idle_timeout)
+        set_send_timeout(conn, self.frame_timeout)
         while not self._closed.is_set():
             if not idle and not frames.buffered:
-                _set_recv_timeout(conn, self.idle_timeout)  # only between frames
+                set_recv_timeout(conn, self.idle_timeout)  # only between frames
                 idle = True
             n = frames.head()
             if n is None:
@@ -431,7 +414,7 @@ class RpcServer:
                 self._reply(conn, None, ("frame_too_large", f"{n} > {self.max_frame}"), None)
                 return
             if frames.buffered < n and idle:
-                _set_recv_timeout(conn, self.frame_timeout)  # a started frame must arrive in time
+                set_recv_timeout(conn, self.frame_timeout)  # a started frame must arrive in time
                 idle = False
             body = frames.body(n)
             try:
@@ -504,8 +487,8 @@ class _Conn:
         if left <= 0:
             raise TimeoutError
         if left > self.io_timeout or left < self.io_timeout - _ARM_SLACK:
-            _set_recv_timeout(self.sock, left)
-            _set_send_timeout(self.sock, left)
+            set_recv_timeout(self.sock, left)
+            set_send_timeout(self.sock, left)
             self.io_timeout = left
 
 
@@ -604,8 +587,8 @@ class RpcClient:
             raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
         try:
             sock.settimeout(None)  # blocking, with the kernel timeouts below
-            _set_recv_timeout(sock, self.timeout)
-            _set_send_timeout(sock, self.timeout)
+            set_recv_timeout(sock, self.timeout)
+            set_send_timeout(sock, self.timeout)
         except OSError as e:
             hang_up(sock)
             raise RpcConnectionError(f"cannot set up the connection to {peer}: {e}") from None

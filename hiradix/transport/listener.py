@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from collections.abc import Callable
 
 from hiradix.transport.auth import AuthError, client_handshake, server_handshake
 
-__all__ = ["AuthListener", "dial", "hang_up"]
+__all__ = ["AuthListener", "dial", "hang_up", "set_recv_timeout", "set_send_timeout"]
 
 
 def dial(host: str, port: int, token: bytes, context: bytes, timeout: float) -> socket.socket:
@@ -121,3 +122,21 @@ class AuthListener:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)  # the serving thread closes it
         self._thread.join(timeout=2.0)
+
+
+def _timeval(seconds: float) -> bytes:
+    # A zero timeval means "wait forever" to the kernel: never round down to it.
+    us = max(1, round(seconds * 1e6))
+    return struct.pack("ll", us // 1_000_000, us % 1_000_000)
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """A ``recv`` on blocking ``sock`` that waits longer than ``seconds`` fails with
+    ``EAGAIN`` (:class:`BlockingIOError`). One syscall, and none per ``recv`` after it:
+    ``settimeout`` would add a ``poll()`` before every call."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """As :func:`set_recv_timeout`, for ``send``."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))

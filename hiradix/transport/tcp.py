@@ -49,7 +49,7 @@ from hiradix.transport.base import (
     parse_peer,
     view_at,
 )
-from hiradix.transport.listener import AuthListener, dial, hang_up
+from hiradix.transport.listener import AuthListener, dial, hang_up, set_recv_timeout, set_send_timeout
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
 
@@ -69,19 +69,6 @@ _ITEM_DTYPE = np.dtype([("addr", "<u8"), ("length", "<u8"), ("rkey", "<u4"), ("r
 E_OK, E_TIMEOUT, E_CHANNEL = 0, 1, 2
 
 _tcpio: Any = load("hiradix.transport._tcpio")
-
-
-def _timeval(seconds: float) -> bytes:
-    seconds = max(seconds, 0.001)
-    return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-
-
-def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    # Kernel-side timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket: one syscall per
-    # recv/send. ``settimeout`` would add a poll() before each of them.
-    tv = _timeval(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -330,8 +317,8 @@ class TcpTransport(Transport):
         conn.settimeout(None)
         # Idle channels may wait long for the next frame; a reader that stops draining
         # may hold a region in flight (and a deregister) only for send_timeout.
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout))
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.send_timeout))
+        set_recv_timeout(conn, self.idle_timeout)
+        set_send_timeout(conn, self.send_timeout)
         hdr = bytearray(_REQ.size)
         hview = memoryview(hdr)
         body = bytearray(MAX_ITEMS * _ITEM.size)
@@ -435,7 +422,8 @@ class TcpTransport(Transport):
             if remaining <= 0:
                 status[index] = Status.TIMEOUT
                 return
-            _set_io_timeout(ch.sock, remaining)
+            set_recv_timeout(ch.sock, remaining)
+            set_send_timeout(ch.sock, remaining)
             frames = starts[(starts >= a) & (starts <= b)] - a
             got = np.zeros(b - a, dtype=np.uint8)
             cols = (plan.raddr[a:b], plan.rkey[a:b], plan.length[a:b], plan.laddr[a:b])
