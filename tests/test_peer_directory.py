@@ -401,7 +401,7 @@ class Split(Cluster):
         split = self
 
         class Finish:
-            def __call__(self) -> Any:
+            def result(self) -> Any:
                 split.events.append(("recv", owner))
                 return split.call(owner, method, args)
 
@@ -449,11 +449,15 @@ def test_view_begin_queries_the_local_shard_while_remote_calls_are_in_flight() -
     def begin(owner: str, method: str, args: list[Any]) -> Any:
         order.append("send")
 
-        def finish() -> Any:
-            order.append("recv")
-            return far.dispatch(method, args)
+        class Finish:
+            def result(self) -> Any:
+                order.append("recv")
+                return far.dispatch(method, args)
 
-        return finish
+            def cancel(self) -> None:
+                raise AssertionError("nothing to cancel")
+
+        return Finish()
 
     view = DirectoryView(ring, lambda o, m, a: 1 / 0, local_node="me", local_shard=Probe(), begin=begin)
     assert view.batch_exists(KEYS[:64]) == bytes([RESIDENT]) * 64

@@ -442,12 +442,35 @@ class CallFn(Protocol):
     def __call__(self, owner: str, method: str, args: list[Any]) -> Any: ...
 
 
-class BeginFn(Protocol):
-    """``begin(owner, method, args) -> finish``: send one RPC to ``owner`` and return at
-    once; ``finish()`` waits for and returns its result. Either raises on failure, and
-    ``finish`` must be called exactly once."""
+class Pending(Protocol):
+    """A call in flight: ``result()`` waits for and returns its answer (raises on failure);
+    ``cancel()`` abandons it. Exactly one of the two is called."""
 
-    def __call__(self, owner: str, method: str, args: list[Any]) -> Callable[[], Any]: ...
+    def result(self) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
+class BeginFn(Protocol):
+    """``begin(owner, method, args) -> Pending``: send one RPC to ``owner`` and return at
+    once (raises when it cannot be sent)."""
+
+    def __call__(self, owner: str, method: str, args: list[Any]) -> Pending: ...
+
+
+class _Answered:
+    """A :class:`Pending` whose answer is already here (calls made without ``begin``)."""
+
+    __slots__ = ("_answer",)
+
+    def __init__(self, answer: Any) -> None:
+        self._answer = answer
+
+    def result(self) -> Any:
+        return self._answer
+
+    def cancel(self) -> None:
+        pass
 
 
 def republish_plan(keys: Iterable[str], old: HashRing | None, new: HashRing, replicas: int) -> dict[str, list[str]]:
@@ -683,7 +706,7 @@ class DirectoryView:
             col = table[:, rnd] if pending is None else table[pending, rnd]
             groups = _group(col, pending)
             outcomes: list[tuple[bool, Any]] = [(False, None)] * len(groups)
-            waits: list[tuple[int, str, Callable[[], Any]]] = []
+            waits: list[tuple[int, str, Pending]] = []
             local: list[int] = []
             try:
                 for g, (j, idxs) in enumerate(groups):
@@ -700,13 +723,11 @@ class DirectoryView:
                     j, idxs = groups[g]
                     outcomes[g] = self._try(names[j], method, [keys[i] for i in idxs.tolist()], check(len(idxs)))
                 while waits:
-                    g, owner, finish = waits.pop(0)
-                    outcomes[g] = self._finish(owner, method, finish, check(len(groups[g][1])))
+                    g, owner, call = waits.pop(0)
+                    outcomes[g] = self._finish(owner, method, call.result, check(len(groups[g][1])))
             finally:
-                for _, _, finish in waits:  # only when something above raised past us
-                    cancel = getattr(finish, "cancel", None)
-                    if cancel is not None:
-                        cancel()
+                for _, _, call in waits:  # only when something above raised past us
+                    call.cancel()
             retry: list[np.ndarray | list[int]] = []
             for (_, idxs), (ok, answer) in zip(groups, outcomes, strict=True):
                 got = take(idxs, answer) if ok else idxs
@@ -716,12 +737,11 @@ class DirectoryView:
                 break
             pending = np.concatenate(retry).astype(np.intp, copy=False)
 
-    def _send(self, owner: str, method: str, args: list[Any]) -> Callable[[], Any]:
-        """Start ``method`` on a remote ``owner``; the returned function finishes it."""
+    def _send(self, owner: str, method: str, args: list[Any]) -> Pending:
+        """Start ``method`` on a remote ``owner``."""
         if self._begin is not None:
             return self._begin(owner, method, args)
-        result = self._call(owner, method, args)
-        return lambda: result
+        return _Answered(self._call(owner, method, args))
 
     def _finish(
         self, owner: str, method: str, finish: Callable[[], Any], check: Callable[[Any], bool]

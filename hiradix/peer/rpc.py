@@ -531,8 +531,6 @@ class PendingCall:
             raise RpcError(*error)
         return result
 
-    __call__ = result  # a PendingCall is the ``finish`` of a directory BeginFn
-
     def cancel(self) -> None:
         """Give up on the answer: the connection is closed (its reply can never be misread
         as another call's). A no-op once :meth:`result` ran. Runtime complexity: ``O(1)``."""
