@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend
 from hiradix.storage.keys import KeyNamespace, storage_keys
 
-__all__ = ["CacheMatchResult", "HiRadixCache", "OngoingPrefetch", "Req"]
+__all__ = ["CacheMatchResult", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -55,6 +55,28 @@ def _cpu(indices: Any) -> Any:
     if isinstance(indices, torch.Tensor) and indices.device.type != "cpu":
         return indices.cpu()
     return indices
+
+
+@runtime_checkable
+class DeviceAllocator(Protocol):
+    """What the cache needs of a device slot allocator: hiradix's
+    :class:`~hiradix.memory.allocator.PagedSlotAllocator` and SGLang's
+    ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` both are one.
+
+    ``alloc(n)`` returns ``n`` slots (``n`` a page multiple) or ``None``; ``free`` takes
+    slots back; ``size`` is the number of usable slots, so that free + cached + held by
+    requests always equals ``size`` (the slot-conservation check).
+    """
+
+    size: int
+
+    def alloc(self, need_size: int) -> Any: ...
+
+    def free(self, free_index: Any) -> None: ...
+
+    def available_size(self) -> int: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +144,10 @@ class HiRadixCache:
     controller:
         A ready controller (default: one built from the pools, ``agreement`` and
         ``layer_hook``).
+    allocator:
+        The device slot allocator (:class:`DeviceAllocator`; default: a fresh one over
+        ``device_pool``). Inside SGLang it is the scheduler's own allocator, so the
+        scheduler's slot accounting and the cache's are one.
     tree_cls, enable_hash, clock:
         The tree implementation (default :class:`hiradix.HiRadixTree`) and its options.
         Page hashes are on by default: they are the L3 keys.
@@ -155,6 +181,7 @@ class HiRadixCache:
         tp_rank: int = 0,
         prefetch_agreement: RankAgreement | None = None,
         l3_inline: bool = False,
+        allocator: DeviceAllocator | None = None,
     ) -> None:
         if load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
@@ -170,7 +197,7 @@ class HiRadixCache:
         self.load_back_threshold = load_back_threshold
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.device_allocator = device_pool.make_allocator()
+        self.device_allocator: DeviceAllocator = allocator if allocator is not None else device_pool.make_allocator()
         self.cache_controller = controller or HiCacheController(
             device_pool, host_pool, agreement=agreement, layer_hook=layer_hook
         )
@@ -293,7 +320,7 @@ class HiRadixCache:
         info = self.tree.node_info(node)
         return bool(info["backuped"]) or info["io_status"] == "writing"
 
-    def write_backup(self, node: int, write_back: bool = False) -> int:
+    def write_backup(self, node: int) -> int:
         """Back up one device node whose parent is backed up (or being backed up);
         returns the tokens whose copy was started (0 if refused). Runtime: ``O(tokens)``."""
         info = self.tree.node_info(node)
@@ -301,9 +328,9 @@ class HiRadixCache:
             return 0
         if not self._backed_or_writing(self.tree.parent(node)):
             return 0
-        return self._write_backup_nodes([node], write_back)
+        return self._write_backup_nodes([node])
 
-    def _write_backup_nodes(self, nodes: Sequence[int], write_back: bool = False) -> int:
+    def _write_backup_nodes(self, nodes: Sequence[int]) -> int:
         """Start the backups of ``nodes`` (parents first). Host slots are allocated for all,
         agreed across ranks; those that failed anywhere get one retry after evicting
         that many host tokens. A node without slots, or below one, is left as it was.
@@ -679,7 +706,7 @@ class HiRadixCache:
         if not result.write_back_nodes:
             return freed, False
         if result.backup_nodes:
-            self._write_backup_nodes(result.backup_nodes, write_back=True)
+            self._write_backup_nodes(result.backup_nodes)
         self.writing_check(write_back=True)
         for node in result.write_back_nodes:
             if tree.node_info(node)["backuped"]:

@@ -35,7 +35,7 @@ from hiradix.distributed import LocalAgreement, RankAgreement
 from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
-__all__ = ["CacheOperation", "HiCacheController", "LayerDoneCounter", "TransferAck"]
+__all__ = ["CacheOperation", "HiCacheController", "LayerDoneCounter", "LayerLoadingEvent", "TransferAck"]
 
 
 def _wait_finished(handle: CopyHandle) -> None:
@@ -82,48 +82,101 @@ class TransferAck:
         return sum(len(op.host_indices) for op in self.ops)
 
 
+class LayerLoadingEvent:
+    """One slot of the :class:`LayerDoneCounter` (SGLang's ``LayerLoadingEvent``): the
+    load bound to it, if any. ``finish_event`` is the slot itself, so SGLang's
+    ``events[i].finish_event.query()`` / ``.synchronize()`` work unchanged."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle: LoadHandle | None = None
+
+    @property
+    def finish_event(self) -> LayerLoadingEvent:
+        return self
+
+    def query(self) -> bool:
+        """Whether the bound load has finished (successfully or not). Never blocks."""
+        return self.handle is None or self.handle.done()
+
+    def synchronize(self) -> None:
+        """Block until the bound load has finished (a failure is read from its ack)."""
+        if self.handle is not None:
+            _wait_finished(self.handle)
+
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` of the bound load is usable."""
+        if self.handle is not None:
+            self.handle.wait_until(layer, timeout)
+
+
 class LayerDoneCounter:
-    """Layer-wise completion of the loads the forward pass consumes (SGLang's
-    ``LayerDoneCounter``): :meth:`update_producer` registers a load and returns its id,
-    :meth:`set_consumer` selects the load of the batch being run, and :meth:`wait_until`
-    blocks until that load's layer ``layer`` has landed. With no load selected,
-    ``wait_until`` returns at once.
+    """Layer-wise completion of the loads the forward pass consumes, with SGLang's contract
+    (``sglang.srt.managers.cache_controller.LayerDoneCounter``), so SGLang's attention
+    backends and memory pools wait on it unchanged:
+
+    - :meth:`update_producer` binds a new load to the next of ``num_counters`` rotating
+      slots and returns the slot's index (the batch's ``hicache_consumer_index``);
+    - :meth:`set_consumer` selects the slot of the batch being run (``-1``: none);
+    - :meth:`wait_until` blocks until layer ``threshold`` of that load has landed;
+    - :meth:`reset` forgets both indices; ``events[i].finish_event.query()`` tells
+      whether slot ``i``'s load is done.
+
+    Three slots, as SGLang: one load being consumed, one being prepared, one in flight
+    with overlap scheduling. Where SGLang asserts that a slot being reused is finished,
+    this waits for it, so a fourth load in flight costs a wait, never a corrupted
+    consumer.
     """
 
-    def __init__(self, layer_num: int) -> None:
-        self.layer_num = layer_num
-        self._handles: dict[int, LoadHandle] = {}
-        self._ids = itertools.count()
-        self._consumer = -1
+    def __init__(self, num_layers: int, num_counters: int = 3) -> None:
+        if num_layers < 1 or num_counters < 1:
+            raise ValueError(f"num_layers and num_counters must be >= 1, got {num_layers}, {num_counters}")
+        self.num_layers = num_layers
+        self.num_counters = num_counters
+        self.events = [LayerLoadingEvent() for _ in range(num_counters)]
+        self.producer_index = -1
+        self.consumer_index = -1
 
-    def update_producer(self, handle: LoadHandle) -> int:
-        """Register ``handle``; returns its producer id. ``O(1)``."""
-        pid = next(self._ids)
-        self._handles[pid] = handle
-        return pid
+    @property
+    def layer_num(self) -> int:
+        return self.num_layers
 
-    def set_consumer(self, producer_id: int) -> None:
-        """Make :meth:`wait_until` wait on producer ``producer_id`` (``-1``: none)."""
-        if producer_id != -1 and producer_id not in self._handles:
-            raise KeyError(f"unknown or retired load producer {producer_id}")
-        self._consumer = producer_id
+    def update_producer(self, handle: LoadHandle | None = None) -> int:
+        """Bind ``handle`` to the next slot; returns the slot index. ``O(1)`` unless the
+        slot's previous load is still running (then it waits for it)."""
+        index = (self.producer_index + 1) % self.num_counters
+        event = self.events[index]
+        event.synchronize()
+        event.handle = handle
+        self.producer_index = index
+        return index
 
-    def wait_until(self, layer: int, timeout: float | None = None) -> None:
-        """Block until layer ``layer`` of the consumer's load is usable; raises
+    def set_consumer(self, index: int) -> None:
+        """Make :meth:`wait_until` wait on slot ``index`` (``-1``: on nothing)."""
+        if not -1 <= index < self.num_counters:
+            raise IndexError(f"consumer index {index} out of range [-1, {self.num_counters})")
+        self.consumer_index = index
+
+    def wait_until(self, threshold: int, timeout: float | None = None) -> None:
+        """Block until layer ``threshold`` of the consumer's load is usable; raises
         :class:`~hiradix.memory.copy.CopyError` if it failed to land."""
-        if not 0 <= layer < self.layer_num:
-            raise IndexError(f"layer {layer} out of range [0, {self.layer_num})")
-        if self._consumer == -1:
+        if not 0 <= threshold < self.num_layers:
+            raise IndexError(f"layer {threshold} out of range [0, {self.num_layers})")
+        if self.consumer_index < 0:
             return
-        self._handles[self._consumer].wait_until(layer, timeout)
+        self.events[self.consumer_index].wait(threshold, timeout)
+
+    def reset(self) -> None:
+        """Forget the producer and consumer indices (SGLang calls it on flush)."""
+        self.producer_index = -1
+        self.consumer_index = -1
 
     def retire(self, handle: LoadHandle) -> None:
-        """Forget a finished load (called when its ack is consumed). ``O(producers)``."""
-        for pid, h in list(self._handles.items()):
-            if h is handle:
-                del self._handles[pid]
-                if self._consumer == pid:
-                    self._consumer = -1
+        """Unbind a finished load (called when its ack is consumed). ``O(num_counters)``."""
+        for event in self.events:
+            if event.handle is handle:
+                event.handle = None
 
 
 @dataclass

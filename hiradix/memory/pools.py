@@ -240,6 +240,52 @@ class DeviceKVPool(_KVPoolBase):
         # attention kernel gets a plain contiguous [slots, *shape] buffer.
         self._buffers: list[list[torch.Tensor]] = self._allocate(shape.components)
 
+    @classmethod
+    def wrap(cls, shape: KVShape, buffers: list[list[torch.Tensor]], size: int, page_size: int) -> DeviceKVPool:
+        """A pool over KV buffers that already exist (a serving engine's own), used in
+        place: ``buffers[component][layer]`` is a ``[size + page_size, *component_shape]``
+        tensor, components in :attr:`KVShape.components` order. Nothing is allocated or
+        copied; shapes, dtypes and devices are checked. ``O(layers)``.
+
+        >>> k = [torch.zeros(8, 2, 4) for _ in range(3)]
+        >>> v = [torch.zeros(8, 2, 4) for _ in range(3)]
+        >>> pool = DeviceKVPool.wrap(MHAShape(3, 2, 4), [k, v], size=4, page_size=4)
+        >>> pool.k_buffer(2) is k[2], pool.make_allocator().available_size()
+        (True, 4)
+        """
+        if not isinstance(shape, MHAShape | MLAShape):
+            raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
+        _check_positive(page_size=page_size, size=size)
+        if size % page_size:
+            raise ValueError(f"size {size} is not a multiple of page_size {page_size}")
+        comps = shape.components
+        if len(buffers) != len(comps) or any(len(b) != shape.layer_num for b in buffers):
+            raise ValueError(
+                f"expected {len(comps)} component(s) x {shape.layer_num} layers of buffers, got "
+                f"{[len(b) for b in buffers]}"
+            )
+        first = buffers[0][0]
+        for comp, per_layer in zip(comps, buffers, strict=True):
+            for t in per_layer:
+                if tuple(t.shape) != (size + page_size, *comp) or t.dtype != first.dtype or t.device != first.device:
+                    raise ValueError(
+                        f"KV buffer {tuple(t.shape)} {t.dtype} on {t.device} does not match "
+                        f"{(size + page_size, *comp)} {first.dtype} on {first.device}"
+                    )
+                if not t.is_contiguous():
+                    raise ValueError("KV buffers must be contiguous")
+        pool = cls.__new__(cls)
+        pool.shape = shape
+        pool.page_size = page_size
+        pool.size = size
+        pool.dtype = first.dtype
+        pool.itemsize = _itemsize(first.dtype)
+        pool.device = first.device
+        pool.layer_num = shape.layer_num
+        pool.total_slots = size + page_size
+        pool._buffers = [list(b) for b in buffers]
+        return pool
+
     def _allocate(self, components: tuple[tuple[int, ...], ...]) -> list[list[torch.Tensor]]:
         shapes = [(self.total_slots, *comp) for comp in components]
         if self.device.type != "cpu":
