@@ -1,0 +1,664 @@
+"""``HiRadixCache`` for SGLang: hiradix's three-tier cache behind SGLang's prefix-cache API.
+
+A thin layer over :class:`hiradix.cache.HiRadixCache` (the "core"): it translates
+SGLang's parameter and result types, requests and node objects, and nothing else. The core
+runs on SGLang's own objects:
+
+- device slots come from and go back to the scheduler's ``TokenToKVPoolAllocator`` (or
+  ``PagedTokenToKVPoolAllocator``), so the scheduler's slot accounting stays true;
+- loads and backups read and write the model's MHA / MLA KV buffers in place
+  (:func:`~hiradix.sglang.pools.device_pool_from_sglang`);
+- the host pool is sized from ``--hicache-ratio`` / ``--hicache-size`` in
+  ``--hicache-mem-layout``;
+- the layer-done counter has SGLang's contract, so the attention backends wait on it
+  unchanged;
+- every count and allocation outcome is agreed over SGLang's TP / attention-CP / PP
+  groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`).
+
+Options this adapter does not support are refused at start-up with the option named
+(:func:`check_supported`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+import hiradix
+from hiradix.cache import HiRadixCache as CoreCache
+from hiradix.controller import HiCacheController
+from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
+from hiradix.memory.pools import DeviceKVPool, HostKVPool
+from hiradix.sglang.distributed import SGLangAgreement
+from hiradix.sglang.nodes import TreeNode
+from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
+from hiradix.storage.registry import StorageConfigError, create_backend
+
+__all__ = ["HiRadixCache", "SGLangCacheController", "check_supported", "parse_extra_config"]
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "sieve")
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class SGLangCacheController(HiCacheController):
+    """The core's controller with the names SGLang's scheduler and metrics read from
+    ``tree_cache.cache_controller``: ``mem_pool_host``, ``mem_pool_device``,
+    ``write_policy``, ``io_backend``, ``page_size``, ``storage_backend_type``,
+    ``layer_done_counter`` and ``reset``."""
+
+    def __init__(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, *, write_policy: str, io_backend: str, **kwargs: Any
+    ) -> None:
+        super().__init__(device_pool, host_pool, **kwargs)
+        self.write_policy = write_policy
+        self.io_backend = io_backend
+        self.page_size = device_pool.page_size
+        self.storage_backend_type: str | None = None
+
+    @property
+    def mem_pool_host(self) -> HostKVPool:
+        return self.host_pool
+
+    @property
+    def mem_pool_device(self) -> DeviceKVPool:
+        return self.device_pool
+
+    def set_draft_kv_pool(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("hiradix.sglang does not support speculative decoding draft KV pools yet")
+
+    def reset(self) -> None:
+        """Forget the layer-done indices (the cache's reset has already drained copies)."""
+        self.layer_done_counter.reset()
+
+
+def parse_extra_config(source: str | None) -> dict[str, Any]:
+    """``--hicache-storage-backend-extra-config``: a JSON object, or ``@path`` to a JSON,
+    TOML or YAML file, as SGLang 0.5.18 reads it. Raises ``ValueError`` naming the option."""
+    if not source:
+        return {}
+    opt = "--hicache-storage-backend-extra-config"
+    try:
+        if source.startswith("@"):
+            path = source[1:]
+            ext = os.path.splitext(path)[1].lower()
+            if ext == ".json":
+                with open(path) as f:
+                    data = json.load(f)
+            elif ext == ".toml":
+                import tomllib
+
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                with open(path) as f:
+                    data = yaml.safe_load(f)
+            else:
+                raise ValueError(f"unsupported config file type {ext!r} (use .json, .toml or .yaml)")
+        else:
+            data = json.loads(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{opt}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{opt} must be an object, got {type(data).__name__}")
+    return data
+
+
+def _prefetch_config(extra: dict[str, Any], policy: str) -> tuple[PrefetchConfig, bool]:
+    """Pop SGLang's prefetch keys from ``extra`` (threshold in tokens, linear timeout, and
+    whether prefix keys are passed to the backend) into a :class:`PrefetchConfig`."""
+    threshold = extra.pop("prefetch_threshold", 256)
+    base = extra.pop("prefetch_timeout_base", 1.0)
+    per_ki = extra.pop("prefetch_timeout_per_ki_token", 0.25)
+    tmax = extra.pop("prefetch_timeout_max", 30.0)
+    pass_keys = extra.pop("hicache_storage_pass_prefix_keys", False)
+    if not isinstance(threshold, int) or isinstance(threshold, bool):
+        raise ValueError(f"prefetch_threshold must be an int, got {threshold!r}")
+    for name, v in (("prefetch_timeout_base", base), ("prefetch_timeout_per_ki_token", per_ki),
+                    ("prefetch_timeout_max", tmax)):
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+    if not isinstance(pass_keys, bool):
+        raise ValueError(f"hicache_storage_pass_prefix_keys must be a bool, got {pass_keys!r}")
+    cfg = PrefetchConfig(
+        policy=policy, threshold_tokens=threshold, timeout_base_s=float(base),
+        timeout_per_ki_token_s=float(per_ki), timeout_max_s=float(tmax),
+    )
+    return cfg, pass_keys
+
+
+def check_supported(params: Any, server_args: Any) -> None:
+    """Refuse, naming the option, what this adapter does not do (yet), instead of
+    falling back silently."""
+
+    def refuse(option: str, why: str) -> None:
+        raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
+
+    if params.is_eagle:
+        refuse("EAGLE speculative decoding (bigram radix keys)", "use the built-in HiRadixCache for EAGLE models")
+    if params.enable_kv_cache_events:
+        refuse("--kv-events-config (KV cache events)", "hiradix does not emit BlockStored/BlockRemoved events yet")
+    if getattr(params, "cache_ttl_seconds", None):
+        refuse("cache TTL", "hiradix evicts by policy only")
+    if getattr(params, "enable_session_radix_cache", False):
+        refuse("--enable-session-radix-cache", "it needs UnifiedRadixCache")
+    if getattr(params, "sliding_window_size", None):
+        refuse("sliding-window (SWA) models", "hiradix caches full-attention KV only")
+    write = getattr(server_args, "hicache_write_policy", "write_through")
+    if write not in WRITE_POLICIES:
+        refuse(f"--hicache-write-policy {write!r}", f"use one of {WRITE_POLICIES}")
+    policy = str(params.eviction_policy).lower()
+    if policy not in EVICTION_POLICIES:
+        refuse(f"--radix-eviction-policy {policy!r}", f"use one of {EVICTION_POLICIES}")
+    prefetch = getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
+    if prefetch not in PREFETCH_POLICIES:
+        refuse(f"--hicache-storage-prefetch-policy {prefetch!r}", f"use one of {PREFETCH_POLICIES}")
+    io = getattr(server_args, "hicache_io_backend", "direct")
+    if io not in ("direct", "kernel"):
+        refuse(f"--hicache-io-backend {io!r}", "hiradix copies with its own engines (direct or kernel)")
+
+
+def _as_tokens(token_ids: Any) -> np.ndarray:
+    if isinstance(token_ids, np.ndarray):
+        return token_ids
+    if isinstance(token_ids, array) and token_ids.typecode in ("q", "l") and token_ids.itemsize == 8:
+        return np.frombuffer(token_ids, dtype=np.int64)
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.cpu().numpy()
+    return np.asarray(token_ids, dtype=np.int64)
+
+
+class HiRadixCache(BasePrefixCache):
+    """SGLang's ``HiRadixCache``, on hiradix's compiled tree and tiers.
+
+    Built as SGLang's scheduler builds its own: ``HiRadixCache(params, server_args)`` with
+    ``CacheInitParams`` and ``ServerArgs``. Reads the same options as SGLang 0.5.18:
+    ``--hicache-ratio`` / ``--hicache-size``, ``--hicache-mem-layout``,
+    ``--hicache-write-policy``, ``--hicache-io-backend``, ``--hicache-storage-backend``
+    (a hiradix backend: ``memory``, ``file``, ``peer`` or ``dynamic``) with
+    ``--hicache-storage-backend-extra-config`` (JSON or ``@file``; ``prefetch_threshold``,
+    ``prefetch_timeout_*``, ``hicache_storage_pass_prefix_keys``),
+    ``--hicache-storage-prefetch-policy`` and ``--radix-eviction-policy``.
+
+    Single-threaded, like the scheduler that calls it.
+    """
+
+    def __init__(self, params: Any, server_args: Any) -> None:
+        check_supported(params, server_args)
+        self.disable = params.disable
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.is_eagle = params.is_eagle
+        self.enable_kv_cache_events = params.enable_kv_cache_events
+        self.disable_finished_insert = params.disable_finished_insert
+        self.eviction_policy = str(params.eviction_policy).lower()
+        self.kv_event_queue: list[Any] = []
+        self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
+        if params.enable_metrics:
+            self.init_metrics_collector()
+
+        allocator = params.token_to_kv_pool_allocator
+        self.kv_cache = allocator.get_kvcache()
+        self.device = torch.device(allocator.device)
+        device_pool = device_pool_from_sglang(self.kv_cache)
+        host_pool = host_pool_for(
+            device_pool,
+            ratio=float(getattr(server_args, "hicache_ratio", None) or 2.0),  # SGLang's default when unset
+            size_gb=float(getattr(server_args, "hicache_size", 0) or 0),
+            layout=server_args.hicache_mem_layout,
+        )
+        self.token_to_kv_pool_host = host_pool
+
+        agreement = SGLangAgreement(
+            params.tp_cache_group, params.attn_cp_cache_group, params.attn_tp_cache_group,
+            params.pp_cache_group, params.pp_rank, params.pp_size,
+        )
+        write_policy = server_args.hicache_write_policy
+        controller = SGLangCacheController(
+            device_pool, host_pool, write_policy=write_policy,
+            io_backend=server_args.hicache_io_backend, agreement=agreement,
+        )
+        extra = parse_extra_config(getattr(server_args, "hicache_storage_backend_extra_config", None))
+        prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
+            extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
+        )
+        self.core = CoreCache(
+            device_pool,
+            host_pool,
+            eviction_policy=self.eviction_policy,
+            write_policy=write_policy,
+            controller=controller,
+            allocator=allocator,
+            tp_rank=int(getattr(server_args, "tp_rank", 0) or 0),
+            prefetch_agreement=agreement,
+        )
+        self.tree = self.core.tree
+        self.cache_controller = controller
+        self.root_handle = int(self.tree.root)
+        self.root_node = TreeNode(self, self.root_handle)
+        self._namespaces: dict[str, int] = {}
+        self._nodes: dict[int, TreeNode] = {}
+        self.load_back_threshold = self.core.load_back_threshold
+        self.enable_storage = False
+        backend = getattr(server_args, "hicache_storage_backend", None)
+        if backend is not None:
+            self._attach(backend, extra, prefetch, getattr(server_args, "served_model_name", None))
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ nodes and keys
+    def _node(self, handle: int) -> TreeNode:
+        return TreeNode(self, handle)
+
+    def _handle(self, node: Any) -> int:
+        if not isinstance(node, TreeNode) or node._cache is not self:
+            raise TypeError(f"expected a node of this cache, got {node!r}")
+        return node.id
+
+    @staticmethod
+    def _namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+        """The tree namespace of a request: SGLang keeps entries with different
+        ``extra_key`` or ``cache_salt`` disjoint, and so does this (one name for the pair)."""
+        if extra_key is None and cache_salt is None:
+            return None
+        return json.dumps([extra_key, cache_salt])
+
+    def _ns(self, extra_key: str | None, cache_salt: str | None) -> str | None:
+        ns = self._namespace(extra_key, cache_salt)
+        if ns is not None and ns not in self._namespaces:
+            self._namespaces[ns] = int(self.tree.namespace_root(ns))
+        return ns
+
+    def namespace_roots(self) -> dict[str, int]:
+        """``{namespace: root handle}`` of the namespaces in use. ``O(namespaces)``."""
+        return dict(self._namespaces)
+
+    def _namespace_of(self, handle: int) -> str | None:
+        """The namespace whose tree holds ``handle``. ``O(depth + namespaces)``."""
+        root = handle
+        while self.tree.parent(root) != -1:
+            root = self.tree.parent(root)
+        for ns, h in self._namespaces.items():
+            if h == root:
+                return ns
+        return None
+
+    def _radix_key(self, handle: int) -> Any:
+        ns = self._namespace_of(handle)
+        extra_key, cache_salt = (None, None) if ns is None else json.loads(ns)
+        tokens = array("q", self.tree.key(handle).astype(np.int64).tobytes())
+        return RadixKey(tokens, extra_key, cache_salt=cache_salt)
+
+    def is_root(self, node: Any) -> bool:
+        return self.tree.parent(self._handle(node)) == -1
+
+    def is_evicted(self, handle: int) -> bool:
+        return bool(self.tree.node_info(handle)["evicted"])
+
+    def is_backed_up(self, handle: int) -> bool:
+        if self.tree.parent(handle) == -1:
+            return True
+        return bool(self.tree.node_info(handle)["backuped"])
+
+    def is_backuped(self, node: Any) -> bool:
+        return self.is_backed_up(self._handle(node))
+
+    def get_last_hash_value(self, node: Any) -> str | None:
+        return node.get_last_hash_value()
+
+    # ------------------------------------------------------------------ sizes
+    def evictable_size(self) -> int:
+        return int(self.tree.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.tree.protected_size())
+
+    def total_size(self) -> int:
+        """Tokens cached on the device. ``O(1)``."""
+        return int(self.tree.device_size())
+
+    # ------------------------------------------------------------------ match / insert
+    def _empty(self, root: int) -> MatchResult:
+        r = self._node(root)
+        return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=r, last_host_node=r,
+                           best_match_node=r)
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The longest cached page-aligned prefix of ``params.key`` (its ``limit``
+        honoured, its namespace kept apart). ``last_host_node`` / ``best_match_node``
+        are the deepest backed-up matched node, from which ``init_load_back`` loads the
+        host-only tail. ``O(len(key))``."""
+        key = params.key
+        ns = self._ns(key.extra_key, key.cache_salt)
+        tokens = _as_tokens(key.raw_token_ids())
+        n = len(tokens) // self.page_size * self.page_size
+        if self.disable or n == 0:
+            return self._empty(self.root_handle if ns is None else self._namespaces[ns])
+        m = self.core.match_prefix(tokens[:n], ns)
+        deepest = m.last_node if m.host_hit_length else m.last_device_node
+        host = deepest
+        while not self.is_backed_up(host):
+            host = self.tree.parent(host)
+        host_node = self._node(host)
+        return MatchResult(
+            device_indices=m.device_indices,
+            last_device_node=self._node(m.last_device_node),
+            last_host_node=host_node,
+            best_match_node=host_node,
+            host_hit_length=int(m.host_hit_length),
+        )
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Insert ``params.key`` with device slots ``params.value``; the backups the write
+        policy asks for start. Returns the length that was already cached (its slots are
+        the caller's to free). ``O(len(key))``."""
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        key = params.key
+        ns = self._ns(key.extra_key, key.cache_salt)
+        tokens = _as_tokens(key.raw_token_ids())
+        n = len(tokens) // self.page_size * self.page_size
+        if n == 0:
+            return InsertResult(prefix_len=0)
+        value = params.value
+        if value is None:  # SGLang's debug fallback: the tokens themselves as values
+            value = torch.as_tensor(tokens[:n], dtype=torch.int64)
+        prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
+                                  chunked=params.chunked)
+        return InsertResult(prefix_len=prefix, total_len=n)
+
+    def _free(self, indices: torch.Tensor) -> None:
+        if len(indices):
+            self.token_to_kv_pool_allocator.free(indices)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None,
+                           **kwargs: Any) -> None:
+        """Insert a finished request's KV (unless ``is_insert`` is false), free its
+        duplicate and unaligned slots and release its lock. ``O(len)``."""
+        if self.disable_finished_insert:
+            is_insert = False
+        token_ids = req.origin_input_ids + req.output_ids
+        if kv_len_to_handle is not None:
+            token_ids = token_ids[:kv_len_to_handle]
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        protected = int(req.cache_protected_len)
+        if self.disable:
+            self._free(kv[protected:])
+            return
+        aligned = len(token_ids) // self.page_size * self.page_size
+        if is_insert:
+            key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+            values = kv[:aligned].to(dtype=torch.int64, copy=True)
+            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0)).prefix_len
+        else:
+            end = aligned
+        self._free(kv[protected:max(protected, end)])
+        self._free(kv[aligned:])
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
+        """Insert a running request's KV so far and move its lock to the new prefix: the
+        request's ``req_to_token`` row takes the tree's slots for the page-aligned part,
+        ``cache_protected_len`` becomes that part's length. ``O(len)``."""
+        if self.disable:
+            return
+        token_ids = req.get_fill_ids() if hasattr(req, "get_fill_ids") else req.fill_ids
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        aligned = len(token_ids) // self.page_size * self.page_size
+        key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+        values = kv[:aligned].to(dtype=torch.int64, copy=True)
+        result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
+                                          priority=getattr(req, "priority", 0) or 0))
+        protected = int(req.cache_protected_len)
+        self._free(kv[protected:max(protected, result.prefix_len)])
+        m = self.match_prefix(MatchPrefixParams(key=key))
+        new_indices = m.device_indices
+        if len(new_indices) != aligned:
+            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
+        self.req_to_token_pool.write(
+            (req.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
+        )
+        req.cache_protected_len = len(new_indices)
+        self.inc_lock_ref(m.last_device_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat([new_indices, kv[len(new_indices):]]) if len(new_indices) < len(kv) \
+            else new_indices
+        req.last_node = m.last_device_node
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        return IncLockRefResult(delta=int(self.tree.inc_lock_ref(self._handle(node))))
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        if self.disable:
+            return DecLockRefResult(delta=0)
+        return DecLockRefResult(delta=int(self.tree.dec_lock_ref(self._handle(node))))
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` device tokens if possible (demote backed-up
+        leaves, drop the rest; write-back backs up first). ``O(k log n)``."""
+        if self.disable or params.num_tokens <= 0:
+            return EvictResult()
+        import time
+
+        start = time.perf_counter()
+        freed = self.core.evict(int(params.num_tokens))
+        self.update_eviction_metrics(freed, start)
+        return EvictResult(num_tokens_evicted=freed)
+
+    def evict_host(self, num_tokens: int) -> int:
+        return self.core.evict_host(num_tokens)
+
+    # ------------------------------------------------------------------ load back
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
+        """Start loading the host-only tail of a match into fresh device slots: returns
+        them and the node the request should lock (the deepest device node when nothing
+        is loaded: too short, over ``mem_quota`` or no room)."""
+        handle = self._handle(params.best_match_node)
+        loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
+        return loaded.to(self.device), self._node(node)
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start the queued loads as one layer-wise load; the layer-done counter's slot
+        index for the batch (``-1``: nothing to load)."""
+        return self.core.ready_to_load_host_cache()
+
+    def is_load_back_event_done(self, consumer_index: int) -> bool:
+        if consumer_index < 0:
+            return True
+        if not self.cache_controller.layer_done_counter.events[consumer_index].finish_event.query():
+            return False
+        self.core.loading_check()
+        return True
+
+    def loading_check(self) -> None:
+        self.core.loading_check()
+
+    def writing_check(self, write_back: bool = False) -> None:
+        self.core.writing_check(write_back=write_back)
+
+    def check_hicache_events(self) -> None:
+        self.core.check_hicache_events()
+
+    # ------------------------------------------------------------------ storage (L3)
+    def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig, model: str | None) -> None:
+        try:
+            storage = create_backend(backend, extra_config=extra, mem_pool_host=self.token_to_kv_pool_host)
+        except StorageConfigError as e:
+            raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
+        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch)
+        if not ok:
+            raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
+        self.cache_controller.storage_backend_type = backend
+        self.enable_storage = True
+        logger.info("hiradix: %s", msg)
+
+    def attach_storage_backend(self, storage_backend: str, storage_backend_extra_config_json: str | None = None,
+                               served_model_name: str | None = None,
+                               hicache_storage_prefetch_policy: str | None = None,
+                               hicache_write_policy: str | None = None) -> tuple[bool, str]:
+        """Attach an L3 backend at runtime (SGLang's admin API); ``(ok, message)``."""
+        if hicache_write_policy is not None and hicache_write_policy != self.cache_controller.write_policy:
+            return False, "hiradix cannot change the write policy at runtime"
+        try:
+            extra = parse_extra_config(storage_backend_extra_config_json)
+            prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
+                extra, hicache_storage_prefetch_policy or "best_effort"
+            )
+            if self.enable_storage:
+                return False, f"storage backend {self.cache_controller.storage_backend_type!r} is attached"
+            self._attach(storage_backend, extra, prefetch, served_model_name)
+        except ValueError as e:
+            return False, str(e)
+        return True, f"attached storage backend {storage_backend!r}"
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        ok, msg = self.core.detach_storage_backend()
+        if ok:
+            self.enable_storage = False
+            self.cache_controller.storage_backend_type = None
+        return ok, msg
+
+    def clear_storage_backend(self) -> bool:
+        l3 = self.core.l3
+        if l3 is None:
+            return False
+        clear = getattr(l3.backend, "clear", None)
+        if clear is None:
+            return False
+        clear()
+        return True
+
+    def prefetch_from_storage(self, req_id: str, last_host_node: Any, new_input_tokens: Sequence[int],
+                              last_hash: str | None = None, prefix_keys: list[str] | None = None) -> bool:
+        """Start fetching from L3 the pages that follow ``last_host_node``."""
+        if not self.enable_storage:
+            return False
+        handle = self._handle(last_host_node)
+        ns = self._namespace_of(handle)
+        return self.core.prefetch_from_storage(req_id, handle, _as_tokens(new_input_tokens), last_hash, ns)
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        return self.core.check_prefetch_progress(req_id)
+
+    def pop_prefetch_loaded_tokens(self, req_id: str) -> int:
+        return self.core.pop_prefetch_loaded_tokens(req_id)
+
+    def terminate_prefetch(self, req_id: str) -> None:
+        """Stop fetching more pages for ``req_id``; what has landed is kept."""
+        entry = self.core.ongoing_prefetch.get(req_id)
+        if entry is not None and self.core.l3 is not None:
+            self.core.l3.terminate(entry.op)
+
+    def release_aborted_request(self, rid: str) -> None:
+        self.core.release_aborted_request(rid)
+
+    def query_storage_hit_length(self, last_host_node: Any, new_input_tokens: Sequence[int],
+                                 last_hash: str | None = None, prefix_keys: list[str] | None = None) -> int:
+        """Page-aligned tokens of ``new_input_tokens`` that L3 holds after
+        ``last_host_node`` (agreed by MIN); 0 without storage."""
+        if not self.enable_storage:
+            return 0
+        l3 = self.core.l3
+        assert l3 is not None
+        handle = self._handle(last_host_node)
+        tokens = _as_tokens(new_input_tokens)
+        n = len(tokens) // self.page_size * self.page_size
+        if n < l3.config.threshold_tokens or n == 0:
+            return 0
+        prior = last_hash if last_hash is not None else self.core._prior_hash(handle, self._namespace_of(handle))
+        keys = l3.key_fn(list(hiradix.page_hashes(tokens[:n], self.page_size, prior)))
+        try:
+            hit = int(l3.backend.batch_exists(keys))
+        except Exception:  # a storage failure is a miss, never an error in the scheduler
+            logger.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
+            hit = 0
+        return self.core.agreement.min_int(hit * self.page_size)
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Empty the tree and both pools (the scheduler's flush): waits for copies first."""
+        self.core.reset()
+        self.cache_controller.reset()
+        self.root_handle = int(self.tree.root)
+        self.root_node = TreeNode(self, self.root_handle)
+        self._namespaces.clear()
+
+    def shutdown(self) -> None:
+        """Detach the storage backend at exit (best effort, as SGLang)."""
+        try:
+            if self.enable_storage:
+                self.detach_storage_backend()
+        except Exception:  # at interpreter exit: report, never raise
+            logger.exception("hiradix: detaching the storage backend at shutdown failed")
+
+    def release_host_resources(self) -> None:
+        """Nothing to unpin by hand: the host pool is released with the cache."""
+
+    # ------------------------------------------------------------------ introspection
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every device slot the tree holds, depth first. ``O(n)``."""
+        out: list[np.ndarray] = []
+        stack = [self.root_handle, *self._namespaces.values()]
+        while stack:
+            h = stack.pop()
+            v = self.tree.value(h)
+            if v is not None and self.tree.parent(h) != -1:
+                out.append(v)
+            stack.extend(self.tree.children(h))
+        if not out:
+            return _EMPTY.to(self.device)
+        return torch.from_numpy(np.concatenate(out)).to(self.device)
+
+    def pretty_print(self) -> None:
+        """Print the tree, one node per line (tokens, device/host state, lock count)."""
+        def walk(h: int, depth: int) -> None:
+            info = self.tree.node_info(h)
+            key = self.tree.key(h)[:10].tolist()
+            print(" " * depth + f"{info['key_len']} {key} evicted={info['evicted']} "
+                  f"backuped={info['backuped']} lock_ref={info['lock_ref']}")
+            for c in self.tree.children(h):
+                walk(c, depth + 2)
+
+        for root in (self.root_handle, *self._namespaces.values()):
+            walk(root, 0)
+        print(f"#tokens: {self.total_size()}")
+
+    def take_events(self) -> list[Any]:
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def check_invariants(self, outstanding_device: int = 0) -> None:
+        """The core's invariants and slot conservation on SGLang's allocator."""
+        self.core.check_invariants(outstanding_device)

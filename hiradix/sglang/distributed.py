@@ -1,0 +1,82 @@
+"""Rank agreement over SGLang's cache process groups, as SGLang 0.5.18's HiRadixCache
+agrees: MIN over the attention CP and TP groups (or the TP group when neither spans more
+than one rank) on the first pipeline stage, then the first stage's answer handed down the
+pipeline, so every rank of every stage acts on the same value."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hiradix.distributed import RankAgreement
+
+__all__ = ["SGLangAgreement"]
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size(group=group))
+
+
+class SGLangAgreement(RankAgreement):
+    """MIN-agreement over ``CacheInitParams``' groups (``tp_cache_group``,
+    ``attn_cp_cache_group``, ``attn_tp_cache_group``, ``pp_cache_group``).
+
+    Pipeline stages after the first receive the first stage's values instead of reducing
+    (one small point-to-point message per call; the sends are reaped at the next call, so
+    a stage never waits for the one after it). With one rank it reduces nothing.
+    """
+
+    def __init__(
+        self,
+        tp_group: Any = None,
+        attn_cp_group: Any = None,
+        attn_tp_group: Any = None,
+        pp_group: Any = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> None:
+        self.reduce_groups = [g for g in (attn_cp_group, attn_tp_group) if _world(g) > 1]
+        if not self.reduce_groups and _world(tp_group) > 1:
+            self.reduce_groups = [tp_group]
+        self.pp_group = pp_group if pp_size > 1 and _world(pp_group) > 1 else None
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self._sends: list[Any] = []
+        self.calls = 0
+
+    @property
+    def single_rank(self) -> bool:
+        return not self.reduce_groups and self.pp_group is None
+
+    def _reduce_min(self, values: list[int]) -> list[int]:
+        if self.single_rank:
+            return values
+        import torch.distributed as dist
+
+        self.calls += 1
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.pp_rank == 0:
+            for group in self.reduce_groups:
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        if self.pp_group is not None:
+            for work in self._sends:
+                work.wait()
+            self._sends.clear()
+            if self.pp_rank > 0:
+                dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group)
+            if self.pp_rank + 1 < self.pp_size:
+                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group))
+        return [int(v) for v in t.tolist()]
+
+    def min_int(self, value: int) -> int:
+        return self._reduce_min([int(value)])[0]
+
+    def all_true(self, flags: Sequence[bool]) -> list[bool]:
+        if not flags:
+            return []
+        return [v == 1 for v in self._reduce_min([1 if f else 0 for f in flags])]

@@ -1,0 +1,140 @@
+"""The node objects SGLang's callers walk, as lazy views over the tree's integer handles.
+
+SGLang's scheduler keeps ``req.last_node`` / ``req.last_host_node`` /
+``req.best_match_node``, passes them back to ``inc_lock_ref``, ``dec_lock_ref`` and
+``init_load_back``, and its DFS-weight policy walks ``tree_cache.root_node.children``
+using nodes as dictionary keys. A :class:`TreeNode` here is two references (the
+adapter and a handle): it is made only when a caller asks for a node, every field is read
+from the tree when it is touched, and two views of one handle are equal and hash alike.
+Nothing here writes to the tree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from hiradix.sglang.cache import HiRadixCache
+
+__all__ = ["TreeNode"]
+
+
+class TreeNode:
+    """A read-only view of one tree node with SGLang's ``TreeNode`` fields.
+
+    ``key`` is a ``RadixKey`` (tokens and namespace), ``value`` the device slots (``None``
+    once evicted), ``host_value`` the host slots (``None`` unless backed up),
+    ``hash_value`` the page hashes. ``children`` maps each child's first page (a tuple of
+    tokens, SGLang's ``child_key``) to its view; the global root's children include the
+    roots of the request namespaces (``extra_key`` / ``cache_salt``), so a walk from
+    ``root_node`` reaches every node. Each field costs one call into the tree.
+    """
+
+    __slots__ = ("_cache", "id")
+
+    def __init__(self, cache: HiRadixCache, handle: int) -> None:
+        self._cache = cache
+        self.id = int(handle)
+
+    # identity: views of one handle are interchangeable (dict keys, sets, ``==``)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TreeNode) and other.id == self.id and other._cache is self._cache
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __lt__(self, other: TreeNode) -> bool:  # SGLang's nodes order by access time
+        return self.last_access_time < other.last_access_time
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, key_len={self._cache.tree.key_len(self.id)})"
+
+    @property
+    def _tree(self) -> Any:
+        return self._cache.tree
+
+    @property
+    def parent(self) -> TreeNode | None:
+        """The parent view; ``None`` for the global root. A namespace root's parent is the
+        global root, as SGLang's per-namespace subtrees hang from its one root."""
+        p = self._tree.parent(self.id)
+        if p != -1:
+            return self._cache._node(p)
+        return None if self.id == self._cache.root_handle else self._cache.root_node
+
+    @property
+    def children(self) -> dict[Any, TreeNode]:
+        """``{first page of the child's key: child view}``. ``O(children)``."""
+        tree = self._tree
+        ps = self._cache.page_size
+        out = {tuple(tree.key(c)[:ps].tolist()): self._cache._node(c) for c in tree.children(self.id)}
+        if self.id == self._cache.root_handle:
+            for name, handle in self._cache.namespace_roots().items():
+                out[("namespace", name)] = self._cache._node(handle)
+        return out
+
+    @property
+    def key(self) -> Any:
+        """The node's tokens as SGLang's ``RadixKey`` (with the namespace's extra_key and
+        cache_salt). ``O(key length)``."""
+        return self._cache._radix_key(self.id)
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        v = self._tree.value(self.id)
+        return None if v is None else torch.from_numpy(v).to(self._cache.device)
+
+    @property
+    def host_value(self) -> torch.Tensor | None:
+        v = self._tree.host_value(self.id)
+        return None if v is None else torch.from_numpy(v)
+
+    @property
+    def hash_value(self) -> list[str] | None:
+        return self._tree.hash_value(self.id)
+
+    @property
+    def lock_ref(self) -> int:
+        return int(self._info("lock_ref"))
+
+    @property
+    def host_ref_counter(self) -> int:
+        return int(self._info("host_ref_counter"))
+
+    @property
+    def hit_count(self) -> int:
+        return int(self._info("hit_count"))
+
+    @property
+    def priority(self) -> int:
+        return int(self._info("priority"))
+
+    @property
+    def last_access_time(self) -> float:
+        return float(self._info("last_access_time"))
+
+    @property
+    def evicted(self) -> bool:
+        return self._cache.is_evicted(self.id)
+
+    @property
+    def backuped(self) -> bool:
+        return self._cache.is_backed_up(self.id)
+
+    def get_last_hash_value(self) -> str | None:
+        """The node's last page hash (``None`` if it has none)."""
+        hashes = self.hash_value
+        return str(hashes[-1]) if hashes else None
+
+    def get_prefix_hash_values(self, node: TreeNode | None) -> list[str]:
+        """Page hashes from the root down to ``node`` (inclusive), in root-to-node order."""
+        out: list[list[str]] = []
+        while node is not None and not self._cache.is_root(node):
+            out.append(list(node.hash_value or ()))
+            node = node.parent
+        return [h for hashes in reversed(out) for h in hashes]
+
+    def _info(self, field: str) -> Any:
+        return self._tree.node_info(self.id)[field]

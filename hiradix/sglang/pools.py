@@ -1,0 +1,62 @@
+"""SGLang's device KV pools as hiradix pools, used in place, and the host pool beside them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hiradix.memory.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
+
+__all__ = ["device_pool_from_sglang", "host_pool_for"]
+
+
+def device_pool_from_sglang(kv_cache: Any) -> DeviceKVPool:
+    """A :class:`DeviceKVPool` over the buffers of SGLang's ``MHATokenToKVPool`` or
+    ``MLATokenToKVPool``: loads and backups read and write the model's own KV in place.
+
+    Raises ``ValueError`` naming what is not supported: other pool kinds (SWA, DSA,
+    hybrid), head-major (HND) buffers, layers split across pipeline stages in a way the
+    buffers do not show. ``O(layers)``.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    name = type(kv_cache).__name__
+    size, page_size = int(kv_cache.size), int(kv_cache.page_size)
+    if isinstance(kv_cache, MLATokenToKVPool):
+        if type(kv_cache) is not MLATokenToKVPool:
+            raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
+        buffers = list(kv_cache.kv_buffer)
+        shape: MHAShape | MLAShape = MLAShape(len(buffers), int(kv_cache.kv_lora_rank), int(kv_cache.qk_rope_head_dim))
+        width = buffers[0].shape[-1] if buffers else None
+        if width != shape.kv_lora_rank + shape.qk_rope_head_dim:
+            raise ValueError(f"{name}: latent width {width} is not kv_lora_rank + qk_rope_head_dim (quantized MLA KV?)")
+        return DeviceKVPool.wrap(shape, [buffers], size, page_size)
+    if isinstance(kv_cache, MHATokenToKVPool):
+        if type(kv_cache) is not MHATokenToKVPool:
+            raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
+        if getattr(kv_cache, "kv_cache_layout", "nhd") != "nhd":
+            raise ValueError(f"{name}: only token-major (NHD) KV buffers are supported, got {kv_cache.kv_cache_layout!r}")
+        k, v = list(kv_cache.k_buffer), list(kv_cache.v_buffer)
+        head_dim = int(kv_cache.head_dim)
+        v_head_dim = int(getattr(kv_cache, "v_head_dim", head_dim))
+        shape = MHAShape(len(k), int(kv_cache.head_num), head_dim, None if v_head_dim == head_dim else v_head_dim)
+        return DeviceKVPool.wrap(shape, [k, v], size, page_size)
+    raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
+
+
+def host_pool_for(device_pool: DeviceKVPool, *, ratio: float, size_gb: float, layout: str) -> HostKVPool:
+    """The host (L2) pool for ``device_pool`` as SGLang sizes it: ``--hicache-size`` GB when
+    it is above 0, else ``--hicache-ratio`` times the device pool. The pool must be larger
+    than the device pool (SGLang's rule: the host must hold everything the device does).
+    """
+    if layout not in HOST_LAYOUTS:
+        raise ValueError(f"--hicache-mem-layout {layout!r} is not supported by hiradix; use one of {HOST_LAYOUTS}")
+    if size_gb and size_gb > 0:
+        pool = HostKVPool.for_device(device_pool, size_gb=size_gb, layout=layout)  # type: ignore[arg-type]
+    else:
+        pool = HostKVPool.for_device(device_pool, ratio=ratio, layout=layout)  # type: ignore[arg-type]
+    if pool.size <= device_pool.size:
+        raise ValueError(
+            f"the host KV pool ({pool.size} tokens) must be larger than the device pool ({device_pool.size} tokens): "
+            f"raise --hicache-ratio (now {ratio}) or --hicache-size (now {size_gb})"
+        )
+    return pool
