@@ -659,6 +659,10 @@ class HiRadixCache:
     # ------------------------------------------------------------------ eviction
     def _free_device(self, indices: Any) -> None:
         if len(indices):
+            # The tree hands out numpy arrays; an engine's allocator (SGLang's) takes tensors
+            # on its own device.
+            if not isinstance(indices, torch.Tensor):
+                indices = torch.from_numpy(np.ascontiguousarray(indices)).to(self.device_pool.device)
             self.device_allocator.free(indices)
 
     def alloc_device(self, n: int) -> torch.Tensor | None:

@@ -76,8 +76,7 @@ class Env:
         rid = rid or f"r{len(self.reqs)}"
         req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=8), extra_key=extra_key,
                   cache_salt=cache_salt)
-        (idx,) = self.req_to_token.alloc(1)
-        req.req_pool_idx = idx
+        assert self.req_to_token.alloc([req]) is not None
         self.reqs.append(req)
         return req
 

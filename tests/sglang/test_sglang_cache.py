@@ -1,0 +1,347 @@
+"""hiradix.sglang against the behaviour SGLang's own unit tests check of RadixCache and
+HiRadixCache (sgl-project/sglang ``test_radix_cache_unit.py`` and the HiCache scheduler
+paths), written anew for the adapter, on SGLang's real CPU pools, allocator, ``Req`` and
+``ReqToTokenPool``. Every test ends with the slot-conservation check on SGLang's allocator.
+"""
+
+from __future__ import annotations
+
+import io
+from array import array
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+from sglang_env import LAYERS, build  # noqa: F401  (skips this module without SGLang)
+
+import hiradix.sglang as hs
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    EvictParams,
+    IncLockRefResult,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+
+def key(tokens, **kw) -> RadixKey:
+    return RadixKey(array("q", tokens), **kw)
+
+
+def insert(env, tokens, **kw) -> int:
+    """Insert ``tokens`` with freshly allocated slots; free the duplicate prefix as the
+    scheduler does. Returns the prefix length that was already cached."""
+    n = len(tokens) // env.page_size * env.page_size
+    slots = env.allocator.alloc(n)
+    assert slots is not None
+    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
+    res = env.cache.insert(InsertParams(key=key(tokens[:n], **kw), value=slots))
+    if res.prefix_len:
+        env.allocator.free(slots[: res.prefix_len])
+    return res.prefix_len
+
+
+def match(env, tokens, **kw) -> MatchResult:
+    return env.cache.match_prefix(MatchPrefixParams(key=key(tokens, **kw)))
+
+
+def settle(env) -> None:
+    """Acknowledge every copy in flight (the scheduler's check_hicache_events, drained)."""
+    env.cache.core.flush()
+    env.cache.check_hicache_events()
+
+
+# ---------------------------------------------------------------------------- construction
+def test_built_by_sglangs_registry_as_a_prefix_cache(make_env) -> None:
+    env = make_env()
+    assert isinstance(env.cache, hs.HiRadixCache) and isinstance(env.cache, BasePrefixCache)
+    assert env.worker.counter is env.cache.cache_controller.layer_done_counter
+    assert env.cache.token_to_kv_pool_allocator is env.allocator
+    assert env.cache.cache_controller.mem_pool_host.size == 2 * env.allocator.size
+    assert env.cache.is_tree_cache() and not env.cache.is_chunk_cache()
+    env.cache.check_invariants()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_device_buffers_are_sglangs_in_place(make_env, mla: bool) -> None:
+    env = make_env(mla=mla)
+    pool = env.cache.core.device_pool
+    for layer in range(LAYERS):
+        if mla:
+            assert pool.kv_buffer(layer).data_ptr() == env.kv.kv_buffer[layer].data_ptr()
+        else:
+            assert pool.k_buffer(layer).data_ptr() == env.kv.k_buffer[layer].data_ptr()
+            assert pool.v_buffer(layer).data_ptr() == env.kv.v_buffer[layer].data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"layout": "page_last"}, "hicache-mem-layout"),
+        ({"write_policy": "write_sometimes"}, "write-policy"),
+        ({"hicache_ratio": 0.5}, "hicache-ratio"),
+        ({"storage": "nosuch"}, "hicache-storage-backend"),
+        ({"storage": "memory", "extra_config": "{not json"}, "extra-config"),
+        ({"storage": "memory", "extra_config": '{"prefetch_threshold": "many"}'}, "prefetch_threshold"),
+    ],
+)
+def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        build(**kwargs)
+
+
+def test_eagle_and_kv_events_are_refused_by_name() -> None:
+    env = build()
+    params = env.cache  # any built cache gives us a CacheInitParams shape to copy
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    for field, named in (("is_eagle", "EAGLE"), ("enable_kv_cache_events", "KV cache events")):
+        p = CacheInitParams(disable=False, req_to_token_pool=env.req_to_token, token_to_kv_pool_allocator=env.allocator,
+                            page_size=1, **{field: True})
+        with pytest.raises(ValueError, match=named):
+            hs.HiRadixCache(p, types_server_args())
+    params.core.close()
+
+
+def types_server_args():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hicache_write_policy="write_through", hicache_storage_prefetch_policy="best_effort",
+                           hicache_io_backend="direct", hicache_mem_layout="layer_first", hicache_ratio=2.0,
+                           hicache_size=0, hicache_storage_backend=None, hicache_storage_backend_extra_config=None)
+
+
+# ---------------------------------------------------------------------------- match / insert
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_insert_then_match_longest_prefix(make_env, page_size: int) -> None:
+    env = make_env(page_size)
+    assert insert(env, list(range(16))) == 0
+    assert insert(env, list(range(8))) == 8  # fully cached already
+    m = match(env, [*range(12), 99, 98, 97, 96])
+    assert len(m.device_indices) == 12
+    assert m.device_indices.dtype == torch.int64
+    assert len(match(env, [5, 6, 7]).device_indices) == 0
+    empty = match(env, [])
+    assert len(empty.device_indices) == 0 and env.cache.is_root(empty.last_device_node)
+    env.cache.check_invariants()
+
+
+def test_page_alignment_truncates_keys(make_env) -> None:
+    env = make_env(4)
+    assert insert(env, list(range(10))) == 0  # 8 tokens go in
+    assert env.cache.total_size() == 8
+    assert len(match(env, list(range(10))).device_indices) == 8
+    assert len(match(env, list(range(3))).device_indices) == 0
+    env.cache.check_invariants()
+
+
+def test_limit_caps_the_match(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(20)))
+    assert len(match(env, list(range(20)), limit=7).device_indices) == 7
+
+
+def test_extra_key_and_cache_salt_keep_entries_apart(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(10)))
+    insert(env, list(range(10)), extra_key="lora-a")
+    assert len(match(env, list(range(10)), extra_key="lora-b").device_indices) == 0
+    assert len(match(env, list(range(10)), extra_key="lora-a").device_indices) == 10
+    assert len(match(env, list(range(10)), cache_salt="tenant").device_indices) == 0
+    assert len(match(env, list(range(10)), extra_key="lora-a", cache_salt="tenant").device_indices) == 0
+    insert(env, list(range(10)), cache_salt="tenant")
+    m = match(env, list(range(10)), cache_salt="tenant")
+    assert len(m.device_indices) == 10
+    assert m.last_device_node.key.cache_salt == "tenant" and m.last_device_node.key.extra_key is None
+    # the global root's children reach every namespace (the DFS-weight policy walks them)
+    seen, stack = 0, [env.cache.root_node]
+    while stack:
+        node = stack.pop()
+        seen += len(node.key) if not env.cache.is_root(node) else 0
+        stack.extend(node.children.values())
+    assert seen == 30
+    env.cache.check_invariants()
+
+
+def test_node_views_carry_sglangs_fields(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(10)))
+    insert(env, [*range(5), 50, 51, 52])  # splits at 5
+    settle(env)
+    m = match(env, [*range(5), 50, 51, 52])
+    leaf = m.last_device_node
+    parent = leaf.parent
+    assert list(leaf.key.token_ids) == [50, 51, 52] and len(parent.key) == 5
+    assert parent.parent == env.cache.root_node and leaf in parent.children.values()
+    assert not leaf.evicted and leaf.backuped and leaf.lock_ref == 0
+    assert leaf.value.tolist() == m.device_indices[5:].tolist()
+    assert len(leaf.host_value) == 3 and leaf.hit_count >= 0 and leaf.last_access_time > 0
+    assert match(env, list(range(8))).last_device_node == match(env, list(range(8))).last_device_node  # equal views
+    assert {leaf: 1}[match(env, [*range(5), 50, 51, 52]).last_device_node] == 1  # hash like SGLang's dict keys
+    assert env.cache.is_backuped(leaf) and env.cache.get_last_hash_value(leaf) == leaf.hash_value[-1]
+    assert env.cache.get_prefix_hash_values(leaf) == parent.hash_value
+
+
+# ---------------------------------------------------------------------------- locks and eviction
+def test_lock_refs_move_tokens_between_evictable_and_protected(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(10)))
+    settle(env)
+    node = match(env, list(range(10))).last_device_node
+    assert (env.cache.evictable_size(), env.cache.protected_size()) == (10, 0)
+    res = env.cache.inc_lock_ref(node)
+    assert isinstance(res, IncLockRefResult) and res.delta == -10
+    assert (env.cache.evictable_size(), env.cache.protected_size()) == (0, 10)
+    assert env.cache.evict(EvictParams(num_tokens=10)).num_tokens_evicted == 0
+    assert env.cache.dec_lock_ref(node, res.to_dec_params()).delta == 10
+    assert env.cache.evict(EvictParams(num_tokens=10)).num_tokens_evicted == 10
+    env.cache.check_invariants()
+
+
+def test_evicted_backed_up_prefix_is_a_host_hit_and_loads_back_bytes_equal(make_env) -> None:
+    env = make_env(4)
+    tokens = list(range(40))
+    insert(env, tokens)
+    settle(env)
+    assert env.cache.evict(EvictParams(num_tokens=40)).num_tokens_evicted == 40
+    env.cache.check_invariants()
+    for buf in env.layers():  # clobber the device copy: the bytes must come from the host
+        buf.zero_()
+    m = match(env, tokens)
+    assert len(m.device_indices) == 0 and m.host_hit_length == 40
+    assert m.best_match_node.evicted and m.best_match_node.backuped
+    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                               host_hit_length=m.host_hit_length))
+    assert len(loaded) == 40 and node == m.best_match_node
+    counter = env.cache.cache_controller.layer_done_counter
+    consumer = env.cache.ready_to_load_host_cache()
+    counter.set_consumer(consumer)
+    want = env.expected_kv(torch.tensor(tokens), torch.arange(40))
+    per_layer = len(env.layers()) // LAYERS
+    for layer in range(LAYERS):
+        counter.wait_until(layer)  # the forward pass's per-layer wait, as SGLang's backends do
+        for c in range(per_layer):
+            i = c * LAYERS + layer
+            assert torch.equal(env.layers()[i][loaded], want[i])
+    assert env.cache.is_load_back_event_done(consumer)
+    assert len(match(env, tokens).device_indices) == 40
+    env.cache.check_invariants()
+
+
+def test_load_back_below_threshold_is_skipped(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(5)))  # below SGLang's load_back_threshold of 10
+    settle(env)
+    env.cache.evict(EvictParams(num_tokens=5))
+    m = match(env, list(range(5)))
+    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                               host_hit_length=m.host_hit_length))
+    assert len(loaded) == 0 and env.cache.is_root(node)
+
+
+# ---------------------------------------------------------------------------- requests
+def test_cache_unfinished_then_finished_req_on_sglang_req(make_env) -> None:
+    env = make_env(4)
+    prompt = list(range(100, 122))  # 22 tokens: 20 aligned + 2
+    req = env.new_req(prompt)
+    req.init_next_round_input(env.cache)
+    assert len(req.prefix_indices) == 0
+    slots = env.allocator.alloc(24)
+    env.req_to_token.write((req.req_pool_idx, slice(0, 22)), slots[:22])
+    env.write_kv(slots[:22], torch.tensor(prompt), torch.arange(22))
+    req.set_extend_range(0, 22)  # what the scheduler's PrefillAdder records for the chunk
+    env.cache.cache_unfinished_req(req)
+    assert req.cache_protected_len == 20 and len(req.prefix_indices) == 22
+    settle(env)  # the write-through backup holds its own lock until it lands
+    assert env.cache.protected_size() == 20 and req.last_node.lock_ref == 1
+    # decode two tokens into the tail page, then finish
+    req.output_ids.extend([7, 8])
+    env.req_to_token.write((req.req_pool_idx, slice(22, 24)), slots[22:24])
+    env.cache.cache_finished_req(req, kv_len_to_handle=24)
+    env.req_to_token.free(req)
+    settle(env)
+    assert env.cache.protected_size() == 0 and env.cache.total_size() == 24
+    env.cache.check_invariants()
+    # a second request reuses the whole prefix
+    again = env.new_req([*prompt, 7, 8, 9])
+    again.init_next_round_input(env.cache)
+    assert len(again.prefix_indices) == 24
+
+
+def test_finished_req_without_insert_frees_everything_it_owns(make_env) -> None:
+    env = make_env()
+    req = env.new_req(list(range(12)))
+    req.init_next_round_input(env.cache)
+    slots = env.allocator.alloc(12)
+    env.req_to_token.write((req.req_pool_idx, slice(0, 12)), slots)
+    env.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=12)
+    assert env.cache.total_size() == 0
+    env.cache.check_invariants()
+
+
+# ---------------------------------------------------------------------------- introspection
+def test_sizes_flatten_print_and_reset(make_env) -> None:
+    env = make_env()
+    insert(env, list(range(10)))
+    insert(env, [*range(4), 40, 41])
+    assert env.cache.total_size() == 12
+    assert sorted(env.cache.all_values_flatten().tolist()) == sorted(
+        [*match(env, list(range(10))).device_indices.tolist(), *match(env, [0, 1, 2, 3, 40, 41]).device_indices[4:].tolist()]
+    )
+    out = io.StringIO()
+    with redirect_stdout(out):
+        env.cache.pretty_print()
+    assert "#tokens: 12" in out.getvalue()
+    assert env.cache.take_events() == []
+    env.cache.reset()
+    assert env.cache.total_size() == 0 and env.allocator.available_size() == env.allocator.size
+    assert len(match(env, list(range(10))).device_indices) == 0
+    env.cache.check_invariants()
+
+
+def test_layer_done_counter_follows_sglangs_contract(make_env) -> None:
+    env = make_env()
+    counter = env.cache.cache_controller.layer_done_counter
+    assert counter.num_layers == LAYERS and len(counter.events) == 3
+    counter.set_consumer(-1)
+    counter.wait_until(LAYERS - 1)  # nothing to wait for
+    assert env.cache.ready_to_load_host_cache() == -1
+    assert all(e.finish_event.query() for e in counter.events)
+    counter.reset()
+    assert (counter.producer_index, counter.consumer_index) == (-1, -1)
+
+
+# ---------------------------------------------------------------------------- storage (L3)
+def test_storage_backup_prefetch_round_trip(make_env) -> None:
+    env = make_env(4, storage="memory", extra_config='{"prefetch_threshold": 8}', prefetch_policy="wait_complete")
+    cache = env.cache
+    tokens = list(range(200, 232))
+    insert(env, tokens)
+    settle(env)
+    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+        cache.core.l3.drain() if hasattr(cache.core.l3, "drain") else None
+        cache.check_hicache_events()
+    cache.reset()  # device and host empty; L3 keeps the pages
+    assert cache.enable_storage
+    req = env.new_req(tokens)
+    req.init_next_round_input(cache)
+    assert cache.query_storage_hit_length(req.last_host_node, tokens) == 32
+    assert cache.prefetch_from_storage(req.rid, req.last_host_node, tokens)
+    cache.core.wait_prefetch(req.rid, timeout=10)
+    assert cache.check_prefetch_progress(req.rid)
+    assert cache.pop_prefetch_loaded_tokens(req.rid) == 32
+    m = match(env, tokens)
+    assert m.host_hit_length == 32
+    loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=32))
+    counter = cache.cache_controller.layer_done_counter
+    counter.set_consumer(cache.ready_to_load_host_cache())
+    want = env.expected_kv(torch.tensor(tokens), torch.arange(32))
+    for layer in range(LAYERS):
+        counter.wait_until(layer)
+    for buf, w in zip(env.layers(), want, strict=True):
+        assert torch.equal(buf[loaded], w)
+    settle(env)
+    cache.check_invariants()
