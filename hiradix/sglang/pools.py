@@ -25,16 +25,17 @@ def device_pool_from_sglang(kv_cache: Any) -> DeviceKVPool:
         if type(kv_cache) is not MLATokenToKVPool:
             raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
         buffers = list(kv_cache.kv_buffer)
-        shape: MHAShape | MLAShape = MLAShape(len(buffers), int(kv_cache.kv_lora_rank), int(kv_cache.qk_rope_head_dim))
+        mla = MLAShape(len(buffers), int(kv_cache.kv_lora_rank), int(kv_cache.qk_rope_head_dim))
         width = buffers[0].shape[-1] if buffers else None
-        if width != shape.kv_lora_rank + shape.qk_rope_head_dim:
+        if width != mla.kv_lora_rank + mla.qk_rope_head_dim:
             raise ValueError(f"{name}: latent width {width} is not kv_lora_rank + qk_rope_head_dim (quantized MLA KV?)")
-        return DeviceKVPool.wrap(shape, [buffers], size, page_size)
+        return DeviceKVPool.wrap(mla, [buffers], size, page_size)
     if isinstance(kv_cache, MHATokenToKVPool):
         if type(kv_cache) is not MHATokenToKVPool:
             raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
         if getattr(kv_cache, "kv_cache_layout", "nhd") != "nhd":
-            raise ValueError(f"{name}: only token-major (NHD) KV buffers are supported, got {kv_cache.kv_cache_layout!r}")
+            layout = kv_cache.kv_cache_layout
+            raise ValueError(f"{name}: only token-major (NHD) KV buffers are supported, not {layout!r}")
         k, v = list(kv_cache.k_buffer), list(kv_cache.v_buffer)
         head_dim = int(kv_cache.head_dim)
         v_head_dim = int(getattr(kv_cache, "v_head_dim", head_dim))

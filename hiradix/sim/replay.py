@@ -385,7 +385,7 @@ class _EvictionLedger:
             write(device_indices, host_indices, node)
             self.backup_nodes += 1
 
-        allocator.free = counted_free  # type: ignore[method-assign]
+        allocator.free = counted_free  # type: ignore[method-assign,assignment]
         controller.write = counted_write  # type: ignore[method-assign]
         cache.evict = counted_evict  # type: ignore[method-assign]
 

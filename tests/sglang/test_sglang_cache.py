@@ -12,9 +12,6 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-from sglang_env import LAYERS, build  # noqa: F401  (skips this module without SGLang)
-
-import hiradix.sglang as hs
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     EvictParams,
@@ -25,6 +22,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang_env import LAYERS, build
+
+import hiradix.sglang as hs
 
 
 def key(tokens, **kw) -> RadixKey:
@@ -288,9 +288,9 @@ def test_sizes_flatten_print_and_reset(make_env) -> None:
     insert(env, list(range(10)))
     insert(env, [*range(4), 40, 41])
     assert env.cache.total_size() == 12
-    assert sorted(env.cache.all_values_flatten().tolist()) == sorted(
-        [*match(env, list(range(10))).device_indices.tolist(), *match(env, [0, 1, 2, 3, 40, 41]).device_indices[4:].tolist()]
-    )
+    first = match(env, list(range(10))).device_indices.tolist()
+    second = match(env, [0, 1, 2, 3, 40, 41]).device_indices[4:].tolist()
+    assert sorted(env.cache.all_values_flatten().tolist()) == sorted(first + second)
     out = io.StringIO()
     with redirect_stdout(out):
         env.cache.pretty_print()

@@ -16,9 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sglang_env import LAYERS, Env
-
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+from sglang_env import LAYERS, Env
 
 
 class Loop:
