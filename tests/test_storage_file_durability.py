@@ -175,7 +175,7 @@ def test_kill9_keeps_every_acknowledged_page_with_concurrent_writers(tmp_path: P
     # One directory through all the trials: each restart recovers what the previous
     # kills left (holes, torn records, half-done compactions) and writes on top of it.
     acked: set[int] = set()
-    for trial in range(8):
+    for trial in range(12):
         seed = 1000 * "nba".index(mode[0]) + trial
         acked |= _run_child(tmp_path, seed, mode, check_lock=trial == 0)
         with FileStorage(path=tmp_path) as s:
