@@ -261,7 +261,8 @@ def test_flipped_header_bit_among_1000_records_costs_only_that_record(tmp_path: 
     n = 1000
     with FileStorage(path=tmp_path) as s:
         for start in range(0, n, 50):
-            assert s.batch_set([key(i) for i in range(start, start + 50)], [payload(i) for i in range(start, start + 50)])
+            batch = range(start, start + 50)
+            assert s.batch_set([key(i) for i in batch], [payload(i) for i in batch])
     (seg,) = segments(tmp_path)
     rng = random.Random(seed)
     victim = rng.randrange(n)
