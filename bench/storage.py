@@ -130,7 +130,7 @@ class Case:
         store_dir = self.workdir / f"store-{tag}"
         try:
             times["raw write"].append(self.raw_write(raw_path))
-            with FileStorage(path=store_dir, fsync=self.fsync) as store:
+            with FileStorage(path=store_dir, fsync="always" if self.fsync else "none") as store:
                 times["file write"].append(self.file_write(store))
                 times["raw read warm"].append(self.raw_read(raw_path))
                 self.check()

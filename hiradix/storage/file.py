@@ -29,10 +29,39 @@ Restart
 -------
 A new instance over the same directory scans every segment's headers (not payloads:
 restart cost stays proportional to the number of pages, and payloads are verified on
-every read anyway), keeps the newest record of each key, truncates each segment after
-its last valid record (a torn tail is removed), deletes segments with no live record,
-and starts a fresh segment for appends. Recency is rebuilt from generations (the last
+every read anyway) and keeps the newest record of each key. Where a header does not
+verify (a bit flip, a torn record, or the hole a failed or unfinished write leaves
+between records that concurrent writers appended after it), the scan resyncs: it looks
+for the next ``MAGIC`` whose header and key verify and goes on from there, so damage
+costs the records it touches, never the rest of the segment. Only the tail after the
+last valid record is truncated. A key found more than once (an overwrite, or a
+compaction copy) has its newest copy's payload verified before it wins, so a torn newer
+write falls back to the older acknowledged page. Segments with no live record are
+deleted and appends go to a fresh segment. Recency is rebuilt from generations (the last
 *written* is the most recent); reads before a restart are not remembered.
+
+Durability (``fsync`` option)
+-----------------------------
+``batch_set``/``batch_set_v1`` return ``True`` for a page only once its whole record is
+in the file (``pwritev`` returned for all of it), so an acknowledged page survives the
+process being killed at any point (``kill -9``: the page cache outlives the process),
+whatever other writers were doing. A power loss or kernel crash is another matter:
+
+``"none"`` (default)
+    No ``fdatasync``: survives the process, not the machine (the kernel writes dirty
+    pages back within about 30 s).
+``"batch"``
+    Acknowledged as for ``"none"``; a background thread ``fdatasync``-s the written
+    segments every ``fsync_interval`` seconds (default 1.0), or sooner once
+    ``fsync_bytes`` (default 64 MiB) are waiting: a power loss costs at most that window.
+``"always"``
+    A call returns only after an ``fdatasync`` covering its pages (group commit:
+    concurrent callers share one). If it fails, the pages of that round are reported not
+    stored.
+
+In ``"batch"`` and ``"always"`` modes a new segment's directory entry is synced too, and
+a segment emptied by overwrites, eviction or compaction is unlinked only after a sync
+round, so that the copies that replaced its records are durable first.
 
 Capacity and space
 ------------------
@@ -46,13 +75,16 @@ record has not been reclaimed yet can reappear after a restart; it is still a ve
 page of that key.
 
 One process per directory: an ``flock`` on ``LOCK`` enforces it (``StorageError``
-otherwise). With ``tp_size > 1`` each rank uses the subdirectory ``tp{rank}of{size}``.
+otherwise; threads of that process may share the instance). The lock goes with the
+process, so a killed process's directory can be reopened at once. With ``tp_size > 1``
+each rank uses the subdirectory ``tp{rank}of{size}``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import struct
@@ -71,7 +103,9 @@ from hiradix.storage.base import (
     _option,
 )
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "FileStorage"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "FSYNC_MODES", "FileStorage"]
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"HRXP"
 VERSION = 1
@@ -80,7 +114,16 @@ _BODY = struct.Struct("<4sHHHHQQQI")  # everything before header_crc32
 _HDR_SIZE = _BODY.size + 4
 _CRC = struct.Struct("<I")
 DEFAULT_SEGMENT_BYTES = 256 << 20
+FSYNC_MODES = ("none", "batch", "always")
+DEFAULT_FSYNC_INTERVAL = 1.0  # seconds, "batch" mode
+DEFAULT_FSYNC_BYTES = 64 << 20  # "batch" mode: sync sooner once this much is waiting
 _SEG_RE = re.compile(r"^seg-(\d{8})\.hrx$")
+_RESYNC_CHUNK = 1 << 20  # bytes read at a time when looking for the next record
+
+# The system calls that put bytes on disk, as module attributes: tests replace them to
+# inject a full disk, a short write or a failing fsync.
+_pwritev = os.pwritev
+_fdatasync = os.fdatasync
 
 
 class _Segment:
@@ -156,6 +199,16 @@ class _Rec:
         return _HDR_SIZE + len(self.kb) + len(self.payload)
 
 
+def _skip(iov: list[Any], n: int) -> list[Any]:
+    """``iov`` without its first ``n`` bytes (after a short ``pwritev``)."""
+    for i, buf in enumerate(iov):
+        size = memoryview(buf).nbytes
+        if n < size:
+            return [memoryview(buf).cast("B")[n:], *iov[i + 1 :]]
+        n -= size
+    return []
+
+
 def _lz4_block() -> Any:
     # Imported on first use: records are flagged one by one, so an instance without
     # compression still reads lz4 records an earlier instance wrote.
@@ -200,8 +253,11 @@ class FileStorage(StorageBackend):
         ``"none"`` (default) or ``"lz4"`` (``lz4.block``; a page that does not shrink is
         stored raw).
     ``fsync``
-        ``fdatasync`` the segments written by each ``batch_set``/``batch_set_v1`` before
-        it returns (default ``False``: pages survive a process crash, not a power loss).
+        ``"none"`` (default), ``"batch"`` or ``"always"`` (module docstring,
+        *Durability*); ``True``/``False`` mean ``"always"``/``"none"``.
+    ``fsync_interval``, ``fsync_bytes``
+        ``"batch"`` mode: the longest a written page waits for its ``fdatasync``
+        (seconds, default 1.0), and the waiting bytes that start one sooner (default 64 MiB).
     ``segment_bytes``
         Target size of a segment file (default 256 MiB).
 
@@ -229,7 +285,9 @@ class FileStorage(StorageBackend):
         path: str | os.PathLike[str] | None = None,
         capacity_bytes: int | None = None,
         compression: str | None = None,
-        fsync: bool | None = None,
+        fsync: str | bool | None = None,
+        fsync_interval: float | None = None,
+        fsync_bytes: int | None = None,
         segment_bytes: int | None = None,
     ) -> None:
         super().__init__(config)
@@ -254,7 +312,20 @@ class FileStorage(StorageBackend):
         self.capacity_bytes: int | None = cap
         self.segment_bytes: int = seg_bytes
         self.compression: str = comp
-        self.fsync: bool = bool(_option(cfg, fsync, "fsync", False))
+        mode = _option(cfg, fsync, "fsync", "none")
+        if isinstance(mode, bool):
+            mode = "always" if mode else "none"
+        if mode not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {', '.join(map(repr, FSYNC_MODES))} or a bool, got {mode!r}")
+        interval = _option(cfg, fsync_interval, "fsync_interval", DEFAULT_FSYNC_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
+            raise ValueError(f"fsync_interval must be a positive number of seconds, got {interval!r}")
+        sync_bytes = _option(cfg, fsync_bytes, "fsync_bytes", DEFAULT_FSYNC_BYTES)
+        if not isinstance(sync_bytes, int) or isinstance(sync_bytes, bool) or sync_bytes < 1:
+            raise ValueError(f"fsync_bytes must be a positive int, got {sync_bytes!r}")
+        self.fsync: str = mode
+        self.fsync_interval: float = float(interval)
+        self.fsync_bytes: int = sync_bytes
         root = Path(_option(cfg, None if path is None else os.fspath(path), "path", "/tmp/hiradix_l3"))
         if cfg.tp_size > 1:
             root = root / f"tp{cfg.tp_rank}of{cfg.tp_size}"
@@ -264,13 +335,26 @@ class FileStorage(StorageBackend):
         self._compact_lock = threading.Lock()
         self._index: OrderedDict[str, _Loc] = OrderedDict()  # least recently used first
         self._segments: dict[int, _Segment] = {}
+        self._next_seg_id = 1  # never reused by this instance (a dropped one may await its unlink)
         self._live_bytes = 0
         self._disk_bytes = 0
         self._gen = 0
-        self._dirty: set[int] = set()  # segment ids written since the last flush (fsync mode)
+        # fsync bookkeeping ("batch"/"always"; all under _lock except where noted)
+        self._write_seq = 0  # publications that wrote bytes, numbered
+        self._dirty: set[int] = set()  # segment ids written since the last sync round
+        self._dir_dirty = False  # a segment was created since the last sync round
+        self._unlink_after_sync: list[Path] = []  # dropped segments, unlinked once the copies are durable
+        self._unsynced_bytes = 0
+        self._sync_lock = threading.Lock()  # one sync round at a time; guards the two below
+        self._synced_seq = 0  # every publication up to this one has been fdatasync-ed (or failed)
+        self._sync_failed_seq = 0  # the newest publication whose round failed
+        self._syncs = 0
+        self._wake = threading.Condition(self._lock)  # the "batch" flusher waits on it
+        self._flusher: threading.Thread | None = None
         self._compactions = 0
         self._recovered = 0
         self._truncated_bytes = 0
+        self._skipped_bytes = 0
         self._closed = False
         self._lock_fd = -1
         try:
@@ -289,19 +373,18 @@ class FileStorage(StorageBackend):
         except OSError as exc:
             self._close_fds()
             raise StorageError(f"cannot open storage directory {str(root)!r}: {exc}") from exc
+        if self.fsync == "batch":
+            self._flusher = threading.Thread(target=self._flush_loop, name=f"hiradix-fsync-{root.name}", daemon=True)
+            self._flusher.start()
 
     # ------------------------------------------------------------------ segments
     def _new_segment(self) -> _Segment:
         # Caller holds the lock (or is the constructor).
-        seg_id = max(self._segments, default=0) + 1
+        seg_id = self._next_seg_id
+        self._next_seg_id += 1
         path = self.path / f"seg-{seg_id:08d}.hrx"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        if self.fsync:
-            dfd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(dfd)  # make the new directory entry durable
-            finally:
-                os.close(dfd)
+        self._dir_dirty = self.fsync != "none"  # its directory entry is synced with its first pages
         seg = _Segment(seg_id, path, fd, 0)
         self._segments[seg_id] = seg
         return seg
@@ -314,6 +397,11 @@ class FileStorage(StorageBackend):
             self._segments.pop(seg.id, None)
             self._disk_bytes -= seg.size
             self._dirty.discard(seg.id)
+            if self.fsync != "none":
+                # Its records were overwritten, evicted or moved by writes that may not be
+                # durable yet: keep the file until a sync round has made them so.
+                self._unlink_after_sync.append(seg.path)
+                return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(seg.path)
 
@@ -353,48 +441,93 @@ class FileStorage(StorageBackend):
             if m and entry.is_file():
                 seg_files.append((int(m.group(1)), Path(entry.path)))
         found: dict[str, _Loc] = {}
+        dups: dict[str, list[_Loc]] = {}  # every copy of the keys found more than once
         for seg_id, path in sorted(seg_files):
             fd = os.open(path, os.O_RDWR)
             size = os.fstat(fd).st_size
             seg = _Segment(seg_id, path, fd, size)
             seg.sealed = True
             self._segments[seg_id] = seg
-            off = self._scan(seg, found)
+            self._next_seg_id = seg_id + 1
+            off = self._scan(seg, found, dups)
             if off < size:  # torn or corrupt tail: remove it, it can never be served
                 os.ftruncate(fd, off)
                 self._truncated_bytes += size - off
                 seg.size = off
             self._disk_bytes += seg.size
+        for key, copies in dups.items():
+            # The newest copy may be a write that never finished (a crash, a full disk):
+            # its header verified, its payload need not. Take the newest that verifies.
+            copies.sort(key=lambda c: (c.gen, c.seg.id, c.offset), reverse=True)
+            best = next((c for c in copies if self._payload_ok(c)), None)
+            if best is None:
+                del found[key]
+            else:
+                found[key] = best
         for key, loc in sorted(found.items(), key=lambda kv: kv[1].gen):
             self._link_loc(key, loc)
-            self._gen = max(self._gen, loc.gen)
         self._recovered = len(self._index)
         self._evict_to_capacity()
         for seg in list(self._segments.values()):
             self._maybe_drop(seg)
 
-    def _scan(self, seg: _Segment, found: dict[str, _Loc]) -> int:
-        """Index the valid records of ``seg`` into ``found``; the offset where they end."""
-        off = 0
+    def _scan(self, seg: _Segment, found: dict[str, _Loc], dups: dict[str, list[_Loc]]) -> int:
+        """Index the valid records of ``seg`` into ``found`` (the newest of each key) and
+        ``dups``; resync past anything else. The offset where the last valid record ends.
+        ``O(records)`` reads, plus ``O(bytes skipped)`` after damage."""
+        off = end = valid = 0
         while off + _HDR_SIZE <= seg.size:
-            head = os.pread(seg.fd, _HDR_SIZE + MAX_KEY_BYTES, off)
-            parsed = _parse_header(head)
-            if parsed is None:
-                break
-            flags, key_len, stored_len, raw_len, gen, crc = parsed
-            kb = head[_HDR_SIZE : _HDR_SIZE + key_len]
-            rec_len = _HDR_SIZE + key_len + stored_len
-            if len(kb) != key_len or off + rec_len > seg.size or not _header_ok(head[:_HDR_SIZE], kb):
-                break
-            try:
-                key = kb.decode()
-            except UnicodeDecodeError:
-                break
+            rec = self._record_at(seg, off)
+            if rec is None:
+                off = self._next_magic(seg, off + 1)
+                continue
+            key, loc = rec
+            self._gen = max(self._gen, loc.gen)  # even a copy that loses: new writes must win
             old = found.get(key)
-            if old is None or gen >= old.gen:
-                found[key] = _Loc(seg, off, key_len, stored_len, raw_len, flags, gen, crc)
-            off += rec_len
-        return off
+            if old is not None:
+                dups.setdefault(key, [old]).append(loc)
+            if old is None or loc.gen >= old.gen:
+                found[key] = loc
+            off = end = off + loc.rec_len
+            valid += loc.rec_len
+        self._skipped_bytes += end - valid
+        return end
+
+    @staticmethod
+    def _record_at(seg: _Segment, off: int) -> tuple[str, _Loc] | None:
+        """The record whose header and key verify at ``off``, if any (payload unread)."""
+        head = os.pread(seg.fd, _HDR_SIZE + MAX_KEY_BYTES, off)
+        parsed = _parse_header(head)
+        if parsed is None:
+            return None
+        flags, key_len, stored_len, raw_len, gen, crc = parsed
+        kb = head[_HDR_SIZE : _HDR_SIZE + key_len]
+        if len(kb) != key_len or off + _HDR_SIZE + key_len + stored_len > seg.size or not _header_ok(head, kb):
+            return None
+        try:
+            key = kb.decode()
+        except UnicodeDecodeError:
+            return None
+        return key, _Loc(seg, off, key_len, stored_len, raw_len, flags, gen, crc)
+
+    @staticmethod
+    def _next_magic(seg: _Segment, off: int) -> int:
+        """The offset of the next ``MAGIC`` at or after ``off``, else ``seg.size``."""
+        while off + len(MAGIC) <= seg.size:
+            buf = os.pread(seg.fd, min(_RESYNC_CHUNK, seg.size - off), off)
+            if len(buf) < len(MAGIC):
+                break
+            hit = buf.find(MAGIC)
+            if hit >= 0:
+                return off + hit
+            off += len(buf) - len(MAGIC) + 1  # a magic may straddle the chunk boundary
+        return seg.size
+
+    @staticmethod
+    def _payload_ok(loc: _Loc) -> bool:
+        """Whether the stored payload at ``loc`` is whole and matches its checksum."""
+        buf = os.pread(loc.seg.fd, loc.stored_len, loc.offset + _HDR_SIZE + loc.key_len)
+        return len(buf) == loc.stored_len and _crc32(buf) == loc.payload_crc
 
     # ------------------------------------------------------------------ primitives
     def _exists(self, key: str) -> bool:
@@ -521,7 +654,7 @@ class FileStorage(StorageBackend):
 
     def _put(self, key: str, data: memoryview) -> bool:
         """Store one page (see :meth:`_put_many`)."""
-        return self._append_many([self._record(key, data)])[0]
+        return self._put_many([key], [data])[0]
 
     def _record(self, key: str, data: memoryview) -> _Rec | None:
         # Compress and checksum outside the lock; None if the page can never fit.
@@ -537,11 +670,16 @@ class FileStorage(StorageBackend):
             return None
         return _Rec(key, kb, payload, flags, raw_len, _crc32(payload), None, None)
 
-    def _append_many(self, recs: list[_Rec | None]) -> list[bool]:
+    def _append_many(self, recs: list[_Rec | None]) -> tuple[list[bool], int]:
         """Append records: reserve space for all under one lock round, write each run of
         records that landed back to back in one segment with one ``pwritev``, then
         publish each, unless a newer write of its key won meanwhile or, for a compaction
-        move (``rec.expect`` set), its key no longer points at ``rec.expect``."""
+        move (``rec.expect`` set), its key no longer points at ``rec.expect``.
+
+        Returns whether each record is stored, and the publication's sequence number for
+        :meth:`_sync` (0: nothing to sync). A record counts as stored only once all its
+        bytes are in the file; a run that fails part-way keeps the records it completed.
+        """
         plan: list[tuple[int, _Segment, int, int]] = []  # (record, segment, offset, generation)
         with self._lock:
             if self._closed:
@@ -578,19 +716,19 @@ class FileStorage(StorageBackend):
                         rec.payload,
                     )
                     total += rec.rec_len
-                try:
-                    done = os.pwritev(plan[p][1].fd, iov, plan[p][2])
-                    if done != total:  # regular files do not short-write unless the disk is full
-                        raise OSError(f"short write: {done} of {total} bytes")
-                    for i, *_ in plan[p:q]:
-                        written[i] = True
-                except OSError as exc:  # the run's pages are not stored; others may be
-                    self._failed("set", recs[plan[p][0]].key, exc)  # type: ignore[union-attr]
+                done = self._write_all(plan[p][1].fd, iov, plan[p][2], total, recs[plan[p][0]].key)  # type: ignore[union-attr]
+                start = plan[p][2]
+                for i, _, offset, _ in plan[p:q]:
+                    rec = recs[i]
+                    assert rec is not None
+                    written[i] = offset + rec.rec_len - start <= done
                 p = q
         finally:
             published = [False] * len(recs)
+            seq = 0
             with self._lock:
                 evicted = 0
+                wrote = 0
                 for i, seg, offset, gen in plan:
                     seg.pending -= 1
                     rec = recs[i]
@@ -607,8 +745,15 @@ class FileStorage(StorageBackend):
                             self._index.move_to_end(rec.key)
                     # A write that lost to a newer one still succeeded: the key holds newer data.
                     published[i] = True
-                    if self.fsync:
+                    if self.fsync != "none":
                         self._dirty.add(seg.id)
+                        wrote += rec.rec_len
+                if wrote:
+                    self._write_seq += 1
+                    seq = self._write_seq
+                    self._unsynced_bytes += wrote
+                    if self._unsynced_bytes >= self.fsync_bytes:
+                        self._wake.notify()
                 evicted = self._evict_to_capacity()
                 for seg in {id(s): s for _, s, _, _ in plan}.values():
                     self._maybe_drop(seg)
@@ -617,28 +762,125 @@ class FileStorage(StorageBackend):
             self._count(evictions=evicted)
         if need_compact and not any(r is not None and r.expect is not None for r in recs):
             self._compact_one()
-        return published
+        return published, seq
+
+    def _write_all(self, fd: int, iov: list[Any], offset: int, total: int, key: str) -> int:
+        """``pwritev`` the ``total`` bytes of ``iov`` at ``offset``, resuming after short
+        writes; the bytes written in a row from ``offset`` (fewer if the disk fails:
+        counted and logged as a failed set)."""
+        done = 0
+        while done < total:
+            try:
+                n = _pwritev(fd, iov, offset + done)
+            except OSError as exc:  # a full disk, an I/O error: these records are not stored
+                self._failed("set", key, exc)
+                return done
+            if n <= 0:
+                self._failed("set", key, OSError(f"short write: {done} of {total} bytes"))
+                return done
+            done += n
+            iov = _skip(iov, n)
+        return done
 
     def _put_many(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         """Store a batch: checksums outside the lock, one reservation, one ``pwritev``
-        per segment touched, one publication; with ``fsync``, one ``fdatasync`` per
-        segment. ``O(total bytes)``."""
-        results = self._append_many([self._record(k, v) for k, v in zip(keys, views, strict=True)])
-        if self.fsync and any(results):
-            try:
-                self._flush()
-            except OSError as exc:
-                # Not durable as promised: report every page of the batch as not stored.
-                self._failed("fsync", keys[0], exc)
-                results = [False] * len(results)
+        per segment touched, one publication; with ``fsync="always"``, then one sync
+        round (shared with concurrent callers). ``O(total bytes)``."""
+        results, seq = self._append_many([self._record(k, v) for k, v in zip(keys, views, strict=True)])
+        if self.fsync == "always" and seq and not self._sync(seq):
+            # Not durable as promised: report every page of the batch as not stored.
+            results = [False] * len(results)
         return results
 
-    def _flush(self) -> None:
+    # ------------------------------------------------------------------ durability
+    def _sync(self, seq: int | None = None) -> bool:
+        """One sync round: ``fdatasync`` every segment written since the last round (and
+        the directory if a segment was created), then unlink the segments dropped before
+        it. With ``seq``, skip the round if one that started after publication ``seq``
+        has already finished (group commit). Whether publication ``seq`` is durable.
+        ``O(segments written)`` system calls, outside the storage lock."""
+        with self._sync_lock:
+            if seq is not None and self._synced_seq >= seq:
+                return seq > self._sync_failed_seq
+            with self._lock:
+                target = self._write_seq
+                segs = [self._segments[i] for i in self._dirty if i in self._segments]
+                for seg in segs:
+                    seg.readers += 1  # keeps the fd open while we sync it
+                self._dirty.clear()
+                dir_dirty, self._dir_dirty = self._dir_dirty, False
+                unlink, self._unlink_after_sync = self._unlink_after_sync, []
+                self._unsynced_bytes = 0
+            ok = True
+            try:
+                for seg in segs:
+                    _fdatasync(seg.fd)
+                if dir_dirty:
+                    dfd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        _fdatasync(dfd)
+                    finally:
+                        os.close(dfd)
+            except OSError as exc:
+                # After a failed fdatasync the kernel may have dropped the dirty pages
+                # (and a retry would "succeed"): the round's pages are not durable.
+                ok = False
+                self._failed("fsync", "", exc)
+                self._sync_failed_seq = target
+            finally:
+                with self._lock:
+                    for seg in segs:
+                        seg.readers -= 1
+                        self._maybe_drop(seg)
+                    if not ok:
+                        self._unlink_after_sync[:0] = unlink
+                        self._dir_dirty = self._dir_dirty or dir_dirty
+                        self._rotate()  # later pages go to a segment with no lost writes behind them
+            if ok:
+                for path in unlink:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            self._synced_seq = target
+            self._syncs += 1
+            return ok if seq is None else seq > self._sync_failed_seq
+
+    def _rotate(self) -> None:
+        # Caller holds the lock. A failure leaves the current active segment in use.
+        if self._closed or not self._active.size:
+            return
+        try:
+            seg = self._new_segment()
+        except OSError as exc:
+            self._failed("rotate", "", exc)
+            return
+        self._active.sealed = True
+        old, self._active = self._active, seg
+        self._maybe_drop(old)
+
+    def _flush_loop(self) -> None:
+        """``"batch"`` mode: a sync round every ``fsync_interval`` seconds, or as soon as
+        ``fsync_bytes`` are waiting; returns once the instance is closed."""
+        while True:
+            with self._lock:
+                self._wake.wait_for(
+                    lambda: self._closed or self._unsynced_bytes >= self.fsync_bytes, timeout=self.fsync_interval
+                )
+                if self._closed:
+                    return
+                idle = not self._dirty and not self._dir_dirty and not self._unlink_after_sync
+            if not idle:
+                self._sync()
+
+    def flush(self) -> bool:
+        """Make every page stored so far durable now (``fdatasync``), in any ``fsync``
+        mode. Whether it succeeded. ``O(segments written since the last sync)``."""
         with self._lock:
-            fds = [self._segments[i].fd for i in self._dirty if i in self._segments]
-            for fd in fds:
-                os.fdatasync(fd)  # under the lock so the fd cannot be closed meanwhile
-            self._dirty.clear()
+            if self._closed:
+                return False
+            for seg in self._segments.values():
+                if seg.size:
+                    self._dirty.add(seg.id)
+        return self._sync(None)
 
     # ------------------------------------------------------------------ compaction
     def _compact_one(self) -> None:
@@ -689,6 +931,11 @@ class FileStorage(StorageBackend):
                 if seg.pending or seg.readers:
                     continue  # dropped by whoever finishes with it
                 self._maybe_drop(seg)
+            # Nothing needs these kept for a sync round: the pages are meant to be gone.
+            for path in self._unlink_after_sync:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            self._unlink_after_sync.clear()
             self._active = self._new_segment()
 
     def _usage(self) -> tuple[int, int, int | None]:
@@ -705,6 +952,9 @@ class FileStorage(StorageBackend):
                 "compactions": self._compactions,
                 "recovered_pages": self._recovered,
                 "truncated_bytes": self._truncated_bytes,
+                "skipped_bytes": self._skipped_bytes,
+                "fsync": self.fsync,
+                "fsyncs": self._syncs,
                 "compression": self.compression,
                 "crc32": CRC32_IMPL,
             }
@@ -719,17 +969,22 @@ class FileStorage(StorageBackend):
             self._lock_fd = -1
 
     def close(self) -> None:
-        """Flush (in ``fsync`` mode), close the segments and release the directory.
-        Idempotent; later calls on this instance are misses / ``False``."""
+        """Refuse further calls, make what was written durable (``"batch"`` and
+        ``"always"`` modes: a last sync round), close the segments and release the
+        directory. Idempotent; later calls on this instance are misses / ``False``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self.fsync:
-                for seg in self._segments.values():
-                    if seg.fd >= 0:
-                        os.fdatasync(seg.fd)
-            self._close_fds()
+            self._wake.notify_all()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join()
+        try:
+            if self.fsync != "none":
+                self._sync()
+        finally:
+            with self._lock:
+                self._close_fds()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing sensible left to do
@@ -738,5 +993,5 @@ class FileStorage(StorageBackend):
     def __repr__(self) -> str:
         return (
             f"FileStorage(path={str(self.path)!r}, capacity_bytes={self.capacity_bytes}, "
-            f"compression={self.compression!r}, fsync={self.fsync})"
+            f"compression={self.compression!r}, fsync={self.fsync!r})"
         )
