@@ -345,3 +345,29 @@ def test_storage_backup_prefetch_round_trip(make_env) -> None:
         assert torch.equal(buf[loaded], w)
     settle(env)
     cache.check_invariants()
+
+
+# ---------------------------------------------------------------------------- plugin
+def test_plugin_entry_point_is_discovered_by_sglang() -> None:
+    """The installed distribution's entry point in SGLang's plugin group names our
+    registration function, and SGLang's own loader finds and loads it."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    from hiradix._sglang_plugin import register
+
+    (ep,) = [e for e in entry_points(group=GENERAL_PLUGINS_GROUP) if e.name == "hiradix"]
+    assert ep.load() is register
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert "hiradix" in plugins
+    plugins["hiradix"][0]()  # idempotent: registered once already
+    assert get_radix_cache_factory("hiradix") is hs.create_cache
+
+
+def test_plugin_respects_sglang_plugins_filter(monkeypatch) -> None:
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    assert "hiradix" not in load_plugins_by_group(GENERAL_PLUGINS_GROUP)
