@@ -257,7 +257,7 @@ class HiRadixCache(BasePrefixCache):
             controller=controller,
             allocator=allocator,
             tp_rank=int(getattr(server_args, "tp_rank", 0) or 0),
-            prefetch_agreement=agreement,
+            prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
         )
         self.tree = self.core.tree
         self.cache_controller = controller

@@ -49,6 +49,20 @@ class SGLangAgreement(RankAgreement):
         self._sends: list[Any] = []
         self.calls = 0
 
+    def for_background_thread(self) -> SGLangAgreement:
+        """An agreement over fresh process groups with the same ranks, for the L3 prefetch
+        thread: collectives of two threads on one group would interleave differently on
+        each rank (SGLang gives its prefetch thread a group of its own for the same
+        reason). No pipeline hand-off: the prefetch outcome is agreed again by the
+        scheduler thread. Every rank must call it together (``new_group`` is collective)."""
+        import torch.distributed as dist
+
+        clone = SGLangAgreement()
+        clone.reduce_groups = [
+            dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo") for g in self.reduce_groups
+        ]
+        return clone
+
     @property
     def single_rank(self) -> bool:
         return not self.reduce_groups and self.pp_group is None

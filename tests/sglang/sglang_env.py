@@ -103,7 +103,8 @@ class Env:
 
 def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
-          eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort") -> Env:
+          eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
+          tp_group: Any = None) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools."""
     size = size // page_size * page_size
     if mla:
@@ -128,7 +129,7 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             hicache_storage_prefetch_policy=prefetch_policy,
         )
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, eviction_policy=eviction_policy)
+                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group)
     worker = _Worker()
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,

@@ -163,7 +163,9 @@ class Loop:
             env.cache.evict(EvictParams(num_tokens=int(rng.integers(1, 64))))
         env.cache.check_hicache_events()
         if not self.running and rng.random() < 0.05:
-            env.cache.reset()  # the scheduler's flush_cache, only when idle
+            env.cache.reset()  # the scheduler's flush_cache sequence, only when idle
+            env.req_to_token.clear()
+            env.allocator.clear()
             self.stats["flushes"] += 1
         self.stats["steps"] += 1
         outstanding = sum(self.held(req) for req, _, _ in self.running)

@@ -1,0 +1,61 @@
+"""One rank of the adapter's multi-rank test (spawned by test_sglang_tp): SGLang's objects
+built per rank, the TP group from ``torch.distributed``, the same seeded scheduler loop on
+every rank, and rank-local host-allocation faults on one of them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stubs"))
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    from scheduler_loop import tree_fingerprint
+    from sglang_env import build
+    from test_sglang_scheduler_loop import Loop
+
+    group = torch.distributed.group.WORLD if config["agree"] else None
+    env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"], tp_group=group)
+    host = env.cache.core.host_pool
+    failures = 0
+    if rank == 1:  # this rank alone fails host allocations now and then
+        rng = np.random.default_rng(99)
+        real_alloc = host.alloc
+
+        def faulty_alloc(n: int) -> torch.Tensor | None:
+            nonlocal failures
+            if rng.random() < 0.2:
+                failures += 1
+                return None
+            return real_alloc(n)
+
+        host.alloc = faulty_alloc  # type: ignore[method-assign]
+    loop = Loop(env, seed=config["seed"])
+    for _ in range(config["steps"]):
+        loop.step()
+    loop.drain()
+    result = {
+        "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core)).encode()).hexdigest(),
+        "stats": loop.stats,
+        "failures": failures,
+        "calls": env.cache.core.agreement.calls,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    env.cache.core.close()
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,63 @@
+"""Two TP ranks (gloo on loopback) running hiradix.sglang with SGLang's TP group in
+``CacheInitParams``: one rank's host allocations fail at random. With the agreement the
+ranks make the same collectives and end with identical trees; the control run without a
+TP group shows the same faults make them diverge."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sglang_env  # noqa: F401  (skips this module without SGLang)
+import torch.distributed as dist
+
+WORLD = 2
+TIMEOUT_S = 240  # the run takes seconds; past this a collective has hung
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
+    import sglang_rank
+
+    cfg = {"agree": True, "page": 4, "write_policy": "write_through", "seed": 11, "steps": 80} | config
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=sglang_rank.rank_main, args=(r, WORLD, port, str(tmp_path), cfg), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective hung"
+    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_two_tp_ranks_agree_through_sglangs_group(tmp_path: Path, write_policy: str) -> None:
+    r0, r1 = _run(tmp_path, write_policy=write_policy)
+    assert r1["failures"] > 0 and r0["failures"] == 0, "faults were asymmetric"
+    assert r0["calls"] == r1["calls"] > 0, "the ranks made different collectives"
+    assert r0["fingerprint"] == r1["fingerprint"], "trees diverged"
+    assert r0["stats"] == r1["stats"]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_without_the_tp_group_the_same_faults_diverge(tmp_path: Path) -> None:
+    r0, r1 = _run(tmp_path, agree=False)
+    assert r1["failures"] > 0 and r0["fingerprint"] != r1["fingerprint"]
