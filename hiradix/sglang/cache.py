@@ -263,8 +263,8 @@ class HiRadixCache(BasePrefixCache):
         self.cache_controller = controller
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)
-        self._namespaces: dict[str, int] = {}
-        self._nodes: dict[int, TreeNode] = {}
+        self._namespaces: dict[str, int] = {}  # namespace -> its root's handle
+        self._ns_by_root: dict[int, str] = {}  # and back
         self.load_back_threshold = self.core.load_back_threshold
         self.enable_storage = False
         backend = getattr(server_args, "hicache_storage_backend", None)
@@ -292,7 +292,9 @@ class HiRadixCache(BasePrefixCache):
     def _ns(self, extra_key: str | None, cache_salt: str | None) -> str | None:
         ns = self._namespace(extra_key, cache_salt)
         if ns is not None and ns not in self._namespaces:
-            self._namespaces[ns] = int(self.tree.namespace_root(ns))
+            root = int(self.tree.namespace_root(ns))
+            self._namespaces[ns] = root
+            self._ns_by_root[root] = ns
         return ns
 
     def namespace_roots(self) -> dict[str, int]:
@@ -300,14 +302,12 @@ class HiRadixCache(BasePrefixCache):
         return dict(self._namespaces)
 
     def _namespace_of(self, handle: int) -> str | None:
-        """The namespace whose tree holds ``handle``. ``O(depth + namespaces)``."""
+        """The namespace whose tree holds ``handle``. ``O(depth)``."""
+        tree = self.tree
         root = handle
-        while self.tree.parent(root) != -1:
-            root = self.tree.parent(root)
-        for ns, h in self._namespaces.items():
-            if h == root:
-                return ns
-        return None
+        while (parent := tree.parent(root)) != -1:
+            root = parent
+        return self._ns_by_root.get(root)
 
     def _radix_key(self, handle: int) -> Any:
         ns = self._namespace_of(handle)
@@ -614,6 +614,7 @@ class HiRadixCache(BasePrefixCache):
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)
         self._namespaces.clear()
+        self._ns_by_root.clear()
 
     def shutdown(self) -> None:
         """Detach the storage backend at exit (best effort, as SGLang)."""

@@ -66,10 +66,14 @@ class TreeNode:
 
     @property
     def children(self) -> dict[Any, TreeNode]:
-        """``{first page of the child's key: child view}``. ``O(children)``."""
+        """``{child key: child view}``, keyed as SGLang keys children: the first token at
+        page size 1, the tuple of the first page's tokens otherwise. ``O(children)``."""
         tree = self._tree
         ps = self._cache.page_size
-        out = {tuple(tree.key(c)[:ps].tolist()): self._cache._node(c) for c in tree.children(self.id)}
+        out: dict[Any, TreeNode] = {}
+        for c in tree.children(self.id):
+            first = tree.key(c)[:ps].tolist()
+            out[first[0] if ps == 1 else tuple(first)] = self._cache._node(c)
         if self.id == self._cache.root_handle:
             for name, handle in self._cache.namespace_roots().items():
                 out[("namespace", name)] = self._cache._node(handle)
