@@ -159,7 +159,12 @@ def size_class(n: int, page_size: int | None) -> int:
 
 
 class _ReceiveRegion:
-    """The registered buffer remote READs land in, cut into lanes leased one per read."""
+    """The registered buffer remote READs land in, cut into lanes leased one per read.
+
+    Registered as a *local receive* region (``remote=False``): it is a destination for this
+    node's READs only, and a peer presenting its rkey gets ``BAD_RKEY``. Only the published
+    pools are remotely readable.
+    """
 
     def __init__(self, transport: Transport, nbytes: int, lanes: int) -> None:
         self.lane_bytes = max(nbytes // lanes, 1 << 16)
@@ -170,7 +175,7 @@ class _ReceiveRegion:
         start = (-raw.ctypes.data) % 4096
         self._raw = raw
         self.buf = raw[start : start + self.lane_bytes * lanes]
-        self.region = transport.register(self.buf)
+        self.region = transport.register(self.buf, remote=False)
         self._cond = threading.Condition()
         self._free = list(range(lanes - 1, -1, -1))  # a stack: the hottest lane is reused first
 
