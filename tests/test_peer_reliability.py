@@ -5,12 +5,13 @@ start says which port and leaves nothing open. Loopback only; no test sleeps."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hiradix.peer.node import InProcessCluster
+from hiradix.peer.node import InProcessCluster, PeerNode
 from hiradix.transport.base import Status
 
 PAGE = 4096
@@ -26,7 +27,7 @@ def page(i: int, n: int = PAGE) -> bytes:
 
 @pytest.fixture(params=["fake", "tcp"])
 def cluster(request: pytest.FixtureRequest) -> Any:
-    c = InProcessCluster(2, transport=request.param, pool_size=64 * (PAGE + 64), read_timeout_s=5.0)
+    c = InProcessCluster(2, transport=request.param, pool_size=512 * (PAGE + 64), read_timeout_s=5.0)
     yield c
     c.close()
 
@@ -47,3 +48,86 @@ def test_receive_region_is_not_remotely_readable(cluster: InProcessCluster) -> N
     ok = [(entry.addr, entry.rkey, 64, sink.ctypes.data)]
     assert b.transport.read_batch(a.transport.address, ok) == [Status.OK]
 
+
+# ---------------------------------------------------------------------- republish
+@pytest.mark.parametrize("new_bytes", [False, True], ids=["identical", "new-bytes"])
+def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_bytes: bool) -> None:
+    """Readers on both nodes read a batch over and over while the producer republishes it
+    (identical bytes, or a new version each round): every read is a hit with the bytes of
+    some version of its key. The pool has room for every version, so no slot is reused
+    during the test: a miss could only come from a live page taken away before its
+    replacement was in the directory."""
+    a, b = cluster.nodes
+    nkeys, rounds = 8, 40
+    keys = [key(i, "rep") for i in range(nkeys)]
+
+    def version(i: int, r: int) -> bytes:
+        return page(1000 * r + i) if new_bytes else page(i)
+
+    allowed = [{version(i, r) for r in range(rounds + 1)} for i in range(nkeys)]
+    assert all(a.publish_many(keys, [version(i, 0) for i in range(nkeys)]))
+    started = threading.Barrier(3, timeout=30)
+    done = threading.Event()
+    reads = [0, 0]
+    misses: list[tuple[str, int]] = []
+    wrong: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+
+    def reader(node: PeerNode, slot: int) -> None:
+        try:
+            outs = [bytearray(PAGE) for _ in keys]
+            started.wait()
+            while True:
+                last = done.is_set()  # one more full pass after the writer finished
+                ok = node.read_into(keys, [memoryview(o) for o in outs])
+                reads[slot] += 1
+                for i, (hit, out) in enumerate(zip(ok, outs, strict=True)):
+                    if not hit:
+                        misses.append((node.node_id, i))
+                    elif bytes(out) not in allowed[i]:
+                        wrong.append((node.node_id, i))
+                if last or reads[slot] > 100_000:
+                    return
+        except BaseException as exc:  # surfaced below, never swallowed
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(n, j)) for j, n in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    try:
+        started.wait()
+        for r in range(1, rounds + 1):
+            assert all(a.publish_many(keys, [version(i, r) for i in range(nkeys)]))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert misses == [] and wrong == []
+    assert min(reads) >= 2
+    # Every version went to a fresh slot (new bytes) or none did (identical bytes).
+    pool = a._pool_for(PAGE)
+    assert len(pool) == nkeys and pool.used_bytes == nkeys * PAGE
+    assert len(pool._held) == 0
+    if new_bytes:
+        assert len(pool._free) == pool.num_slots - nkeys
+    # After the last round every key reads its newest version.
+    outs = [bytearray(PAGE) for _ in keys]
+    assert b.read_into(keys, [memoryview(o) for o in outs]) == [True] * nkeys
+    assert [bytes(o) for o in outs] == [version(i, rounds) for i in range(nkeys)]
+
+
+def test_republish_in_another_size_class(cluster: InProcessCluster) -> None:
+    """A key republished with a page of another size goes to another pool; the directory
+    takes the new entry (one generation order across pools) and the old page is dropped."""
+    a, b = cluster.nodes
+    k = key(0, "class")
+    for _ in range(2):  # the first pool's counter must not outrun the second's
+        assert a.publish_many([k], [page(1)]) == [True]
+        assert a.publish_many([key(1, "class")], [page(2)]) == [True]
+    assert a.publish_many([k], [page(3, 2 * PAGE)]) == [True]
+    out = bytearray(2 * PAGE)
+    assert b.read_into([k], [memoryview(out)]) == [True] and bytes(out) == page(3, 2 * PAGE)
+    assert k not in a._pool_for(PAGE) and k in a._pool_for(2 * PAGE)
+    assert b.read_into([k], [memoryview(bytearray(PAGE))]) == [False]

@@ -18,7 +18,11 @@ A :class:`PeerNode` runs
   to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`).
 
 Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
-PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Reads:
+PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Republishing a key
+never makes a reader miss: identical bytes are a touch; other bytes are written to a fresh
+slot, the directory entry is switched to it, and only then is the old slot freed (its bytes
+intact until reuse, so a reader that looked it up earlier still verifies or misses safely).
+Generations increase across all of a node's pools, so the directory's "newer wins" holds. Reads:
 :meth:`PeerNode.read_pages` looks the keys up (one RPC per owner). A destination inside
 a local receive region gets its slot as two READ items, the header into the receive
 region and the payload straight into the page, verified there (magic, key digest,
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import queue
@@ -255,7 +260,10 @@ class PeerNode:
         self._lock = threading.Lock()
         self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory
         self._pools: dict[int, PublishedPool] = {}
-        self._generation = 0
+        # One increasing generation source for every pool of this node (and empty pages),
+        # so the directory's "newer generation wins" holds across size classes.
+        self._generation_lock = threading.Lock()
+        self._generations = itertools.count(1)
         self._evicted: list[EvictedPage] = []
         self._evict_lock = threading.Lock()
         self.evictions = 0
@@ -394,9 +402,19 @@ class PeerNode:
         with self._lock:
             pool = self._pools.get(c)
             if pool is None:
-                pool = PublishedPool(self.config.pool_size, c, registrar=self.transport, on_evict=self._on_pool_evict)
+                pool = PublishedPool(
+                    self.config.pool_size,
+                    c,
+                    registrar=self.transport,
+                    on_evict=self._on_pool_evict,
+                    generations=self._next_generation,
+                )
                 self._pools[c] = pool
             return pool
+
+    def _next_generation(self) -> int:
+        with self._generation_lock:
+            return next(self._generations)
 
     def _pool_holding(self, entry: DirEntry) -> PublishedPool | None:
         return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
@@ -457,34 +475,62 @@ class PeerNode:
         self.directory.delete(key, self.node_id, cur.generation)
 
     # ------------------------------------------------------------------ writes
-    def _store_local(self, key: str, data: Any) -> DirEntry | None:
-        """Copy one page into a pool slot (replacing an older page of ``key``)."""
+    def _store_local(self, key: str, data: Any, after: list[Callable[[], None]] | None = None) -> DirEntry | None:
+        """Copy one page into a pool slot, replacing an older page of ``key``.
+
+        The older page stays readable until the new one is written *and* the directory
+        names it: freeing its slot is appended to ``after``, which the caller runs once the
+        directory entry has switched (``None``: run at once, for callers that do not PUT).
+        Identical bytes are only a touch (same slot, same generation).
+        """
         n = memoryview(data).nbytes
         with self._lock:
             old = self._entries.get(key)
-        if old is not None and old.length:
-            pool = self._pool_holding(old)
-            if pool is not None:
-                pool.delete(key)
-        if n == 0:
-            with self._lock:
-                self._generation += 1
-                entry = DirEntry(self.node_id, 0, 0, 0, self._generation)
-                self._entries[key] = entry
-            return entry
+        cleanup: list[Callable[[], None]] = []
         try:
-            pool = self._pool_for(n)
-        except ValueError:
-            return None  # larger than the pool can ever hold
-        loc = pool.set(key, data)
-        if loc is None:
-            return None
-        entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+            entry = self._write_page(key, data, n, old, cleanup)
+        finally:
+            if after is None:
+                for fn in cleanup:
+                    fn()
+            else:
+                after.extend(cleanup)
+        return entry
+
+    def _write_page(
+        self, key: str, data: Any, n: int, old: DirEntry | None, cleanup: list[Callable[[], None]]
+    ) -> DirEntry | None:
+        old_pool = self._pool_holding(old) if old is not None else None
+        if n == 0:
+            entry = DirEntry(self.node_id, 0, 0, 0, self._next_generation())
+            pool = None
+        else:
+            try:
+                pool = self._pool_for(n)
+            except ValueError:
+                return None  # larger than the pool can ever hold
+            loc = pool.set(key, data, hold_replaced=True)
+            if loc is None:
+                return None
+            if loc.replaced is not None:
+                cleanup.append(functools.partial(pool.release, loc.replaced))
+            entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+        if old_pool is not None and old_pool is not pool:
+            # The old page lives in another size class: unpublish it after the switch.
+            cleanup.append(functools.partial(self._drop_older, old_pool, key, entry.generation))
         with self._lock:
-            self._entries[key] = entry
-        if self.disk is not None:
+            cur = self._entries.get(key)
+            if cur is None or cur.generation <= entry.generation:  # a concurrent newer write wins
+                self._entries[key] = entry
+        if self.disk is not None and n:
             self.disk.write_async(key, data)
         return entry
+
+    @staticmethod
+    def _drop_older(pool: PublishedPool, key: str, generation: int) -> None:
+        loc = pool.location(key, touch=False)
+        if loc is not None and loc.generation < generation:
+            pool.delete(key)
 
     def publish_many(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         """Store each page in the published pool and PUT its location to the key's owners.
@@ -494,15 +540,20 @@ class PeerNode:
         """
         t0 = time.perf_counter()
         stored: list[tuple[int, str, DirEntry]] = []
-        for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-            entry = self._store_local(key, page)
-            if entry is not None:
-                stored.append((i, key, entry))
         ok = [False] * len(keys)
-        if stored:
-            acks = self.directory.batch_put([(k, e) for _, k, e in stored])
-            for (i, _, _), a in zip(stored, acks, strict=True):
-                ok[i] = a > 0
+        after: list[Callable[[], None]] = []  # frees replaced slots once the directory switched
+        try:
+            for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+                entry = self._store_local(key, page, after)
+                if entry is not None:
+                    stored.append((i, key, entry))
+            if stored:
+                acks = self.directory.batch_put([(k, e) for _, k, e in stored])
+                for (i, _, _), a in zip(stored, acks, strict=True):
+                    ok[i] = a > 0
+        finally:
+            for fn in after:
+                fn()
         self._drain_evictions()
         nbytes = sum(e.length for _, _, e in stored)
         self.metrics.record_write(len(stored), nbytes, time.perf_counter() - t0)
@@ -525,11 +576,16 @@ class PeerNode:
     def _promote_local(self, key: str) -> DirEntry | None:
         if self.disk is None:
             return None
-        entry = self.disk.promote(key, lambda k, d: self._store_local(k, d))
-        if entry is None:
-            return None
-        self.metrics.record_promote()
-        self.directory.put(key, entry)
+        after: list[Callable[[], None]] = []
+        try:
+            entry = self.disk.promote(key, lambda k, d: self._store_local(k, d, after))
+            if entry is None:
+                return None
+            self.metrics.record_promote()
+            self.directory.put(key, entry)
+        finally:
+            for fn in after:
+                fn()
         self._drain_evictions()
         return entry
 
