@@ -371,3 +371,13 @@ def test_generations_come_from_the_injected_source() -> None:
     gens = iter([10, 20, 30])
     pool = PublishedPool(4 * (SLOT_HEADER_SIZE + PAGE), PAGE, generations=lambda: next(gens))
     assert [pool.set(k, page_for(k)).generation for k in "ab"] == [10, 20]  # type: ignore[union-attr]
+
+
+def test_read_into_exact_length() -> None:
+    pool = make_pool(2)
+    pool.set("k", page_for("k"))
+    assert pool.read_into("k", bytearray(PAGE), exact=True) == PAGE
+    assert pool.read_into("k", bytearray(PAGE // 2), exact=True) is None  # a miss, not an error
+    assert pool.read_into("k", bytearray(2 * PAGE), exact=True) is None
+    with pytest.raises(ValueError, match="smaller"):
+        pool.read_into("k", bytearray(PAGE // 2))

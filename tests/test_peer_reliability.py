@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.peer.store import PeerCacheStore
 from hiradix.transport.base import Status
 
 PAGE = 4096
@@ -27,7 +29,9 @@ def page(i: int, n: int = PAGE) -> bytes:
 
 @pytest.fixture(params=["fake", "tcp"])
 def cluster(request: pytest.FixtureRequest) -> Any:
-    c = InProcessCluster(2, transport=request.param, pool_size=512 * (PAGE + 64), read_timeout_s=5.0)
+    c = InProcessCluster(
+        2, transport=request.param, pool_size=512 * (PAGE + 64), page_size=PAGE, read_timeout_s=5.0
+    )
     yield c
     c.close()
 
@@ -131,3 +135,37 @@ def test_republish_in_another_size_class(cluster: InProcessCluster) -> None:
     assert b.read_into([k], [memoryview(out)]) == [True] and bytes(out) == page(3, 2 * PAGE)
     assert k not in a._pool_for(PAGE) and k in a._pool_for(2 * PAGE)
     assert b.read_into([k], [memoryview(bytearray(PAGE))]) == [False]
+
+
+# ---------------------------------------------------------------------- bad directory entries
+def test_one_bad_entry_is_one_miss(cluster: InProcessCluster) -> None:
+    """Entries with an address outside the producer's region, a length that is not the
+    page's, a huge length, or an unknown rkey: each is that key's miss, and the rest of the
+    batch (local and remote pages, staged and v1 paths) is served."""
+    a, b = cluster.nodes
+    n = 8
+    keys = [key(i, "bad") for i in range(n)]
+    assert all(a.publish_many(keys, [page(i) for i in range(n)]))
+    good = {k: b.lookup([k])[0] for k in keys}
+    forged = {
+        keys[1]: lambda e: replace(e, addr=e.addr + (1 << 40)),  # outside the region
+        keys[3]: lambda e: replace(e, length=PAGE // 2),  # not the page's length
+        keys[5]: lambda e: replace(e, length=1 << 40),  # no READ could fetch it
+        keys[6]: lambda e: replace(e, rkey=e.rkey ^ 0x5A5A),  # no such region
+    }
+    for k, f in forged.items():
+        for node in cluster.nodes:
+            node.shard.put(k, f(good[k]))
+    store_b, store_a = PeerCacheStore(node=b), PeerCacheStore(node=a)
+    # The producer's own reads are a memcpy from its pool, which ignores addr and rkey.
+    local_misses = {keys[3], keys[5]}
+    for reader, misses in ((store_b, set(forged)), (store_a, local_misses)):
+        got = reader.batch_get(keys)
+        assert [g is not None for g in got] == [k not in misses for k in keys]
+        assert all(bytes(g.numpy()) == page(i) for i, g in enumerate(got) if g is not None)
+        outs = [bytearray(PAGE // 2 if k == keys[3] else PAGE) for k in keys]
+        ok = reader.node.read_into(keys, [memoryview(o) for o in outs])
+        # keys[3] asks for exactly the forged length: the remote READ fails verification
+        # (the header says PAGE) and the local copy refuses a page of another length.
+        assert ok == [k not in misses for k in keys]
+        assert all(bytes(o) == page(i) for i, (o, hit) in enumerate(zip(outs, ok, strict=True)) if hit)

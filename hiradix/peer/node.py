@@ -65,7 +65,7 @@ from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, veri
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import PendingCall, RpcClient, RpcServer
 from hiradix.transport.auth import load_token
-from hiradix.transport.base import Status, Transport, view_at
+from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
@@ -418,6 +418,11 @@ class PeerNode:
 
     def _pool_holding(self, entry: DirEntry) -> PublishedPool | None:
         return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
+
+    @property
+    def max_page_bytes(self) -> int:
+        """The largest page any node can serve: a slot READ is one transport item."""
+        return MAX_ITEM_BYTES - SLOT_HEADER_SIZE
 
     @property
     def pool_used_bytes(self) -> int:
@@ -784,7 +789,8 @@ class PeerNode:
         pool = self._pool_holding(entry)
         if pool is None:
             return False
-        return pool.read_into(key, out) == len(out)
+        # exact: an entry whose length is not the page's is this key's miss, never the batch's
+        return pool.read_into(key, out, exact=True) == len(out)
 
     def _fetch(
         self,

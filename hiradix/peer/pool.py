@@ -475,15 +475,17 @@ class PublishedPool:
             off = live.slot * self.stride + SLOT_HEADER_SIZE
             return self._buf[off : off + live.length].tobytes()
 
-    def read_into(self, key: str, out: Any) -> int | None:
+    def read_into(self, key: str, out: Any, *, exact: bool = False) -> int | None:
         """Copy ``key``'s page into the writable buffer ``out``; bytes copied or ``None``.
 
-        ``ValueError`` if ``out`` is too small. Runtime complexity: ``O(length)``.
+        ``exact``: a page whose length is not ``len(out)`` is ``None`` (a miss: the caller
+        trusted a directory entry of another length). Otherwise ``ValueError`` if ``out`` is
+        too small. Runtime complexity: ``O(length)``.
         """
         dst = np.frombuffer(out, dtype=np.uint8)
         with self._lock:
             live = self._index.get(key)
-            if live is None:
+            if live is None or (exact and live.length != dst.nbytes):
                 return None
             if dst.nbytes < live.length:
                 raise ValueError(f"destination of {dst.nbytes} bytes is smaller than the page ({live.length})")
