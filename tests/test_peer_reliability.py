@@ -29,9 +29,7 @@ def page(i: int, n: int = PAGE) -> bytes:
 
 @pytest.fixture(params=["fake", "tcp"])
 def cluster(request: pytest.FixtureRequest) -> Any:
-    c = InProcessCluster(
-        2, transport=request.param, pool_size=512 * (PAGE + 64), page_size=PAGE, read_timeout_s=5.0
-    )
+    c = InProcessCluster(2, transport=request.param, pool_size=512 * (PAGE + 64), page_size=PAGE, read_timeout_s=5.0)
     yield c
     c.close()
 
