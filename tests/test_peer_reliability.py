@@ -4,15 +4,19 @@ start says which port and leaves nothing open. Loopback only; no test sleeps."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import socket
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.peer.config import PeerConfig
+from hiradix.peer.node import InProcessCluster, PeerNode, PortInUseError
 from hiradix.peer.store import PeerCacheStore
 from hiradix.transport.base import Status
 
@@ -167,3 +171,50 @@ def test_one_bad_entry_is_one_miss(cluster: InProcessCluster) -> None:
         # (the header says PAGE) and the local copy refuses a page of another length.
         assert ok == [k not in misses for k in keys]
         assert all(bytes(o) == page(i) for i, (o, hit) in enumerate(zip(outs, ok, strict=True)) if hit)
+
+
+# ---------------------------------------------------------------------- start-up
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("taken", ["metrics", "data"])
+def test_failed_start_names_the_port_and_closes_everything(tmp_path: Path, taken: str) -> None:
+    """Occupy one port: the start fails with an error naming that listener and port, and
+    every listener and thread the node had opened is gone (its ports bind again)."""
+    for _attempt in range(5):  # another process may grab a port we just saw free: retry
+        ports = {"rpc": _free_port(), "data": _free_port(), "metrics": _free_port()}
+        blocker = socket.create_server(("127.0.0.1", ports[taken]))
+        try:
+            cfg = PeerConfig(
+                rpc_port=ports["rpc"],
+                data_port=ports["data"],
+                metrics_port=ports["metrics"],
+                disk_enabled=True,
+                disk_path=str(tmp_path / "disk"),
+                cluster_token="t" * 32,
+            )
+            with pytest.raises(PortInUseError) as info:
+                PeerNode(cfg)
+        finally:
+            blocker.close()
+        if info.value.listener == taken:
+            break
+    err = info.value
+    assert (err.listener, err.port, err.host) == (taken, ports[taken], "127.0.0.1")
+    assert f"{taken} port {ports[taken]} on 127.0.0.1 is in use" in str(err)
+    assert f"--{taken}-port 0" in str(err)
+    assert err.errno == errno.EADDRINUSE and isinstance(err, OSError)
+    for name, port in ports.items():
+        assert _bindable(port), f"{name} port {port} still open after the failed start"
+    alive = [t.name for t in threading.enumerate() if any(str(p) in t.name for p in ports.values())]
+    assert alive == []

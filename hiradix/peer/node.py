@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import itertools
 import logging
@@ -47,10 +48,10 @@ import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
@@ -69,11 +70,12 @@ from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
-__all__ = ["InProcessCluster", "PeerNode"]
+__all__ = ["InProcessCluster", "PeerNode", "PortInUseError"]
 
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
+_P = ParamSpec("_P")
 
 _verify: Any = load("hiradix.peer._verify")
 
@@ -151,6 +153,55 @@ def _verify_inplace(
     return stale
 
 
+class PortInUseError(OSError):
+    """A listener of the node could not bind its port; the message names the listener,
+    the address and the option that moves it.
+
+    >>> str(PortInUseError("metrics", "127.0.0.1", 31997))
+    'metrics port 31997 on 127.0.0.1 is in use; pass --metrics-port 0 (any free port) or another port'
+    """
+
+    def __init__(self, listener: str, host: str, port: int) -> None:
+        super().__init__(
+            errno.EADDRINUSE,
+            f"{listener} port {port} on {host} is in use; pass --{listener}-port 0 (any free port) or another port",
+        )
+        self.listener, self.host, self.port = listener, host, port
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@contextlib.contextmanager
+def _binding(listener: str, host: str, port: int) -> Iterator[None]:
+    """Re-raise a bind failure of ``listener`` as an error that names it (and its port)."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, PortInUseError):
+            raise
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(listener, host, port) from exc
+        raise OSError(exc.errno, f"{listener} listener on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _closed_on_failure(init: Callable[Concatenate[PeerNode, _P], None]) -> Callable[Concatenate[PeerNode, _P], None]:
+    """Wrap ``PeerNode.__init__``: what it opened (listeners, threads, registrations) and
+    pushed on ``self._undo`` is closed again, newest first, if it raises."""
+
+    @functools.wraps(init)
+    def wrapper(self: PeerNode, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        self._undo = contextlib.ExitStack()
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self._undo.close()
+            raise
+        self._undo.pop_all()  # from now on close() owns them
+
+    return wrapper
+
+
 def size_class(n: int, page_size: int | None) -> int:
     """The slot payload size a page of ``n`` bytes goes to: the configured page size when
     it fits, else the next power of two (at least 64).
@@ -220,8 +271,17 @@ class PeerNode:
         Monotonic seconds for membership (injected in tests).
     recv_bytes, recv_lanes:
         Size of the receive region and how many reads may use it at once.
+
+    A node that fails to start closes everything it opened before raising. A port that is
+    taken raises :class:`PortInUseError`, which names the listener (``rpc``, ``data`` or
+    ``metrics``). The metrics port stays the seed's fixed 31997 by default, so scrape
+    configs can name it; a second node on one host needs ``metrics_port=0`` (any free
+    port, advertised in the membership and :meth:`status`) or another port.
     """
 
+    _undo: contextlib.ExitStack  # what a failed start closes (set by _closed_on_failure)
+
+    @_closed_on_failure
     def __init__(
         self,
         config: PeerConfig | None = None,
@@ -238,25 +298,30 @@ class PeerNode:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
-        self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        with _binding("rpc", cfg.bind_host, cfg.rpc_port):
+            self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        self._undo.callback(self.rpc.close)
         self.node_id = cfg.node_id or self.rpc.address
         self.client = RpcClient(
             self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
         )
+        self._undo.callback(self.client.close)
         self.transport: Transport
         if fabric is not None:
             self.transport = FakeTransport(
                 fabric, self.node_id, max_channels_per_peer=cfg.max_channels_per_peer, timeout=cfg.read_timeout_s
             )
         else:
-            self.transport = TcpTransport(
-                self._token,
-                host=cfg.bind_host,
-                port=cfg.data_port,
-                max_channels_per_peer=cfg.max_channels_per_peer,
-                timeout=cfg.read_timeout_s,
-                handshake_timeout=cfg.connect_timeout_s,
-            )
+            with _binding("data", cfg.bind_host, cfg.data_port):
+                self.transport = TcpTransport(
+                    self._token,
+                    host=cfg.bind_host,
+                    port=cfg.data_port,
+                    max_channels_per_peer=cfg.max_channels_per_peer,
+                    timeout=cfg.read_timeout_s,
+                    handshake_timeout=cfg.connect_timeout_s,
+                )
+        self._undo.callback(self.transport.close)
         self._lock = threading.Lock()
         self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory
         self._pools: dict[int, PublishedPool] = {}
@@ -280,6 +345,7 @@ class PeerNode:
             disk = DiskTier(
                 cfg.disk_path, cfg.disk_size, queue_depth=cfg.disk_queue_depth, on_evict=self._on_disk_evict
             )
+            self._undo.callback(disk.close)
             if disk.enabled:
                 self.disk = disk
                 self.metrics.track("disk", lambda: (disk.used_bytes, disk.capacity_bytes, len(disk)))
@@ -288,7 +354,9 @@ class PeerNode:
             self.metrics_server = MetricsServer(
                 self.metrics, cfg.effective_metrics_host, cfg.metrics_port, cfg.metrics_dashboard
             )
-            self.metrics_server.start()
+            with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
+                self.metrics_server.start()
+            self._undo.callback(self.metrics_server.stop)
         me = NodeInfo(
             self.node_id,
             self.rpc.address,
@@ -316,6 +384,7 @@ class PeerNode:
             begin=self._dir_begin,
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
+        self._undo.callback(self._bg.shutdown, wait=False, cancel_futures=True)
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
         for m in DIR_METHODS:
             self.rpc.register(m, self._dir_handler(m))
