@@ -395,6 +395,7 @@ class PeerNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.metrics.bind_node(self.node_id, self._started_and_joined, lambda: sorted(self.membership.members()))
         if start:
             self.join()
             self.start_heartbeat()
@@ -426,6 +427,13 @@ class PeerNode:
             return self.membership.handle(method, list(args))
 
         return handler
+
+    def _started_and_joined(self) -> bool:
+        """Readiness for ``/ready`` and the dashboard: the node is open, it is in its
+        cluster (other members in its view, or it is the head with nobody to join), and its
+        last heartbeat round reached a master. Runtime complexity: ``O(members)``."""
+        m = self.membership
+        return not self._closed and not m.frozen and (len(m.members()) > 1 or m.is_master_alone())
 
     @property
     def address(self) -> str:
