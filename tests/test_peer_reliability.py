@@ -74,6 +74,7 @@ def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_byte
     assert all(a.publish_many(keys, [version(i, 0) for i in range(nkeys)]))
     started = threading.Barrier(3, timeout=30)
     done = threading.Event()
+    progress = threading.Condition()
     reads = [0, 0]
     misses: list[tuple[str, int]] = []
     wrong: list[tuple[str, int]] = []
@@ -86,7 +87,9 @@ def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_byte
             while True:
                 last = done.is_set()  # one more full pass after the writer finished
                 ok = node.read_into(keys, [memoryview(o) for o in outs])
-                reads[slot] += 1
+                with progress:
+                    reads[slot] += 1
+                    progress.notify_all()
                 for i, (hit, out) in enumerate(zip(ok, outs, strict=True)):
                     if not hit:
                         misses.append((node.node_id, i))
@@ -104,6 +107,9 @@ def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_byte
         started.wait()
         for r in range(1, rounds + 1):
             assert all(a.publish_many(keys, [version(i, r) for i in range(nkeys)]))
+            if r == rounds // 2:  # both readers are reading while the republishing goes on
+                with progress:
+                    assert progress.wait_for(lambda: min(reads) >= 1 or bool(errors), timeout=30)
     finally:
         done.set()
         for t in threads:
