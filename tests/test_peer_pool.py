@@ -337,3 +337,47 @@ def test_remote_read_through_the_fake_nic() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_republish_writes_a_fresh_slot_and_frees_the_old_one_last() -> None:
+    """New bytes under a published key: the old slot keeps verifying (held) until release,
+    then goes to the back of the free list with its bytes intact; identical bytes are a touch."""
+    pool = make_pool(4)
+    old = pool.set("k", page_for("k"))
+    assert old is not None and old.replaced is None
+    assert pool.set("k", page_for("k"), hold_replaced=True) == old  # identical: no write at all
+    new = pool.set("k", page_for("k2"), hold_replaced=True)
+    assert new is not None and new.slot != old.slot and new.generation > old.generation
+    assert new.replaced == old.slot and pool.get("k") == page_for("k2")
+    assert len(pool) == 1 and pool.used_bytes == PAGE and old.slot not in pool._free
+    # A reader holding the old location still gets the old page, verified.
+    raw = bytes(pool.slot_view(old.slot)[: old.read_length])
+    assert verify_slot(raw, "k", old.generation) is not None
+    pool.release(old.slot)
+    assert list(pool._free)[-1] == old.slot  # reused after every other free slot
+    assert verify_slot(bytes(pool.slot_view(old.slot)[: old.read_length]), "k", old.generation) is not None
+    with pytest.raises(ValueError, match="not held"):
+        pool.release(old.slot)
+    # Without hold_replaced the old slot is freed at once (still to the back, bytes intact).
+    third = pool.set("k", page_for("k3"))
+    assert third is not None and third.replaced is None and list(pool._free)[-1] == new.slot
+    # Fill the pool: the old slots are reused last, and then the stale reader misses.
+    for k in "abc":
+        pool.set(k, page_for(k))
+    assert verify_slot(bytes(pool.slot_view(old.slot)[: old.read_length]), "k", old.generation) is None
+
+
+def test_generations_come_from_the_injected_source() -> None:
+    gens = iter([10, 20, 30])
+    pool = PublishedPool(4 * (SLOT_HEADER_SIZE + PAGE), PAGE, generations=lambda: next(gens))
+    assert [pool.set(k, page_for(k)).generation for k in "ab"] == [10, 20]  # type: ignore[union-attr]
+
+
+def test_read_into_exact_length() -> None:
+    pool = make_pool(2)
+    pool.set("k", page_for("k"))
+    assert pool.read_into("k", bytearray(PAGE), exact=True) == PAGE
+    assert pool.read_into("k", bytearray(PAGE // 2), exact=True) is None  # a miss, not an error
+    assert pool.read_into("k", bytearray(2 * PAGE), exact=True) is None
+    with pytest.raises(ValueError, match="smaller"):
+        pool.read_into("k", bytearray(PAGE // 2))

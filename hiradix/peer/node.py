@@ -18,7 +18,11 @@ A :class:`PeerNode` runs
   to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`).
 
 Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
-PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Reads:
+PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Republishing a key
+never makes a reader miss: identical bytes are a touch; other bytes are written to a fresh
+slot, the directory entry is switched to it, and only then is the old slot freed (its bytes
+intact until reuse, so a reader that looked it up earlier still verifies or misses safely).
+Generations increase across all of a node's pools, so the directory's "newer wins" holds. Reads:
 :meth:`PeerNode.read_pages` looks the keys up (one RPC per owner). A destination inside
 a local receive region gets its slot as two READ items, the header into the receive
 region and the payload straight into the page, verified there (magic, key digest,
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import functools
 import itertools
 import logging
 import queue
@@ -42,10 +48,10 @@ import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
@@ -60,15 +66,16 @@ from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, veri
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import PendingCall, RpcClient, RpcServer
 from hiradix.transport.auth import load_token
-from hiradix.transport.base import Status, Transport, view_at
+from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
-__all__ = ["InProcessCluster", "PeerNode"]
+__all__ = ["InProcessCluster", "PeerNode", "PortInUseError"]
 
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
+_P = ParamSpec("_P")
 
 _verify: Any = load("hiradix.peer._verify")
 
@@ -146,6 +153,55 @@ def _verify_inplace(
     return stale
 
 
+class PortInUseError(OSError):
+    """A listener of the node could not bind its port; the message names the listener,
+    the address and the option that moves it.
+
+    >>> str(PortInUseError("metrics", "127.0.0.1", 31997))
+    'metrics port 31997 on 127.0.0.1 is in use; pass --metrics-port 0 (any free port) or another port'
+    """
+
+    def __init__(self, listener: str, host: str, port: int) -> None:
+        super().__init__(
+            errno.EADDRINUSE,
+            f"{listener} port {port} on {host} is in use; pass --{listener}-port 0 (any free port) or another port",
+        )
+        self.listener, self.host, self.port = listener, host, port
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@contextlib.contextmanager
+def _binding(listener: str, host: str, port: int) -> Iterator[None]:
+    """Re-raise a bind failure of ``listener`` as an error that names it (and its port)."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, PortInUseError):
+            raise
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(listener, host, port) from exc
+        raise OSError(exc.errno, f"{listener} listener on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _closed_on_failure(init: Callable[Concatenate[PeerNode, _P], None]) -> Callable[Concatenate[PeerNode, _P], None]:
+    """Wrap ``PeerNode.__init__``: what it opened (listeners, threads, registrations) and
+    pushed on ``self._undo`` is closed again, newest first, if it raises."""
+
+    @functools.wraps(init)
+    def wrapper(self: PeerNode, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        self._undo = contextlib.ExitStack()
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self._undo.close()
+            raise
+        self._undo.pop_all()  # from now on close() owns them
+
+    return wrapper
+
+
 def size_class(n: int, page_size: int | None) -> int:
     """The slot payload size a page of ``n`` bytes goes to: the configured page size when
     it fits, else the next power of two (at least 64).
@@ -159,7 +215,12 @@ def size_class(n: int, page_size: int | None) -> int:
 
 
 class _ReceiveRegion:
-    """The registered buffer remote READs land in, cut into lanes leased one per read."""
+    """The registered buffer remote READs land in, cut into lanes leased one per read.
+
+    Registered as a *local receive* region (``remote=False``): it is a destination for this
+    node's READs only, and a peer presenting its rkey gets ``BAD_RKEY``. Only the published
+    pools are remotely readable.
+    """
 
     def __init__(self, transport: Transport, nbytes: int, lanes: int) -> None:
         self.lane_bytes = max(nbytes // lanes, 1 << 16)
@@ -170,7 +231,7 @@ class _ReceiveRegion:
         start = (-raw.ctypes.data) % 4096
         self._raw = raw
         self.buf = raw[start : start + self.lane_bytes * lanes]
-        self.region = transport.register(self.buf)
+        self.region = transport.register(self.buf, remote=False)
         self._cond = threading.Condition()
         self._free = list(range(lanes - 1, -1, -1))  # a stack: the hottest lane is reused first
 
@@ -210,8 +271,17 @@ class PeerNode:
         Monotonic seconds for membership (injected in tests).
     recv_bytes, recv_lanes:
         Size of the receive region and how many reads may use it at once.
+
+    A node that fails to start closes everything it opened before raising. A port that is
+    taken raises :class:`PortInUseError`, which names the listener (``rpc``, ``data`` or
+    ``metrics``). The metrics port stays the seed's fixed 31997 by default, so scrape
+    configs can name it; a second node on one host needs ``metrics_port=0`` (any free
+    port, advertised in the membership and :meth:`status`) or another port.
     """
 
+    _undo: contextlib.ExitStack  # what a failed start closes (set by _closed_on_failure)
+
+    @_closed_on_failure
     def __init__(
         self,
         config: PeerConfig | None = None,
@@ -228,29 +298,37 @@ class PeerNode:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
-        self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        with _binding("rpc", cfg.bind_host, cfg.rpc_port):
+            self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        self._undo.callback(self.rpc.close)
         self.node_id = cfg.node_id or self.rpc.address
         self.client = RpcClient(
             self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
         )
+        self._undo.callback(self.client.close)
         self.transport: Transport
         if fabric is not None:
             self.transport = FakeTransport(
                 fabric, self.node_id, max_channels_per_peer=cfg.max_channels_per_peer, timeout=cfg.read_timeout_s
             )
         else:
-            self.transport = TcpTransport(
-                self._token,
-                host=cfg.bind_host,
-                port=cfg.data_port,
-                max_channels_per_peer=cfg.max_channels_per_peer,
-                timeout=cfg.read_timeout_s,
-                handshake_timeout=cfg.connect_timeout_s,
-            )
+            with _binding("data", cfg.bind_host, cfg.data_port):
+                self.transport = TcpTransport(
+                    self._token,
+                    host=cfg.bind_host,
+                    port=cfg.data_port,
+                    max_channels_per_peer=cfg.max_channels_per_peer,
+                    timeout=cfg.read_timeout_s,
+                    handshake_timeout=cfg.connect_timeout_s,
+                )
+        self._undo.callback(self.transport.close)
         self._lock = threading.Lock()
         self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory
         self._pools: dict[int, PublishedPool] = {}
-        self._generation = 0
+        # One increasing generation source for every pool of this node (and empty pages),
+        # so the directory's "newer generation wins" holds across size classes.
+        self._generation_lock = threading.Lock()
+        self._generations = itertools.count(1)
         self._evicted: list[EvictedPage] = []
         self._evict_lock = threading.Lock()
         self.evictions = 0
@@ -267,6 +345,7 @@ class PeerNode:
             disk = DiskTier(
                 cfg.disk_path, cfg.disk_size, queue_depth=cfg.disk_queue_depth, on_evict=self._on_disk_evict
             )
+            self._undo.callback(disk.close)
             if disk.enabled:
                 self.disk = disk
                 self.metrics.track("disk", lambda: (disk.used_bytes, disk.capacity_bytes, len(disk)))
@@ -275,7 +354,9 @@ class PeerNode:
             self.metrics_server = MetricsServer(
                 self.metrics, cfg.effective_metrics_host, cfg.metrics_port, cfg.metrics_dashboard
             )
-            self.metrics_server.start()
+            with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
+                self.metrics_server.start()
+            self._undo.callback(self.metrics_server.stop)
         me = NodeInfo(
             self.node_id,
             self.rpc.address,
@@ -303,6 +384,7 @@ class PeerNode:
             begin=self._dir_begin,
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
+        self._undo.callback(self._bg.shutdown, wait=False, cancel_futures=True)
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
         for m in DIR_METHODS:
             self.rpc.register(m, self._dir_handler(m))
@@ -313,6 +395,7 @@ class PeerNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.metrics.bind_node(self.node_id, self._started_and_joined, lambda: sorted(self.membership.members()))
         if start:
             self.join()
             self.start_heartbeat()
@@ -344,6 +427,13 @@ class PeerNode:
             return self.membership.handle(method, list(args))
 
         return handler
+
+    def _started_and_joined(self) -> bool:
+        """Readiness for ``/ready`` and the dashboard: the node is open, it is in its
+        cluster (other members in its view, or it is the head with nobody to join), and its
+        last heartbeat round reached a master. Runtime complexity: ``O(members)``."""
+        m = self.membership
+        return not self._closed and not m.frozen and (len(m.members()) > 1 or m.is_master_alone())
 
     @property
     def address(self) -> str:
@@ -389,12 +479,27 @@ class PeerNode:
         with self._lock:
             pool = self._pools.get(c)
             if pool is None:
-                pool = PublishedPool(self.config.pool_size, c, registrar=self.transport, on_evict=self._on_pool_evict)
+                pool = PublishedPool(
+                    self.config.pool_size,
+                    c,
+                    registrar=self.transport,
+                    on_evict=self._on_pool_evict,
+                    generations=self._next_generation,
+                )
                 self._pools[c] = pool
             return pool
 
+    def _next_generation(self) -> int:
+        with self._generation_lock:
+            return next(self._generations)
+
     def _pool_holding(self, entry: DirEntry) -> PublishedPool | None:
         return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
+
+    @property
+    def max_page_bytes(self) -> int:
+        """The largest page any node can serve: a slot READ is one transport item."""
+        return MAX_ITEM_BYTES - SLOT_HEADER_SIZE
 
     @property
     def pool_used_bytes(self) -> int:
@@ -452,34 +557,62 @@ class PeerNode:
         self.directory.delete(key, self.node_id, cur.generation)
 
     # ------------------------------------------------------------------ writes
-    def _store_local(self, key: str, data: Any) -> DirEntry | None:
-        """Copy one page into a pool slot (replacing an older page of ``key``)."""
+    def _store_local(self, key: str, data: Any, after: list[Callable[[], None]] | None = None) -> DirEntry | None:
+        """Copy one page into a pool slot, replacing an older page of ``key``.
+
+        The older page stays readable until the new one is written *and* the directory
+        names it: freeing its slot is appended to ``after``, which the caller runs once the
+        directory entry has switched (``None``: run at once, for callers that do not PUT).
+        Identical bytes are only a touch (same slot, same generation).
+        """
         n = memoryview(data).nbytes
         with self._lock:
             old = self._entries.get(key)
-        if old is not None and old.length:
-            pool = self._pool_holding(old)
-            if pool is not None:
-                pool.delete(key)
-        if n == 0:
-            with self._lock:
-                self._generation += 1
-                entry = DirEntry(self.node_id, 0, 0, 0, self._generation)
-                self._entries[key] = entry
-            return entry
+        cleanup: list[Callable[[], None]] = []
         try:
-            pool = self._pool_for(n)
-        except ValueError:
-            return None  # larger than the pool can ever hold
-        loc = pool.set(key, data)
-        if loc is None:
-            return None
-        entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+            entry = self._write_page(key, data, n, old, cleanup)
+        finally:
+            if after is None:
+                for fn in cleanup:
+                    fn()
+            else:
+                after.extend(cleanup)
+        return entry
+
+    def _write_page(
+        self, key: str, data: Any, n: int, old: DirEntry | None, cleanup: list[Callable[[], None]]
+    ) -> DirEntry | None:
+        old_pool = self._pool_holding(old) if old is not None else None
+        if n == 0:
+            entry = DirEntry(self.node_id, 0, 0, 0, self._next_generation())
+            pool = None
+        else:
+            try:
+                pool = self._pool_for(n)
+            except ValueError:
+                return None  # larger than the pool can ever hold
+            loc = pool.set(key, data, hold_replaced=True)
+            if loc is None:
+                return None
+            if loc.replaced is not None:
+                cleanup.append(functools.partial(pool.release, loc.replaced))
+            entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+        if old_pool is not None and old_pool is not pool:
+            # The old page lives in another size class: unpublish it after the switch.
+            cleanup.append(functools.partial(self._drop_older, old_pool, key, entry.generation))
         with self._lock:
-            self._entries[key] = entry
-        if self.disk is not None:
+            cur = self._entries.get(key)
+            if cur is None or cur.generation <= entry.generation:  # a concurrent newer write wins
+                self._entries[key] = entry
+        if self.disk is not None and n:
             self.disk.write_async(key, data)
         return entry
+
+    @staticmethod
+    def _drop_older(pool: PublishedPool, key: str, generation: int) -> None:
+        loc = pool.location(key, touch=False)
+        if loc is not None and loc.generation < generation:
+            pool.delete(key)
 
     def publish_many(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         """Store each page in the published pool and PUT its location to the key's owners.
@@ -489,15 +622,20 @@ class PeerNode:
         """
         t0 = time.perf_counter()
         stored: list[tuple[int, str, DirEntry]] = []
-        for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-            entry = self._store_local(key, page)
-            if entry is not None:
-                stored.append((i, key, entry))
         ok = [False] * len(keys)
-        if stored:
-            acks = self.directory.batch_put([(k, e) for _, k, e in stored])
-            for (i, _, _), a in zip(stored, acks, strict=True):
-                ok[i] = a > 0
+        after: list[Callable[[], None]] = []  # frees replaced slots once the directory switched
+        try:
+            for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+                entry = self._store_local(key, page, after)
+                if entry is not None:
+                    stored.append((i, key, entry))
+            if stored:
+                acks = self.directory.batch_put([(k, e) for _, k, e in stored])
+                for (i, _, _), a in zip(stored, acks, strict=True):
+                    ok[i] = a > 0
+        finally:
+            for fn in after:
+                fn()
         self._drain_evictions()
         nbytes = sum(e.length for _, _, e in stored)
         self.metrics.record_write(len(stored), nbytes, time.perf_counter() - t0)
@@ -520,11 +658,16 @@ class PeerNode:
     def _promote_local(self, key: str) -> DirEntry | None:
         if self.disk is None:
             return None
-        entry = self.disk.promote(key, lambda k, d: self._store_local(k, d))
-        if entry is None:
-            return None
-        self.metrics.record_promote()
-        self.directory.put(key, entry)
+        after: list[Callable[[], None]] = []
+        try:
+            entry = self.disk.promote(key, lambda k, d: self._store_local(k, d, after))
+            if entry is None:
+                return None
+            self.metrics.record_promote()
+            self.directory.put(key, entry)
+        finally:
+            for fn in after:
+                fn()
         self._drain_evictions()
         return entry
 
@@ -723,7 +866,8 @@ class PeerNode:
         pool = self._pool_holding(entry)
         if pool is None:
             return False
-        return pool.read_into(key, out) == len(out)
+        # exact: an entry whose length is not the page's is this key's miss, never the batch's
+        return pool.read_into(key, out, exact=True) == len(out)
 
     def _fetch(
         self,

@@ -152,7 +152,9 @@ class PeerCacheStore(StorageBackend):
 
     def _size(self, key: str) -> int | None:
         e = self.node.lookup([key])[0]
-        return None if e is None else e.length
+        # A length no READ could fetch is a bad entry: this key's miss, not an allocation
+        # that fails the whole batch_get.
+        return None if e is None or e.length > self.node.max_page_bytes else e.length
 
     def _get_into(self, key: str, out: memoryview) -> bool:
         return self.node.read_into([key], [out])[0]

@@ -1,0 +1,226 @@
+"""Peer-node reliability (issue 16): republish never makes a reader miss, the receive region
+is not remotely readable, one bad directory entry is one miss, and a node that fails to
+start says which port and leaves nothing open. Loopback only; no test sleeps."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hiradix.peer.config import PeerConfig
+from hiradix.peer.node import InProcessCluster, PeerNode, PortInUseError
+from hiradix.peer.store import PeerCacheStore
+from hiradix.transport.base import Status
+
+PAGE = 4096
+
+
+def key(i: int, tag: str = "") -> str:
+    return hashlib.sha256(f"rel{tag}{i}".encode()).hexdigest()
+
+
+def page(i: int, n: int = PAGE) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(params=["fake", "tcp"])
+def cluster(request: pytest.FixtureRequest) -> Any:
+    c = InProcessCluster(2, transport=request.param, pool_size=512 * (PAGE + 64), page_size=PAGE, read_timeout_s=5.0)
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------------- receive region
+def test_receive_region_is_not_remotely_readable(cluster: InProcessCluster) -> None:
+    """A peer presenting the receive region's rkey (at its exact address) gets BAD_RKEY;
+    the published pool of the same node stays readable."""
+    a, b = cluster.nodes
+    assert a.publish_many([key(0)], [page(0)]) == [True]
+    sink = np.zeros(PAGE, dtype=np.uint8)
+    b.transport.register(sink, remote=False)
+    recv = a.recv.region
+    ops = [(recv.addr, recv.rkey, 64, sink.ctypes.data)]
+    assert b.transport.read_batch(a.transport.address, ops) == [Status.BAD_RKEY]
+    entry = b.lookup([key(0)])[0]
+    assert entry is not None
+    ok = [(entry.addr, entry.rkey, 64, sink.ctypes.data)]
+    assert b.transport.read_batch(a.transport.address, ok) == [Status.OK]
+
+
+# ---------------------------------------------------------------------- republish
+@pytest.mark.parametrize("new_bytes", [False, True], ids=["identical", "new-bytes"])
+def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_bytes: bool) -> None:
+    """Readers on both nodes read a batch over and over while the producer republishes it
+    (identical bytes, or a new version each round): every read is a hit with the bytes of
+    some version of its key. The pool has room for every version, so no slot is reused
+    during the test: a miss could only come from a live page taken away before its
+    replacement was in the directory."""
+    a, b = cluster.nodes
+    nkeys, rounds = 8, 40
+    keys = [key(i, "rep") for i in range(nkeys)]
+
+    def version(i: int, r: int) -> bytes:
+        return page(1000 * r + i) if new_bytes else page(i)
+
+    allowed = [{version(i, r) for r in range(rounds + 1)} for i in range(nkeys)]
+    assert all(a.publish_many(keys, [version(i, 0) for i in range(nkeys)]))
+    started = threading.Barrier(3, timeout=30)
+    done = threading.Event()
+    progress = threading.Condition()
+    reads = [0, 0]
+    misses: list[tuple[str, int]] = []
+    wrong: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+
+    def reader(node: PeerNode, slot: int) -> None:
+        try:
+            outs = [bytearray(PAGE) for _ in keys]
+            started.wait()
+            while True:
+                last = done.is_set()  # one more full pass after the writer finished
+                ok = node.read_into(keys, [memoryview(o) for o in outs])
+                with progress:
+                    reads[slot] += 1
+                    progress.notify_all()
+                for i, (hit, out) in enumerate(zip(ok, outs, strict=True)):
+                    if not hit:
+                        misses.append((node.node_id, i))
+                    elif bytes(out) not in allowed[i]:
+                        wrong.append((node.node_id, i))
+                if last or reads[slot] > 100_000:
+                    return
+        except BaseException as exc:  # surfaced below, never swallowed
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(n, j)) for j, n in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    try:
+        started.wait()
+        for r in range(1, rounds + 1):
+            assert all(a.publish_many(keys, [version(i, r) for i in range(nkeys)]))
+            if r == rounds // 2:  # both readers are reading while the republishing goes on
+                with progress:
+                    assert progress.wait_for(lambda: min(reads) >= 1 or bool(errors), timeout=30)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert misses == [] and wrong == []
+    assert min(reads) >= 2
+    # Every version went to a fresh slot (new bytes) or none did (identical bytes).
+    pool = a._pool_for(PAGE)
+    assert len(pool) == nkeys and pool.used_bytes == nkeys * PAGE
+    assert len(pool._held) == 0
+    if new_bytes:
+        assert len(pool._free) == pool.num_slots - nkeys
+    # After the last round every key reads its newest version.
+    outs = [bytearray(PAGE) for _ in keys]
+    assert b.read_into(keys, [memoryview(o) for o in outs]) == [True] * nkeys
+    assert [bytes(o) for o in outs] == [version(i, rounds) for i in range(nkeys)]
+
+
+def test_republish_in_another_size_class(cluster: InProcessCluster) -> None:
+    """A key republished with a page of another size goes to another pool; the directory
+    takes the new entry (one generation order across pools) and the old page is dropped."""
+    a, b = cluster.nodes
+    k = key(0, "class")
+    for _ in range(2):  # the first pool's counter must not outrun the second's
+        assert a.publish_many([k], [page(1)]) == [True]
+        assert a.publish_many([key(1, "class")], [page(2)]) == [True]
+    assert a.publish_many([k], [page(3, 2 * PAGE)]) == [True]
+    out = bytearray(2 * PAGE)
+    assert b.read_into([k], [memoryview(out)]) == [True] and bytes(out) == page(3, 2 * PAGE)
+    assert k not in a._pool_for(PAGE) and k in a._pool_for(2 * PAGE)
+    assert b.read_into([k], [memoryview(bytearray(PAGE))]) == [False]
+
+
+# ---------------------------------------------------------------------- bad directory entries
+def test_one_bad_entry_is_one_miss(cluster: InProcessCluster) -> None:
+    """Entries with an address outside the producer's region, a length that is not the
+    page's, a huge length, or an unknown rkey: each is that key's miss, and the rest of the
+    batch (local and remote pages, staged and v1 paths) is served."""
+    a, b = cluster.nodes
+    n = 8
+    keys = [key(i, "bad") for i in range(n)]
+    assert all(a.publish_many(keys, [page(i) for i in range(n)]))
+    good = {k: b.lookup([k])[0] for k in keys}
+    forged = {
+        keys[1]: lambda e: replace(e, addr=e.addr + (1 << 40)),  # outside the region
+        keys[3]: lambda e: replace(e, length=PAGE // 2),  # not the page's length
+        keys[5]: lambda e: replace(e, length=1 << 40),  # no READ could fetch it
+        keys[6]: lambda e: replace(e, rkey=e.rkey ^ 0x5A5A),  # no such region
+    }
+    for k, f in forged.items():
+        for node in cluster.nodes:
+            node.shard.put(k, f(good[k]))
+    store_b, store_a = PeerCacheStore(node=b), PeerCacheStore(node=a)
+    # The producer's own reads are a memcpy from its pool, which ignores addr and rkey.
+    local_misses = {keys[3], keys[5]}
+    for reader, misses in ((store_b, set(forged)), (store_a, local_misses)):
+        got = reader.batch_get(keys)
+        assert [g is not None for g in got] == [k not in misses for k in keys]
+        assert all(bytes(g.numpy()) == page(i) for i, g in enumerate(got) if g is not None)
+        outs = [bytearray(PAGE // 2 if k == keys[3] else PAGE) for k in keys]
+        ok = reader.node.read_into(keys, [memoryview(o) for o in outs])
+        # keys[3] asks for exactly the forged length: the remote READ fails verification
+        # (the header says PAGE) and the local copy refuses a page of another length.
+        assert ok == [k not in misses for k in keys]
+        assert all(bytes(o) == page(i) for i, (o, hit) in enumerate(zip(outs, ok, strict=True)) if hit)
+
+
+# ---------------------------------------------------------------------- start-up
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("taken", ["metrics", "data"])
+def test_failed_start_names_the_port_and_closes_everything(tmp_path: Path, taken: str) -> None:
+    """Occupy one port: the start fails with an error naming that listener and port, and
+    every listener and thread the node had opened is gone (its ports bind again)."""
+    for _attempt in range(5):  # another process may grab a port we just saw free: retry
+        ports = {"rpc": _free_port(), "data": _free_port(), "metrics": _free_port()}
+        blocker = socket.create_server(("127.0.0.1", ports[taken]))
+        try:
+            cfg = PeerConfig(
+                rpc_port=ports["rpc"],
+                data_port=ports["data"],
+                metrics_port=ports["metrics"],
+                disk_enabled=True,
+                disk_path=str(tmp_path / "disk"),
+                cluster_token="t" * 32,
+            )
+            with pytest.raises(PortInUseError) as info:
+                PeerNode(cfg)
+        finally:
+            blocker.close()
+        if info.value.listener == taken:
+            break
+    err = info.value
+    assert (err.listener, err.port, err.host) == (taken, ports[taken], "127.0.0.1")
+    assert f"{taken} port {ports[taken]} on 127.0.0.1 is in use" in str(err)
+    assert f"--{taken}-port 0" in str(err)
+    assert err.errno == errno.EADDRINUSE and isinstance(err, OSError)
+    for name, port in ports.items():
+        assert _bindable(port), f"{name} port {port} still open after the failed start"
+    alive = [t.name for t in threading.enumerate() if any(str(p) in t.name for p in ports.values())]
+    assert alive == []
