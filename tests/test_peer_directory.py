@@ -107,16 +107,6 @@ def test_shard_is_thread_safe() -> None:
     assert all(isinstance(e, DirEntry) for e in s.snapshot().values())
 
 
-def test_prune_unowned() -> None:
-    nodes = ["a", "b", "c"]
-    s = DirectoryShard()
-    s.batch_put([(k, entry()) for k in KEYS])
-    ring = HashRing(nodes)
-    gone = s.prune_unowned(ring, "a", 2)
-    assert all("a" not in ring.owners(k, 2) for k in gone)
-    assert all("a" in ring.owners(k, 2) for k in s.snapshot())
-
-
 # ---------------------------------------------------------------------- view
 def test_view_writes_to_all_replicas_and_reads_primary() -> None:
     nodes = ["a", "b", "c", "d"]

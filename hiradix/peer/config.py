@@ -102,8 +102,9 @@ class PeerConfig:
     bind_host:
         Address every listener binds (RPC, data, discovery). Loopback by default; any other
         address requires a cluster token (here or in ``$HIRADIX_CLUSTER_TOKEN``).
-    rpc_port, data_port, meta_port:
-        Control-plane RPC, TCP data-plane and discovery ports; ``0`` picks a free port.
+    rpc_port, data_port:
+        Control-plane RPC (which also serves discovery) and TCP data-plane ports; ``0`` picks
+        a free port.
     discovery_addr:
         ``"host:port"`` of the head master; ``None`` for a single node.
     max_masters:
@@ -137,7 +138,6 @@ class PeerConfig:
     bind_host: str = "127.0.0.1"
     rpc_port: int = 0
     data_port: int = 0
-    meta_port: int = 0
     discovery_addr: str | None = None
     max_masters: int = 3
     virtual_nodes: int = 160
@@ -188,7 +188,7 @@ class PeerConfig:
             if not isinstance(v, str) or not v.strip():
                 raise ConfigError(f"{name}: expected a non-empty string, got {v!r}")
 
-        for name in ("rpc_port", "data_port", "meta_port", "metrics_port"):
+        for name in ("rpc_port", "data_port", "metrics_port"):
             need_int(name, 0, 65535)
         need_int("max_masters", 1)
         need_int("virtual_nodes", 1, 100_000)

@@ -321,19 +321,6 @@ class DirectoryShard:
                 del self._codes[k]
             return len(gone)
 
-    def prune_unowned(self, ring: HashRing, self_node: str, replicas: int) -> list[str]:
-        """Delete and return the keys this node no longer owns under ``ring``.
-
-        Call after a membership change once producers have re-published.
-        Runtime complexity: ``O(len(shard) * log(N * V))``.
-        """
-        with self._lock:
-            gone = [k for k in self._entries if self_node not in ring.owners(k, replicas)]
-            for k in gone:
-                del self._entries[k]
-                del self._codes[k]
-            return gone
-
     def snapshot(self) -> dict[str, DirEntry]:
         """A copy of all entries. Runtime complexity: ``O(len(shard))``."""
         with self._lock:
