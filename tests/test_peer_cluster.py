@@ -4,7 +4,9 @@ scraped over HTTP. Real time only here, always bounded by deadlines; waits poll 
 
 One module-scoped scenario, in order (each step depends on the previous one):
 set on one node and get on the others; ``kill -9`` of a producer; the head master dying;
-a new node joining through another master; metrics scraped and parsed.
+a new node joining through another master; metrics scraped and parsed. Then clusters of
+their own: nodes started with the README's commands, ``kill -9`` and restarted with the
+same commands, rejoin; a node that cannot join exits and says why.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,14 +39,29 @@ def page(i: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
 
 
+def serve_cmd(*args: str) -> list[str]:
+    cmd = [sys.executable, "-m", "hiradix.peer.cli", "serve", "--data-rpc", "--metrics-port", "0"]
+    return cmd + ["--heartbeat", str(HEARTBEAT), "--lifetime", str(LIFETIME), "--pool-size", "16MiB", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Proc:
     """One ``hiradix peer serve`` process and the JSON line it printed."""
 
-    def __init__(self, token: str, *args: str) -> None:
+    def __init__(self, token: str, *args: str, log: Path | None = None) -> None:
         env = dict(os.environ, HIRADIX_CLUSTER_TOKEN=token)
-        cmd = [sys.executable, "-m", "hiradix.peer.cli", "serve", "--data-rpc", "--metrics-port", "0"]
-        cmd += ["--heartbeat", str(HEARTBEAT), "--lifetime", str(LIFETIME), "--pool-size", "16MiB", *args]
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        cmd = serve_cmd(*args)
+        err = subprocess.DEVNULL if log is None else log.open("a")
+        try:
+            self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        finally:
+            if log is not None:
+                err.close()  # type: ignore[union-attr]
         assert self.p.stdout is not None
         line = self.p.stdout.readline()  # bounded: the node prints it once up, or exits
         if not line:
@@ -80,8 +99,11 @@ class Cluster:
         self.procs: dict[str, Proc] = {}
         self.client = RpcClient(self.token, timeout=5.0)
 
-    def start(self, name: str, *args: str) -> Proc:
-        self.procs[name] = p = Proc(self.token, *args)
+    def start(self, name: str, *args: str, log: Path | None = None) -> Proc:
+        old = self.procs.get(name)
+        if old is not None:
+            old.stop()
+        self.procs[name] = p = Proc(self.token, *args, log=log)
         return p
 
     def call(self, name: str, method: str, *args: Any, timeout: float = 5.0) -> Any:
@@ -89,6 +111,19 @@ class Cluster:
 
     def members(self, name: str) -> set[str]:
         return set(self.call(name, "node_status")["members"])
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        """The node's status, or ``None`` while it cannot answer (a restart: the pooled
+        connection to the previous process breaks once)."""
+        try:
+            st: dict[str, Any] = self.call(name, "node_status")
+        except Exception:
+            return None
+        return st
+
+    def agree(self, names: str, ids: set[str]) -> bool:
+        sts = [self.status(n) for n in names]
+        return all(st is not None and set(st["members"]) == ids for st in sts)
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -190,3 +225,87 @@ def test_status_cli(cluster: Cluster) -> None:
         timeout=30,
     )
     assert bad.returncode == 1  # a wrong token is refused by the handshake
+
+
+# ---------------------------------------------------------------------- restarts
+def _get(c: Cluster, name: str, keys: list[str]) -> list[bytes | None]:
+    try:
+        got: list[bytes | None] = c.call(name, "page_get", keys, [PAGE] * len(keys))
+    except Exception:  # the node is still coming up: not yet
+        return [None] * len(keys)
+    return got
+
+
+def test_nodes_restarted_with_their_own_commands_rejoin(tmp_path: Path) -> None:
+    """The README's commands: a head on a fixed port, others ``--join`` it. Each is killed
+    with ``kill -9`` and restarted with the very command it was started with."""
+    c = Cluster()
+    try:
+        head_cmd = ("--rpc-port", str(free_port()))
+        head_addr = f"127.0.0.1:{head_cmd[1]}"
+        b_cmd = ("--rpc-port", str(free_port()), "--join", head_addr)
+        c.start("a", *head_cmd, log=tmp_path / "a.log")
+        c.start("b", *b_cmd, log=tmp_path / "b.log")
+        ids = {p.info["node_id"] for p in c.procs.values()}
+        wait_for(lambda: c.agree("ab", ids))
+
+        # The head dies and stays dead until the other has expired it.
+        c.procs["a"].kill9()
+        wait_for(lambda: head_addr not in (c.status("b") or {"members": [head_addr]})["members"])
+        c.start("a", *head_cmd, log=tmp_path / "a.log")  # alone, with no seed to join
+        wait_for(lambda: c.agree("ab", ids))
+        wait_for(lambda: bool((c.status("a") or {}).get("ready")))
+        akeys = [f"ra-{i:04d}" for i in range(32)]
+        assert all(c.call("a", "page_put", akeys, [page(4000 + i) for i in range(32)]))
+        wait_for(lambda: _get(c, "b", akeys) == [page(4000 + i) for i in range(32)])
+
+        # A member restarted on its own ports: its new run replaces the old one everywhere,
+        # even for keys the old run wrote with higher generations.
+        bkeys = [f"rb-{i:04d}" for i in range(16)]
+        for rnd in range(3):
+            assert all(c.call("b", "page_put", bkeys, [page(5000 + 100 * rnd + i) for i in range(16)]))
+        c.procs["b"].kill9()
+        c.start("b", *b_cmd, log=tmp_path / "b.log")
+        wait_for(lambda: c.agree("ab", ids))
+        wait_for(lambda: bool((c.status("b") or {}).get("ready")))
+        assert all(c.call("b", "page_put", bkeys, [page(6000 + i) for i in range(16)]))
+        wait_for(lambda: _get(c, "a", bkeys) == [page(6000 + i) for i in range(16)])
+    finally:
+        c.close()
+    b_log = (tmp_path / "b.log").read_text()
+    assert f"member expired: {head_addr}" in b_log and f"member joined: {head_addr}" in b_log
+    a_log = (tmp_path / "a.log").read_text()
+    assert "INFO hiradix.peer.membership" in a_log and "member joined" in a_log
+
+
+def _serve(token: str, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HIRADIX_CLUSTER_TOKEN=token)
+    return subprocess.run(
+        serve_cmd(*args), capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def test_a_node_that_cannot_join_fails_and_says_why(tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    out = _serve("t" * 32, "--join", dead, "--join-timeout", "1")
+    assert out.returncode == 1 and not out.stdout
+    assert "cannot join the cluster" in out.stderr and dead in out.stderr and "Traceback" not in out.stderr
+    # A wrong token is refused at once (no waiting out --join-timeout) and named as such.
+    c = Cluster()
+    try:
+        head = c.start("a", log=tmp_path / "a.log")
+        t0 = time.monotonic()
+        out = _serve("w" * 32, "--join", head.rpc, "--join-timeout", "60")
+        assert out.returncode == 1 and "cluster token was refused" in out.stderr
+        assert time.monotonic() - t0 < 30.0
+        assert c.members("a") == {head.info["node_id"]}
+    finally:
+        c.close()
+
+
+def test_a_node_allowed_to_run_alone_says_so() -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    out = _serve("t" * 32, "--join", dead, "--join-timeout", "0.5", "--allow-alone", "--lifetime", "0.5")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["ready"] is False
+    assert "WARNING" in out.stderr and "running ALONE" in out.stderr

@@ -108,3 +108,22 @@ def test_file_errors(tmp_path: Path) -> None:
         PeerConfig.from_file(yml)
     with pytest.raises(ConfigError, match="expected a table"):
         PeerConfig.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_advertised_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hiradix.peer import config as config_mod
+
+    assert PeerConfig().advertised_host() == "127.0.0.1"
+    assert PeerConfig(bind_host="10.1.2.3", cluster_token="t" * 32).advertised_host() == "10.1.2.3"
+    assert PeerConfig(advertise_addr="node-7.example").advertised_host() == "node-7.example"
+    for bad in ("0.0.0.0", "::", "host:7000", "a b"):
+        with pytest.raises(ConfigError, match="advertise_addr"):
+            PeerConfig(advertise_addr=bad)
+    wild = PeerConfig(bind_host="0.0.0.0", cluster_token="t" * 32)
+    monkeypatch.setattr(config_mod, "_route_source", lambda family: "10.9.8.7")
+    assert wild.advertised_host() == "10.9.8.7"
+    # No default route: the hostname's address, but never loopback; else a clear error.
+    monkeypatch.setattr(config_mod, "_route_source", lambda family: None)
+    monkeypatch.setattr(config_mod.socket, "gethostname", lambda: "localhost")
+    with pytest.raises(ConfigError, match="--advertise-addr"):
+        wild.advertised_host()

@@ -82,7 +82,11 @@ def test_shard_dispatch_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="malformed"):
         s.dispatch("dir_get", [3])
     with pytest.raises(ValueError, match="malformed"):
-        DirEntry.from_wire(["n", -1, 0, 0, 0, True])
+        DirEntry.from_wire(["n", -1, 0, 0, 0, True, 0])
+    with pytest.raises(ValueError, match="malformed"):
+        DirEntry.from_wire(["n", 1, 0, 0, 0, True, -1])
+    with pytest.raises(ValueError, match="malformed"):
+        DirEntry.from_wire(["n", 1, 0, 0, 0, True])  # no incarnation
 
 
 def test_shard_is_thread_safe() -> None:
@@ -107,14 +111,39 @@ def test_shard_is_thread_safe() -> None:
     assert all(isinstance(e, DirEntry) for e in s.snapshot().values())
 
 
-def test_prune_unowned() -> None:
-    nodes = ["a", "b", "c"]
+def test_newer_incarnation_replaces_whatever_the_generations() -> None:
     s = DirectoryShard()
-    s.batch_put([(k, entry()) for k in KEYS])
-    ring = HashRing(nodes)
-    gone = s.prune_unowned(ring, "a", 2)
-    assert all("a" not in ring.owners(k, 2) for k in gone)
-    assert all("a" in ring.owners(k, 2) for k in s.snapshot())
+    old = [(k, DirEntry("p", 64 * i, 7, 100, 1000 + i, incarnation=5)) for i, k in enumerate(KEYS[:10])]
+    assert s.batch_put(old) == 10
+    s.put(KEYS[50], DirEntry("q", 0, 1, 10, 3, incarnation=9))  # another node: untouched throughout
+    # The restarted producer's generations start again from 1: its entries still win, and
+    # every entry of its earlier run is gone, rewritten or not.
+    assert s.put(KEYS[0], DirEntry("p", 64, 7, 100, 1, incarnation=6))
+    assert s.get(KEYS[0]) == DirEntry("p", 64, 7, 100, 1, incarnation=6)
+    assert [k for k in KEYS[:10] if k in s] == [KEYS[0]]
+    # A late write of the replaced run is refused, and conditional ops see the new run only.
+    assert not s.put(KEYS[1], DirEntry("p", 64, 7, 100, 2000, incarnation=5))
+    assert s.batch_put([(KEYS[0], DirEntry("p", 64, 7, 100, 2000, incarnation=5))]) == 0
+    assert s.get(KEYS[0]).generation == 1
+    assert not s.delete(KEYS[0], "p", 1000)
+    assert s.get(KEYS[50]) == DirEntry("q", 0, 1, 10, 3, incarnation=9)
+    # Membership announcing a newer run drops the current one's entries before it publishes.
+    assert s.retire("p", 7) == 1 and KEYS[0] not in s
+    assert s.retire("p", 6) == 0  # never backwards
+    assert not s.put(KEYS[0], DirEntry("p", 64, 7, 100, 1, incarnation=6))
+    # A node that left is forgotten with its entries: whatever it runs as next is taken.
+    assert s.put(KEYS[0], DirEntry("p", 64, 7, 100, 1, incarnation=7))
+    assert s.drop_node("p") == 1
+    assert s.put(KEYS[0], DirEntry("p", 64, 7, 100, 1, incarnation=3))
+    # Residency flips keep the incarnation.
+    assert s.set_resident(KEYS[0], False, "p", 1) and s.get(KEYS[0]).incarnation == 3
+
+
+def test_incarnations_travel_in_get_answers() -> None:
+    shard = DirectoryShard()
+    shard.put("k", DirEntry("p", 64, 7, 100, 1, incarnation=2**62))
+    view = DirectoryView(HashRing(["me"]), lambda o, m, a: 1 / 0, replicas=1, local_node="me", local_shard=shard)
+    assert view.get("k") == DirEntry("p", 64, 7, 100, 1, incarnation=2**62)
 
 
 # ---------------------------------------------------------------------- view
@@ -330,8 +359,8 @@ def test_packed_entries_round_trip_and_columns() -> None:
         entry(3, "p"),
         DirEntry("q", 2**63, 2**32 - 1, 0, 2**64 - 1),
     ]
-    names, body = pack_entries(entries)
-    assert names == ["p", "q"] and len(body) == len(entries) * PACKED_ENTRY.itemsize
+    names, body, incs = pack_entries(entries)
+    assert names == ["p", "q"] and incs == [0, 0] and len(body) == len(entries) * PACKED_ENTRY.itemsize
     assert int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
     shard = DirectoryShard()
     for i, e in enumerate(entries):
@@ -341,7 +370,7 @@ def test_packed_entries_round_trip_and_columns() -> None:
     cols = view.batch_get_columns(KEYS[: len(entries)])
     assert cols.entries() == entries and view.batch_get(KEYS[: len(entries)]) == entries
     assert cols.node_index("q") == cols.nodes.index("q") and cols.node_index("zz") == -1
-    assert pack_entries([]) == [[], b""]
+    assert pack_entries([]) == [[], b"", []]
 
 
 def test_packed_answer_bad_record_fails_that_key_only() -> None:
@@ -359,10 +388,10 @@ def test_packed_answer_bad_record_fails_that_key_only() -> None:
         return good.dispatch(method, args)
 
     def node_out_of_range(args: list[Any]) -> Any:
-        names, body = good.dispatch("dir_get", args)
+        names, body, incs = good.dispatch("dir_get", args)
         recs = np.frombuffer(body, PACKED_ENTRY).copy()
         recs["node"][args.index(keys_a[0])] = len(names)  # names no node of the answer
-        return [names, recs.tobytes()]
+        return [names, recs.tobytes(), incs]
 
     answers["dir_get"] = node_out_of_range
     view = DirectoryView(ring, call, replicas=2)
@@ -371,10 +400,13 @@ def test_packed_answer_bad_record_fails_that_key_only() -> None:
     # Whole answers of the wrong shape: the owner failed for all its keys.
     for bad in (
         lambda a: None,
-        lambda a: [["p"], b"\0" * (PACKED_ENTRY.itemsize * len(a) + 1)],
-        lambda a: [[3], b"\0" * PACKED_ENTRY.itemsize * len(a)],
-        lambda a: ["p", b"\0" * PACKED_ENTRY.itemsize * len(a)],
-        lambda a: [["p"], "x"],
+        lambda a: [["p"], b"\0" * PACKED_ENTRY.itemsize * len(a)],
+        lambda a: [["p"], b"\0" * (PACKED_ENTRY.itemsize * len(a) + 1), [0]],
+        lambda a: [[3], b"\0" * PACKED_ENTRY.itemsize * len(a), [0]],
+        lambda a: ["p", b"\0" * PACKED_ENTRY.itemsize * len(a), [0]],
+        lambda a: [["p"], "x", [0]],
+        lambda a: [["p"], b"\0" * PACKED_ENTRY.itemsize * len(a), []],
+        lambda a: [["p"], b"\0" * PACKED_ENTRY.itemsize * len(a), [-1]],
     ):
         answers["dir_get"] = bad
         view = DirectoryView(ring, call, replicas=2)

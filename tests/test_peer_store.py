@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -129,7 +130,7 @@ def test_v1_direct_stale_is_a_miss(cluster: InProcessCluster) -> None:
     # wrong generation for keys[1]
     loc = pool.location(keys[1])
     assert loc is not None
-    forged = DirEntry(a.node.node_id, loc.addr, loc.rkey, src.page_bytes, loc.generation + 1)
+    forged = replace(entry, addr=loc.addr, rkey=loc.rkey, length=src.page_bytes, generation=loc.generation + 1)
     for dir_node in cluster.nodes:
         dir_node.shard.put(keys[1], forged)
     # torn payload for keys[2]: one payload byte changes under an intact header
@@ -158,7 +159,7 @@ def test_stale_slot_is_a_miss_never_wrong_bytes(cluster: InProcessCluster) -> No
     # A forged entry with the right slot but another generation is rejected too.
     loc = a.node._pool_for(PAGE).location(key(2))
     assert loc is not None
-    forged = DirEntry(a.node.node_id, loc.addr, loc.rkey, PAGE, loc.generation + 1)
+    forged = DirEntry(a.node.node_id, loc.addr, loc.rkey, PAGE, loc.generation + 1, incarnation=a.node.incarnation)
     for dir_node in cluster.nodes:
         dir_node.shard.put(key(3), forged)
     assert b.get(key(3), bytearray(PAGE)) is None

@@ -6,9 +6,13 @@
     hiradix peer status --node 127.0.0.1:7000 [--json]
 
 ``serve`` prints one JSON line with the node's addresses once it is up (``node_id``,
-``rpc``, ``data``, ``metrics``), then runs until SIGINT/SIGTERM or ``--lifetime`` seconds.
-Flags override the config file. The cluster token comes from ``cluster_token`` in the
-config, ``--token-file``, or ``$HIRADIX_CLUSTER_TOKEN``.
+``rpc``, ``data``, ``metrics``, ``members``, ``masters``, ``ready``), then runs until
+SIGINT/SIGTERM or ``--lifetime`` seconds, logging to stderr (membership changes, refused
+cluster tokens; ``--log-level``). A node given ``--join``/``--discovery-addr`` must join:
+if no seed answers within ``--join-timeout`` (or every seed refuses the cluster token) it
+exits with status 1 and says why, unless ``--allow-alone``. Flags override the config file.
+The cluster token comes from ``cluster_token`` in the config, ``--token-file``, or
+``$HIRADIX_CLUSTER_TOKEN``.
 
 Wire into the top-level ``hiradix`` command with :func:`add_subparsers`.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -35,7 +40,10 @@ examples:
   hiradix peer status --node 127.0.0.1:7000 [--json]
 
 The cluster token comes from cluster_token in the config, --token-file, or
-$HIRADIX_CLUSTER_TOKEN. Listeners bind to 127.0.0.1 unless --bind says otherwise."""
+$HIRADIX_CLUSTER_TOKEN. Listeners bind to 127.0.0.1 unless --bind says otherwise; with
+--bind 0.0.0.0 other nodes are told the address of the default route's interface
+unless --advertise-addr names another. A node restarted with the command it was started
+with rejoins its cluster (the members remember it)."""
 
 
 def _add_serve(commands: Any) -> None:
@@ -47,11 +55,21 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--config", type=Path, help="a .json or .toml PeerConfig file")
     p.add_argument("--node-id", help="id on the ring (default: host:rpc_port)")
     p.add_argument("--bind", dest="bind_host", help="bind address of every listener (default 127.0.0.1)")
+    p.add_argument(
+        "--advertise-addr",
+        dest="advertise_addr",
+        metavar="HOST",
+        help="host other nodes reach this one at (default: the bind address; for 0.0.0.0 the default route's)",
+    )
     p.add_argument("--rpc-port", type=int, help="control-plane port (0: any)")
     p.add_argument("--data-port", type=int, help="TCP data-plane port (0: any)")
     p.add_argument("--discovery-addr", help="host:port of the head master (default: this node is the head)")
     p.add_argument(
         "--join", action="append", default=[], metavar="HOST:PORT", help="another master to join through (repeat)"
+    )
+    p.add_argument("--join-timeout", dest="join_timeout_s", type=float, help="seconds to keep trying the seeds (30)")
+    p.add_argument(
+        "--allow-alone", action="store_true", help="if no seed can be joined, run alone (a WARNING) instead of failing"
     )
     p.add_argument("--pool-size", help="published pool bytes, e.g. 8GiB")
     p.add_argument("--page-size", help="page bytes (one slot), e.g. 64KiB")
@@ -65,6 +83,9 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period in seconds (default 1)")
     p.add_argument("--lifetime", type=float, help="exit after this many seconds (tests, demos)")
     p.add_argument("--data-rpc", action="store_true", help="also serve page_put/page_get over RPC (operators, tests)")
+    p.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(INFO)"
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -119,6 +140,8 @@ def _config(args: argparse.Namespace) -> Any:
     for name in (
         "node_id",
         "bind_host",
+        "advertise_addr",
+        "join_timeout_s",
         "rpc_port",
         "data_port",
         "discovery_addr",
@@ -145,8 +168,13 @@ def _config(args: argparse.Namespace) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     from hiradix.peer.config import ConfigError
+    from hiradix.peer.membership import JoinError
     from hiradix.peer.node import PeerNode
 
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
+    )
+    log = logging.getLogger("hiradix.peer.serve")
     try:
         cfg = _config(args)
     except (ConfigError, OSError) as exc:
@@ -156,7 +184,10 @@ def run_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        node = PeerNode(cfg, seeds=args.join, heartbeat_s=args.heartbeat)
+        node = PeerNode(cfg, seeds=args.join, heartbeat_s=args.heartbeat, allow_alone=args.allow_alone)
+    except JoinError as exc:
+        print(f"hiradix peer serve: cannot join the cluster: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as exc:
         print(f"hiradix peer serve: cannot start: {exc}", file=sys.stderr)
         return 1
@@ -164,9 +195,20 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.data_rpc:
             node.enable_data_rpc()
         st = node.status()
-        print(json.dumps({k: st[k] for k in ("node_id", "rpc", "data", "metrics", "members", "masters")}), flush=True)
+        log.info(
+            "serving %s (rpc %s, data %s, incarnation %d); members: %s; ready: %s",
+            st["node_id"],
+            st["rpc"],
+            st["data"],
+            st["incarnation"],
+            ", ".join(st["members"]),
+            st["ready"],
+        )
+        keys = ("node_id", "rpc", "data", "metrics", "members", "masters", "ready")
+        print(json.dumps({k: st[k] for k in keys}), flush=True)
         stop.wait(args.lifetime)
     finally:
+        log.info("stopping %s", node.node_id)
         node.close()
     return 0
 
@@ -199,6 +241,7 @@ def run_status(args: argparse.Namespace) -> int:
         f"node        {st['node_id']}  (rpc {st['rpc']}, data {st['data']} over {st['transport']})",
         f"members     {len(st['members'])}: {', '.join(st['members'])}",
         f"masters     {', '.join(st['masters'])}" + ("  [no master reachable: cached view]" if st["frozen"] else ""),
+        f"ready       {'yes' if st['ready'] else 'no: the directory share is still being pulled'}",
         f"pool        {pool['pages']} pages, {_fmt_bytes(pool['used_bytes'])} of "
         f"{_fmt_bytes(pool['capacity_bytes'])}, {pool['evictions']} evictions",
         "disk        off"

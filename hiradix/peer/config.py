@@ -24,13 +24,14 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "PeerConfig", "parse_size"]
+__all__ = ["WILDCARD_HOSTS", "ConfigError", "PeerConfig", "default_advertise_host", "parse_size"]
 
 GiB = 1 << 30
 _UNITS = {
@@ -49,8 +50,13 @@ _UNITS = {
     "GIB": 1 << 30,
     "TIB": 1 << 40,
 }
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # binds that listen on every interface
+# Where route lookups aim: TEST-NET addresses (RFC 5737 / RFC 3849). Connecting a UDP socket
+# sends nothing; the kernel only picks the route and with it the source address.
+_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
 
 
 class ConfigError(ValueError):
@@ -79,6 +85,13 @@ def parse_size(value: int | str, name: str = "size") -> int:
     raise ConfigError(f"{name}: expected an int or a size string, got {type(value).__name__}")
 
 
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -86,6 +99,49 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _route_source(family: socket.AddressFamily) -> str | None:
+    """The source address the kernel would use towards the default route, or ``None``."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((_ROUTE_PROBES[family], 9))
+            addr = str(s.getsockname()[0])
+    except OSError:  # no route (no default route, or the family is off)
+        return None
+    ip = ipaddress.ip_address(addr.split("%")[0])
+    return None if ip.is_unspecified or ip.is_loopback else addr
+
+
+def default_advertise_host(bind_host: str) -> str:
+    """The address other nodes should dial for a node bound to ``bind_host``.
+
+    A specific address is its own answer. For a wildcard bind (``0.0.0.0``, ``::``) it is the
+    address of the interface the default route leaves by, else what the hostname resolves to,
+    never a wildcard or (when other hosts are meant to reach it) a loopback address;
+    :class:`ConfigError` when neither gives one (set ``advertise_addr``).
+    Runtime complexity: ``O(1)`` (one route lookup, maybe one name lookup).
+
+    >>> default_advertise_host("127.0.0.1")
+    '127.0.0.1'
+    """
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    family = socket.AF_INET6 if bind_host == "::" else socket.AF_INET
+    found = _route_source(family)
+    if found is None:
+        try:
+            infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        addrs = [str(i[4][0]) for i in infos]
+        found = next((a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback), None)
+    if found is None:
+        raise ConfigError(
+            f"bind_host {bind_host!r} listens on every interface and no address to advertise was found "
+            "(no default route, and the hostname resolves to loopback only): set advertise_addr (--advertise-addr)"
+        )
+    return found
 
 
 _SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
@@ -102,10 +158,19 @@ class PeerConfig:
     bind_host:
         Address every listener binds (RPC, data, discovery). Loopback by default; any other
         address requires a cluster token (here or in ``$HIRADIX_CLUSTER_TOKEN``).
-    rpc_port, data_port, meta_port:
-        Control-plane RPC, TCP data-plane and discovery ports; ``0`` picks a free port.
+    advertise_addr:
+        The host (name or address, no port) other nodes reach this one at, which also names
+        the node; ``None``: ``bind_host``, or for a wildcard bind the address of the default
+        route's interface (:func:`default_advertise_host`). Never a wildcard.
+    rpc_port, data_port:
+        Control-plane RPC (which also serves discovery) and TCP data-plane ports; ``0`` picks
+        a free port.
     discovery_addr:
-        ``"host:port"`` of the head master; ``None`` for a single node.
+        ``"host:port"`` of the head master; ``None``: the first seed, or this node when it
+        has none.
+    join_timeout_s:
+        Seconds a starting node keeps trying its seeds before it gives up (fails to start,
+        or runs alone when allowed to).
     max_masters:
         Discovery masters kept active (head first, then by hostname).
     virtual_nodes:
@@ -135,9 +200,9 @@ class PeerConfig:
 
     node_id: str | None = None
     bind_host: str = "127.0.0.1"
+    advertise_addr: str | None = None
     rpc_port: int = 0
     data_port: int = 0
-    meta_port: int = 0
     discovery_addr: str | None = None
     max_masters: int = 3
     virtual_nodes: int = 160
@@ -155,6 +220,7 @@ class PeerConfig:
     metrics_port: int = 31997
     metrics_dashboard: bool = True
     cluster_token: str | None = field(default=None, repr=False)
+    join_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 5.0
     read_timeout_s: float = 10.0
@@ -188,7 +254,7 @@ class PeerConfig:
             if not isinstance(v, str) or not v.strip():
                 raise ConfigError(f"{name}: expected a non-empty string, got {v!r}")
 
-        for name in ("rpc_port", "data_port", "meta_port", "metrics_port"):
+        for name in ("rpc_port", "data_port", "metrics_port"):
             need_int(name, 0, 65535)
         need_int("max_masters", 1)
         need_int("virtual_nodes", 1, 100_000)
@@ -208,11 +274,20 @@ class PeerConfig:
             need_bool(name)
         need_str("node_id", optional=True)
         need_str("bind_host")
+        need_str("advertise_addr", optional=True)
+        if self.advertise_addr is not None and (
+            self.advertise_addr in WILDCARD_HOSTS
+            or not (_HOST_RE.match(self.advertise_addr) or _is_ipv6(self.advertise_addr))
+        ):
+            raise ConfigError(
+                f"advertise_addr: expected the host name or address other nodes dial (no port, "
+                f"not a wildcard), got {self.advertise_addr!r}"
+            )
         need_str("metrics_host", optional=True)
         need_str("disk_path")
         if self.pool_policy not in ("lru",):
             raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
-        for name in ("connect_timeout_s", "rpc_timeout_s", "read_timeout_s", "promote_timeout_s"):
+        for name in ("join_timeout_s", "connect_timeout_s", "rpc_timeout_s", "read_timeout_s", "promote_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
@@ -289,6 +364,11 @@ class PeerConfig:
     def replace(self, **changes: Any) -> PeerConfig:
         """A copy with ``changes`` applied and validated."""
         return dataclasses.replace(self, **changes)
+
+    def advertised_host(self) -> str:
+        """The host other nodes dial: ``advertise_addr``, else :func:`default_advertise_host`
+        of ``bind_host`` (:class:`ConfigError` when a wildcard bind gives none)."""
+        return self.advertise_addr if self.advertise_addr is not None else default_advertise_host(self.bind_host)
 
     @property
     def effective_metrics_host(self) -> str:

@@ -15,8 +15,14 @@ Conditional updates. Deletes and residency changes carry the ``(node, generation
 copy they are about, so a late eviction callback for an old copy never removes the entry of a
 newer one, and a stale re-publish from the same node never replaces a newer entry.
 
+Incarnations. Every entry also carries its producer's *incarnation* (the producer process's
+start time in microseconds, :func:`new_incarnation`). Generations restart with every process,
+so they only order the entries of one incarnation: a shard that sees a node's newer
+incarnation drops everything the earlier one published and takes the new entries whatever
+their generations; entries of an earlier incarnation than the newest seen are refused.
+
 Wire format. An entry travels as the list ``[node, addr, rkey, length, generation,
-resident]`` (msgpack-friendly: no pickled objects). An existence query (``dir_exists``)
+resident, incarnation]`` (msgpack-friendly: no pickled objects). An existence query (``dir_exists``)
 answers one byte per key instead (:data:`MISS`, :data:`RESIDENT`, :data:`ON_DISK`), so the
 hot ``batch_exists`` path moves and checks no full entries.
 """
@@ -25,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import repeat
 from typing import Any, Protocol, cast
 
@@ -48,6 +55,7 @@ __all__ = [
     "DirEntry",
     "DirectoryShard",
     "DirectoryView",
+    "new_incarnation",
     "pack_entries",
     "republish_plan",
 ]
@@ -61,6 +69,16 @@ MISS = 0  # no entry
 RESIDENT = 1  # the page is in its producer's published pool
 ON_DISK = 2  # the page left the pool for its producer's disk tier (a read must promote it)
 _EXISTS_CODES = bytes(range(ON_DISK + 1))
+
+
+def new_incarnation() -> int:
+    """A fresh incarnation id: the wall clock in microseconds (a 64-bit integer).
+
+    Incarnations are only ever compared between runs of the same node id, i.e. of a process
+    restarted on the same host and ports, so one host's clock orders them; a restart takes
+    far longer than a microsecond.
+    """
+    return time.time_ns() // 1000
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,9 @@ class DirEntry:
     resident:
         ``False`` when the page left the pool but is on the producer's disk tier, so a reader
         must ask the producer to promote it first.
+    incarnation:
+        The producer process that wrote it (:func:`new_incarnation`): entries of a newer
+        incarnation of ``node`` replace those of an earlier one, whatever their generations.
     """
 
     node: str
@@ -90,10 +111,11 @@ class DirEntry:
     length: int
     generation: int
     resident: bool = True
+    incarnation: int = 0
 
     def to_wire(self) -> list[Any]:
         """Entry as a plain list for msgpack. Runtime complexity: ``O(1)``."""
-        return [self.node, self.addr, self.rkey, self.length, self.generation, self.resident]
+        return [self.node, self.addr, self.rkey, self.length, self.generation, self.resident, self.incarnation]
 
     @classmethod
     def from_wire(cls, wire: Sequence[Any]) -> DirEntry:
@@ -105,14 +127,15 @@ class DirEntry:
         >>> DirEntry.from_wire(e.to_wire()) == e
         True
         """
-        if not isinstance(wire, (list, tuple)) or len(wire) != 6:
+        if not isinstance(wire, (list, tuple)) or len(wire) != 7:
             raise ValueError(f"malformed directory entry {wire!r}")
-        node, addr, rkey, length, generation, resident = wire
+        node, addr, rkey, length, generation, resident, incarnation = wire
         if not isinstance(node, str) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (addr, rkey, length, generation)
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in (addr, rkey, length, generation, incarnation)
         ):
             raise ValueError(f"malformed directory entry {wire!r}")
-        return cls(node, addr, rkey, length, generation, bool(resident))
+        return cls(node, addr, rkey, length, generation, bool(resident), incarnation)
 
 
 def _matches(entry: DirEntry, node: str | None, generation: int | None) -> bool:
@@ -136,35 +159,43 @@ NO_NODE = 0xFFFF
 
 
 def pack_entries(entries: Sequence[DirEntry | None]) -> list[Any]:
-    """The ``dir_get`` answer for ``entries``: ``[node_names, records]`` where
-    ``records`` is ``bytes`` of one :data:`PACKED_ENTRY` per entry (misses are
-    :data:`NO_NODE`). A reader decodes a whole batch with one ``np.frombuffer``.
+    """The ``dir_get`` answer for ``entries``: ``[node_names, records, incarnations]``
+    where ``records`` is ``bytes`` of one :data:`PACKED_ENTRY` per entry (misses are
+    :data:`NO_NODE`) and ``incarnations[j]`` is the incarnation of ``node_names[j]`` (a
+    shard holds one incarnation per node). A reader decodes a whole batch with one
+    ``np.frombuffer``.
 
     Runtime complexity: ``O(k)``.
 
-    >>> names, body = pack_entries([DirEntry("n1", 64, 7, 100, 3), None])
-    >>> names, len(body), int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
-    (['n1'], 64, True)
+    >>> names, body, incs = pack_entries([DirEntry("n1", 64, 7, 100, 3, incarnation=9), None])
+    >>> names, incs, len(body), int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
+    (['n1'], [9], 64, True)
     """
     names: dict[str, int] = {}
+    incs: list[int] = []
     miss = (NO_NODE, 0, 0, 0, 0, 0, 0)
-    rows = [
-        miss
-        if e is None
-        else (names.setdefault(e.node, len(names)), e.resident, 0, e.rkey, e.addr, e.length, e.generation)
-        for e in entries
-    ]
-    return [list(names), np.array(rows, dtype=PACKED_ENTRY).tobytes()]
+    rows = []
+    for e in entries:
+        if e is None:
+            rows.append(miss)
+            continue
+        j = names.setdefault(e.node, len(names))
+        if j == len(incs):
+            incs.append(e.incarnation)
+        rows.append((j, e.resident, 0, e.rkey, e.addr, e.length, e.generation))
+    return [list(names), np.array(rows, dtype=PACKED_ENTRY).tobytes(), incs]
 
 
 @dataclass(frozen=True)
 class DirColumns:
     """Directory entries of a batch as columns (what :meth:`DirectoryView.batch_get_columns`
     returns). ``records`` holds one :data:`PACKED_ENTRY` per key, in order, its ``node``
-    field an index into ``nodes`` or :data:`NO_NODE` for a miss."""
+    field an index into ``nodes`` or :data:`NO_NODE` for a miss; ``incarnations[j]`` is the
+    incarnation of ``nodes[j]``."""
 
     nodes: list[str]
     records: np.ndarray
+    incarnations: list[int]
 
     def node_index(self, node: str) -> int:
         """The index of ``node`` in :attr:`nodes`, or -1. Runtime complexity: ``O(nodes)``."""
@@ -182,6 +213,7 @@ class DirColumns:
             int(r["length"]),
             int(r["generation"]),
             bool(r["resident"]),
+            self.incarnations[int(r["node"])],
         )
 
     def entries(self) -> list[DirEntry | None]:
@@ -207,6 +239,8 @@ class DirectoryShard:
         # key -> RESIDENT / ON_DISK, kept with _entries under the lock: batch_exists maps
         # keys to bytes with one C-level dict lookup each, no Python code per key.
         self._codes: dict[str, int] = {}
+        # node -> the newest incarnation seen; every entry of that node here is of it.
+        self._incarnations: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -216,14 +250,22 @@ class DirectoryShard:
 
     # ------------------------------------------------------------------ single ops
     def put(self, key: str, entry: DirEntry) -> bool:
-        """Store ``entry`` unless the current entry is a newer copy from the same node.
+        """Store ``entry`` unless the current entry is a newer copy from the same node, or
+        ``entry`` comes from an earlier incarnation of its node than one already seen. The
+        first entry of a newer incarnation drops every entry of the earlier one.
 
-        Returns whether the entry was stored. Runtime complexity: ``O(1)``.
+        Returns whether the entry was stored. Runtime complexity: ``O(1)``; ``O(len(shard))``
+        the first time a node's new incarnation is seen.
         """
         with self._lock:
             return self._put_locked(key, entry)
 
     def _put_locked(self, key: str, entry: DirEntry) -> bool:
+        known = self._incarnations.get(entry.node)
+        if known != entry.incarnation:
+            if known is not None and entry.incarnation < known:
+                return False  # a late write of a process that has been replaced
+            self._retire_locked(entry.node, entry.incarnation)
         cur = self._entries.get(key)
         if cur is not None and cur.node == entry.node and cur.generation > entry.generation:
             return False
@@ -261,7 +303,7 @@ class DirectoryShard:
         if cur is None or not _matches(cur, node, generation):
             return False
         if cur.resident != resident:
-            self._entries[key] = DirEntry(cur.node, cur.addr, cur.rkey, cur.length, cur.generation, resident)
+            self._entries[key] = replace(cur, resident=resident)
             self._codes[key] = RESIDENT if resident else ON_DISK
         return True
 
@@ -310,29 +352,44 @@ class DirectoryShard:
 
     # ------------------------------------------------------------------ maintenance
     def drop_node(self, node: str) -> int:
-        """Delete every entry published by ``node`` (it left the cluster).
+        """Delete every entry published by ``node`` (it left the cluster) and forget its
+        incarnation. Returns how many were deleted.
 
         Runtime complexity: ``O(len(shard))``.
         """
         with self._lock:
-            gone = [k for k, e in self._entries.items() if e.node == node]
-            for k in gone:
-                del self._entries[k]
-                del self._codes[k]
-            return len(gone)
+            self._incarnations.pop(node, None)
+            return self._drop_locked(node)
 
-    def prune_unowned(self, ring: HashRing, self_node: str, replicas: int) -> list[str]:
-        """Delete and return the keys this node no longer owns under ``ring``.
+    def retire(self, node: str, incarnation: int) -> int:
+        """``node`` runs as ``incarnation`` now (membership saw it restart): unless an even
+        newer one was seen, delete the entries of its earlier incarnations and refuse them
+        from now on. Returns how many were deleted.
 
-        Call after a membership change once producers have re-published.
-        Runtime complexity: ``O(len(shard) * log(N * V))``.
+        Runtime complexity: ``O(len(shard))``.
+
+        >>> s = DirectoryShard()
+        >>> _ = s.put("k", DirEntry("n1", 0, 1, 10, 5, incarnation=1))
+        >>> s.retire("n1", 2), s.put("k", DirEntry("n1", 0, 1, 10, 9, incarnation=1)), len(s)
+        (1, False, 0)
         """
         with self._lock:
-            gone = [k for k in self._entries if self_node not in ring.owners(k, replicas)]
-            for k in gone:
-                del self._entries[k]
-                del self._codes[k]
-            return gone
+            known = self._incarnations.get(node)
+            if known is not None and incarnation <= known:
+                return 0
+            return self._retire_locked(node, incarnation)
+
+    def _retire_locked(self, node: str, incarnation: int) -> int:
+        had = node in self._incarnations
+        self._incarnations[node] = incarnation
+        return self._drop_locked(node) if had else 0
+
+    def _drop_locked(self, node: str) -> int:
+        gone = [k for k, e in self._entries.items() if e.node == node]
+        for k in gone:
+            del self._entries[k]
+            del self._codes[k]
+        return len(gone)
 
     def snapshot(self) -> dict[str, DirEntry]:
         """A copy of all entries. Runtime complexity: ``O(len(shard))``."""
@@ -373,15 +430,18 @@ def _packed_of(n: int) -> Callable[[Any], bool]:
     """The shape check of a ``dir_get`` answer for ``n`` keys."""
 
     def check(answer: Any) -> bool:
-        if not isinstance(answer, list) or len(answer) != 2:
+        if not isinstance(answer, list) or len(answer) != 3:
             return False
-        names, body = answer
+        names, body, incs = answer
         return (
             isinstance(names, list)
             and all(type(nm) is str for nm in names)
             and len(names) < NO_NODE
             and isinstance(body, bytes)
             and len(body) == n * PACKED_ENTRY.itemsize
+            and isinstance(incs, list)
+            and len(incs) == len(names)
+            and all(type(i) is int and i >= 0 for i in incs)
         )
 
     return check
@@ -631,15 +691,22 @@ class DirectoryView:
         out = np.zeros(len(keys), dtype=PACKED_ENTRY)
         out["node"] = NO_NODE
         table: dict[str, int] = {}
+        incarnations: list[int] = []
 
         def take(idxs: np.ndarray, answer: list[Any]) -> list[int]:
-            names, body = answer
+            names, body, incs = answer
+            for nm, inc in zip(names, incs, strict=True):
+                j = table.setdefault(nm, len(table))
+                if j == len(incarnations):
+                    incarnations.append(inc)
+                else:  # two owners answered for one node: the newest incarnation names it
+                    incarnations[j] = max(incarnations[j], inc)
             recs = np.frombuffer(body, dtype=PACKED_ENTRY).copy()
             node = recs["node"].astype(np.int64)
             miss = node == NO_NODE
             bad = ~miss & (node >= len(names))
             # Owner-local node numbers -> this batch's table.
-            remap = np.array([table.setdefault(nm, len(table)) for nm in names] + [NO_NODE], dtype=np.int64)
+            remap = np.array([table[nm] for nm in names] + [NO_NODE], dtype=np.int64)
             recs["node"] = remap[np.where(miss | bad, len(names), node)]
             at = np.asarray(idxs, dtype=np.int64)
             out[at] = recs
@@ -650,7 +717,7 @@ class DirectoryView:
             return at[bad | (miss & self.fallback_on_miss)].tolist()
 
         self._read_rounds(keys, "dir_get", _packed_of, take)
-        return DirColumns(list(table), out)
+        return DirColumns(list(table), out, incarnations)
 
     def batch_exists(self, keys: Sequence[str]) -> bytes:
         """Whether each key has an entry, as one byte per key: :data:`MISS`,

@@ -21,6 +21,23 @@ never shrinks the ring under established readers and writers; they keep the cach
 A member expires when no master has heard from it for ``ttl`` seconds. Time is an injected
 ``clock`` (tests drive it by hand; only the multi-process tests use real time).
 
+Incarnations. Every process run of a node has its own ``incarnation`` (its start time in
+microseconds). A record of a newer run replaces the older one like any fresher record, and
+the change is reported (``on_change`` sees the member's record change; the log says
+"restarted"), so the node's earlier directory entries can be dropped and its share of the
+directory sent to it again.
+
+Remembered peers (the local membership cache). Every RPC address a member has been seen at,
+and every seed, is remembered. :meth:`Membership.probe` re-announces this node (a
+``disc_join``) to each remembered address that is not a live member's now, with a bounded
+exponential backoff per address. So a node restarted without seeds (the head, started with
+the command it was first started with) is found again by the members that remember it, a
+lone node keeps trying its seeds, and two halves of a healed partition merge again. An
+address failing for ``forget_after`` seconds in a row is forgotten (seeds never are).
+
+Every change of the live set is logged at INFO, one line per member (joined, left, expired,
+restarted); a peer refusing this node's cluster token is logged as a WARNING.
+
 >>> from hiradix.peer.membership import NodeInfo, compute_masters
 >>> ms = [NodeInfo(n, n, n) for n in ("c:1", "a:1", "b:1", "d:1")]
 >>> compute_masters(ms, head="c:1", max_masters=3)
@@ -36,7 +53,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DISC_METHODS", "Membership", "NodeInfo", "compute_masters"]
+from hiradix.transport.auth import AuthError
+
+__all__ = ["DISC_METHODS", "JoinError", "Membership", "NodeInfo", "compute_masters", "describe_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +68,61 @@ class NodeInfo:
 
     ``node_id`` names it on the ring (and in directory entries); ``rpc`` is its control-plane
     address (discovery, directory, promote); ``data`` the address its transport reads are
-    sent to; ``metrics`` the URL of its metrics server, if any.
+    sent to; ``metrics`` the URL of its metrics server, if any; ``incarnation`` tells this
+    run of the node from earlier ones (:func:`hiradix.peer.directory.new_incarnation`).
     """
 
     node_id: str
     rpc: str
     data: str
     metrics: str | None = None
+    incarnation: int = 0
 
     def to_wire(self) -> list[Any]:
         """As a msgpack-friendly list. Runtime complexity: ``O(1)``."""
-        return [self.node_id, self.rpc, self.data, self.metrics]
+        return [self.node_id, self.rpc, self.data, self.metrics, self.incarnation]
 
     @classmethod
     def from_wire(cls, wire: Sequence[Any]) -> NodeInfo:
         """Inverse of :meth:`to_wire`; ``ValueError`` on a malformed record.
 
-        >>> NodeInfo.from_wire(NodeInfo("a", "h:1", "h:2").to_wire())
-        NodeInfo(node_id='a', rpc='h:1', data='h:2', metrics=None)
+        >>> NodeInfo.from_wire(NodeInfo("a", "h:1", "h:2", incarnation=7).to_wire())
+        NodeInfo(node_id='a', rpc='h:1', data='h:2', metrics=None, incarnation=7)
         """
-        if not isinstance(wire, (list, tuple)) or len(wire) != 4:
+        if not isinstance(wire, (list, tuple)) or len(wire) != 5:
             raise ValueError(f"malformed node record {wire!r}")
-        node_id, rpc, data, metrics = wire
+        node_id, rpc, data, metrics, incarnation = wire
         if not all(isinstance(v, str) and v for v in (node_id, rpc, data)):
             raise ValueError(f"malformed node record {wire!r}")
         if metrics is not None and not isinstance(metrics, str):
             raise ValueError(f"malformed node record {wire!r}")
-        return cls(node_id, rpc, data, metrics)
+        if type(incarnation) is not int or incarnation < 0:
+            raise ValueError(f"malformed node record {wire!r}")
+        return cls(node_id, rpc, data, metrics, incarnation)
+
+
+class JoinError(ConnectionError):
+    """No seed could be reached and authenticated with: this node is in no cluster."""
+
+
+def describe_failure(exc: BaseException) -> tuple[str, bool]:
+    """A one-line reason for a failed call to a peer, and whether the peer refused this
+    node's cluster token (the RPC client wraps the handshake's :class:`AuthError`, which
+    stays in the exception's context).
+
+    >>> describe_failure(ConnectionRefusedError("refused"))
+    ('ConnectionRefusedError: refused', False)
+    >>> describe_failure(AuthError("server refused the cluster token"))[1]
+    True
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, AuthError):
+            return f"the cluster token was refused ({exc})", True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return f"{type(exc).__name__}: {exc}", False
 
 
 def compute_masters(members: Iterable[NodeInfo], head: str | None, max_masters: int) -> tuple[str, ...]:
@@ -91,6 +138,16 @@ def compute_masters(members: Iterable[NodeInfo], head: str | None, max_masters: 
 
 
 CallFn = Callable[[str, str, list[Any]], Any]  # call(rpc_addr, method, args) -> result
+
+
+@dataclass
+class _Remembered:
+    """A remembered peer address and the state of the probes sent to it."""
+
+    node_id: str | None  # the member last seen there (None: a seed never reached yet)
+    due: float  # clock time of the next probe
+    backoff: float  # seconds from the next failure to the probe after it
+    failing_since: float | None = None  # first failure of the current streak
 
 
 class Membership:
@@ -113,8 +170,17 @@ class Membership:
     clock:
         Monotonic seconds (injected; a fake clock in tests).
     on_change:
-        ``on_change(old, new)`` with the live member dicts, called from :meth:`tick` /
-        :meth:`join` (never under the lock) whenever the live set changes.
+        ``on_change(old, new)`` with the live member dicts, called from :meth:`tick`,
+        :meth:`join`, :meth:`probe` or :meth:`handle` (never under the lock) whenever the
+        live set changes; a member's record changing (a restart) counts.
+    probe_call:
+        The ``call`` of :meth:`probe` (a shorter timeout suits it); default ``call``.
+    backoff:
+        ``(first, most)`` seconds between probes of one remembered address: doubling from
+        ``first`` with each failure, never more than ``most``.
+    forget_after:
+        Seconds of continuous failure after which a remembered address (not a seed) is
+        forgotten.
     """
 
     def __init__(
@@ -128,26 +194,40 @@ class Membership:
         ttl: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[dict[str, NodeInfo], dict[str, NodeInfo]], None] | None = None,
+        probe_call: CallFn | None = None,
+        backoff: tuple[float, float] = (1.0, 5.0),
+        forget_after: float = 3600.0,
     ) -> None:
         if max_masters < 1:
             raise ValueError(f"max_masters must be >= 1, got {max_masters}")
         if not ttl > 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
+        if not 0 < backoff[0] <= backoff[1]:
+            raise ValueError(f"backoff must be (first, most) with 0 < first <= most, got {backoff}")
         self.me = me
         self._call = call
+        self._probe_call = probe_call if probe_call is not None else call
         self.head = head
         self.seeds = [s for s in dict.fromkeys([*([head] if head else []), *seeds]) if s != me.rpc]
         self.max_masters = max_masters
         self.ttl = float(ttl)
         self.clock = clock
         self.on_change = on_change
+        self.backoff = (float(backoff[0]), float(backoff[1]))
+        self.forget_after = float(forget_after)
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
-        self._table: dict[str, tuple[NodeInfo, float]] = {me.node_id: (me, clock())}
+        self._probe_lock = threading.Lock()
+        now = clock()
+        self._table: dict[str, tuple[NodeInfo, float]] = {me.node_id: (me, now)}
         self._live: dict[str, NodeInfo] = {me.node_id: me}
+        self._remembered: dict[str, _Remembered] = {s: _Remembered(None, now, self.backoff[0]) for s in self.seeds}
+        self._departed: dict[str, str] = {}  # node id -> why it left the table, until logged
         self.version = 0  # bumped on every change of the live set
         self.frozen = False  # the last tick reached no master: table kept as cached
         self.heartbeat_failures = 0
+        #: RPC address -> why the last ``disc_join`` sent there failed (cleared on success).
+        self.join_failures: dict[str, tuple[str, bool]] = {}
 
     # ------------------------------------------------------------------ queries
     def members(self) -> dict[str, NodeInfo]:
@@ -168,6 +248,12 @@ class Membership:
         """A live member's record, or ``None``. Runtime complexity: ``O(1)``."""
         return self._live.get(node_id)
 
+    def remembered(self) -> dict[str, str | None]:
+        """Remembered peer addresses (seeds included) and the node last seen at each.
+        Runtime complexity: ``O(r)``."""
+        with self._lock:
+            return {addr: r.node_id for addr, r in self._remembered.items()}
+
     # ------------------------------------------------------------------ table
     def _view_wire(self) -> list[Any]:
         now = self.clock()
@@ -185,19 +271,27 @@ class Membership:
         now = self.clock()
         with self._lock:
             for rec in view:
-                if not isinstance(rec, list) or len(rec) != 5 or not isinstance(rec[4], (int, float)):
+                if not isinstance(rec, list) or len(rec) != 6 or not isinstance(rec[5], (int, float)):
                     raise ValueError(f"malformed view record {rec!r}")
-                info = NodeInfo.from_wire(rec[:4])
+                info = NodeInfo.from_wire(rec[:5])
                 if info.node_id == self.me.node_id:
                     continue
-                seen = now - max(float(rec[4]), 0.0)
+                seen = now - max(float(rec[5]), 0.0)
                 cur = self._table.get(info.node_id)
                 if cur is None or seen > cur[1]:
                     self._table[info.node_id] = (info, seen)
+                    self._remember_locked(info, now)
 
     def _touch(self, info: NodeInfo) -> None:
+        now = self.clock()
         with self._lock:
-            self._table[info.node_id] = (info, self.clock())
+            self._table[info.node_id] = (info, now)
+            self._remember_locked(info, now)
+
+    def _remember_locked(self, info: NodeInfo, now: float) -> None:
+        """Remember where ``info`` was seen alive; that address's probes start afresh."""
+        if info.rpc != self.me.rpc:
+            self._remembered[info.rpc] = _Remembered(info.node_id, now + self.backoff[0], self.backoff[0])
 
     def _recompute(self, expire: bool) -> tuple[dict[str, NodeInfo], dict[str, NodeInfo]] | None:
         now = self.clock()
@@ -206,6 +300,7 @@ class Membership:
             if expire:
                 for nid in [n for n, (_, seen) in self._table.items() if now - seen > self.ttl]:
                     del self._table[nid]
+                    self._departed[nid] = "expired"
             live = {nid: info for nid, (info, _) in self._table.items()}
             if live.keys() == self._live.keys() and all(live[k] == self._live[k] for k in live):
                 return None
@@ -214,8 +309,25 @@ class Membership:
             return old, live
 
     def _changed(self, change: tuple[dict[str, NodeInfo], dict[str, NodeInfo]] | None) -> None:
-        if change is not None and self.on_change is not None:
-            self.on_change(*change)
+        if change is None:
+            return
+        old, new = change
+        with self._lock:
+            why = {nid: self._departed.pop(nid, "left") for nid in old.keys() - new.keys()}
+        me = self.me.node_id
+        for nid in sorted(new.keys() - old.keys()):
+            log.info("%s: member joined: %s (rpc %s, incarnation %d)", me, nid, new[nid].rpc, new[nid].incarnation)
+        for nid, reason in sorted(why.items()):
+            if reason == "expired":
+                log.info("%s: member expired: %s (nothing heard for %.1fs)", me, nid, self.ttl)
+            else:
+                log.info("%s: member left: %s", me, nid)
+        for nid in sorted(old.keys() & new.keys()):
+            a, b = old[nid].incarnation, new[nid].incarnation
+            if a != b:
+                log.info("%s: member restarted: %s (incarnation %d -> %d)", me, nid, a, b)
+        if self.on_change is not None:
+            self.on_change(old, new)
 
     # ------------------------------------------------------------------ service (server side)
     def handle(self, method: str, args: list[Any]) -> Any:
@@ -223,7 +335,8 @@ class Membership:
 
         ``disc_join``/``disc_heartbeat``: ``[node_wire]`` -> view; ``disc_view``: ``[]`` ->
         view; ``disc_leave``: ``[node_id]`` -> bool. A view is a list of
-        ``[node_id, rpc, data, metrics, age_seconds]``. ``ValueError`` on bad arguments.
+        ``[node_id, rpc, data, metrics, incarnation, age_seconds]``. ``ValueError`` on bad
+        arguments.
         """
         if method in ("disc_join", "disc_heartbeat"):
             if len(args) != 1:
@@ -242,6 +355,8 @@ class Membership:
                 gone = self._table.pop(args[0], None) is not None and args[0] != self.me.node_id
                 if args[0] == self.me.node_id:
                     self._table[self.me.node_id] = (self.me, self.clock())
+                elif gone:
+                    self._departed[args[0]] = "left"
             self._changed(self._recompute(expire=False))
             return gone
         raise ValueError(f"unknown discovery method {method!r}; expected one of {DISC_METHODS}")
@@ -249,8 +364,9 @@ class Membership:
     # ------------------------------------------------------------------ client side
     def join(self) -> bool:
         """Announce this node to the first live master among the head, the seeds and the
-        masters already known; merge its view. ``True`` when one answered (or when this
-        node is the head / has nobody to ask). Runtime complexity: one RPC per address tried.
+        masters already known; merge its view. ``True`` when one answered, or when there is
+        nobody to ask (a head started alone). Why each address failed is kept in
+        :attr:`join_failures`. Runtime complexity: one RPC per address tried.
         """
         with self._lock:
             known = [
@@ -261,16 +377,59 @@ class Membership:
         targets = list(dict.fromkeys([*self.seeds, *known]))
         if not targets:
             return True
-        for addr in targets:
-            try:
-                view = self._call(addr, "disc_join", [self.me.to_wire()])
-                self._merge(view)
-            except Exception as exc:  # a dead seed: try the next one
-                log.debug("join via %s failed: %r", addr, exc)
-                continue
-            self._changed(self._recompute(expire=False))
-            return True
-        return self.head == self.me.rpc
+        return any(self._announce(addr, self._call) for addr in targets)  # stops at the first
+
+    def _announce(self, addr: str, call: CallFn) -> bool:
+        """``disc_join`` at ``addr`` and merge the view it answers; whether it answered.
+        A failure backs that address's probes off and is recorded in :attr:`join_failures`;
+        a refused cluster token is logged as a WARNING once per failure streak."""
+        try:
+            self._merge(call(addr, "disc_join", [self.me.to_wire()]))
+        except Exception as exc:  # a dead or foreign peer: the caller tries the next one
+            reason, auth = describe_failure(exc)
+            now = self.clock()
+            with self._lock:
+                first = self.join_failures.get(addr) != (reason, auth)
+                self.join_failures[addr] = (reason, auth)
+                r = self._remembered.get(addr)
+                if r is not None:
+                    if r.failing_since is None:
+                        r.failing_since = now
+                    r.due = now + r.backoff
+                    r.backoff = min(2 * r.backoff, self.backoff[1])
+            level = logging.WARNING if auth and first else logging.DEBUG
+            log.log(level, "%s: joining through %s failed: %s", self.me.node_id, addr, reason)
+            return False
+        with self._lock:
+            self.join_failures.pop(addr, None)
+            r = self._remembered.get(addr)
+            if r is not None:
+                r.failing_since, r.backoff = None, self.backoff[0]
+        self._changed(self._recompute(expire=False))
+        return True
+
+    def probe(self) -> int:
+        """Re-announce this node to every remembered address that is due and is not a live
+        member's; forget the addresses (not seeds) failing for ``forget_after`` seconds.
+        Returns how many answered. Runtime complexity: one RPC per address due, ``O(r)``
+        besides.
+        """
+        with self._probe_lock:
+            now = self.clock()
+            with self._lock:
+                live = {info.rpc for info in self._live.values()}
+                stale = [
+                    a
+                    for a, r in self._remembered.items()
+                    if r.failing_since is not None and now - r.failing_since > self.forget_after and a not in self.seeds
+                ]
+                for addr in stale:
+                    del self._remembered[addr]
+                    self.join_failures.pop(addr, None)
+                due = [a for a, r in self._remembered.items() if a not in live and r.due <= now]
+            for addr in stale:
+                log.info("%s: forgetting %s (unreachable for %.0fs)", self.me.node_id, addr, self.forget_after)
+            return sum(self._announce(addr, self._probe_call) for addr in due)
 
     def tick(self) -> bool:
         """One heartbeat round: heartbeat every active master (merging its view), expire
@@ -290,19 +449,15 @@ class Membership:
                     reached = True
                 except Exception as exc:  # a dead master expires like any member
                     self.heartbeat_failures += 1
-                    log.debug("heartbeat to %s failed: %r", nid, exc)
+                    reason, auth = describe_failure(exc)
+                    level = logging.WARNING if auth else logging.DEBUG
+                    log.log(level, "%s: heartbeat to %s failed: %s", self.me.node_id, nid, reason)
             if not others and not reached:
                 reached = True
-            if len(self._live) == 1 and self.seeds and not self.is_master_alone():
-                reached = self.join() or reached
             self.frozen = not reached
             change = self._recompute(expire=reached)
         self._changed(change)
         return change is not None
-
-    def is_master_alone(self) -> bool:
-        """This node is alone and is the configured head (nothing to join)."""
-        return self.head == self.me.rpc
 
     def leave(self) -> None:
         """Tell the active masters this node is going (best effort)."""

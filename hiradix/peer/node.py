@@ -13,9 +13,26 @@ A :class:`PeerNode` runs
   an optional :class:`~hiradix.peer.disk.DiskTier`, and :class:`PeerMetrics` with an
   optional :class:`MetricsServer`;
 - :class:`~hiradix.peer.membership.Membership`, heartbeating the active masters from a
-  background thread; on a change of the live set the ring is rebuilt, entries published by
-  departed nodes are dropped from the local shard, and this node re-publishes its own pages
-  to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`).
+  background thread and probing remembered peers from another; on a change of the live set
+  the ring is rebuilt, entries published by departed nodes (or by a restarted node's earlier
+  incarnation) are dropped from the local shard, and this node re-publishes its own pages
+  to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`), a restarted
+  node counting as having gained all of its keys.
+
+Lifecycle. A node started with seeds (``discovery_addr`` or ``seeds``) that is not itself the
+head must join: :meth:`PeerNode.start` retries its seeds until ``join_timeout_s`` and raises
+:class:`~hiradix.peer.membership.JoinError` if none answered (at once if every seed refused
+the cluster token), unless ``allow_alone``, which starts it alone with a WARNING. Once in a
+cluster the node pulls its share of the directory from every member (``dir_handoff``: each
+producer sends the entries of its pages that this node owns); :meth:`PeerNode.is_ready` is
+true from then on, and false again while a node that was alone merges into a cluster.
+Every node has an incarnation (its start time in microseconds) carried in its membership
+record and its directory entries, so a node restarted on the same address replaces its
+earlier run everywhere.
+
+Addresses. Listeners bind ``bind_host``; other nodes are told ``advertise_addr`` (by default
+the bound address, or for a wildcard bind the address of the default route's interface,
+:meth:`~hiradix.peer.config.PeerConfig.advertised_host`), which also names the node.
 
 Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
 PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Republishing a key
@@ -56,17 +73,26 @@ from typing import Any, Concatenate, ParamSpec
 import numpy as np
 
 from hiradix._native import load
-from hiradix.peer.config import PeerConfig
-from hiradix.peer.directory import DIR_METHODS, MISS, NO_NODE, ON_DISK, DirectoryShard, DirectoryView, DirEntry
+from hiradix.peer.config import WILDCARD_HOSTS, PeerConfig
+from hiradix.peer.directory import (
+    DIR_METHODS,
+    MISS,
+    NO_NODE,
+    ON_DISK,
+    DirectoryShard,
+    DirectoryView,
+    DirEntry,
+    new_incarnation,
+)
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.keyhash import key_digests
-from hiradix.peer.membership import DISC_METHODS, Membership, NodeInfo
+from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import PendingCall, RpcClient, RpcServer
 from hiradix.transport.auth import load_token
-from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, view_at
+from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, parse_peer, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
@@ -76,6 +102,7 @@ log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
 _P = ParamSpec("_P")
+HANDOFF_BATCH = 50_000  # directory entries per dir_handoff answer (a frame stays far below 16 MiB)
 
 _verify: Any = load("hiradix.peer._verify")
 
@@ -202,6 +229,16 @@ def _closed_on_failure(init: Callable[Concatenate[PeerNode, _P], None]) -> Calla
     return wrapper
 
 
+def _with_host(addr: str, host: str) -> str:
+    """``addr`` (``host:port``) with its host replaced: what peers are told to dial.
+
+    >>> _with_host("0.0.0.0:7000", "10.0.0.5"), _with_host("0.0.0.0:7000", "fe80::1")
+    ('10.0.0.5:7000', '[fe80::1]:7000')
+    """
+    _, port = parse_peer(addr)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def size_class(n: int, page_size: int | None) -> int:
     """The slot payload size a page of ``n`` bytes goes to: the configured page size when
     it fits, else the next power of two (at least 64).
@@ -258,15 +295,21 @@ class PeerNode:
     config:
         The node's settings (ports, pool, disk, replicas, timeouts...).
     seeds:
-        Extra RPC addresses of masters to join through (besides ``config.discovery_addr``).
+        Extra RPC addresses of masters to join through (besides ``config.discovery_addr``;
+        without it the first seed is the head).
     fabric:
         Use the in-process fake NIC on this fabric instead of TCP.
     heartbeat_s, ttl_s:
         Heartbeat period of the background thread, and how long a silent member lives
-        (default ``3 * heartbeat_s``).
+        (default ``3 * heartbeat_s``). Remembered peers that are not members are probed
+        every ``heartbeat_s`` at first, backing off to ``5 * heartbeat_s``.
     start:
-        Join the cluster and start the heartbeat thread now; ``False`` leaves both to the
-        caller (:meth:`join`, :meth:`tick`), as unit tests with an injected clock do.
+        :meth:`start` now (join, pull the directory share, start the background threads);
+        ``False`` leaves it to the caller (:meth:`start`, or :meth:`join` and :meth:`tick`
+        by hand, as unit tests with an injected clock do).
+    allow_alone:
+        When :meth:`start` cannot join through any seed, run alone (a WARNING, not ready,
+        seeds retried in the background) instead of raising :class:`JoinError`.
     clock:
         Monotonic seconds for membership (injected in tests).
     recv_bytes, recv_lanes:
@@ -291,6 +334,7 @@ class PeerNode:
         heartbeat_s: float = 1.0,
         ttl_s: float | None = None,
         start: bool = True,
+        allow_alone: bool = False,
         clock: Callable[[], float] = time.monotonic,
         recv_bytes: int = 64 << 20,
         recv_lanes: int = 4,
@@ -298,10 +342,15 @@ class PeerNode:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
+        self.allow_alone = allow_alone
+        self.incarnation = new_incarnation()
+        advertised = cfg.advertised_host()  # before any listener: a ConfigError leaks nothing
         with _binding("rpc", cfg.bind_host, cfg.rpc_port):
             self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
         self._undo.callback(self.rpc.close)
-        self.node_id = cfg.node_id or self.rpc.address
+        #: This node's RPC address as other nodes dial it (what ``--join`` names).
+        self.address = _with_host(self.rpc.address, advertised)
+        self.node_id = cfg.node_id or self.address
         self.client = RpcClient(
             self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
         )
@@ -357,13 +406,20 @@ class PeerNode:
             with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
                 self.metrics_server.start()
             self._undo.callback(self.metrics_server.stop)
-        me = NodeInfo(
-            self.node_id,
-            self.rpc.address,
-            self.transport.address,
-            self.metrics_server.url if self.metrics_server else None,
+        #: The data-plane address peers READ from (the fake NIC's is the node's name).
+        self.data_address = (
+            self.transport.address if fabric is not None else _with_host(self.transport.address, advertised)
         )
-        head = cfg.discovery_addr or self.rpc.address
+        self.metrics_url: str | None = None
+        if self.metrics_server is not None:
+            # Its own bind address unless that is the nodes' one or a wildcard.
+            mhost = cfg.metrics_host
+            if mhost is None or mhost in WILDCARD_HOSTS:
+                mhost = advertised
+            self.metrics_url = "http://" + _with_host(f"{mhost}:{self.metrics_server.port}", mhost)
+        me = NodeInfo(self.node_id, self.address, self.data_address, self.metrics_url, self.incarnation)
+        seeds = [s for s in seeds if s != self.address]
+        head = cfg.discovery_addr or (seeds[0] if seeds else self.address)
         self.membership = Membership(
             me,
             self._rpc_call,
@@ -373,6 +429,8 @@ class PeerNode:
             ttl=ttl_s if ttl_s is not None else 3 * self.heartbeat_s,
             clock=clock,
             on_change=self._on_membership_change,
+            probe_call=self._probe_rpc,
+            backoff=(self.heartbeat_s, 5 * self.heartbeat_s),
         )
         self.shard = DirectoryShard()
         self.directory = DirectoryView(
@@ -391,18 +449,36 @@ class PeerNode:
         for m in DISC_METHODS:
             self.rpc.register(m, self._disc_handler(m))
         self.rpc.register("data_promote", self._handle_promote)
+        self.rpc.register("dir_handoff", self._handle_handoff)
         self.rpc.register("node_status", self.status)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prober: threading.Thread | None = None
         self._closed = False
-        self.metrics.bind_node(self.node_id, self._started_and_joined, lambda: sorted(self.membership.members()))
+        # Readiness: the directory share this node owns is here. A node with nobody to join
+        # starts complete; one that must join is not ready until it has pulled its share.
+        # ``_sync_epoch`` counts the times it had to (re)start pulling, so a pull that ran
+        # across a newer such change does not mark the node ready.
+        self._change_lock = threading.Lock()
+        self._ring_members: dict[str, NodeInfo] = {self.node_id: me}
+        self._sync_epoch = 0 if self._alone_by_design() else 1
+        self._synced_epoch = 0
+        self.metrics.bind_node(self.node_id, self.is_ready, lambda: sorted(self.membership.members()))
         if start:
-            self.join()
-            self.start_heartbeat()
+            try:
+                self.start()
+            except BaseException:
+                self.close(leave=False)
+                raise
 
     # ------------------------------------------------------------------ wiring
     def _rpc_call(self, addr: str, method: str, args: list[Any]) -> Any:
         return self.client.call(addr, method, *args)
+
+    def _probe_rpc(self, addr: str, method: str, args: list[Any]) -> Any:
+        # Probes go to peers that may be gone for good (a blackholed host waits out the whole
+        # connect timeout): a short deadline, on the prober thread, never the heartbeat's.
+        return self.client.call(addr, method, *args, timeout=min(self.config.connect_timeout_s, 2.0))
 
     def _dir_call(self, owner: str, method: str, args: list[Any]) -> Any:
         info = self.membership.info(owner)
@@ -428,49 +504,189 @@ class PeerNode:
 
         return handler
 
-    def _started_and_joined(self) -> bool:
-        """Readiness for ``/ready`` and the dashboard: the node is open, it is in its
-        cluster (other members in its view, or it is the head with nobody to join), and its
-        last heartbeat round reached a master. Runtime complexity: ``O(members)``."""
-        m = self.membership
-        return not self._closed and not m.frozen and (len(m.members()) > 1 or m.is_master_alone())
-
-    @property
-    def address(self) -> str:
-        """This node's RPC address (what ``discovery_addr`` / ``--join`` name)."""
-        return self.rpc.address
-
     # ------------------------------------------------------------------ membership
+    def _alone_by_design(self) -> bool:
+        """Nobody to join: no seeds, or this node is the configured head."""
+        return not self.membership.seeds or self.membership.head == self.address
+
+    def start(self) -> None:
+        """Join the cluster, pull this node's directory share, start the heartbeat and
+        probe threads.
+
+        A node that is not the head and has seeds retries them (backing off from
+        ``heartbeat_s`` to 1 s) until one answers or someone joins it, for
+        ``config.join_timeout_s`` at most; then, or at once when every seed refused the
+        cluster token, it raises :class:`JoinError` naming each seed's failure, or with
+        ``allow_alone`` logs a WARNING and runs alone (not ready; the seeds keep being
+        probed). Runtime complexity: one RPC per seed per attempt, then one per member.
+        """
+        if not self._alone_by_design():
+            deadline = time.monotonic() + self.config.join_timeout_s
+            pause = min(self.heartbeat_s, 1.0)
+            seeds = self.membership.seeds
+            while not (self.membership.join() or len(self.membership.members()) > 1):
+                failures = dict(self.membership.join_failures)
+                refused = all(failures.get(s, ("", False))[1] for s in seeds)
+                if refused or time.monotonic() >= deadline:
+                    why = "; ".join(f"{s}: {failures[s][0]}" for s in seeds if s in failures)
+                    if not self.allow_alone:
+                        raise JoinError(f"{self.node_id} cannot join the cluster through {', '.join(seeds)}: {why}")
+                    log.warning(
+                        "%s: running ALONE, NOT part of any cluster: cannot join through %s (%s); "
+                        "retrying in the background",
+                        self.node_id,
+                        ", ".join(seeds),
+                        why,
+                    )
+                    break
+                self._stop.wait(min(pause, max(deadline - time.monotonic(), 0.0)))
+                pause = min(2 * pause, 1.0)
+        self._sync()
+        self.start_heartbeat()
+
     def join(self) -> bool:
-        """Join through the head or a seed; ``True`` if a master answered (or we are head)."""
-        return self.membership.join()
+        """Join through the head or a seed and pull this node's directory share; ``True``
+        if a master answered (or there was nobody to ask). No retries: see :meth:`start`."""
+        joined = self.membership.join()
+        self._sync()
+        return joined
 
     def tick(self) -> bool:
-        """One heartbeat round (the background thread calls this every ``heartbeat_s``)."""
-        return self.membership.tick()
+        """One heartbeat round (the background thread calls this every ``heartbeat_s``),
+        then the pull of this node's directory share if it is due (see :meth:`is_ready`).
+        Returns whether the live set changed."""
+        changed = self.membership.tick()
+        self._sync()
+        return changed
+
+    def probe(self) -> int:
+        """Probe the remembered peers that are due (the probe thread calls this every
+        ``heartbeat_s``); how many answered."""
+        return self.membership.probe()
 
     def start_heartbeat(self) -> None:
-        """Start the background heartbeat thread (idempotent)."""
+        """Start the background heartbeat and probe threads (idempotent)."""
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._heartbeat_loop, name=f"peer-hb-{self.node_id}", daemon=True)
         self._thread.start()
+        self._prober = threading.Thread(target=self._probe_loop, name=f"peer-probe-{self.node_id}", daemon=True)
+        self._prober.start()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.membership.tick()
+                self.tick()
             except Exception:  # the loop must outlive one bad round
                 log.exception("heartbeat round failed")
 
-    def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
-        old_ring = self.directory.ring
-        new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
-        for gone in old.keys() - new.keys():
-            self.shard.drop_node(gone)
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.membership.probe()
+            except Exception:  # the loop must outlive one bad round
+                log.exception("probe round failed")
+
+    def is_ready(self) -> bool:
+        """Whether this node's view of the directory is complete: it is in its cluster (or
+        has nobody to join) and holds the entries of the keys it owns, pulled from every
+        member (``dir_handoff``) since it last joined. Until then reads through it may miss
+        pages the cluster has. Runtime complexity: ``O(1)``."""
+        with self._change_lock:
+            return self._synced_epoch == self._sync_epoch
+
+    def _sync(self) -> bool:
+        """Pull this node's directory share from every other member if it is due; whether
+        the node is ready. A member that fails leaves the node not ready until the next
+        round (by then it answered or expired). Runtime complexity: one ``dir_handoff`` RPC
+        per member and ``HANDOFF_BATCH`` entries."""
+        with self._change_lock:
+            epoch = self._sync_epoch
+            if self._synced_epoch == epoch:
+                return True
+        members = self.membership.members()
+        if len(members) == 1 and not self._alone_by_design():
+            return False  # still alone: nothing to pull from yet
+        ids = sorted(members)
+        complete = True
+        pulled = 0
+        for nid, info in members.items():
+            if nid == self.node_id:
+                continue
+            try:
+                pulled += self._pull_share(info, ids)
+            except Exception as exc:  # a dead member: it expires, or answers next round
+                complete = False
+                log.debug("%s: directory hand-off from %s failed: %s", self.node_id, nid, describe_failure(exc)[0])
+        with self._change_lock:
+            if complete and self._sync_epoch == epoch:
+                self._synced_epoch = epoch
+                log.info(
+                    "%s: ready: directory share pulled from %d members (%d entries)",
+                    self.node_id,
+                    len(members) - 1,
+                    pulled,
+                )
+            return self._synced_epoch == self._sync_epoch
+
+    def _pull_share(self, info: NodeInfo, ids: list[str]) -> int:
+        """Store the entries ``info``'s node published for keys this node owns on the ring
+        of ``ids``; how many. Runtime complexity: one RPC per ``HANDOFF_BATCH`` entries."""
+        after: str | None = None
+        n = 0
+        while True:
+            items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
+            self.shard.batch_put([(str(k), DirEntry.from_wire(w)) for k, w in items])
+            n += len(items)
+            if not more or not items:
+                return n
+            after = str(items[-1][0])
+
+    def _handle_handoff(self, requester: str, members: list[Any], after: str | None) -> list[Any]:
+        """``dir_handoff``: the entries this node published whose owners, on the ring of
+        ``members``, include ``requester``; keys after ``after`` in sorted order,
+        ``HANDOFF_BATCH`` at most, as ``[[[key, entry_wire], ...], more]``.
+        Runtime complexity: ``O(K log K + K log(N * V))`` for ``K`` published pages."""
+        if not isinstance(requester, str) or not isinstance(members, list) or requester not in members:
+            raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
+        if not all(isinstance(m, str) and m for m in members) or not (after is None or isinstance(after, str)):
+            raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
         with self._lock:
             entries = dict(self._entries)
-        done = self.directory.republish(entries, old_ring, new_ring)
+        keys = sorted(k for k in entries if after is None or k > after)
+        if not keys:
+            return [[], False]
+        names, table = HashRing(members, vnodes=self.config.virtual_nodes).owner_table(
+            keys, self.config.directory_replicas
+        )
+        mine = np.flatnonzero((table == names.index(requester)).any(axis=1))
+        out = [[keys[i], entries[keys[i]].to_wire()] for i in mine[:HANDOFF_BATCH].tolist()]
+        return [out, len(mine) > HANDOFF_BATCH]
+
+    def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
+        # Calls come from the heartbeat, probe and RPC threads, in any order: each one
+        # brings the ring from what it was built of to the current live set, one at a time.
+        with self._change_lock:
+            new = self.membership.members()
+            old = self._ring_members
+            if new == old:
+                return
+            self._ring_members = new
+            if len(old) == 1 and len(new) > 1:
+                self._sync_epoch += 1  # was alone, merged into a cluster: pull the share
+            old_ring = self.directory.ring.copy()
+            new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
+            for gone in old.keys() - new.keys():
+                self.shard.drop_node(gone)
+            restarted = [n for n in old.keys() & new.keys() if old[n].incarnation != new[n].incarnation]
+            for n in restarted:
+                # Its earlier run's entries are stale, and its shard died with it: it gains
+                # every key it owns, so the plan re-sends it all of them.
+                self.shard.retire(n, new[n].incarnation)
+                old_ring.remove_node(n)
+            with self._lock:
+                entries = dict(self._entries)
+            done = self.directory.republish(entries, old_ring, new_ring)
         log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done)
 
     # ------------------------------------------------------------------ pools
@@ -584,7 +800,7 @@ class PeerNode:
     ) -> DirEntry | None:
         old_pool = self._pool_holding(old) if old is not None else None
         if n == 0:
-            entry = DirEntry(self.node_id, 0, 0, 0, self._next_generation())
+            entry = DirEntry(self.node_id, 0, 0, 0, self._next_generation(), incarnation=self.incarnation)
             pool = None
         else:
             try:
@@ -596,7 +812,7 @@ class PeerNode:
                 return None
             if loc.replaced is not None:
                 cleanup.append(functools.partial(pool.release, loc.replaced))
-            entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation)
+            entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation, incarnation=self.incarnation)
         if old_pool is not None and old_pool is not pool:
             # The old page lives in another size class: unpublish it after the switch.
             cleanup.append(functools.partial(self._drop_older, old_pool, key, entry.generation))
@@ -1090,18 +1306,21 @@ class PeerNode:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
-        """Membership, pool, disk, directory and hit-rate numbers (the ``node_status`` RPC)."""
+        """Membership, readiness, pool, disk, directory and hit-rate numbers (the
+        ``node_status`` RPC)."""
         members = self.membership.members()
         disk = self.disk
         return {
             "node_id": self.node_id,
-            "rpc": self.rpc.address,
-            "data": self.transport.address,
+            "incarnation": self.incarnation,
+            "rpc": self.address,
+            "data": self.data_address,
             "transport": self.transport.capabilities.kind,
-            "metrics": self.metrics_server.url if self.metrics_server else None,
+            "metrics": self.metrics_url,
             "members": sorted(members),
             "masters": list(self.membership.masters()),
             "frozen": self.membership.frozen,
+            "ready": self.is_ready(),
             "pool": {
                 "pages": self.pool_pages,
                 "used_bytes": self.pool_used_bytes,
@@ -1125,8 +1344,9 @@ class PeerNode:
             return
         self._closed = True
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        for t in (self._thread, self._prober):
+            if t is not None:
+                t.join(timeout=5.0)
         if leave:
             with contextlib.suppress(Exception):
                 self.membership.leave()

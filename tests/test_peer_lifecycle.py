@@ -1,0 +1,217 @@
+"""Node lifecycle in one process: remembered peers and probing (injected clock), membership
+logs, incarnations across a restart on the same address, verified joins and readiness.
+Real RPC on 127.0.0.1 where a node is involved; no test sleeps."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hiradix.peer.config import PeerConfig
+from hiradix.peer.membership import JoinError, Membership, NodeInfo
+from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.transport.fake import FakeClock
+
+PAGE = 4096
+
+
+def key(i: int, tag: str = "") -> str:
+    return hashlib.sha256(f"life{tag}{i}".encode()).hexdigest()
+
+
+def page(i: int, n: int = PAGE) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def free_port() -> int:
+    """A port nothing listens on (connects to it are refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------- membership, fake clock
+class _Net:
+    """In-process discovery wiring: call(addr, method, args) -> the target's handler."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Membership] = {}
+        self.down: set[str] = set()
+        self.calls: dict[str, int] = {}
+
+    def call(self, addr: str, method: str, args: list[Any]) -> Any:
+        self.calls[addr] = self.calls.get(addr, 0) + 1
+        if addr in self.down or addr not in self.nodes:
+            raise ConnectionRefusedError(f"{addr} is down")
+        return self.nodes[addr].handle(method, args)
+
+    def add(self, name: str, clock: FakeClock, incarnation: int = 1, **kw: Any) -> Membership:
+        m = Membership(NodeInfo(name, name, f"data-{name}", None, incarnation), self.call, ttl=3.0, clock=clock, **kw)
+        self.nodes[name] = m
+        self.down.discard(name)
+        return m
+
+
+def rounds(net: _Net, clock: FakeClock, n: int = 2) -> None:
+    for _ in range(n):
+        clock.advance(1.0)
+        for name, m in list(net.nodes.items()):
+            if name not in net.down:
+                m.tick()
+                m.probe()
+
+
+def test_members_find_a_head_restarted_without_seeds() -> None:
+    clock, net = FakeClock(), _Net()
+    net.add("h", clock, head="h")
+    a, b = net.add("a", clock, head="h"), net.add("b", clock, head="h")
+    assert a.join() and b.join()
+    rounds(net, clock)
+    # The head dies and stays dead long enough to expire everywhere.
+    net.down.add("h")
+    rounds(net, clock, 6)
+    assert set(a.members()) == set(b.members()) == {"a", "b"}
+    # Restarted with the command it was first started with: no seeds, alone, a new run.
+    h2 = net.add("h", clock, incarnation=2, head="h")
+    assert h2.join() and set(h2.members()) == {"h"}
+    # The members remember its address and probe it (backoff at most 5 s): it is found.
+    rounds(net, clock, 8)
+    for m in (h2, a, b):
+        assert set(m.members()) == {"h", "a", "b"}
+    assert a.info("h") == NodeInfo("h", "h", "data-h", None, 2)
+    assert a.masters()[0] == "h"
+
+
+def test_probe_backoff_is_bounded_and_dead_addresses_are_forgotten() -> None:
+    clock, net = FakeClock(), _Net()
+    m = net.add("a", clock, seeds=("seed",), backoff=(1.0, 4.0), forget_after=60.0)
+    assert not m.join()  # the seed is down
+    assert net.add("x", clock, seeds=("a",)).join()  # x joins through a, then dies
+    assert m.remembered() == {"seed": None, "x": "x"}
+    net.down.add("x")
+    clock.advance(10.0)
+    m.tick()  # x expires
+    assert "x" not in m.members()
+    net.calls.clear()
+    probes_at: list[float] = []
+    for _ in range(120):  # two minutes, one probe round a second
+        before = net.calls.get("x", 0)
+        m.probe()
+        if net.calls.get("x", 0) > before:
+            probes_at.append(clock())
+        clock.advance(1.0)
+    gaps = np.diff(probes_at)
+    assert gaps.max() <= 4.0 and list(gaps[:3]) == [1.0, 2.0, 4.0]  # doubling, then bounded
+    assert "x" not in m.remembered() and probes_at[-1] < clock() - 30  # forgotten after 60 s
+    assert "seed" in m.remembered() and net.calls["seed"] >= 20  # a seed is never forgotten
+
+
+def test_membership_changes_are_logged_one_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    clock, net = FakeClock(), _Net()
+    h = net.add("h", clock, head="h")
+    a, b = net.add("a", clock, head="h"), net.add("b", clock, head="h")
+    caplog.set_level(logging.INFO, logger="hiradix.peer.membership")
+    a.join()
+    b.join()
+    rounds(net, clock)
+    b.leave()
+    net.down.add("b")
+    net.down.add("a")
+    rounds(net, clock, 5)  # a expires at h
+    net.add("a", clock, incarnation=7, head="h").join()  # a comes back as a new run
+    lines = [r.getMessage() for r in caplog.records if r.name == "hiradix.peer.membership"]
+    assert "h: member joined: a (rpc a, incarnation 1)" in lines
+    assert "h: member left: b" in lines
+    assert "h: member expired: a (nothing heard for 3.0s)" in lines
+    assert "h: member joined: a (rpc a, incarnation 7)" in lines
+    # A restart seen before expiry is reported as such.
+    caplog.clear()
+    net.add("a", clock, incarnation=8, head="h").join()
+    assert "h: member restarted: a (incarnation 7 -> 8)" in [r.getMessage() for r in caplog.records]
+    assert set(h.members()) == {"h", "a"}
+
+
+# ---------------------------------------------------------------------- nodes over real RPC
+def test_join_fails_clearly_when_no_seed_answers() -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16), join_timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(JoinError, match=f"cannot join the cluster through {dead}: {dead}: .*refused"):
+        PeerNode(cfg, seeds=[dead], heartbeat_s=0.1)
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_join_fails_at_once_on_a_wrong_token(caplog: pytest.LogCaptureFixture) -> None:
+    with PeerNode(PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16)), heartbeat_s=0.2) as head:
+        cfg = PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16), discovery_addr=head.address)
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        with pytest.raises(JoinError, match="cluster token was refused"):
+            PeerNode(cfg, heartbeat_s=0.2)  # join_timeout_s is 30 s: a refusal does not wait it out
+        assert time.monotonic() - t0 < 15.0
+        assert any("cluster token was refused" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert list(head.membership.members()) == [head.node_id]
+
+
+def test_allow_alone_starts_alone_loudly_and_not_ready(caplog: pytest.LogCaptureFixture) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16), join_timeout_s=0.3)
+    caplog.set_level(logging.WARNING)
+    with PeerNode(cfg, seeds=[dead], heartbeat_s=0.1, allow_alone=True) as node:
+        assert any("running ALONE" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert not node.is_ready() and node.status()["ready"] is False
+        assert dead in node.membership.remembered()  # and it keeps probing the seed
+
+
+def test_a_joining_node_is_ready_with_its_share_of_the_directory() -> None:
+    with InProcessCluster(2, pool_size=64 * (PAGE + 64)) as cluster:
+        producer = cluster.nodes[1]  # not the head: nothing re-publishes its pages synchronously
+        keys = [key(i) for i in range(60)]
+        assert all(producer.publish_many(keys, [page(i) for i in range(60)]))
+        cfg = PeerConfig(**dict(cluster.config, discovery_addr=cluster.nodes[0].address))
+        late = PeerNode(cfg, start=False, heartbeat_s=3600.0)
+        cluster.nodes.append(late)
+        assert not late.is_ready() and late.status()["ready"] is False  # it has seeds, has not joined
+        assert late.join()  # no heartbeat round anywhere: the producer has not seen it yet
+        assert late.is_ready() and late.status()["ready"] is True
+        owned = [k for k in keys if late.node_id in late.directory.ring.owners(k, 2)]
+        assert owned and all(late.shard.get(k) is not None for k in owned)
+        bufs = [bytearray(PAGE) for _ in keys]
+        assert all(late.read_into(keys, [memoryview(b) for b in bufs]))
+        assert [bytes(b) for b in bufs] == [page(i) for i in range(60)]
+
+
+def test_a_node_restarted_on_its_address_replaces_its_earlier_run() -> None:
+    with InProcessCluster(3, pool_size=256 * (PAGE + 64)) as cluster:
+        a, old, c = cluster.nodes
+        keys = [key(i, "r") for i in range(60)]
+        for rnd in range(3):  # the first run's generations climb to 180
+            assert all(old.publish_many(keys, [page(1000 * rnd + i) for i in range(60)]))
+        gone = [key(i, "gone") for i in range(20)]
+        assert all(old.publish_many(gone, [page(i) for i in range(20)]))
+        port = int(old.address.rsplit(":", 1)[1])
+        old.close(leave=False)  # as kill -9: nobody is told
+        cfg = PeerConfig(**dict(cluster.config, rpc_port=port, discovery_addr=a.address))
+        new = PeerNode(cfg, start=False, heartbeat_s=3600.0)
+        cluster.nodes[1] = new
+        assert new.node_id == old.node_id and new.incarnation > old.incarnation
+        assert new.join()
+        cluster.settle()
+        assert all(new.publish_many(keys, [page(5000 + i) for i in range(60)]))  # generations 1..60
+        for reader in (a, c):
+            assert reader.membership.info(new.node_id) == new.membership.me
+            bufs = [bytearray(PAGE) for _ in keys]
+            assert all(reader.read_into(keys, [memoryview(b) for b in bufs]))
+            assert [bytes(b) for b in bufs] == [page(5000 + i) for i in range(60)]
+        # Nothing of the first run is left in any shard.
+        for n in cluster.nodes:
+            mine = [e for e in n.shard.snapshot().values() if e.node == new.node_id]
+            assert all(e.incarnation == new.incarnation for e in mine)
+        assert not any(a.read_into(gone, [memoryview(bytearray(PAGE)) for _ in gone]))
