@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import send_then_drain
 
 from hiradix.peer.rpc import (
     FrameError,
@@ -183,14 +184,7 @@ def test_unauthenticated_connections_are_refused(server, client) -> None:
     host, port = server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.recv(64)
-        s.sendall(encode_frame([0, 1, "add", [1, 2], {}]) + b"\0" * 64)
-        data = b""
-        try:
-            while chunk := s.recv(4096):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        assert data == b""
+        assert send_then_drain(s, encode_frame([0, 1, "add", [1, 2], {}]) + b"\0" * 64, half_close=False) == b""
     assert client.call(server.address, "add", 1, 2) == 3
 
 
@@ -245,11 +239,8 @@ def test_oversized_reply_is_refused_by_the_client(server) -> None:
 
 
 def test_truncated_frame_closes_only_that_connection(server, client) -> None:
-    s = _raw(server)
-    s.sendall(struct.pack(">I", 100) + b"\x93" * 10)
-    s.shutdown(socket.SHUT_WR)
-    assert s.recv(16) == b""
-    s.close()
+    with _raw(server) as s:
+        assert send_then_drain(s, struct.pack(">I", 100) + b"\x93" * 10) == b""
     assert client.call(server.address, "add", 1, 2) == 3
 
 
