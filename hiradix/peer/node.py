@@ -228,7 +228,13 @@ class PeerNode:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
-        self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+        self.rpc = RpcServer(
+            self._token,
+            host=cfg.bind_host,
+            port=cfg.rpc_port,
+            max_connections=cfg.max_connections,
+            idle_timeout=cfg.idle_timeout_s,
+        )
         self.node_id = cfg.node_id or self.rpc.address
         self.client = RpcClient(
             self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
@@ -246,6 +252,8 @@ class PeerNode:
                 max_channels_per_peer=cfg.max_channels_per_peer,
                 timeout=cfg.read_timeout_s,
                 handshake_timeout=cfg.connect_timeout_s,
+                max_connections=cfg.max_connections,
+                idle_timeout=cfg.idle_timeout_s,
             )
         self._lock = threading.Lock()
         self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory

@@ -42,7 +42,14 @@ import msgpack
 
 from hiradix.transport.auth import AuthError, load_token
 from hiradix.transport.base import ChannelPool, parse_peer
-from hiradix.transport.listener import AuthListener, dial, hang_up, set_recv_timeout, set_send_timeout
+from hiradix.transport.listener import (
+    AuthListener,
+    ListenerStats,
+    dial,
+    hang_up,
+    set_recv_timeout,
+    set_send_timeout,
+)
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -332,10 +339,15 @@ class RpcServer:
         Bind address; loopback and an ephemeral port by default.
     max_frame:
         Largest frame body accepted or sent.
+    max_connections:
+        Connections served at once; one more is closed at accept (counted in
+        :attr:`listener_stats` ``.refused``).
+    handshake_timeout:
+        Seconds a new connection has to authenticate.
     frame_timeout:
         Seconds a started frame may take to arrive completely.
     idle_timeout:
-        Seconds an idle connection is kept.
+        Seconds an idle connection is kept (counted in ``.timed_out`` when it is closed).
     """
 
     def __init__(
@@ -352,6 +364,13 @@ class RpcServer:
     ) -> None:
         if not isinstance(max_frame, int) or max_frame < 16:
             raise ValueError(f"max_frame must be an int >= 16, got {max_frame!r}")
+        for name, t in (
+            ("handshake_timeout", handshake_timeout),
+            ("frame_timeout", frame_timeout),
+            ("idle_timeout", idle_timeout),
+        ):
+            if not t > 0:
+                raise ValueError(f"{name} must be positive, got {t!r}")
         self._token = load_token(token)
         self.max_frame = max_frame
         self.max_connections = max_connections
@@ -376,6 +395,11 @@ class RpcServer:
         )
         self._closed = self._listener.closed
         self.address = self._listener.address
+
+    @property
+    def listener_stats(self) -> ListenerStats:
+        """The accept loop's counters: accepted, refused at the cap, accept errors, timeouts."""
+        return self._listener.stats
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         """Serve ``fn`` as ``name``; its arguments and result must be msgpack data."""

@@ -49,7 +49,14 @@ from hiradix.transport.base import (
     parse_peer,
     view_at,
 )
-from hiradix.transport.listener import AuthListener, dial, hang_up, set_recv_timeout, set_send_timeout
+from hiradix.transport.listener import (
+    AuthListener,
+    ListenerStats,
+    dial,
+    hang_up,
+    set_recv_timeout,
+    set_send_timeout,
+)
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
 
@@ -238,11 +245,13 @@ class TcpTransport(Transport):
     handshake_timeout:
         Bound on connect + authentication, either side.
     idle_timeout:
-        The responder closes a connection idle this long.
+        The responder closes a connection idle this long (counted in
+        :attr:`listener_stats` ``.timed_out``).
     send_timeout:
         The responder drops a reader that accepts no bytes for this long.
     max_connections:
-        Responder connections accepted at once; more are closed at accept.
+        Responder connections accepted at once; more are closed at accept (counted in
+        :attr:`listener_stats` ``.refused``).
     native:
         Move bytes through the compiled data plane (the default when it is built);
         ``False`` uses the Python loops (same wire format; for tests and parity).
@@ -309,6 +318,12 @@ class TcpTransport(Transport):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def listener_stats(self) -> ListenerStats:
+        """The responder's accept loop counters: accepted, refused at the cap, accept
+        errors, timeouts (idle channels included)."""
+        return self._listener.stats
 
     # -- responder ------------------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
