@@ -108,8 +108,8 @@ class PrefetchConfig:
 class PrefetchOperation:
     """One request's L3 -> L2 prefetch, shared between the scheduler and the threads.
 
-    The threads write ``hit_pages``, ``completed_pages``, ``revoked``, ``queried`` and
-    ``io_done``; the scheduler writes ``terminated``. All under ``lock``.
+    The threads write ``hit_pages``, ``completed_pages``, ``revoked`` and ``io_done``;
+    the scheduler writes ``terminated``. All under ``lock``.
     """
 
     request_id: Any
@@ -120,7 +120,6 @@ class PrefetchOperation:
     keys: list[str] = field(default_factory=list)
     hit_pages: int = 0
     completed_pages: int = 0
-    queried: bool = False
     revoked: bool = False
     terminated: bool = False
     io_done: threading.Event = field(default_factory=threading.Event)
@@ -364,7 +363,6 @@ class L3Controller:
         enough = hits * self.page_size >= max(self.config.threshold_tokens, 1)
         with op.lock:
             op.hit_pages = hits
-            op.queried = True
             if not enough or op.terminated:
                 op.revoked = not enough
                 op.io_done.set()
