@@ -4,6 +4,7 @@ fake NIC's fault and delay injection. The shared contract is in
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -329,3 +330,27 @@ def test_responder_survives_any_request(tcp_pair, count: int, items, aim, tail: 
                 want += region[a - r.addr : a - r.addr + ln]
         assert total == len(data) - 24 - n and (not want or data[24 + n : 24 + n + len(want)] == want)
     _still_serves(reader, server)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_channel_the_responder_closed_while_pooled_is_replaced(native: bool) -> None:
+    """The responder closes channels idle for its idle_timeout (and a restart closes them
+    all): the reader's next batch must not come back as CHANNEL_ERROR misses."""
+    if native and tcpmod._tcpio is None:
+        pytest.skip("the compiled TCP data plane is not built (pure-Python run)")
+    server = TcpTransport(TOKEN, idle_timeout=0.2)
+    reader = TcpTransport(TOKEN, native=native, timeout=10.0)
+    try:
+        r = server.register(bytearray(b"z" * 64))
+        buf = bytearray(64)
+        lr = reader.register(buf)
+        assert reader.read_batch(server.address, [(r.addr, r.rkey, 64, lr.addr)]) == [Status.OK]
+        (ch,) = reader._pool._free[server.address]
+        assert select.select([ch.sock], [], [], 10.0)[0], "the responder never closed the idle channel"
+        buf[:] = bytes(64)
+        assert reader.read_batch(server.address, [(r.addr, r.rkey, 64, lr.addr)]) == [Status.OK]
+        assert bytes(buf) == b"z" * 64
+        assert server.listener_stats.timed_out >= 1 and reader.stats.channels_opened == 2
+    finally:
+        reader.close()
+        server.close()

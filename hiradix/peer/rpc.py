@@ -58,6 +58,7 @@ from hiradix.transport.listener import (
     hang_up,
     set_recv_timeout,
     set_send_timeout,
+    still_open,
 )
 
 __all__ = [
@@ -126,18 +127,6 @@ class _HungUp(ConnectionError):
 
 def _hung_up(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _HUNG_UP
-
-
-def _still_open(sock: socket.socket) -> bool:
-    """Whether the server is still there on idle ``sock``: ``False`` once it closed or
-    reset it (or sent bytes nobody asked for). One non-blocking peek, no wait."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (EOF) or stray bytes
-    except BlockingIOError:
-        return True  # nothing to read: the connection is idle and open
-    except OSError:
-        return False
-    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -738,9 +727,10 @@ class RpcClient:
 
     def _lease(self, peer: str, deadline: float, timeout: float) -> _Conn:
         """A connection to ``peer`` whose server is still there: a pooled one that passes
-        :func:`_still_open` (when it sat idle for ``_IDLE_CHECK`` or more), else a new
-        one. Each dead one is closed (at most one per pooled connection, then the pool
-        dials). Runtime complexity: ``O(1)`` syscalls per pooled connection tried."""
+        :func:`~hiradix.transport.listener.still_open` (when it sat idle for
+        ``_IDLE_CHECK`` or more), else a new one. Each dead one is closed (at most one
+        per pooled connection, then the pool dials). Runtime complexity: ``O(1)``
+        syscalls per pooled connection tried."""
         while True:
             try:
                 conn = self._pool.lease(peer, max(deadline - time.monotonic(), 0.0))
@@ -752,7 +742,7 @@ class RpcClient:
                 raise
             except OSError as e:
                 raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
-            if not conn.used or time.monotonic() - conn.idle_since < _IDLE_CHECK or _still_open(conn.sock):
+            if not conn.used or time.monotonic() - conn.idle_since < _IDLE_CHECK or still_open(conn.sock):
                 return conn
             self._pool.give_back(peer, conn, False)
             with self._stats_lock:

@@ -27,7 +27,16 @@ from dataclasses import dataclass
 
 from hiradix.transport.auth import AuthError, client_handshake, server_handshake
 
-__all__ = ["AuthListener", "Backoff", "ListenerStats", "dial", "hang_up", "set_recv_timeout", "set_send_timeout"]
+__all__ = [
+    "AuthListener",
+    "Backoff",
+    "ListenerStats",
+    "dial",
+    "hang_up",
+    "set_recv_timeout",
+    "set_send_timeout",
+    "still_open",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +53,19 @@ def dial(host: str, port: int, token: bytes, context: bytes, timeout: float) -> 
         sock.close()
         raise
     return sock
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Whether the other end is still there on idle ``sock``: ``False`` once it closed or
+    reset the connection (or sent bytes nobody asked for), as a pooled connection finds
+    after the server restarted or timed it out. One non-blocking peek, no wait."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (EOF) or stray bytes
+    except BlockingIOError:
+        return True  # nothing to read: the connection is idle and open
+    except OSError:
+        return False
+    return False
 
 
 def hang_up(sock: socket.socket) -> None:
