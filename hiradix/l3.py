@@ -22,6 +22,15 @@ Slots of a prefetch that were allocated but not filled are released only once th
 thread is done with the operation (the release queue), since a terminated operation may
 still have a batch in flight.
 
+No exception ends a thread. A backend that raises (its own ``batch_*`` override, a bad
+host pool, a key function) or an agreement that fails turns into misses for that one
+operation: a failed query counts 0 local hits (and the agreement is still made, so no
+other rank waits on this one forever), a failed read keeps only the pages that landed
+before it, a failed backup stores nothing. Each is logged with the backend's name (the
+first of each kind with its traceback) and counted in :attr:`L3Controller.stats`
+(``prefetch_query_errors``, ``agreement_errors``, ``prefetch_read_errors``,
+``backup_errors``); every operation still reaches done.
+
 Prefetch policies decide when the scheduler may stop waiting (:meth:`PrefetchConfig.can_terminate`):
 ``best_effort`` at once, ``wait_complete`` when the IO is done, ``timeout`` when done or
 after ``min(timeout_max_s, timeout_base_s + timeout_per_ki_token_s * tokens / 1024)``
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,8 +108,8 @@ class PrefetchConfig:
 class PrefetchOperation:
     """One request's L3 -> L2 prefetch, shared between the scheduler and the threads.
 
-    The threads write ``hit_pages``, ``completed_pages``, ``revoked``, ``queried`` and
-    ``io_done``; the scheduler writes ``terminated``. All under ``lock``.
+    The threads write ``hit_pages``, ``completed_pages``, ``revoked`` and ``io_done``;
+    the scheduler writes ``terminated``. All under ``lock``.
     """
 
     request_id: Any
@@ -110,7 +120,6 @@ class PrefetchOperation:
     keys: list[str] = field(default_factory=list)
     hit_pages: int = 0
     completed_pages: int = 0
-    queried: bool = False
     revoked: bool = False
     terminated: bool = False
     io_done: threading.Event = field(default_factory=threading.Event)
@@ -206,6 +215,10 @@ class L3Controller:
             "backup_ops": 0,
             "backup_pages": 0,
             "backup_failed_pages": 0,
+            "prefetch_query_errors": 0,
+            "agreement_errors": 0,
+            "prefetch_read_errors": 0,
+            "backup_errors": 0,
         }
         self._stats_lock = threading.Lock()
         self.inline = inline
@@ -223,6 +236,23 @@ class L3Controller:
         with self._stats_lock:
             for k, v in deltas.items():
                 self.stats[k] += v
+
+    def _failed(self, kind: str, what: str) -> None:
+        """Count and log an exception (being handled) that turned an operation into
+        misses: ``kind`` is its stats counter. The first of each kind is logged with its
+        traceback, later ones on one line each (a dead backend fails every operation)."""
+        with self._stats_lock:
+            self.stats[kind] += 1
+            first = self.stats[kind] == 1
+        exc = sys.exc_info()[1]
+        log.warning(
+            "L3 %s failed (backend %s, %s), treated as misses: %r",
+            what,
+            self.backend.name,
+            type(self.backend).__name__,
+            exc,
+            exc_info=first,
+        )
 
     # ------------------------------------------------------------------ scheduler side
     def prefetch(
@@ -319,12 +349,20 @@ class L3Controller:
         to be read. The agreement call is made whatever this rank's state."""
         with op.lock:
             skip = op.terminated
-        local = 0 if skip else self._query(op)
-        hits = self.agreement.min_int(local)  # every op, every rank, in queue order
+        local = 0
+        if not skip:
+            try:
+                local = self._query(op)
+            except Exception:  # a miss on this rank; the agreement below must still run
+                self._failed("prefetch_query_errors", f"query of prefetch {op.request_id!r}")
+        try:
+            hits = self.agreement.min_int(local)  # every op, every rank, in queue order
+        except Exception:  # the collective itself failed: nothing can be agreed, nothing loads
+            self._failed("agreement_errors", f"hit agreement of prefetch {op.request_id!r}")
+            hits = 0
         enough = hits * self.page_size >= max(self.config.threshold_tokens, 1)
         with op.lock:
             op.hit_pages = hits
-            op.queried = True
             if not enough or op.terminated:
                 op.revoked = not enough
                 op.io_done.set()
@@ -338,6 +376,11 @@ class L3Controller:
     def _io_one(self, op: PrefetchOperation) -> None:
         try:
             self._transfer(op)
+        except Exception:  # the pages that landed before it count; the rest are misses
+            self._failed("prefetch_read_errors", f"read of prefetch {op.request_id!r}")
+            with op.lock:
+                lost = op.hit_pages - op.completed_pages
+            self._count(prefetch_failed_pages=lost)
         finally:
             op.io_done.set()
 
@@ -411,7 +454,8 @@ class L3Controller:
             op.stored_pages = stored
             self._count(backup_pages=stored, backup_failed_pages=len(op.keys) - stored)
         except Exception:  # a storage error is a failed backup (a later miss), never a crash
-            log.exception("L3 backup of node %s failed", op.node)
+            op.stored_pages = 0
+            self._failed("backup_errors", f"backup of node {op.node}")
             self._count(backup_failed_pages=len(op.keys))
         finally:
             op.done.set()

@@ -9,8 +9,10 @@ puts this folder on ``sys.path`` first, so this works under every pytest import 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import os
+import socket
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +107,40 @@ class CoarseClock:
     def __call__(self) -> float:
         self.calls += 1
         return float(self.calls // 3)
+
+
+# ----------------------------------------------------------------------- raw sockets
+#: What a socket call raises once the other end has hung up: a reset (it closed with our
+#: bytes unread), a broken pipe (we wrote after its reset) or "not connected" (the reset
+#: already tore our end down, e.g. before ``shutdown``).
+HUNG_UP = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
+
+
+def send_then_drain(sock: socket.socket, data: bytes, *, half_close: bool = True) -> bytes:
+    """Send ``data`` (then ``SHUT_WR`` when ``half_close``) and read until the other end
+    hangs up; return every byte that arrived.
+
+    A server that refuses or drops a connection may hang up at any moment: before our
+    ``sendall``, between it and ``shutdown``, or while we read. Each of those steps then
+    fails with one of :data:`HUNG_UP`, which ends that step and not the test: the bytes
+    that arrived before the hang-up are still read (the kernel keeps them across a reset)
+    and returned for the caller to check. Any other error, a timeout included, is raised.
+    """
+    try:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+    except OSError as e:
+        if e.errno not in HUNG_UP:
+            raise
+    got = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except OSError as e:
+        if e.errno not in HUNG_UP:
+            raise
+    return bytes(got)
 
 
 # ----------------------------------------------------------------------- normalization

@@ -5,15 +5,18 @@ events and barriers the test controls."""
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import send_then_drain
 
 from hiradix.peer.rpc import (
     FrameError,
@@ -183,14 +186,7 @@ def test_unauthenticated_connections_are_refused(server, client) -> None:
     host, port = server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.recv(64)
-        s.sendall(encode_frame([0, 1, "add", [1, 2], {}]) + b"\0" * 64)
-        data = b""
-        try:
-            while chunk := s.recv(4096):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        assert data == b""
+        assert send_then_drain(s, encode_frame([0, 1, "add", [1, 2], {}]) + b"\0" * 64, half_close=False) == b""
     assert client.call(server.address, "add", 1, 2) == 3
 
 
@@ -245,11 +241,8 @@ def test_oversized_reply_is_refused_by_the_client(server) -> None:
 
 
 def test_truncated_frame_closes_only_that_connection(server, client) -> None:
-    s = _raw(server)
-    s.sendall(struct.pack(">I", 100) + b"\x93" * 10)
-    s.shutdown(socket.SHUT_WR)
-    assert s.recv(16) == b""
-    s.close()
+    with _raw(server) as s:
+        assert send_then_drain(s, struct.pack(">I", 100) + b"\x93" * 10) == b""
     assert client.call(server.address, "add", 1, 2) == 3
 
 
@@ -401,3 +394,141 @@ def test_arity_is_checked_without_signature_bind_and_with_it(server, client) -> 
     with pytest.raises(RpcError) as e:
         client.call(server.address, "typo", 3)
     assert e.value.code == "internal"
+
+
+# ---------------------------------------------------------------------- dead pooled connections
+def _await_hang_up(client: RpcClient, peer: str) -> None:
+    """Wait until the client's idle pooled connections to ``peer`` see the server's FIN
+    (a restart is not instant on a loaded machine): then the next call finds them dead."""
+    for conn in client._pool._free.get(peer, []):
+        assert select.select([conn.sock], [], [], WAIT)[0], "the server never hung up"
+
+
+def test_the_first_call_after_a_peer_restart_reconnects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The field bug: after a peer restarts, each pooled connection's next call failed.
+    The pooled connection is found dead before the send, so any method goes through."""
+    # A restart takes far longer than the idle time after which a pooled connection is
+    # checked; here it may not, so every reuse is checked.
+    monkeypatch.setattr("hiradix.peer.rpc._IDLE_CHECK", 0.0)
+    calls: list[int] = []
+    old = RpcServer(TOKEN)
+    old.register("append", lambda x: calls.append(x) or len(calls))  # not idempotent
+    c = RpcClient(TOKEN, timeout=WAIT)
+    try:
+        assert c.call(old.address, "append", 1) == 1
+        port = int(old.address.rsplit(":", 1)[1])
+        old.close()
+        _await_hang_up(c, old.address)
+        with RpcServer(TOKEN, port=port) as new:  # the restart, on the same port
+            new.register("append", lambda x: calls.append(x) or len(calls))
+            assert c.call(new.address, "append", 2) == 2  # first call after the restart
+            assert c.call(new.address, "append", 3) == 3
+            assert (c.stale_connections, c.retries) == (1, 0)
+            assert c.open_connections(new.address) == 1
+        assert calls == [1, 2, 3]  # each ran exactly once
+    finally:
+        c.close()
+
+
+def _dying_server(hang_up: str, restart: Callable[[int], None]) -> tuple[str, threading.Thread]:
+    """A server that answers one call on its connection, then takes the next request
+    and dies without a reply (``"fin"``: a close, ``"reset"``: an abortive close); just
+    before it dies, ``restart(port)`` brings a real server up on the same port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        server_handshake(conn, TOKEN, b"rpc", WAIT)
+        conn.settimeout(WAIT)
+        req = _read_frame(conn)
+        conn.sendall(encode_frame([1, req[1], None, sum(req[3])]))
+        _read_frame(conn)  # the next request arrives, then the process "dies"
+        listener.close()
+        restart(port)
+        if hang_up == "reset":
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{port}", t
+
+
+@pytest.mark.parametrize("hang_up", ["fin", "reset"])
+def test_an_idempotent_call_whose_pooled_connection_dies_mid_call_is_sent_again(hang_up: str) -> None:
+    ran: list[tuple[int, int]] = []
+    servers: list[RpcServer] = []
+
+    def restart(port: int) -> None:
+        s = RpcServer(TOKEN, port=port)
+        s.register("add", lambda a, b: ran.append((a, b)) or a + b)
+        servers.append(s)
+
+    addr, t = _dying_server(hang_up, restart)
+    c = RpcClient(TOKEN, timeout=WAIT, idempotent={"add"})
+    try:
+        assert c.call(addr, "add", 1, 2) == 3  # answered by the old server: the connection is pooled
+        assert c.call(addr, "add", 2, 3) == 5  # died under the request: sent again, to the new server
+        assert ran == [(2, 3)] and (c.retries, c.stale_connections) == (1, 0)
+        assert c.call(addr, "add", 4, 5) == 9
+    finally:
+        t.join(WAIT)
+        c.close()
+        for s in servers:
+            s.close()
+
+
+@pytest.mark.parametrize("hang_up", ["fin", "reset"])
+def test_a_call_not_declared_idempotent_is_not_sent_twice(hang_up: str) -> None:
+    ran: list[tuple[int, int]] = []
+    servers: list[RpcServer] = []
+
+    def restart(port: int) -> None:
+        s = RpcServer(TOKEN, port=port)
+        s.register("add", lambda a, b: ran.append((a, b)) or a + b)
+        servers.append(s)
+
+    addr, t = _dying_server(hang_up, restart)
+    c = RpcClient(TOKEN, timeout=WAIT, idempotent={"echo"})
+    try:
+        assert c.call(addr, "add", 1, 2) == 3
+        with pytest.raises(RpcConnectionError):  # it may have run: the caller decides
+            c.call(addr, "add", 2, 3)
+        t.join(WAIT)
+        assert ran == [] and c.retries == 0
+        assert c.call(addr, "add", 4, 5) == 9  # the next call dials the new server
+    finally:
+        t.join(WAIT)
+        c.close()
+        for s in servers:
+            s.close()
+
+
+def test_a_fresh_connection_that_dies_is_not_retried() -> None:
+    """Only a connection that came from the pool may have died of old age; a server that
+    drops a new one is really failing, and the call fails without a second dial."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            server_handshake(conn, TOKEN, b"rpc", WAIT)
+            conn.settimeout(WAIT)
+            _read_frame(conn)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = RpcClient(TOKEN, timeout=WAIT, idempotent={"add"})
+    try:
+        with pytest.raises(RpcConnectionError):
+            c.call(addr, "add", 1, 2)
+        t.join(WAIT)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # a retry would have connected before the raise
+            listener.accept()
+        assert c.retries == 0
+    finally:
+        c.close()
+        listener.close()

@@ -4,6 +4,7 @@ fake NIC's fault and delay injection. The shared contract is in
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import send_then_drain
 
 import hiradix.transport.tcp as tcpmod
 from hiradix.transport import FakeClock, FakeFabric, FakeTransport, ReadOp, Status, TcpTransport
@@ -73,14 +75,8 @@ def test_unauthenticated_frame_is_refused(tcp_pair) -> None:
     host, port = server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.recv(64)  # the challenge
-        s.sendall(struct.pack("<IHHII", MAGIC, OP_READ, 1, 1, 0) + struct.pack("<QQII", r.addr, 8, r.rkey, 0) * 3)
-        s.settimeout(5)
-        data = b""
-        try:
-            while chunk := s.recv(4096):
-                data += chunk
-        except ConnectionResetError:
-            pass  # closed with our bytes unread: a reset is a refusal too
+        frame = struct.pack("<IHHII", MAGIC, OP_READ, 1, 1, 0) + struct.pack("<QQII", r.addr, 8, r.rkey, 0) * 3
+        data = send_then_drain(s, frame, half_close=False)  # a reset is a refusal too
         assert b"s" not in data  # closed without serving a byte
     _still_serves(reader, server)
 
@@ -97,12 +93,8 @@ def test_unauthenticated_frame_is_refused(tcp_pair) -> None:
 )
 def test_malformed_frames_close_that_connection_only(tcp_pair, frame: bytes) -> None:
     reader, server = tcp_pair
-    s = _raw_client(server)
-    s.sendall(frame)
-    s.shutdown(socket.SHUT_WR)
-    s.settimeout(5)
-    assert s.recv(64) == b""  # the responder hung up
-    s.close()
+    with _raw_client(server) as s:
+        assert send_then_drain(s, frame) == b""  # the responder hung up without a reply
     _still_serves(reader, server)
 
 
@@ -322,18 +314,10 @@ def test_responder_survives_any_request(tcp_pair, count: int, items, aim, tail: 
     body = [*items, *near]
     frame = struct.pack("<IHHII", MAGIC, OP_READ, count, 7, 0)
     frame += b"".join(struct.pack("<QQII", a, n, k, 0) for a, n, k in body) + tail
-    s = _raw_client(server)
-    data = b""
-    try:
-        s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)
-        s.settimeout(5)
-        while chunk := s.recv(65536):
-            data += chunk
-    except ConnectionResetError:  # it hung up with our garbage unread: a reset, not a FIN
-        data = b""
-    finally:
-        s.close()
+    # It may hang up at any moment (with our garbage unread: a reset, not a FIN), even
+    # before we half-close; whatever it sent before that is still checked.
+    with _raw_client(server) as s:
+        data = send_then_drain(s, frame)
     if data:  # answered: a well-formed reply whose payload is exactly the OK items' bytes
         magic, op, n, seq, _, total = struct.unpack_from("<IHHIIQ", data)
         assert (magic, op, seq) == (MAGIC, OP_READ, 7) and 0 < n <= 256 and n == count
@@ -346,3 +330,27 @@ def test_responder_survives_any_request(tcp_pair, count: int, items, aim, tail: 
                 want += region[a - r.addr : a - r.addr + ln]
         assert total == len(data) - 24 - n and (not want or data[24 + n : 24 + n + len(want)] == want)
     _still_serves(reader, server)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_channel_the_responder_closed_while_pooled_is_replaced(native: bool) -> None:
+    """The responder closes channels idle for its idle_timeout (and a restart closes them
+    all): the reader's next batch must not come back as CHANNEL_ERROR misses."""
+    if native and tcpmod._tcpio is None:
+        pytest.skip("the compiled TCP data plane is not built (pure-Python run)")
+    server = TcpTransport(TOKEN, idle_timeout=0.2)
+    reader = TcpTransport(TOKEN, native=native, timeout=10.0)
+    try:
+        r = server.register(bytearray(b"z" * 64))
+        buf = bytearray(64)
+        lr = reader.register(buf)
+        assert reader.read_batch(server.address, [(r.addr, r.rkey, 64, lr.addr)]) == [Status.OK]
+        (ch,) = reader._pool._free[server.address]
+        assert select.select([ch.sock], [], [], 10.0)[0], "the responder never closed the idle channel"
+        buf[:] = bytes(64)
+        assert reader.read_batch(server.address, [(r.addr, r.rkey, 64, lr.addr)]) == [Status.OK]
+        assert bytes(buf) == b"z" * 64
+        assert server.listener_stats.timed_out >= 1 and reader.stats.channels_opened == 2
+    finally:
+        reader.close()
+        server.close()

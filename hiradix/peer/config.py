@@ -196,6 +196,9 @@ class PeerConfig:
     connect_timeout_s, rpc_timeout_s, read_timeout_s, promote_timeout_s:
         Seconds before a connect, a directory RPC, a batch READ or a disk promote gives up
         (and the page is a miss).
+    max_connections, idle_timeout_s:
+        Per listener (RPC and data): connections served at once (more are closed at
+        accept), and seconds an idle connection is kept before it is closed.
     """
 
     node_id: str | None = None
@@ -225,6 +228,8 @@ class PeerConfig:
     rpc_timeout_s: float = 5.0
     read_timeout_s: float = 10.0
     promote_timeout_s: float = 10.0
+    max_connections: int = 1024
+    idle_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:  # accept "64KiB" in code too, not only in files
@@ -263,6 +268,7 @@ class PeerConfig:
         need_int("pool_size", 1)
         need_int("disk_size", 1)
         need_int("disk_queue_depth", 1)
+        need_int("max_connections", 1)
         if self.page_size is not None:
             need_int("page_size", 1)
             # one slot = 64-byte header + page, rounded to 64 bytes (hiradix.peer.pool)
@@ -287,7 +293,14 @@ class PeerConfig:
         need_str("disk_path")
         if self.pool_policy not in ("lru",):
             raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
-        for name in ("join_timeout_s", "connect_timeout_s", "rpc_timeout_s", "read_timeout_s", "promote_timeout_s"):
+        for name in (
+            "join_timeout_s",
+            "connect_timeout_s",
+            "rpc_timeout_s",
+            "read_timeout_s",
+            "promote_timeout_s",
+            "idle_timeout_s",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")

@@ -346,13 +346,25 @@ class PeerNode:
         self.incarnation = new_incarnation()
         advertised = cfg.advertised_host()  # before any listener: a ConfigError leaks nothing
         with _binding("rpc", cfg.bind_host, cfg.rpc_port):
-            self.rpc = RpcServer(self._token, host=cfg.bind_host, port=cfg.rpc_port)
+            self.rpc = RpcServer(
+                self._token,
+                host=cfg.bind_host,
+                port=cfg.rpc_port,
+                max_connections=cfg.max_connections,
+                idle_timeout=cfg.idle_timeout_s,
+            )
         self._undo.callback(self.rpc.close)
         #: This node's RPC address as other nodes dial it (what ``--join`` names).
         self.address = _with_host(self.rpc.address, advertised)
         self.node_id = cfg.node_id or self.address
+        # Every method this node calls is safe to run twice: directory writes and deletes
+        # carry (node, generation) and apply only if newer, membership calls re-register,
+        # the rest read. So a call whose pooled connection died mid-call is sent again.
         self.client = RpcClient(
-            self._token, timeout=cfg.rpc_timeout_s, max_connections_per_peer=cfg.max_channels_per_peer
+            self._token,
+            timeout=cfg.rpc_timeout_s,
+            max_connections_per_peer=cfg.max_channels_per_peer,
+            idempotent=(*DIR_METHODS, *DISC_METHODS, "dir_handoff", "node_status", "data_promote"),
         )
         self._undo.callback(self.client.close)
         self.transport: Transport
@@ -369,6 +381,8 @@ class PeerNode:
                     max_channels_per_peer=cfg.max_channels_per_peer,
                     timeout=cfg.read_timeout_s,
                     handshake_timeout=cfg.connect_timeout_s,
+                    max_connections=cfg.max_connections,
+                    idle_timeout=cfg.idle_timeout_s,
                 )
         self._undo.callback(self.transport.close)
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, ClassVar
@@ -49,7 +50,15 @@ from hiradix.transport.base import (
     parse_peer,
     view_at,
 )
-from hiradix.transport.listener import AuthListener, dial, hang_up, set_recv_timeout, set_send_timeout
+from hiradix.transport.listener import (
+    AuthListener,
+    ListenerStats,
+    dial,
+    hang_up,
+    set_recv_timeout,
+    set_send_timeout,
+    still_open,
+)
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
 
@@ -155,8 +164,6 @@ def read_frames_py(
 ) -> tuple[int, int, int]:
     """The Python twin of ``_tcpio.read_frames`` (same arguments, a socket for the fd,
     same wire bytes, same ``(frames_done, error, last_seq)``, same ``on_frame`` calls)."""
-    import time
-
     stop = time.monotonic() + timeout
     n_frames = len(starts) - 1
     bounds = starts.tolist()
@@ -205,14 +212,23 @@ def read_frames_py(
     return done, E_OK, (seq + done) & 0xFFFFFFFF
 
 
+#: A pooled channel idle at least this long (seconds) is peeked at before a batch goes
+#: out on it (one syscall): the responder closes channels idle for its ``idle_timeout``
+#: and a restart closes them all, and a batch sent on such a channel would come back as
+#: CHANNEL_ERROR misses.
+_IDLE_CHECK = 0.01
+
+
 class _Channel:
     """One authenticated connection to a peer, used by one reader at a time."""
 
-    __slots__ = ("seq", "sock")
+    __slots__ = ("idle_since", "seq", "sock", "used")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.seq = 0
+        self.used = False  # a batch completed on it: it comes from the pool, and may have died there
+        self.idle_since = 0.0  # time.monotonic() when that batch completed
 
 
 class TcpTransport(Transport):
@@ -238,11 +254,13 @@ class TcpTransport(Transport):
     handshake_timeout:
         Bound on connect + authentication, either side.
     idle_timeout:
-        The responder closes a connection idle this long.
+        The responder closes a connection idle this long (counted in
+        :attr:`listener_stats` ``.timed_out``).
     send_timeout:
         The responder drops a reader that accepts no bytes for this long.
     max_connections:
-        Responder connections accepted at once; more are closed at accept.
+        Responder connections accepted at once; more are closed at accept (counted in
+        :attr:`listener_stats` ``.refused``).
     native:
         Move bytes through the compiled data plane (the default when it is built);
         ``False`` uses the Python loops (same wire format; for tests and parity).
@@ -309,6 +327,12 @@ class TcpTransport(Transport):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def listener_stats(self) -> ListenerStats:
+        """The responder's accept loop counters: accepted, refused at the cap, accept
+        errors, timeouts (idle channels included)."""
+        return self._listener.stats
 
     # -- responder ------------------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
@@ -409,7 +433,7 @@ class TcpTransport(Transport):
         """Items ``a..b-1`` of ``plan`` (whole frames of ``starts``) over one leased channel."""
         index = plan.index[a:b]
         try:
-            ch = self._pool.lease(peer, max(deadline - self.clock(), 0.0))
+            ch = self._lease_live(peer, deadline)
         except TimeoutError:
             status[index] = Status.TIMEOUT
             return
@@ -447,9 +471,22 @@ class TcpTransport(Transport):
             if err != E_OK:
                 status[index[landed:]] = Status.TIMEOUT if err == E_TIMEOUT else Status.CHANNEL_ERROR
             ok = err == E_OK
+            if ok:
+                ch.used = True
+                ch.idle_since = time.monotonic()
         finally:
             self._pool.give_back(peer, ch, ok)
             self._sync_pool_stats()
+
+    def _lease_live(self, peer: str, deadline: float) -> _Channel:
+        """A channel to ``peer`` whose responder is still there: a pooled one that passes
+        :func:`~hiradix.transport.listener.still_open` (when idle ``_IDLE_CHECK`` or
+        more), else a new one; each dead one is closed. Raises as ``ChannelPool.lease``."""
+        while True:
+            ch = self._pool.lease(peer, max(deadline - self.clock(), 0.0))
+            if not ch.used or time.monotonic() - ch.idle_since < _IDLE_CHECK or still_open(ch.sock):
+                return ch
+            self._pool.give_back(peer, ch, False)
 
     def _sync_pool_stats(self) -> None:
         with self._stats_lock:
