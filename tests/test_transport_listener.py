@@ -291,3 +291,18 @@ def test_peer_config_sets_both_listeners() -> None:
     for bad in ({"max_connections": 0}, {"idle_timeout_s": 0}, {"idle_timeout_s": float("nan")}):
         with pytest.raises(ConfigError):
             PeerConfig(metrics_enabled=False, **bad)  # type: ignore[arg-type]
+
+
+def test_refused_handshakes_are_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """A client with the wrong token is refused, counted, and named in one WARNING line."""
+    server = RpcServer(TOKEN, host="127.0.0.1", port=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hiradix.transport.listener"):
+            with pytest.raises((AuthError, OSError)):
+                host, port = server.address.rsplit(":", 1)
+                dial(host, int(port), b"another-token-0123456789abcdef!!", b"rpc", 5.0)
+            _until(lambda: server.listener_stats.refused_handshakes == 1, "the refusal to be counted")
+        lines = [r for r in caplog.records if "refused a connection from 127.0.0.1" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    finally:
+        server.close()

@@ -104,6 +104,14 @@ class Backoff:
         return n
 
 
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a peer that already left"
+    return f"{host}:{port}"
+
+
 @dataclass
 class ListenerStats:
     """Counters of one :class:`AuthListener`, for tests and metrics (updated under its
@@ -114,6 +122,7 @@ class ListenerStats:
     accept_errors: int = 0  #: failed accepts (and thread starts), each followed by a back-off
     accept_stalls: int = 0  #: episodes of consecutive accept errors (each logged once)
     timed_out: int = 0  #: connections closed by a timeout: handshake, idle, stalled frame or send
+    refused_handshakes: int = 0  #: connections that failed the cluster-token challenge (each logged)
 
 
 class AuthListener:
@@ -240,6 +249,10 @@ class AuthListener:
             self._serve(conn)
         except (TimeoutError, BlockingIOError):  # BlockingIOError: a kernel SO_RCVTIMEO/SO_SNDTIMEO
             timed_out = True
+        except AuthError as exc:  # a wrong token or a broken handshake: the operator should know
+            with self._lock:
+                self.stats.refused_handshakes += 1
+            logger.warning("%s %s: refused a connection from %s: %s", self._name, self.address, _peer(conn), exc)
         except self._quiet:
             pass  # the peer sees the connection close
         finally:
