@@ -107,8 +107,12 @@ LABELS = {"hiradix": "hiradix.sglang.HiRadixCache", "sglang": "sglang 0.5.18 HiR
 METRICS = (("insert_per_s", True), ("finish_per_s", True), ("match_per_s", True), ("evict_all_s", False))
 # The same figures over process CPU time instead of wall time (hiradix's includes its copy threads):
 # less sensitive to being descheduled on a shared machine.
-CPU_METRICS = (("insert_per_cpu_s", True), ("finish_per_cpu_s", True), ("match_per_cpu_s", True),
-               ("evict_all_cpu_s", False))
+CPU_METRICS = (
+    ("insert_per_cpu_s", True),
+    ("finish_per_cpu_s", True),
+    ("match_per_cpu_s", True),
+    ("evict_all_cpu_s", False),
+)
 HICACHE_RATIO = 2.0
 MAX_LEN = 2048  # the workload's longest sequence
 
@@ -174,36 +178,62 @@ class _Worker:
 
 def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any) -> tuple[Any, FreeCounter]:
     """A cache built through SGLang's ``create_tree_cache``, as the scheduler builds it."""
-    kv = MHATokenToKVPool(size=pool_size, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=1,
-                          layer_num=1, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=pool_size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=1,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     for buf in (*kv.k_buffer, *kv.v_buffer):  # content, so the backups copy real data
         buf.copy_((torch.arange(buf.shape[0]) % 1024).to(buf.dtype).view(-1, 1, 1))
     if page_size == 1:
-        alloc = TokenToKVPoolAllocator(size=pool_size, dtype=torch.bfloat16, device="cpu", kvcache=kv,
-                                       need_sort=False)
+        alloc = TokenToKVPoolAllocator(size=pool_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
     else:
-        alloc = PagedTokenToKVPoolAllocator(size=pool_size, page_size=page_size, dtype=torch.bfloat16,
-                                            device="cpu", kvcache=kv, need_sort=False)
+        alloc = PagedTokenToKVPoolAllocator(
+            size=pool_size, page_size=page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False
+        )
     freed = FreeCounter()
     freed.install(alloc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
-            model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-            radix_cache_backend="hiradix" if impl == "hiradix" else None, page_size=page_size,
-            hicache_mem_layout="layer_first", hicache_io_backend="direct", hicache_write_policy="write_through",
+            model_path="dummy",
+            device="cpu",
+            enable_hierarchical_cache=True,
+            radix_cache_backend="hiradix" if impl == "hiradix" else None,
+            page_size=page_size,
+            hicache_mem_layout="layer_first",
+            hicache_io_backend="direct",
+            hicache_write_policy="write_through",
             hicache_ratio=HICACHE_RATIO,
         )
-    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size
+    )
     ctx = TreeCacheBuildContext(
-        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
-        tp_worker=_Worker(), model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        effective_chunked_prefill_size=None,
+        tp_worker=_Worker(),
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
     )
     cache = create_tree_cache(ctx)
-    want = hs.HiRadixCache if impl == "hiradix" else __import__(
-        "sglang.srt.mem_cache.hiradix_cache", fromlist=["HiRadixCache"]).HiRadixCache
+    want = (
+        hs.HiRadixCache
+        if impl == "hiradix"
+        else __import__("sglang.srt.mem_cache.hiradix_cache", fromlist=["HiRadixCache"]).HiRadixCache
+    )
     if type(cache) is not want:
         raise RuntimeError(f"{impl}: create_tree_cache built {type(cache).__name__}, expected {want}")
     atexit.unregister(cache.shutdown)  # else atexit keeps every cache (and its pools) alive
@@ -254,8 +284,9 @@ class Workload:
         base = torch.arange(off, dtype=torch.int64)
         self.values = [base[s : s + n] for s, n in zip(starts, self.aligned, strict=True)]
         # Requests: one ReqToTokenPool row each, holding its slots (cache_finished_req reads it).
-        self.req_to_token = ReqToTokenPool(size=len(seqs), max_context_len=MAX_LEN, device="cpu",
-                                           enable_memory_saver=False)
+        self.req_to_token = ReqToTokenPool(
+            size=len(seqs), max_context_len=MAX_LEN, device="cpu", enable_memory_saver=False
+        )
         self.reqs = []
         for i, (t, s, n) in enumerate(zip(self.tokens, starts, self.lens, strict=True)):
             req = Req(f"r{i}", "", t, SamplingParams(max_new_tokens=1))
@@ -347,8 +378,10 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     out["evict_all_s"] = clock.last
     out["evict_all_cpu_s"] = clock.last_cpu
     if evicted != cached or cache.evictable_size() != 0 or freed.tokens != cached:
-        raise AssertionError(f"{impl}: evict-all evicted {evicted} of {cached}, {cache.evictable_size()} left "
-                             f"evictable, {freed.tokens} slots handed back")
+        raise AssertionError(
+            f"{impl}: evict-all evicted {evicted} of {cached}, {cache.evictable_size()} left "
+            f"evictable, {freed.tokens} slots handed back"
+        )
     close_cache(impl, cache)
     del cache, insert, events, match
     gc.collect()
@@ -383,8 +416,9 @@ def hiradix_source() -> str:
 
     root = Path(hiradix.__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = "?"
     return f"{root} @ {rev or '?'}"
@@ -396,16 +430,24 @@ def machine() -> dict:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    return {"platform": platform.platform(), "cpu": cpu, "nproc": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "torch": torch.__version__, "load": os.getloadavg(),
-            "hiradix": hiradix_source()}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "nproc": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load": os.getloadavg(),
+        "hiradix": hiradix_source(),
+    }
 
 
 def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     w = Workload(seqs, ps, args.seed)
-    log(f"page {ps}: {len(w.keys)} keys, {sum(w.aligned):,} aligned tokens, pool {w.pool_size:,} slots "
-        f"(prepared in {time.perf_counter() - t0:.1f} s)")
+    log(
+        f"page {ps}: {len(w.keys)} keys, {sum(w.aligned):,} aligned tokens, pool {w.pool_size:,} slots "
+        f"(prepared in {time.perf_counter() - t0:.1f} s)"
+    )
     impls = [i for i in IMPLS if i in args.impls]
     runs: dict[str, list[dict]] = {i: [] for i in impls}
     for r in range(-args.warmup, args.repeats):
@@ -413,8 +455,11 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
         for impl in order:
             res = one_repeat(impl, w)
             tag = "warm-up" if r < 0 else f"repeat {r + 1}/{args.repeats}"
-            log(f"  {tag} {impl:8s}: " + ", ".join(f"{m}={res[m]:.4g}" for m, _ in METRICS)
-                + f", cpu/wall={res['cpu_share']:.2f}")
+            log(
+                f"  {tag} {impl:8s}: "
+                + ", ".join(f"{m}={res[m]:.4g}" for m, _ in METRICS)
+                + f", cpu/wall={res['cpu_share']:.2f}"
+            )
             if r >= 0:
                 runs[impl].append(res)
     # the two caches must agree: same tokens cached, same matched lengths and device indices
@@ -425,17 +470,23 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
         diff = [j for j, (x, y) in enumerate(zip(a["signature"], b["signature"], strict=True)) if x != y]
         if diff:
             j = diff[0]
-            raise AssertionError(f"{len(diff)} sample matches differ, first #{j}: {a['signature'][j]} vs "
-                                 f"{b['signature'][j]}")
-        log(f"  check: both cache {a['cached_tokens']:,} tokens; {len(a['signature'])} sample matches agree "
-            "(lengths and device indices)")
+            raise AssertionError(
+                f"{len(diff)} sample matches differ, first #{j}: {a['signature'][j]} vs {b['signature'][j]}"
+            )
+        log(
+            f"  check: both cache {a['cached_tokens']:,} tokens; {len(a['signature'])} sample matches agree "
+            "(lengths and device indices)"
+        )
     result: dict = {"keys": len(w.keys), "tokens": sum(w.aligned), "cached_tokens": runs[impls[0]][0]["cached_tokens"]}
     for impl in impls:
         result[impl] = {}
         for m, higher in (*METRICS, *CPU_METRICS, ("cpu_share", True)):
             vals = [x[m] for x in runs[impl]]
-            result[impl][m] = {"median": statistics.median(vals), "best": max(vals) if higher else min(vals),
-                               "runs": vals}
+            result[impl][m] = {
+                "median": statistics.median(vals),
+                "best": max(vals) if higher else min(vals),
+                "runs": vals,
+            }
     for impl in args.profile or ():
         profiles: dict[str, cProfile.Profile] = {}
         one_repeat(impl, w, profiles)
@@ -480,15 +531,17 @@ def report(results: dict, meta: dict) -> str:
                 if impl not in res:
                     continue
                 r = res[impl]
-                lines.append(f"| {ps} | {LABELS[impl]} | " + " | ".join(
-                    f"{fmt(m, r[m]['median'])} ({fmt(m, r[m]['best'])})" for m, _ in metrics)
-                    + f" | {r['cpu_share']['median']:.2f} |")
+                lines.append(
+                    f"| {ps} | {LABELS[impl]} | "
+                    + " | ".join(f"{fmt(m, r[m]['median'])} ({fmt(m, r[m]['best'])})" for m, _ in metrics)
+                    + f" | {r['cpu_share']['median']:.2f} |"
+                )
             if all(i in res for i in IMPLS):
                 a, b = res["hiradix"], res["sglang"]
-                ratios = [a[m]["median"] / b[m]["median"] if hi else b[m]["median"] / a[m]["median"]
-                          for m, hi in metrics]
-                lines.append(f"| {ps} | **hiradix / SGLang** | " + " | ".join(f"**{x:.1f}×**" for x in ratios)
-                             + " | |")
+                ratios = [
+                    a[m]["median"] / b[m]["median"] if hi else b[m]["median"] / a[m]["median"] for m, hi in metrics
+                ]
+                lines.append(f"| {ps} | **hiradix / SGLang** | " + " | ".join(f"**{x:.1f}×**" for x in ratios) + " | |")
     return "\n".join(lines)
 
 
@@ -500,8 +553,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed full repeats of each cache first (default 1)")
     ap.add_argument("--impls", default="hiradix,sglang")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="append", choices=IMPLS,
-                    help="after the repeats, cProfile one more repeat of this cache, per phase (repeatable)")
+    ap.add_argument(
+        "--profile",
+        action="append",
+        choices=IMPLS,
+        help="after the repeats, cProfile one more repeat of this cache, per phase (repeatable)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     args.impls = args.impls.split(",")
@@ -513,11 +570,19 @@ def main(argv: list[str] | None = None) -> int:
     patch_sglang_for_cpu()
     hs.register()
     seqs = make_workload(seed=args.seed, n_prompts=max(1, round(200 * args.scale)))
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "scale": args.scale,
-            "repeats": args.repeats, "warmup": args.warmup, "workload": describe(seqs),
-            "command": "python bench/sglang_api.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    log(f"{meta['machine']['cpu']}, load {meta['machine']['load']}; hiradix {meta['machine']['hiradix']}; "
-        f"workload {meta['workload']}")
+    meta = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "scale": args.scale,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "workload": describe(seqs),
+        "command": "python bench/sglang_api.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    log(
+        f"{meta['machine']['cpu']}, load {meta['machine']['load']}; hiradix {meta['machine']['hiradix']}; "
+        f"workload {meta['workload']}"
+    )
     t0 = time.perf_counter()
     results = {ps: bench_page(ps, seqs, args) for ps in (int(p) for p in args.page_sizes.split(","))}
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
