@@ -60,8 +60,9 @@ everything evictable and hands exactly that many slots back.
 
 Usage::
 
-    PYTHONPATH=tests/stubs .venv/bin/python bench/sglang_api.py --scale 0.1 --repeats 3   # ~1 min
-    PYTHONPATH=tests/stubs .venv/bin/python bench/sglang_api.py --scale 0.5 --json out.json
+    PYTHONPATH=tests/stubs .venv/bin/python bench/sglang_api.py --scale 0.1 --repeats 1 --warmup 0   # ~1 min
+    PYTHONPATH=tests/stubs .venv/bin/python bench/sglang_api.py --scale 0.25 --json out.json   # the table, ~4 min
+    PYTHONPATH=tests/stubs .venv/bin/python bench/sglang_api.py --scale 0.1 --impls hiradix --profile hiradix
 """
 
 from __future__ import annotations
