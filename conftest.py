@@ -34,4 +34,5 @@ def _sglang_supported() -> bool:
     return True
 
 
-collect_ignore = [] if _sglang_supported() else ["hiradix/sglang"]
+# The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
+collect_ignore = ["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
