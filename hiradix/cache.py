@@ -197,6 +197,7 @@ class HiRadixCache:
         self.load_back_threshold = load_back_threshold
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self._on_cpu = device_pool.device.type == "cpu"
         self.device_allocator: DeviceAllocator = allocator if allocator is not None else device_pool.make_allocator()
         self.cache_controller = controller or HiCacheController(
             device_pool, host_pool, agreement=agreement, layer_hook=layer_hook
@@ -254,8 +255,9 @@ class HiRadixCache:
     def match_prefix(self, key: Any, extra_key: str | None = None) -> CacheMatchResult:
         """Longest cached prefix of ``key`` (page aligned). Runtime: ``O(len(key))``."""
         m = self.tree.match_prefix(key, extra_key)
+        indices = torch.from_numpy(m.device_indices)
         return CacheMatchResult(
-            torch.from_numpy(m.device_indices).to(self.device_pool.device),
+            indices if self._on_cpu else indices.to(self.device_pool.device),
             m.last_device_node,
             m.last_host_node,
             m.host_hit_length,

@@ -188,7 +188,7 @@ def _as_tokens(token_ids: Any) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
         return token_ids
     if isinstance(token_ids, array) and token_ids.typecode in ("q", "l") and token_ids.itemsize == 8:
-        return np.frombuffer(token_ids, dtype=np.int64)
+        return np.frombuffer(token_ids, np.int64)
     if isinstance(token_ids, torch.Tensor):
         return token_ids.cpu().numpy()
     return np.asarray(token_ids, dtype=np.int64)
@@ -249,9 +249,13 @@ class HiRadixCache(BasePrefixCache):
         prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
             extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
         )
+        backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
             device_pool,
             host_pool,
+            # Page hashes are the L3 keys; as SGLang, they are computed only when there is an
+            # L3 (a backend attached at runtime then needs a cache started with one).
+            enable_hash=backend is not None,
             eviction_policy=self.eviction_policy,
             write_policy=write_policy,
             controller=controller,
@@ -267,7 +271,6 @@ class HiRadixCache(BasePrefixCache):
         self._ns_by_root: dict[int, str] = {}  # and back
         self.load_back_threshold = self.core.load_back_threshold
         self.enable_storage = False
-        backend = getattr(server_args, "hicache_storage_backend", None)
         if backend is not None:
             self._attach(backend, extra, prefetch, getattr(server_args, "served_model_name", None))
         atexit.register(self.shutdown)
