@@ -440,6 +440,23 @@ class ParityMachine(RuleBasedStateMachine):
         ok, _ = self.both("finish_load_back", h)
         assert ok, "finish_load_back of a load in flight was refused"
 
+    @precondition(lambda self: self.pending or self.loading)
+    @rule(data=st.data())
+    def split_a_node_in_flight(self, data: st.DataObject) -> None:
+        """Match into the middle of a node whose copy is in flight: the prefix split off
+        joins the transfer, which only the original handle may finish."""
+        h = data.draw(st.sampled_from(list(self.pending) + self.loading), label="node")
+        n = self.key_len(h)
+        if not self.ref.is_alive(h) or n < 2 * self.page_size:
+            return
+        path = [h]
+        while not self.ref.is_root(path[-1]):
+            path.append(self.ref.parent(path[-1]))
+        ns = [k for k in sorted(self.used_ns) if self.ref.namespace_root(k) == path[-1]]
+        prefix = [t for node in reversed(path[1:-1]) for t in self.ref.key(node).tolist()]
+        cut = data.draw(st.integers(1, n // self.page_size - 1), label="pages") * self.page_size
+        self.both("match_prefix", prefix + self.ref.key(h)[:cut].tolist(), ns[0] if ns else None)
+
     # -- rarely
     @rule(roll=st.integers(0, 9))
     def reset(self, roll: int) -> None:
@@ -474,7 +491,13 @@ def _pick(m: ParityMachine, data: st.DataObject, pred: Callable[[dict[str, Any]]
 
 def _lock_misuse(op: str, pred: Callable[[dict[str, Any]], bool], *extra: Any) -> Any:
     def make(m: ParityMachine, data: st.DataObject) -> Call | None:
-        h = _pick(m, data, pred)
+        # Mostly a node split off one whose copy is in flight, when there is one: the
+        # rarest way to get a transfer's ownership wrong.
+        split_off = _nodes_where(m, lambda i: pred(i) and i["io_status"] != "idle" and not i["io_owner"])
+        if split_off and data.draw(st.booleans(), label="split-off part?"):
+            h: int | None = data.draw(st.sampled_from(split_off), label="node")
+        else:
+            h = _pick(m, data, pred)
         return None if h is None else (LockError, op, (h, *extra), {})
 
     return make
@@ -487,8 +510,9 @@ def _bad_handle(m: ParityMachine, data: st.DataObject) -> Call:
         name = data.draw(st.sampled_from(sorted(HANDLE_CALLS)), label="method")
         return TypeError, name, (data.draw(st.sampled_from(NOT_INTEGERS)), *HANDLE_CALLS[name]), {}
     name = data.draw(st.sampled_from(sorted(set(HANDLE_CALLS) - {"is_alive"})), label="method")
-    dead = [h for h in m.handles if not m.ref.is_alive(h)]
-    handle = data.draw(st.sampled_from(NO_SUCH_NODE + dead), label="handle")
+    # (1 << 32) | 1 names a live node once slot 1 has been reused: keep only dead ones
+    dead = [h for h in NO_SUCH_NODE + m.handles if not m.ref.is_alive(h)]
+    handle = data.draw(st.sampled_from(dead), label="handle")
     return KeyError, name, (handle, *HANDLE_CALLS[name]), {}
 
 
