@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hiradix import _native
+from hiradix._results import IOStatus, LockError
 from hiradix.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
 _impl: Any = _native.load("hiradix._core")
@@ -29,6 +30,8 @@ __all__ = [
     "ROOT",
     "EvictionPolicy",
     "HiRadixTree",
+    "IOStatus",
+    "LockError",
     "get_hash_str",
     "get_policy",
     "namespace_seed",

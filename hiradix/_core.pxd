@@ -40,7 +40,8 @@ cdef struct Node:
     int32_t num_children
     int32_t num_device_children  # children whose value is on the device
     int32_t gen               # generation of this arena slot; handles carry it
-    int32_t lock_ref          # requests/transfers protecting the node (and its ancestors)
+    int32_t lock_ref          # locks owned by the node and its descendants (requests, transfers)
+    int32_t own_locks         # inc_lock_ref calls on this very node not yet undone
     int32_t host_ref_counter  # protections of the host copy alone
     int32_t ns                # namespace index: which seed the hash chain starts from
     int32_t heap_pos[2]       # position in the device / host victim heap, -1 if absent
@@ -50,6 +51,7 @@ cdef struct Node:
     uint8_t backed_up         # host_value valid (L2 resident)
     uint8_t pending           # host buffer holds the slots of a backup in flight
     uint8_t io_status         # IO_IDLE / IO_WRITING / IO_LOADING
+    uint8_t io_owner          # the transfer in flight was begun here (and holds a lock here)
     uint8_t visited           # SIEVE visited bit
 
 cdef struct HeapEntry:
@@ -172,7 +174,6 @@ cdef class HiRadixTree:
     cdef tuple _report_path(self, node_t root, node_t last)
     cdef list _victims(self, int s)
     cdef tuple _sort_key(self, node_t i)
-    cdef tuple _first_page(self, node_t i)
     cdef int64_t _lock(self, node_t i, int sign) noexcept nogil
     cdef object _gather(self, node_t top_exclusive, node_t bottom, bint host)
     cdef void _fill(self, node_t top_exclusive, node_t i, const index_t* src, index_t* dst,
@@ -180,5 +181,6 @@ cdef class HiRadixTree:
     cdef node_t _descend(self, node_t node, const token_t* ptr, int64_t n, double now,
                          int64_t* pos) except -2 nogil
     cdef object _spans(self, int64_t k, index_t* buf)
-    cdef node_t _io_group_top(self, node_t i, int status) except -2
+    cdef node_t _io_group_top(self, node_t i, int status, str op) except -2
+    cdef int _check_unpinned(self, node_t i, str op) except -1
     cdef void _io_finish(self, node_t i, node_t top, bint backed_up) noexcept nogil

@@ -9,11 +9,19 @@ victim costs ``O(log n)`` and nothing is ever re-heapified. The walks and gather
 without the GIL.
 
 The tree is not thread-safe: callers serialize operations (HiRadixCache does).
+
+Errors are the twin's, type for type (its module docstring has the table): ``KeyError``
+for a handle naming no live node, ``TypeError`` for a non-integer handle, count or dtype,
+``OverflowError`` for an integer the tree cannot store, ``ValueError`` for bad values
+and states, :class:`hiradix.LockError` for a broken locking or transfer protocol. A
+refused call changes nothing.
 """
 
 cimport cython
 cimport numpy as cnp
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -24,6 +32,7 @@ import hashlib
 
 import numpy as np
 
+from hiradix._results import IOStatus, LockError
 from hiradix.policy import FIELDS, check_tree_args, get_policy, write_through_threshold
 
 cnp.import_array()
@@ -42,8 +51,11 @@ cdef extern from "_platform.h" nogil:
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
+cdef tuple IO_STATUSES = (IOStatus.IDLE, IOStatus.WRITING, IOStatus.LOADING)   # by IO_* value
 cdef int64_t INT32_MIN_ = -2147483648
 cdef int64_t INT32_MAX_ = 2147483647
+cdef object INT64_MIN_ = -(2 ** 63)
+cdef object INT64_MAX_ = 2 ** 63 - 1
 cdef int64_t COMPACT_MIN = 1 << 16     # tokens of garbage before compaction is considered
 # Releasing and retaking the GIL costs two mutex operations, 4% of a typical match in a
 # profile; below this many tokens the work is shorter than that, so the GIL is kept.
@@ -51,6 +63,26 @@ cdef int64_t NOGIL_MIN = 4096
 
 
 # ----------------------------------------------------------------------------- inputs
+cdef int _reject_dtype(cnp.ndarray arr, str name, object lo, object hi) except -1:
+    """Raise for a non-integer dtype as the twin's ``reject_dtype``: ``OverflowError`` for
+    an object array of Python ints one of which is outside ``[lo, hi]``, else ``TypeError``."""
+    if arr.dtype.kind == "O" and all(type(x) is int for x in arr.flat):
+        small, large = min(arr.flat), max(arr.flat)
+        if small < lo or large > hi:
+            raise OverflowError(f"{name} out of range: min {small}, max {large}")
+    raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+
+
+cdef int64_t _as_int64(object x, str name) except? -1:
+    """An integer argument: ``TypeError`` for floats and other non-integers (never
+    truncated), ``OverflowError`` beyond int64."""
+    cdef int overflow = 0
+    cdef long long v = PyLong_AsLongLongAndOverflow(x, &overflow)
+    if overflow:
+        raise OverflowError(f"{name} = {x} does not fit in int64")
+    return v
+
+
 cdef cnp.ndarray _as_tokens(object key):
     """Token ids as a C-contiguous 1-D int32 array, without per-token Python work."""
     cdef cnp.ndarray arr
@@ -74,11 +106,11 @@ cdef cnp.ndarray _as_tokens(object key):
     if cnp.PyArray_SIZE(arr) == 0:
         return np.empty(0, dtype=np.int32)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+        _reject_dtype(arr, "token ids", INT32_MIN_, INT32_MAX_)
     if (cnp.PyArray_TYPE(arr) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
             or not cnp.PyArray_ISNOTSWAPPED(arr)):
         if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > INT32_MAX_:
-            raise ValueError(f"token id out of int32 range: max {int(arr.max())}")
+            raise OverflowError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
         arr = np.ascontiguousarray(arr, dtype=np.int64)
     n = cnp.PyArray_SIZE(arr)
     out = np.empty(n, dtype=np.int32)
@@ -93,7 +125,7 @@ cdef cnp.ndarray _as_tokens(object key):
                 break
             dst[k] = <int32_t>t
     if bad:
-        raise ValueError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
+        raise OverflowError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
     return out
 
 
@@ -114,7 +146,9 @@ cdef cnp.ndarray _as_indices(object value, str name):
     if cnp.PyArray_NDIM(arr) != 1:
         raise ValueError(f"{name} must be 1-D, got shape {(<object>arr).shape}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+        _reject_dtype(arr, name, INT64_MIN_, INT64_MAX_)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > INT64_MAX_:
+        raise OverflowError(f"{name} out of int64 range: max {int(arr.max())}")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
@@ -346,8 +380,8 @@ cdef class HiRadixTree:
         check_tree_args(page_size, clock)
         self.page_size = page_size
         self.policy = get_policy(eviction_policy)
+        self.write_through_threshold = write_through_threshold(write_policy)   # validates it
         self.write_policy = write_policy
-        self.write_through_threshold = write_through_threshold(write_policy)
         self._write_back = write_policy == "write_back"
         self.enable_hash = bool(enable_hash)
         self._clock = clock
@@ -570,9 +604,12 @@ cdef class HiRadixTree:
         return r
 
     cdef node_t _node(self, object handle) except -2:
-        cdef int64_t h = handle
+        # __index__ semantics: TypeError for a float (never truncated); an integer beyond
+        # int64 names no node, as in the twin.
+        cdef int overflow = 0
+        cdef int64_t h = PyLong_AsLongLongAndOverflow(handle, &overflow)
         cdef int64_t index = h & 0xFFFFFFFF
-        if h < 0 or index >= self.n_used:
+        if overflow or h < 0 or index >= self.n_used:
             raise KeyError(f"no node with handle {handle}")
         if not self.nodes[index].alive or self.nodes[index].gen != (h >> 32):
             raise KeyError(f"node handle {handle} is stale (its node was freed)")
@@ -796,18 +833,33 @@ cdef class HiRadixTree:
                 pos += self.scratch[3 * j + 1]
         return out
 
-    cdef node_t _io_group_top(self, node_t i, int status) except -2:
+    cdef node_t _io_group_top(self, node_t i, int status, str op) except -2:
         # The topmost node of ``i``'s transfer group: ``i`` and the ancestors split off it
-        # while the transfer was in flight all carry its ticket.
+        # while the transfer was in flight all carry its ticket. Only the node the
+        # transfer was begun on may finish it: finishing from a split-off prefix would
+        # release a lock on the wrong path.
         if self.nodes[i].io_status != status:
-            raise ValueError(
-                f"node {_handle(&self.nodes[i], i)} has no {IO_NAMES[status]} transfer in flight")
+            raise LockError(
+                f"{op}: node {_handle(&self.nodes[i], i)} has no {IO_NAMES[status]} transfer in flight "
+                f"(io_status {IO_NAMES[self.nodes[i].io_status]}; finished already, or never begun)")
+        if not self.nodes[i].io_owner:
+            raise LockError(
+                f"{op}: node {_handle(&self.nodes[i], i)} was split off the node its transfer was begun on; "
+                "name that node (its handle is the split's lower part)")
         cdef int64_t ticket = self.nodes[i].io_ticket
         cdef node_t p = self.nodes[i].parent
         while not self.nodes[p].is_root and self.nodes[p].io_ticket == ticket:
             i = p
             p = self.nodes[i].parent
         return i
+
+    cdef int _check_unpinned(self, node_t i, str op) except -1:
+        cdef Node* n = &self.nodes[i]
+        if n.lock_ref or n.io_status != IO_IDLE:
+            raise LockError(
+                f"{op}: node {_handle(n, i)} is locked (lock_ref {n.lock_ref}, "
+                f"io_status {IO_NAMES[n.io_status]}); its slots may still be read")
+        return 0
 
     cdef void _io_finish(self, node_t i, node_t top, bint backed_up) noexcept nogil:
         # Close the transfer of the group from ``i`` up to ``top``.
@@ -1144,8 +1196,9 @@ cdef class HiRadixTree:
         r.last_node = _handle(&self.nodes[node], node)
         return r
 
-    def insert(self, key, value, extra_key=None, *, int64_t priority=0, bint chunked=False):
+    def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False):
         """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``."""
+        cdef int64_t prio = _as_int64(priority, "priority")
         cdef cnp.ndarray toks = _as_tokens(key)
         cdef cnp.ndarray vals = _as_indices(value, "value")
         if cnp.PyArray_SIZE(vals) != cnp.PyArray_SIZE(toks):
@@ -1168,8 +1221,8 @@ cdef class HiRadixTree:
                 if child == NO_NODE:
                     break
                 c = &self.nodes[child]
-                if priority > c.priority:
-                    c.priority = priority
+                if prio > c.priority:
+                    c.priority = prio
                 if not c.on_device:
                     # re-materialize: the recomputed KV replaces the evicted copy
                     memcpy(self.dev + c.key_off, vptr + pos, plen * sizeof(index_t))
@@ -1188,7 +1241,7 @@ cdef class HiRadixTree:
                 node = self._new_child(parent, ptr + pos, n - pos, now)
                 c = &self.nodes[node]
                 memcpy(self.dev + c.key_off, vptr + pos, (n - pos) * sizeof(index_t))
-                c.priority = priority
+                c.priority = prio
                 if not chunked:
                     c.hit_count = 1
                 self._set_device(node, 1)
@@ -1279,14 +1332,26 @@ cdef class HiRadixTree:
         return r
 
     def inc_lock_ref(self, node):
-        """Protect ``node`` and its ancestors; returns the change of evictable_size. ``O(depth)``."""
-        return self._lock(self._node(node), 1)
+        """Take a lock owned by ``node`` (protecting it and its ancestors); returns the
+        change of evictable_size. No-op on a root. ``O(depth)``."""
+        cdef node_t i = self._node(node)
+        if self.nodes[i].is_root:
+            return 0
+        self.nodes[i].own_locks += 1
+        return self._lock(i, 1)
 
     def dec_lock_ref(self, node):
-        """Undo one :meth:`inc_lock_ref`. ``O(depth)``."""
+        """Release a lock taken by :meth:`inc_lock_ref` on this same node; ``LockError``
+        if it holds none of its own (see the twin). No-op on a root. ``O(depth)``."""
         cdef node_t i = self._node(node)
-        if not self.nodes[i].is_root and self.nodes[i].lock_ref <= 0:
-            raise RuntimeError(f"dec_lock_ref on node {node}, which is not locked")
+        cdef Node* n = &self.nodes[i]
+        if n.is_root:
+            return 0
+        if n.own_locks <= 0:
+            raise LockError(
+                f"dec_lock_ref on node {node}, which holds no lock of its own "
+                f"(lock_ref {n.lock_ref}, io_status {IO_NAMES[n.io_status]})")
+        n.own_locks -= 1
         return self._lock(i, -1)
 
     def inc_host_ref(self, node):
@@ -1296,21 +1361,22 @@ cdef class HiRadixTree:
         self._refresh(i)
 
     def dec_host_ref(self, node):
-        """Undo one :meth:`inc_host_ref`. ``O(log n)``."""
+        """Undo one :meth:`inc_host_ref`; ``LockError`` at zero. ``O(log n)``."""
         cdef node_t i = self._node(node)
         if self.nodes[i].host_ref_counter <= 0:
-            raise RuntimeError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
+            raise LockError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
         self.nodes[i].host_ref_counter -= 1
         self._refresh(i)
 
-    def evict(self, int64_t num_tokens):
+    def evict(self, num_tokens):
         """Free at least ``num_tokens`` device tokens if possible; see the twin.
         ``O(k log n)`` for ``k`` victims."""
+        cdef int64_t want = _as_int64(num_tokens, "num_tokens")
         cdef int64_t evicted = 0, k = 0, ln
         cdef node_t v
         cdef bint write_back = self._write_back
         with nogil:
-            while evicted < num_tokens:
+            while evicted < want:
                 v = self._pop_victim(DEVICE_SET)
                 if v == NO_NODE:
                     break
@@ -1354,8 +1420,9 @@ cdef class HiRadixTree:
         cdef Node* n = &self.nodes[i]
         if n.is_root or not n.on_device or not n.backed_up:
             raise ValueError(f"demote: node {node} must be on the device and backed up")
-        if n.lock_ref or n.num_device_children:
-            raise ValueError(f"demote: node {node} is locked or has device children")
+        if n.num_device_children:
+            raise ValueError(f"demote: node {node} has device children")
+        self._check_unpinned(i, "demote")
         out = self._gather(n.parent, i, False)
         self._demote(i)
         return out
@@ -1367,20 +1434,22 @@ cdef class HiRadixTree:
         cdef Node* n = &self.nodes[i]
         if n.is_root or not n.on_device or n.backed_up:
             raise ValueError(f"drop: node {node} must be on the device and not backed up")
-        if n.lock_ref or n.io_status != IO_IDLE or n.num_children:
-            raise ValueError(f"drop: node {node} is locked, in flight or has children")
+        if n.num_children:
+            raise ValueError(f"drop: node {node} has children")
+        self._check_unpinned(i, "drop")
         out = self._gather(n.parent, i, False)
         self._evictable -= n.key_len
         self._delete_leaf(i)
         return out
 
-    def evict_host(self, int64_t num_tokens):
+    def evict_host(self, num_tokens):
         """Delete at least ``num_tokens`` host-only tokens if possible, deepest first.
         ``O(k log n)`` for ``k`` victims."""
+        cdef int64_t want = _as_int64(num_tokens, "num_tokens")
         cdef int64_t evicted = 0, k = 0, ln
         cdef node_t v
         with nogil:
-            while evicted < num_tokens:
+            while evicted < want:
                 v = self._pop_victim(HOST_SET)
                 if v == NO_NODE:
                     break
@@ -1406,8 +1475,10 @@ cdef class HiRadixTree:
         cdef Node* n = &self.nodes[i]
         if n.is_root or not n.on_device:
             raise ValueError(f"begin_backup: node {node} is not on the device")
-        if n.backed_up or n.io_status != IO_IDLE:
-            raise ValueError(f"begin_backup: node {node} is already backed up or in flight")
+        if n.io_status == IO_WRITING:
+            raise LockError(f"begin_backup: node {node} has a backup in flight already")
+        if n.backed_up:
+            raise ValueError(f"begin_backup: node {node} is already backed up")
         cdef Node* p = &self.nodes[n.parent]
         if not (p.backed_up or p.io_status == IO_WRITING):
             raise ValueError(f"begin_backup: parent of node {node} is not backed up (continuity)")
@@ -1419,15 +1490,18 @@ cdef class HiRadixTree:
         n.pending = 1
         n.io_status = IO_WRITING
         n.io_ticket = self._ticket
+        n.io_owner = 1
         self._lock(i, 1)
         return self._gather(self.nodes[i].parent, i, False)
 
     def commit_backup(self, node, ok=True):
-        """Finish :meth:`begin_backup`; returns whether the node is now backed up."""
+        """Finish :meth:`begin_backup` on this same node; returns whether the node is now
+        backed up. ``LockError`` as in the twin. ``O(depth)``."""
         cdef node_t i = self._node(node)
-        cdef node_t top = self._io_group_top(i, IO_WRITING)
+        cdef node_t top = self._io_group_top(i, IO_WRITING, "commit_backup")
         cdef bint success = bool(ok) and self.nodes[self.nodes[top].parent].backed_up
         self._io_finish(i, top, success)
+        self.nodes[i].io_owner = 0
         self._lock(i, -1)
         return success
 
@@ -1470,13 +1544,16 @@ cdef class HiRadixTree:
             self._refresh(m)
             m = self.nodes[m].parent
         self._refresh(top)
+        self.nodes[i].io_owner = 1
         self._lock(i, 1)
         return total
 
     def finish_load_back(self, node):
-        """Mark the load started by :meth:`begin_load_back` as landed and unlock."""
+        """Mark the load started by :meth:`begin_load_back` on this same node as landed
+        and unlock; ``LockError`` as in the twin. ``O(depth)``."""
         cdef node_t i = self._node(node)
-        self._io_finish(i, self._io_group_top(i, IO_LOADING), False)
+        self._io_finish(i, self._io_group_top(i, IO_LOADING, "finish_load_back"), False)
+        self.nodes[i].io_owner = 0
         self._lock(i, -1)
 
     # ------------------------------------------------------------------ queries
@@ -1536,29 +1613,77 @@ cdef class HiRadixTree:
         return True
 
     def parent(self, node):
-        """Parent handle, or -1 for a root."""
+        """Parent handle, or -1 for a root. ``O(1)``."""
         cdef node_t p = self.nodes[self._node(node)].parent
         return -1 if p == NO_NODE else _handle(&self.nodes[p], p)
 
-    cdef tuple _first_page(self, node_t i):
-        cdef int64_t off = self.nodes[i].key_off
-        return tuple([self.tokens[off + k] for k in range(self.page_size)])
-
     def children(self, node):
-        """Child handles ordered by their first page."""
-        cdef node_t c = self.nodes[self._node(node)].first_child
-        kids = []
-        while c != NO_NODE:
-            kids.append((self._first_page(c), _handle(&self.nodes[c], c)))
+        """Child handles, oldest first (SGLang's dict order; see the twin). ``O(children)``."""
+        cdef Node* n = &self.nodes[self._node(node)]
+        cdef Py_ssize_t k = n.num_children
+        cdef node_t c = n.first_child
+        cdef list kids = PyList_New(k)
+        cdef object h
+        while c != NO_NODE:     # the sibling list runs newest first: fill from the end
+            k -= 1
+            h = _handle(&self.nodes[c], c)
+            Py_INCREF(h)
+            PyList_SET_ITEM(kids, k, h)
             c = self.nodes[c].next_sibling
-        kids.sort()
-        return [h for _, h in kids]
+        return kids
+
+    def num_children(self, node):
+        """Number of children. ``O(1)``."""
+        return self.nodes[self._node(node)].num_children
 
     def key_len(self, node):
         """Tokens in a node's span. ``O(1)``."""
         return self.nodes[self._node(node)].key_len
 
+    # Typed state of one node, each O(1), for adapters that build lazy node views; see
+    # the twin for the meaning of each (node_info builds a dict and is for debugging).
+    def is_root(self, node):
+        """Whether the node is the root or a namespace root. ``O(1)``."""
+        return bool(self.nodes[self._node(node)].is_root)
+
+    def is_evicted(self, node):
+        """Whether the node's device copy is gone. ``O(1)``."""
+        return not self.nodes[self._node(node)].on_device
+
+    def is_backed_up(self, node):
+        """Whether the node has a committed host copy (a root does). ``O(1)``."""
+        return bool(self.nodes[self._node(node)].backed_up)
+
+    def io_status(self, node):
+        """The node's transfer state, an :class:`hiradix.IOStatus`. ``O(1)``."""
+        return IO_STATUSES[self.nodes[self._node(node)].io_status]
+
+    def lock_ref(self, node):
+        """Locks protecting the node (its own, its descendants', a transfer's). ``O(1)``."""
+        return self.nodes[self._node(node)].lock_ref
+
+    def host_ref_counter(self, node):
+        """Protections of the node's host copy. ``O(1)``."""
+        return self.nodes[self._node(node)].host_ref_counter
+
+    def hit_count(self, node):
+        """Non-chunked insert hits. ``O(1)``."""
+        return self.nodes[self._node(node)].hit_count
+
+    def priority(self, node):
+        """Highest priority of the inserts through the node. ``O(1)``."""
+        return self.nodes[self._node(node)].priority
+
+    def last_access_time(self, node):
+        """Clock at the last match/insert touching the node. ``O(1)``."""
+        return self.nodes[self._node(node)].last_access_time
+
+    def creation_time(self, node):
+        """Clock at the node's creation. ``O(1)``."""
+        return self.nodes[self._node(node)].creation_time
+
     def key(self, node):
+        """A copy of the node's token ids (int32). ``O(key_len)``."""
         cdef Node* n = &self.nodes[self._node(node)]
         out = np.empty(n.key_len, dtype=np.int32)
         if n.key_len:
@@ -1600,12 +1725,14 @@ cdef class HiRadixTree:
             "evicted": not n.on_device,
             "backuped": bool(n.backed_up),
             "lock_ref": n.lock_ref,
+            "own_lock_ref": n.own_locks,
             "host_ref_counter": n.host_ref_counter,
             "hit_count": n.hit_count,
             "priority": n.priority,
             "last_access_time": n.last_access_time,
             "creation_time": n.creation_time,
             "io_status": IO_NAMES[n.io_status],
+            "io_owner": bool(n.io_owner),
             "num_children": n.num_children,
         }
 
@@ -1626,8 +1753,8 @@ cdef class HiRadixTree:
         cdef node_t i, c, p
         cdef Node* n
         cdef int64_t evictable = 0, protected = 0, host = 0, live = 0, nonroot = 0
-        cdef int64_t kids, dev_kids, s, pos
-        cdef bint unlocked, want_dev, want_host
+        cdef int64_t kids, dev_kids, s, pos, owned
+        cdef bint unlocked, want_dev, want_host, owner_below
         cdef HeapEntry fresh
         cdef uint8_t digest[32]
         cdef const uint8_t* prev
@@ -1641,6 +1768,8 @@ cdef class HiRadixTree:
                 continue
             live += 1
             kids = dev_kids = 0
+            owned = n.own_locks + n.io_owner
+            owner_below = False
             c = n.first_child
             while c != NO_NODE:
                 if self.nodes[c].parent != i:
@@ -1649,6 +1778,8 @@ cdef class HiRadixTree:
                     fail("child is not filed under its first page", c)
                 kids += 1
                 dev_kids += self.nodes[c].on_device
+                owned += self.nodes[c].lock_ref
+                owner_below |= n.io_status != IO_IDLE and self.nodes[c].io_ticket == n.io_ticket
                 c = self.nodes[c].next_sibling
             if kids != n.num_children or dev_kids != n.num_device_children:
                 fail("child counters differ from a recount", i)
@@ -1688,6 +1819,16 @@ cdef class HiRadixTree:
                 fail("pending host indices disagree with io_status", i)
             if n.io_status != IO_IDLE and n.lock_ref == 0:
                 fail("transfer in flight on an unlocked node", i)
+            if n.io_owner and n.io_status == IO_IDLE:
+                fail("transfer lock held without a transfer in flight", i)
+            # A member of a transfer group that did not begin it is a prefix split off
+            # the node that did, which is below it with the same ticket.
+            if n.io_status != IO_IDLE and not n.io_owner and not owner_below:
+                fail("transfer in flight without its owner below", i)
+            # Every lock is owned by one node (a request's or a transfer's): lock_ref is
+            # exactly the locks owned here and below.
+            if n.own_locks < 0 or n.lock_ref != owned:
+                fail(f"lock_ref differs from the locks owned at and below the node ({owned})", i)
             if self.enable_hash:
                 if self.nodes[p].is_root:
                     prev = NULL if self.nodes[p].ns == 0 else self.seeds + self.nodes[p].ns * DIGEST

@@ -9,11 +9,32 @@ Node handles are opaque integers ``index | generation << 32``: the index of an a
 slot and how many times that slot has been freed, so a stale handle is detected
 instead of silently naming a newer node. Both implementations hand out slots from the
 same LIFO free list, so they agree on handles too.
+
+Errors (the same types from both implementations; a refused call changes nothing):
+
+``KeyError``       a handle that names no live node: unknown, negative, beyond int64,
+                   freed, or from before :meth:`HiRadixTree.reset`
+``TypeError``      an argument of the wrong type: a handle or count that is not an
+                   integer (floats are never truncated), token ids or indices of a
+                   non-integer dtype, an ``extra_key`` that is not a ``str``
+``OverflowError``  an integer outside what the tree stores: a token id outside int32,
+                   an index, count or priority outside int64, ``page_size`` beyond int64
+``ValueError``     a bad value: arrays that are not 1-D, lengths that disagree, a node
+                   in a state where the operation means nothing (not on the device, not
+                   evicted, not backed up, children in the way, a parent not backed up)
+``LockError``      (a ``RuntimeError``) the locking or transfer protocol is broken; see
+                   :class:`hiradix.LockError`
+
+Locks are owned: ``inc_lock_ref(node)`` adds a lock *of node's own* (and protects its
+ancestors), and ``dec_lock_ref`` must name a node that holds one. A transfer's lock is
+owned by the node the transfer was begun on and is released only by its commit or
+finish. So a release can never take a lock that a copy in flight still relies on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +47,8 @@ from hiradix._results import (
     IndexArray,
     InsertHostResult,
     InsertResult,
+    IOStatus,
+    LockError,
     MatchResult,
 )
 from hiradix.policy import EvictionPolicy, check_tree_args, get_policy, write_through_threshold
@@ -35,11 +58,26 @@ IO_IDLE, IO_WRITING, IO_LOADING = 0, 1, 2
 _IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
 _EMPTY = np.empty(0, dtype=np.int64)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 # ----------------------------------------------------------------------------- inputs
+def reject_dtype(arr: np.ndarray, name: str, lo: int, hi: int) -> None:
+    """Raise for an array of a dtype that is not an integer one: ``OverflowError`` for an
+    object array of Python ints with one outside ``[lo, hi]`` (what numpy makes of a list
+    holding an int beyond 64 bits), ``TypeError`` for anything else (floats, bools,
+    strings, other objects)."""
+    if arr.dtype.kind == "O" and all(type(x) is int for x in arr.flat):
+        small, large = min(arr.flat), max(arr.flat)
+        if small < lo or large > hi:
+            raise OverflowError(f"{name} out of range: min {small}, max {large}")
+    raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+
+
 def as_tokens(key: Any) -> np.ndarray:
-    """Token ids as a 1-D int32 array (numpy, list, ``array('q')``, CPU torch tensor)."""
+    """Token ids as a 1-D int32 array (numpy, list, ``array('q')``, CPU torch tensor).
+    ``ValueError`` if not 1-D, ``TypeError`` for a non-integer dtype, ``OverflowError``
+    for an id outside int32."""
     arr = np.asarray(key)
     if arr.ndim != 1:
         if arr.size == 0:
@@ -48,25 +86,37 @@ def as_tokens(key: Any) -> np.ndarray:
     if arr.size == 0:
         return np.empty(0, dtype=np.int32)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+        reject_dtype(arr, "token ids", _INT32_MIN, _INT32_MAX)
     if arr.dtype != np.int32:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise ValueError(f"token id out of int32 range: min {lo}, max {hi}")
+            raise OverflowError(f"token id out of int32 range: min {lo}, max {hi}")
         arr = arr.astype(np.int32)
     return arr
 
 
 def as_indices(value: Any, name: str = "value") -> IndexArray:
-    """KV indices as a 1-D int64 array."""
+    """KV indices as a 1-D int64 array. ``ValueError`` if not 1-D, ``TypeError`` for a
+    non-integer dtype, ``OverflowError`` for an index beyond int64 (never wrapped)."""
     arr = np.asarray(value)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+        reject_dtype(arr, name, _INT64_MIN, _INT64_MAX)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+        raise OverflowError(f"{name} out of int64 range: max {int(arr.max())}")
     return arr.astype(np.int64, copy=False)
+
+
+def as_int64(x: Any, name: str) -> int:
+    """An integer argument (``operator.index``: ``TypeError`` for floats and other
+    non-integers) that must fit in int64 (``OverflowError``)."""
+    v = operator.index(x)
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise OverflowError(f"{name} = {v} does not fit in int64")
+    return v
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -132,12 +182,14 @@ class _Node:
         "host_ref_counter",
         "host_value",
         "index",
+        "io_owner",
         "io_status",
         "io_ticket",
         "is_root",
         "key",
         "last_access_time",
         "lock_ref",
+        "own_locks",
         "parent",
         "pending_host",
         "priority",
@@ -157,7 +209,8 @@ class _Node:
         self.host_value: IndexArray | None = None  # host indices; None = not backed up
         self.pending_host: IndexArray | None = None  # host indices of a backup in flight
         self.hashes: list[bytes] | None = None  # one chained digest per page
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks of this node and of its descendants (and transfers')
+        self.own_locks = 0  # inc_lock_ref calls on this very node not yet undone
         self.host_ref_counter = 0
         self.hit_count = 0
         self.priority = 0
@@ -165,6 +218,7 @@ class _Node:
         self.creation_time = 0.0
         self.io_status = IO_IDLE
         self.io_ticket = 0
+        self.io_owner = False  # the transfer in flight was begun on this node (holds its lock)
         self.visited = False
         self.sieve_lap = 0
         self.is_root = False
@@ -301,8 +355,9 @@ class HiRadixTree:
         return root
 
     def _node(self, handle: int) -> _Node:
+        handle = operator.index(handle)  # TypeError for floats: a handle is never truncated
         index = handle & 0xFFFFFFFF
-        if handle < 0 or index >= len(self._slots):
+        if handle < 0 or handle > _INT64_MAX or index >= len(self._slots):
             raise KeyError(f"no node with handle {handle}")
         node = self._slots[index]
         if node is None or node.gen != handle >> 32:
@@ -533,8 +588,9 @@ class HiRadixTree:
 
         Only the page-aligned prefix is inserted. Evicted nodes on the path take the new
         indices (re-materialization) instead of being duplicated. Runtime complexity:
-        ``O(len(key))``.
+        ``O(len(key))``. ``priority`` is an int64 (``TypeError``/``OverflowError``).
         """
+        priority = as_int64(priority, "priority")
         tokens = as_tokens(key)
         values = as_indices(value)
         if len(values) != len(tokens):
@@ -605,36 +661,48 @@ class HiRadixTree:
         self._refresh(last)
         return InsertHostResult(pos, len(tokens) - pos, child.handle)
 
-    def inc_lock_ref(self, node: int) -> int:
-        """Protect ``node`` and its ancestors from eviction; returns the change of
-        ``evictable_size``. Runtime complexity: ``O(depth)``."""
-        walk = self._node(node)
+    def _lock(self, walk: _Node, sign: int) -> int:
+        """Add ``sign`` to the lock_ref of ``walk`` and its ancestors; returns the change
+        of ``evictable_size``."""
         delta = 0
         while not walk.is_root:
-            if walk.lock_ref == 0 and walk.value is not None:
-                self._evictable -= len(walk.key)
-                self._protected += len(walk.key)
-                delta -= len(walk.key)
-            walk.lock_ref += 1
+            if walk.lock_ref == (0 if sign > 0 else 1) and walk.value is not None:
+                self._evictable -= sign * len(walk.key)
+                self._protected += sign * len(walk.key)
+                delta -= sign * len(walk.key)
+            walk.lock_ref += sign
             self._refresh(walk)
             walk = walk.parent  # type: ignore[assignment]
         return delta
 
+    def inc_lock_ref(self, node: int) -> int:
+        """Take a lock owned by ``node``, which protects it and its ancestors from
+        eviction; returns the change of ``evictable_size``. On a root it does nothing.
+        Runtime complexity: ``O(depth)``."""
+        target = self._node(node)
+        if target.is_root:
+            return 0
+        target.own_locks += 1
+        return self._lock(target, 1)
+
     def dec_lock_ref(self, node: int) -> int:
-        """Undo one :meth:`inc_lock_ref`. Runtime complexity: ``O(depth)``."""
-        walk = self._node(node)
-        if not walk.is_root and walk.lock_ref <= 0:
-            raise RuntimeError(f"dec_lock_ref on node {node}, which is not locked")
-        delta = 0
-        while not walk.is_root:
-            if walk.lock_ref == 1 and walk.value is not None:
-                self._evictable += len(walk.key)
-                self._protected -= len(walk.key)
-                delta += len(walk.key)
-            walk.lock_ref -= 1
-            self._refresh(walk)
-            walk = walk.parent  # type: ignore[assignment]
-        return delta
+        """Release one lock taken by :meth:`inc_lock_ref` on this same node; returns the
+        change of ``evictable_size``. On a root it does nothing.
+
+        Raises :class:`LockError` if ``node`` holds no lock of its own: never locked,
+        already released, or locked only through a descendant or by a transfer in flight
+        (whose lock only its commit/finish releases). Runtime complexity: ``O(depth)``.
+        """
+        target = self._node(node)
+        if target.is_root:
+            return 0
+        if target.own_locks <= 0:
+            raise LockError(
+                f"dec_lock_ref on node {node}, which holds no lock of its own "
+                f"(lock_ref {target.lock_ref}, io_status {_IO_NAMES[target.io_status]})"
+            )
+        target.own_locks -= 1
+        return self._lock(target, -1)
 
     def inc_host_ref(self, node: int) -> None:
         """Protect a node's host copy (e.g. a prefetch mount point). ``O(1)``."""
@@ -643,10 +711,11 @@ class HiRadixTree:
         self._refresh(walk)
 
     def dec_host_ref(self, node: int) -> None:
-        """Undo one :meth:`inc_host_ref`. ``O(1)``."""
+        """Undo one :meth:`inc_host_ref`; :class:`LockError` if the node's
+        ``host_ref_counter`` is 0. ``O(1)``."""
         walk = self._node(node)
         if walk.host_ref_counter <= 0:
-            raise RuntimeError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
+            raise LockError(f"dec_host_ref on node {node}, whose host_ref_counter is 0")
         walk.host_ref_counter -= 1
         self._refresh(walk)
 
@@ -654,8 +723,11 @@ class HiRadixTree:
         """Free at least ``num_tokens`` device tokens if possible, leaves first.
 
         A backed-up leaf becomes a tombstone; one that is not is deleted (write_through)
-        or reported for write-back. Runtime complexity: ``O(k log n)`` for ``k`` victims.
+        or reported for write-back. ``num_tokens <= 0`` frees nothing; it is an int64
+        (``TypeError``/``OverflowError``). Runtime complexity: ``O(k log n)`` for ``k``
+        victims.
         """
+        num_tokens = as_int64(num_tokens, "num_tokens")
         freed: list[IndexArray] = []
         write_back: list[int] = []
         backup: dict[int, None] = {}
@@ -691,23 +763,42 @@ class HiRadixTree:
 
     def demote(self, node: int) -> IndexArray:
         """Drop the device copy of a backed-up, unlocked device leaf; returns the device
-        indices to free. Completes write-back eviction. ``O(log n)``."""
+        indices to free. Completes write-back eviction.
+
+        ``ValueError`` for a root, a node not on the device or not backed up, or one with
+        device children; :class:`LockError` for a locked node (a copy in flight locks
+        its node). Runtime complexity: ``O(children + log n)``.
+        """
         target = self._node(node)
         if target.is_root or target.value is None or target.host_value is None:
             raise ValueError(f"demote: node {node} must be on the device and backed up")
-        if target.lock_ref or any(c.value is not None for c in target.children.values()):
-            raise ValueError(f"demote: node {node} is locked or has device children")
+        if any(c.value is not None for c in target.children.values()):
+            raise ValueError(f"demote: node {node} has device children")
+        self._check_unpinned(target, "demote")
         return self._demote(target)
+
+    def _check_unpinned(self, target: _Node, op: str) -> None:
+        if target.lock_ref or target.io_status != IO_IDLE:
+            raise LockError(
+                f"{op}: node {target.handle} is locked (lock_ref {target.lock_ref}, "
+                f"io_status {_IO_NAMES[target.io_status]}); its slots may still be read"
+            )
 
     def drop(self, node: int) -> IndexArray:
         """Delete an unlocked device leaf that is not backed up; returns its device
         indices to free. The way out of write-back eviction when no host slot can be
-        had for the backup. ``O(log n)``."""
+        had for the backup.
+
+        ``ValueError`` for a root, a node not on the device, backed up, or with children;
+        :class:`LockError` for a locked node (a backup in flight locks its node).
+        Runtime complexity: ``O(log n)``.
+        """
         target = self._node(node)
         if target.is_root or target.value is None or target.host_value is not None:
             raise ValueError(f"drop: node {node} must be on the device and not backed up")
-        if target.lock_ref or target.io_status != IO_IDLE or target.children:
-            raise ValueError(f"drop: node {node} is locked, in flight or has children")
+        if target.children:
+            raise ValueError(f"drop: node {node} has children")
+        self._check_unpinned(target, "drop")
         value = target.value
         self._evictable -= len(target.key)
         self._delete_leaf(target)
@@ -715,7 +806,9 @@ class HiRadixTree:
 
     def evict_host(self, num_tokens: int) -> EvictHostResult:
         """Delete at least ``num_tokens`` host-only tokens if possible, deepest first.
-        Runtime complexity: ``O(k log n)`` for ``k`` victims."""
+        ``num_tokens`` as in :meth:`evict`. Runtime complexity: ``O(k log n)`` for ``k``
+        victims."""
+        num_tokens = as_int64(num_tokens, "num_tokens")
         freed: list[IndexArray] = []
         evicted = 0
         while evicted < num_tokens:
@@ -735,14 +828,22 @@ class HiRadixTree:
         """Start copying ``node`` to host slots ``host_indices``; locks it.
 
         The parent must be backed up or being backed up. Returns the device indices to
-        copy. The node counts as backed up only after :meth:`commit_backup`.
+        copy. The node counts as backed up only after :meth:`commit_backup`, which must
+        name this same node (its handle survives splits).
+
+        ``ValueError`` for a root, a node not on the device or already backed up (a node
+        being loaded is), a parent neither backed up nor being written, or a length that
+        is not the node's; :class:`LockError` if a backup of the node is already in
+        flight. Runtime complexity: ``O(depth + len)``.
         """
         target = self._node(node)
         hosts = as_indices(host_indices, "host_indices")
         if target.is_root or target.value is None:
             raise ValueError(f"begin_backup: node {node} is not on the device")
-        if target.host_value is not None or target.io_status != IO_IDLE:
-            raise ValueError(f"begin_backup: node {node} is already backed up or in flight")
+        if target.io_status == IO_WRITING:
+            raise LockError(f"begin_backup: node {node} has a backup in flight already")
+        if target.host_value is not None:
+            raise ValueError(f"begin_backup: node {node} is already backed up")
         parent = target.parent
         assert parent is not None
         if not (parent.backuped or parent.io_status == IO_WRITING):
@@ -753,13 +854,24 @@ class HiRadixTree:
         target.pending_host = hosts.copy()
         target.io_status = IO_WRITING
         target.io_ticket = self._ticket
-        self.inc_lock_ref(node)
+        target.io_owner = True
+        self._lock(target, 1)
         return target.value.copy()
 
-    def _io_group(self, node: _Node, status: int) -> list[_Node]:
-        """``node`` and the ancestors split off it while its transfer was in flight."""
+    def _io_group(self, node: _Node, status: int, op: str) -> list[_Node]:
+        """``node`` and the ancestors split off it while its transfer was in flight;
+        :class:`LockError` unless ``node`` is the node a transfer of kind ``status`` was
+        begun on and is still in flight."""
         if node.io_status != status:
-            raise ValueError(f"node {node.handle} has no {_IO_NAMES[status]} transfer in flight")
+            raise LockError(
+                f"{op}: node {node.handle} has no {_IO_NAMES[status]} transfer in flight "
+                f"(io_status {_IO_NAMES[node.io_status]}; finished already, or never begun)"
+            )
+        if not node.io_owner:
+            raise LockError(
+                f"{op}: node {node.handle} was split off the node its transfer was begun on; "
+                "name that node (its handle is the split's lower part)"
+            )
         group = [node]
         walk = node.parent
         while walk is not None and not walk.is_root and walk.io_ticket == node.io_ticket:
@@ -770,9 +882,13 @@ class HiRadixTree:
     def commit_backup(self, node: int, ok: bool = True) -> bool:
         """Finish :meth:`begin_backup`. Returns whether the node is now backed up: a
         failed copy, or a parent whose own backup failed, leaves it as it was before
-        ``begin_backup`` (the caller frees the host slots). Commit parents first."""
+        ``begin_backup`` (the caller frees the host slots). Commit parents first.
+
+        :class:`LockError` unless a backup begun on this very node is in flight: a second
+        commit, a commit without a begin, or one naming a part split off the node.
+        Runtime complexity: ``O(depth)``."""
         target = self._node(node)
-        group = self._io_group(target, IO_WRITING)
+        group = self._io_group(target, IO_WRITING, "commit_backup")
         top_parent = group[0].parent
         assert top_parent is not None
         success = bool(ok) and top_parent.backuped
@@ -783,7 +899,8 @@ class HiRadixTree:
             member.pending_host = None
             member.io_status = IO_IDLE
             member.io_ticket = 0
-        self.dec_lock_ref(node)
+        target.io_owner = False
+        self._lock(target, -1)
         return success
 
     def evicted_host_indices(self, node: int) -> IndexArray:
@@ -800,7 +917,10 @@ class HiRadixTree:
     def begin_load_back(self, node: int, device_indices: Any) -> int:
         """Give the evicted chain ending at ``node`` the device slots ``device_indices``
         (one per token of :meth:`evicted_host_indices`) and lock it while the host to
-        device copy is in flight. Returns the number of tokens loaded."""
+        device copy is in flight. Returns the number of tokens loaded.
+
+        ``ValueError`` if the node is not evicted (a root never is) or the length is not
+        the chain's. Runtime complexity: ``O(depth + tokens)``."""
         target = self._node(node)
         devs = as_indices(device_indices, "device_indices")
         chain = []
@@ -823,16 +943,20 @@ class HiRadixTree:
             self._size_delta(member, len(member.key))
             self._refresh(member)
             self._refresh(member.parent)  # type: ignore[arg-type]
-        self.inc_lock_ref(node)
+        target.io_owner = True
+        self._lock(target, 1)
         return total
 
     def finish_load_back(self, node: int) -> None:
-        """Mark the load started by :meth:`begin_load_back` as landed and unlock."""
+        """Mark the load started by :meth:`begin_load_back` on this very node as landed
+        and unlock; :class:`LockError` otherwise (as :meth:`commit_backup`).
+        Runtime complexity: ``O(depth)``."""
         target = self._node(node)
-        for member in self._io_group(target, IO_LOADING):
+        for member in self._io_group(target, IO_LOADING, "finish_load_back"):
             member.io_status = IO_IDLE
             member.io_ticket = 0
-        self.dec_lock_ref(node)
+        target.io_owner = False
+        self._lock(target, -1)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -876,21 +1000,71 @@ class HiRadixTree:
         return True
 
     def parent(self, node: int) -> int:
-        """Parent handle, or -1 for a root."""
+        """Parent handle, or -1 for a root. ``O(1)``."""
         p = self._node(node).parent
         return -1 if p is None else p.handle
 
     def children(self, node: int) -> list[int]:
-        """Child handles ordered by their first token."""
-        kids = self._node(node).children
-        return [kids[k].handle for k in sorted(kids)]
+        """Child handles, oldest first: the order of SGLang's ``children`` dict (a new
+        child goes last; the prefix made by a split takes the place of the node it was
+        cut from). ``O(children)``."""
+        return [c.handle for c in self._node(node).children.values()]
+
+    def num_children(self, node: int) -> int:
+        """Number of children. ``O(1)``."""
+        return len(self._node(node).children)
 
     def key_len(self, node: int) -> int:
         """Tokens in a node's span. ``O(1)``."""
         return len(self._node(node).key)
 
     def key(self, node: int) -> np.ndarray:
+        """A copy of the node's token ids (int32; empty for a root). ``O(key_len)``."""
         return self._node(node).key.copy()
+
+    # Typed state of one node, each O(1), for adapters that build lazy node views
+    # (node_info builds a dict and is for debugging).
+    def is_root(self, node: int) -> bool:
+        """Whether the node is the root or a namespace root. ``O(1)``."""
+        return self._node(node).is_root
+
+    def is_evicted(self, node: int) -> bool:
+        """Whether the node's device copy is gone (it lives on the host only). ``O(1)``."""
+        return self._node(node).value is None
+
+    def is_backed_up(self, node: int) -> bool:
+        """Whether the node has a committed host copy; a root counts as backed up (the
+        anchor of backup continuity). A backup in flight does not count. ``O(1)``."""
+        return self._node(node).backuped
+
+    def io_status(self, node: int) -> IOStatus:
+        """The node's transfer state. ``O(1)``."""
+        return IOStatus(self._node(node).io_status)
+
+    def lock_ref(self, node: int) -> int:
+        """Locks protecting the node: its own, its descendants' and a transfer's (a
+        root always has 1). ``O(1)``."""
+        return self._node(node).lock_ref
+
+    def host_ref_counter(self, node: int) -> int:
+        """Protections of the node's host copy (:meth:`inc_host_ref`). ``O(1)``."""
+        return self._node(node).host_ref_counter
+
+    def hit_count(self, node: int) -> int:
+        """Non-chunked insert hits. ``O(1)``."""
+        return self._node(node).hit_count
+
+    def priority(self, node: int) -> int:
+        """Highest priority of the inserts through the node. ``O(1)``."""
+        return self._node(node).priority
+
+    def last_access_time(self, node: int) -> float:
+        """Clock at the last match/insert touching the node. ``O(1)``."""
+        return self._node(node).last_access_time
+
+    def creation_time(self, node: int) -> float:
+        """Clock at the node's creation (a split keeps the original's). ``O(1)``."""
+        return self._node(node).creation_time
 
     def value(self, node: int) -> IndexArray | None:
         v = self._node(node).value
@@ -914,12 +1088,14 @@ class HiRadixTree:
             "evicted": n.evicted,
             "backuped": n.backuped,
             "lock_ref": n.lock_ref,
+            "own_lock_ref": n.own_locks,
             "host_ref_counter": n.host_ref_counter,
             "hit_count": n.hit_count,
             "priority": n.priority,
             "last_access_time": n.last_access_time,
             "creation_time": n.creation_time,
             "io_status": _IO_NAMES[n.io_status],
+            "io_owner": n.io_owner,
             "num_children": len(n.children),
         }
 
@@ -978,6 +1154,22 @@ class HiRadixTree:
                 fail("pending host indices disagree with io_status")
             if node.io_status != IO_IDLE and node.lock_ref == 0:
                 fail("transfer in flight on an unlocked node")
+            if node.io_owner and node.io_status == IO_IDLE:
+                fail("transfer lock held without a transfer in flight")
+            # A member of a transfer group that did not begin it is a prefix split off
+            # the node that did, which is below it with the same ticket.
+            if (
+                node.io_status != IO_IDLE
+                and not node.io_owner
+                and not any(c.io_ticket == node.io_ticket for c in node.children.values())
+            ):
+                fail("transfer in flight without its owner below")
+            # Every lock is owned by one node (a request's or a transfer's), so lock_ref
+            # is exactly the locks owned here and below; a release of a lock not owned
+            # would break this sum.
+            owned = node.own_locks + node.io_owner + sum(c.lock_ref for c in node.children.values())
+            if node.own_locks < 0 or node.lock_ref != owned:
+                fail(f"lock_ref differs from the locks owned at and below the node ({owned})")
             if self.enable_hash:
                 if node.hashes is None or len(node.hashes) != n // self.page_size:
                     fail("not one hash per page")

@@ -1,18 +1,43 @@
-"""Result records of the pure-Python tree.
+"""Result records of the pure-Python tree, and the node states and errors both trees share.
 
 The Cython core returns ``cdef class`` records with the same names and read-only
 attributes (constructing a dataclass from C costs more than the whole match); tests
-compare the two attribute by attribute.
+compare the two attribute by attribute. :class:`IOStatus` and :class:`LockError` are
+used by both implementations as they are.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 IndexArray = npt.NDArray[np.int64]
+
+
+class IOStatus(enum.IntEnum):
+    """Transfer state of a node, as ``HiRadixTree.io_status`` reports it (SGLang's
+    ``tree_v2`` ``IOStatus``). The values are the core's ``IO_*`` constants."""
+
+    IDLE = 0  # no copy in flight
+    WRITING = 1  # device -> host backup in flight (begin_backup .. commit_backup)
+    LOADING = 2  # host -> device load in flight (begin_load_back .. finish_load_back)
+
+
+class LockError(RuntimeError):
+    """A call that breaks the tree's locking or transfer protocol.
+
+    Raised, with the tree left unchanged, for a release of something not held
+    (``dec_lock_ref`` on a node that holds no lock of its own, ``dec_host_ref`` at zero),
+    for a transfer finished that is not in flight on that node (a second
+    ``commit_backup``, ``finish_load_back`` without a load, either one on a node split
+    off the one the transfer was begun on), for a backup begun on a node whose backup is
+    already in flight, and for freeing a node that something still pins (``demote`` or
+    ``drop`` of a locked node, which includes every node with a copy in flight). Each of
+    these would otherwise let a copy read or write slots that were handed out again.
+    """
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,13 +102,16 @@ def register_policy(policy: EvictionPolicy, *, replace: bool = False) -> Evictio
 
 
 def get_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
-    """Look a policy up by name (or pass an :class:`EvictionPolicy` through).
+    """Look a policy up by name (or pass an :class:`EvictionPolicy` through);
+    ``ValueError`` for an unknown name, ``TypeError`` for anything but a ``str`` or a policy.
 
     >>> get_policy("lru").key
     (('last_access_time', 1),)
     """
     if isinstance(policy, EvictionPolicy):
         return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"eviction_policy must be a name or an EvictionPolicy, got {type(policy).__name__}")
     try:
         return _REGISTRY[policy]
     except KeyError:
@@ -138,11 +141,14 @@ WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back
 
 
 def write_through_threshold(write_policy: str) -> int:
-    """Hits after which ``insert`` reports a node for backup (0: never).
+    """Hits after which ``insert`` reports a node for backup (0: never); ``ValueError``
+    for an unknown policy, ``TypeError`` for one that is not a ``str``.
 
     >>> write_through_threshold("write_through_selective")
     2
     """
+    if not isinstance(write_policy, str):
+        raise TypeError(f"write_policy must be a str, got {type(write_policy).__name__}")
     thresholds = {"write_through": 1, "write_through_selective": 2, "write_back": 0}
     try:
         return thresholds[write_policy]
@@ -151,8 +157,12 @@ def write_through_threshold(write_policy: str) -> int:
 
 
 def check_tree_args(page_size: object, clock: object) -> None:
-    """Validate the tree constructor arguments shared by both implementations."""
+    """Validate the tree constructor arguments shared by both implementations:
+    ``ValueError`` for a ``page_size`` that is not an int >= 1, ``OverflowError`` for one
+    beyond int64, ``TypeError`` for a clock that is not callable."""
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if page_size > 2**63 - 1:
+        raise OverflowError(f"page_size {page_size} does not fit in int64")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be callable")

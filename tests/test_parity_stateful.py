@@ -3,6 +3,11 @@ with the same operations; every answer (or exception type), the sizes, both vict
 and the whole tree must agree, and both trees must pass ``check_invariants()`` after every
 step (marisa-trie / sortedcontainers style, with ``_reference`` as the oracle).
 
+Bad calls are part of the run: the ``misuse`` rule draws one from ``MISUSES`` (lock and
+transfer misuse, bad handles, out-of-range integers, wrong dtypes, shapes and lengths);
+both trees must raise the exception type the table names, and any refused call made on
+a tree in a known state must leave both trees exactly in that state.
+
 The matrix page size (1, 4, 16) x eviction policy x write policy is one TestCase class
 per cell. Skipped, with the reason, when the core is not built or ``HIRADIX_PUREPYTHON``
 is set. ``HIRADIX_PARITY_MAX_EXAMPLES`` scales the run (default: fits CI's budget).
@@ -12,8 +17,10 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,14 +34,16 @@ from support import (
     Allocator,
     CoarseClock,
     all_nodes,
-    assert_same,
-    assert_trees_equal,
     call_both,
     make_pair,
+    normalize,
     parity_available,
     roots_of,
+    sizes,
+    tree_snapshot,
 )
 
+from hiradix._results import LockError
 from hiradix.policy import WRITE_POLICIES, policy_names
 
 PAGE_SIZES = (1, 4, 16)
@@ -96,6 +105,78 @@ def can_drop(tree: Any, h: int) -> bool:
     )
 
 
+# Every method that takes a node handle first, with valid-looking other arguments: a bad
+# handle is refused before anything else is looked at.
+HANDLE_CALLS: dict[str, tuple[Any, ...]] = {
+    "insert_host": ([], []),
+    "inc_lock_ref": (),
+    "dec_lock_ref": (),
+    "inc_host_ref": (),
+    "dec_host_ref": (),
+    "demote": (),
+    "drop": (),
+    "begin_backup": ([],),
+    "commit_backup": (),
+    "evicted_host_indices": (),
+    "begin_load_back": ([],),
+    "finish_load_back": (),
+    "is_alive": (),
+    "parent": (),
+    "children": (),
+    "num_children": (),
+    "key_len": (),
+    "key": (),
+    "value": (),
+    "host_value": (),
+    "hash_value": (),
+    "node_info": (),
+    "is_root": (),
+    "is_evicted": (),
+    "is_backed_up": (),
+    "io_status": (),
+    "lock_ref": (),
+    "host_ref_counter": (),
+    "hit_count": (),
+    "priority": (),
+    "last_access_time": (),
+    "creation_time": (),
+}
+ACCESSORS = [name for name, extra in HANDLE_CALLS.items() if not extra and name not in (
+    "inc_lock_ref", "dec_lock_ref", "inc_host_ref", "dec_host_ref", "demote", "drop",
+    "commit_backup", "finish_load_back",
+)]  # fmt: skip
+NOT_INTEGERS = [1.5, np.float64(2.0), None, "1", b"1"]
+NO_SUCH_NODE = [-1, -(2**63), 2**63, 2**64, 12345 << 32, (1 << 32) | 1]
+BAD_COUNTS: list[tuple[Any, type[Exception]]] = [
+    (1.5, TypeError), (np.float32(3), TypeError), (None, TypeError), ("4", TypeError),
+    (2**63, OverflowError), (-(2**63) - 1, OverflowError), (2**80, OverflowError),
+]  # fmt: skip
+BAD_TOKENS: list[tuple[Any, type[Exception]]] = [
+    ([1, 2**31], OverflowError),
+    ([-(2**31) - 1], OverflowError),
+    (np.array([2**63], dtype=np.uint64), OverflowError),
+    (np.array([2**40], dtype=np.int64), OverflowError),
+    ([2**70, 1], OverflowError),  # an object array of Python ints
+    ([1.0, 2.0], TypeError),
+    ([True, False], TypeError),
+    (["a", "b"], TypeError),
+    ([1, None], TypeError),
+    ([[1, 2], [3, 4]], ValueError),
+    (7, ValueError),
+]
+
+
+def _bad_values(n: int) -> list[tuple[Any, type[Exception]]]:
+    """Device/host index arrays that are wrong for a key of ``n`` tokens (``n >= 1``)."""
+    return [
+        (np.full(n, 2**63, dtype=np.uint64), OverflowError),
+        ([2**70] * n, OverflowError),
+        (np.zeros(n, dtype=np.float64), TypeError),
+        (np.zeros((n, 1), dtype=np.int64), ValueError),
+        (np.arange(n + 1), ValueError),
+    ]
+
+
 namespaces = st.sampled_from(NAMESPACES)
 priorities = st.sampled_from([0, 0, 1, 3, -2])
 oks = st.sampled_from([True, True, True, False])
@@ -125,6 +206,12 @@ class ParityMachine(RuleBasedStateMachine):
         self.host = Allocator(1 << 40)
         self.forget()
 
+    def state(self, tree: Any) -> Any:
+        """Everything observable about one tree, normalized (what a refused call must not
+        change)."""
+        ns = sorted(self.used_ns)  # tree_snapshot normalizes what it returns already
+        return normalize(sizes(tree)), tree_snapshot(tree, ns), normalize(tree.debug_counters())
+
     def forget(self) -> None:
         """Drop what the machine remembers about the trees (after a reset)."""
         self.handles: list[int] = [self.ref.root]  # recently returned node handles
@@ -136,11 +223,34 @@ class ParityMachine(RuleBasedStateMachine):
         self.loading: list[int] = []
         self.to_demote: list[int] = []
         self.used_ns: set[str] = set()
+        self.known: Any = None  # the trees' state after the last step, while unchanged
 
     # -- helpers
     def both(self, name: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """Call ``name`` on both trees (same answer or same exception type). A refused
+        call on trees in a known state must leave both in that state."""
         OPS["parity (hypothesis)"] += 1
-        return call_both(self.core, self.ref, name, *args, **kwargs)
+        ok, res = call_both(self.core, self.ref, name, *args, **kwargs)
+        if ok:
+            self.known = None
+        elif self.known is not None:
+            self.core.check_invariants()
+            self.ref.check_invariants()
+            for impl, tree in (("core", self.core), ("reference", self.ref)):
+                if self.state(tree) != self.known:
+                    raise AssertionError(
+                        f"the refused {name}{args!r}{kwargs!r} ({res!r}) changed the {impl} tree\n"
+                        f" now: {self.state(tree)!r}\n was: {self.known!r}"
+                    )
+        return ok, res
+
+    def refused(self, expected: type[Exception], name: str, *args: Any, **kwargs: Any) -> None:
+        """``name`` must be refused by both trees with exactly ``expected``."""
+        ok, exc = self.both(name, *args, **kwargs)
+        assert not ok, f"{name}{args!r}{kwargs!r} was accepted"
+        assert type(exc) is expected, f"{name}{args!r}{kwargs!r} raised {exc!r}, expected {expected.__name__}"
+        if expected is LockError:  # the message names the operation and the node
+            assert name in str(exc) and f"node {int(args[0])}" in str(exc), str(exc)
 
     def remember(self, *handles: int) -> None:
         for h in handles:
@@ -188,10 +298,18 @@ class ParityMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def probe_a_handle(self, data: st.DataObject) -> None:
         h = self.draw_handle(data)
-        self.both("is_alive", h)
-        self.both("node_info", h)
-        self.both("key_len", h)
-        self.both("evicted_host_indices", h)
+        for name in ACCESSORS:
+            self.both(name, h)
+
+    # -- misuse: every call here must be refused, with the type MISUSES names
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        kind = data.draw(st.sampled_from(sorted(MISUSES)), label="misuse")
+        call = MISUSES[kind](self, data)
+        if call is None:  # nothing in the tree to misuse this way right now
+            return
+        expected, name, args, kwargs = call
+        self.refused(expected, name, *args, **kwargs)
 
     # -- writes
     @rule(data=st.data(), ns=namespaces, priority=priorities, chunked=st.sampled_from([False, False, False, True]))
@@ -322,6 +440,23 @@ class ParityMachine(RuleBasedStateMachine):
         ok, _ = self.both("finish_load_back", h)
         assert ok, "finish_load_back of a load in flight was refused"
 
+    @precondition(lambda self: self.pending or self.loading)
+    @rule(data=st.data())
+    def split_a_node_in_flight(self, data: st.DataObject) -> None:
+        """Match into the middle of a node whose copy is in flight: the prefix split off
+        joins the transfer, which only the original handle may finish."""
+        h = data.draw(st.sampled_from(list(self.pending) + self.loading), label="node")
+        n = self.key_len(h)
+        if not self.ref.is_alive(h) or n < 2 * self.page_size:
+            return
+        path = [h]
+        while not self.ref.is_root(path[-1]):
+            path.append(self.ref.parent(path[-1]))
+        ns = [k for k in sorted(self.used_ns) if self.ref.namespace_root(k) == path[-1]]
+        prefix = [t for node in reversed(path[1:-1]) for t in self.ref.key(node).tolist()]
+        cut = data.draw(st.integers(1, n // self.page_size - 1), label="pages") * self.page_size
+        self.both("match_prefix", prefix + self.ref.key(h)[:cut].tolist(), ns[0] if ns else None)
+
     # -- rarely
     @rule(roll=st.integers(0, 9))
     def reset(self, roll: int) -> None:
@@ -334,8 +469,150 @@ class ParityMachine(RuleBasedStateMachine):
     def trees_agree(self) -> None:
         self.core.check_invariants()
         self.ref.check_invariants()
-        assert_same(self.core.debug_counters(), self.ref.debug_counters(), "debug_counters")
-        assert_trees_equal(self.core, self.ref, sorted(self.used_ns))
+        # sizes, victim sets, the whole tree and the node counters
+        self.known = self.state(self.ref)
+        core_state = self.state(self.core)
+        if core_state != self.known:
+            raise AssertionError(f"parity: tree state differs\n core: {core_state!r}\n  ref: {self.known!r}")
+
+
+# ----------------------------------------------------------------------------- misuses
+Call = tuple[type[Exception], str, tuple[Any, ...], dict[str, Any]]
+
+
+def _nodes_where(m: ParityMachine, pred: Callable[[dict[str, Any]], bool]) -> list[int]:
+    return [h for h in all_nodes(m.ref, sorted(m.used_ns)) if pred(m.ref.node_info(h))]
+
+
+def _pick(m: ParityMachine, data: st.DataObject, pred: Callable[[dict[str, Any]], bool]) -> int | None:
+    nodes = _nodes_where(m, pred)
+    return data.draw(st.sampled_from(nodes), label="node") if nodes else None
+
+
+def _lock_misuse(op: str, pred: Callable[[dict[str, Any]], bool], *extra: Any) -> Any:
+    def make(m: ParityMachine, data: st.DataObject) -> Call | None:
+        # Mostly a node split off one whose copy is in flight, when there is one: the
+        # rarest way to get a transfer's ownership wrong.
+        split_off = _nodes_where(m, lambda i: pred(i) and i["io_status"] != "idle" and not i["io_owner"])
+        if split_off and data.draw(st.booleans(), label="split-off part?"):
+            h: int | None = data.draw(st.sampled_from(split_off), label="node")
+        else:
+            h = _pick(m, data, pred)
+        return None if h is None else (LockError, op, (h, *extra), {})
+
+    return make
+
+
+def _bad_handle(m: ParityMachine, data: st.DataObject) -> Call:
+    """A non-integer handle (TypeError, never truncated) or an integer that names no live
+    node: unknown, negative, beyond int64, freed (KeyError; ``is_alive`` answers False)."""
+    if data.draw(st.booleans(), label="not an integer?"):
+        name = data.draw(st.sampled_from(sorted(HANDLE_CALLS)), label="method")
+        return TypeError, name, (data.draw(st.sampled_from(NOT_INTEGERS)), *HANDLE_CALLS[name]), {}
+    name = data.draw(st.sampled_from(sorted(set(HANDLE_CALLS) - {"is_alive"})), label="method")
+    # (1 << 32) | 1 names a live node once slot 1 has been reused: keep only dead ones
+    dead = [h for h in NO_SUCH_NODE + m.handles if not m.ref.is_alive(h)]
+    handle = data.draw(st.sampled_from(dead), label="handle")
+    return KeyError, name, (handle, *HANDLE_CALLS[name]), {}
+
+
+def _bad_count(m: ParityMachine, data: st.DataObject) -> Call:
+    value, error = data.draw(st.sampled_from(BAD_COUNTS), label="count")
+    return error, data.draw(st.sampled_from(["evict", "evict_host"])), (value,), {}
+
+
+def _bad_priority(m: ParityMachine, data: st.DataObject) -> Call:
+    value, error = data.draw(st.sampled_from(BAD_COUNTS), label="priority")
+    key = data.draw(keys(m.page_size), label="key")
+    return error, "insert", (key, m.dev(len(key))), {"priority": value}
+
+
+def _bad_tokens(m: ParityMachine, data: st.DataObject) -> Call:
+    tokens, error = data.draw(st.sampled_from(BAD_TOKENS), label="tokens")
+    name = data.draw(st.sampled_from(["insert", "match_prefix", "insert_host"]), label="method")
+    n = int(np.size(tokens))
+    if name == "insert":
+        return error, name, (tokens, np.arange(n)), {}
+    if name == "insert_host":
+        return error, name, (m.ref.root, tokens, np.arange(n)), {}
+    return error, name, (tokens,), {}
+
+
+def _bad_indices(m: ParityMachine, data: st.DataObject) -> Call | None:
+    name = data.draw(st.sampled_from(["insert", "insert_host", "begin_backup", "begin_load_back"]), label="method")
+    if name in ("insert", "insert_host"):
+        key = data.draw(keys(m.page_size).filter(bool), label="key")
+        value, error = data.draw(st.sampled_from(_bad_values(len(key))), label="indices")
+        return error, name, ((key, value) if name == "insert" else (m.ref.root, key, value)), {}
+    if name == "begin_backup":
+        h = _pick(m, data, lambda i: not i["evicted"] and not i["backuped"] and i["io_status"] == "idle")
+        n = m.ref.key_len(h) if h is not None else 0
+    else:
+        h = _pick(m, data, lambda i: i["evicted"])
+        n = len(m.ref.evicted_host_indices(h)) if h is not None else 0
+    if h is None:
+        return None
+    # Indices are checked before the node's state: a wrong length is a ValueError whether
+    # or not the parent is backed up.
+    value, error = data.draw(st.sampled_from(_bad_values(n)), label="indices")
+    return error, name, (h, value), {}
+
+
+def _bad_extra_key(m: ParityMachine, data: st.DataObject) -> Call:
+    extra = data.draw(st.sampled_from([5, b"ns", 1.5, ("a",)]), label="extra_key")
+    name = data.draw(st.sampled_from(["insert", "match_prefix", "namespace_root"]), label="method")
+    if name == "insert":
+        return TypeError, name, ([1] * m.page_size, [0] * m.page_size, extra), {}
+    if name == "match_prefix":
+        return TypeError, name, ([1] * m.page_size, extra), {}
+    return TypeError, name, (extra,), {}
+
+
+def _wrong_state(m: ParityMachine, data: st.DataObject) -> Call | None:
+    """Operations on a node in a state where they mean nothing: ValueError."""
+    name = data.draw(st.sampled_from(["demote", "drop", "begin_backup", "begin_load_back", "insert_host"]))
+    if name == "demote":  # evicted, or not backed up
+        h = _pick(m, data, lambda i: i["evicted"] or not i["backuped"])
+        return None if h is None else (ValueError, name, (h,), {})
+    if name == "drop":  # evicted or backed up
+        h = _pick(m, data, lambda i: i["evicted"] or i["backuped"])
+        return None if h is None else (ValueError, name, (h,), {})
+    if name == "begin_backup":  # evicted or committed already
+        h = _pick(m, data, lambda i: i["evicted"] or (i["backuped"] and i["io_status"] != "writing"))
+        return None if h is None else (ValueError, name, (h, np.arange(m.ref.key_len(h))), {})
+    if name == "begin_load_back":  # on the device (the root included)
+        h = _pick(m, data, lambda i: not i["evicted"])
+        return ValueError, name, (m.ref.root if h is None else h, []), {}
+    h = _pick(m, data, lambda i: not i["backuped"])  # insert_host below a node not backed up
+    return None if h is None else (ValueError, name, (h, [1] * m.page_size, [0] * m.page_size), {})
+
+
+MISUSES: dict[str, Callable[[ParityMachine, st.DataObject], Call | None]] = {
+    # lock and transfer protocol: LockError
+    "dec_lock_ref without a lock of its own": _lock_misuse("dec_lock_ref", lambda i: i["own_lock_ref"] == 0),
+    "dec_host_ref at zero": _lock_misuse("dec_host_ref", lambda i: i["host_ref_counter"] == 0),
+    "commit_backup not in flight (twice, never, split-off part)": _lock_misuse(
+        "commit_backup", lambda i: i["io_status"] != "writing" or not i["io_owner"]
+    ),
+    "finish_load_back not in flight (twice, never, split-off part)": _lock_misuse(
+        "finish_load_back", lambda i: i["io_status"] != "loading" or not i["io_owner"]
+    ),
+    "begin_backup while in flight": _lock_misuse("begin_backup", lambda i: i["io_status"] == "writing", []),
+    "demote a locked node": _lock_misuse(
+        "demote", lambda i: i["lock_ref"] > 0 and not i["evicted"] and i["backuped"] and i["num_children"] == 0
+    ),
+    "drop a locked node": _lock_misuse(
+        "drop", lambda i: i["lock_ref"] > 0 and not i["evicted"] and not i["backuped"] and i["num_children"] == 0
+    ),
+    # bad arguments
+    "bad handle": _bad_handle,
+    "bad count": _bad_count,
+    "bad priority": _bad_priority,
+    "bad tokens": _bad_tokens,
+    "bad indices": _bad_indices,
+    "bad extra_key": _bad_extra_key,
+    "node in the wrong state": _wrong_state,
+}
 
 
 # ----------------------------------------------------------------------------- the matrix

@@ -14,6 +14,7 @@ import pytest
 from support import FakeClock, all_nodes, result_fields
 
 from hiradix._reference import get_hash_str
+from hiradix._results import LockError
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -377,8 +378,17 @@ def test_begin_backup_refuses_a_node_whose_parent_is_not_backed_up(tree_cls):
     assert tree.commit_backup(top) and tree.commit_backup(child)
 
 
-@pytest.mark.parametrize("case", ["not on device", "already backed up", "in flight", "wrong length", "root"])
-def test_begin_backup_refuses_bad_requests(tree_cls, case):
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("not on device", ValueError),
+        ("already backed up", ValueError),
+        ("in flight", LockError),
+        ("wrong length", ValueError),
+        ("root", ValueError),
+    ],
+)
+def test_begin_backup_refuses_bad_requests(tree_cls, case, error):
     tree = tree_cls(1)
     node = tree.insert([1, 2, 3], idx(0, 3)).last_node
     hosts = idx(100, 3)
@@ -395,7 +405,7 @@ def test_begin_backup_refuses_bad_requests(tree_cls, case):
     elif case == "root":
         node = tree.root
     before = whole_state(tree)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         tree.begin_backup(node, hosts)
     assert whole_state(tree) == before
     if case == "in flight":
@@ -429,7 +439,7 @@ def test_child_commit_fails_when_its_parents_commit_failed(tree_cls):
 def test_commit_without_a_backup_in_flight_is_refused(tree_cls):
     tree = tree_cls(1)
     node = tree.insert([1, 2], idx(0, 2)).last_node
-    with pytest.raises(ValueError):
+    with pytest.raises(LockError, match="commit_backup: node"):
         tree.commit_backup(node)
 
 
@@ -570,7 +580,7 @@ def test_dec_lock_ref_on_an_unlocked_node_raises_and_changes_nothing(tree_cls):
     tree.insert([1, 2], idx(0, 2))
     leaf = tree.insert([1, 2, 3], idx(10, 3)).last_node
     before = whole_state(tree)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LockError, match=f"dec_lock_ref on node {leaf}"):
         tree.dec_lock_ref(leaf)
     assert whole_state(tree) == before
 
@@ -585,7 +595,7 @@ def test_lock_on_the_root_is_a_no_op(tree_cls):
 def test_dec_host_ref_without_a_reference_raises(tree_cls):
     tree = tree_cls(1)
     node = tree.insert([1, 2], idx(0, 2)).last_node
-    with pytest.raises(RuntimeError):
+    with pytest.raises(LockError, match=f"dec_host_ref on node {node}"):
         tree.dec_host_ref(node)
 
 
@@ -648,8 +658,17 @@ def test_write_back_evict_reports_each_victim_once(tree_cls):
     assert len(res.write_back_nodes) == 2 and res.num_evicted == 2
 
 
-@pytest.mark.parametrize("case", ["not backed up", "has device children", "locked", "evicted", "root"])
-def test_demote_refuses_nodes_that_cannot_leave_the_device(tree_cls, case):
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("not backed up", ValueError),
+        ("has device children", ValueError),
+        ("locked", LockError),
+        ("evicted", ValueError),
+        ("root", ValueError),
+    ],
+)
+def test_demote_refuses_nodes_that_cannot_leave_the_device(tree_cls, case, error):
     tree = tree_cls(1)
     top = insert_backed_up(tree, [1, 2], 0, 100)
     target = top
@@ -664,7 +683,7 @@ def test_demote_refuses_nodes_that_cannot_leave_the_device(tree_cls, case):
     elif case == "root":
         target = tree.root
     before = whole_state(tree)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         tree.demote(target)
     assert whole_state(tree) == before
     if case == "locked":
@@ -698,8 +717,18 @@ def test_drop_is_the_way_out_of_a_write_back_eviction(tree_cls):
     assert tree.num_nodes() == 0
 
 
-@pytest.mark.parametrize("case", ["backed up", "locked", "in flight", "has children", "evicted", "root"])
-def test_drop_refuses_nodes_it_must_not_delete(tree_cls, case):
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("backed up", ValueError),
+        ("locked", LockError),
+        ("in flight", LockError),
+        ("has children", ValueError),
+        ("evicted", ValueError),
+        ("root", ValueError),
+    ],
+)
+def test_drop_refuses_nodes_it_must_not_delete(tree_cls, case, error):
     tree = tree_cls(1, write_policy="write_back")
     target = tree.insert([1, 2], idx(0, 2)).last_node
     if case == "backed up":
@@ -716,7 +745,7 @@ def test_drop_refuses_nodes_it_must_not_delete(tree_cls, case):
     elif case == "root":
         target = tree.root
     before = whole_state(tree)
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         tree.drop(target)
     assert whole_state(tree) == before
     if case == "locked":
@@ -840,7 +869,7 @@ def test_load_back_needs_one_device_index_per_token(tree_cls):
 def test_finish_load_back_without_a_load_is_refused(tree_cls):
     tree = tree_cls(1)
     node = tree.insert([1, 2], idx(0, 2)).last_node
-    with pytest.raises(ValueError):
+    with pytest.raises(LockError, match="finish_load_back: node"):
         tree.finish_load_back(node)
 
 
@@ -1014,9 +1043,9 @@ def test_a_float_key_is_refused(tree_cls):
 @pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**40])
 def test_a_token_out_of_int32_range_is_refused(tree_cls, bad):
     tree = tree_cls(1)
-    with pytest.raises(ValueError):
+    with pytest.raises(OverflowError):
         tree.insert(np.array([1, bad], dtype=np.int64), idx(0, 2))
-    with pytest.raises(ValueError):
+    with pytest.raises(OverflowError):
         tree.match_prefix(np.array([1, bad], dtype=np.int64))
     assert tree.num_nodes() == 0
 
@@ -1085,18 +1114,27 @@ def test_bad_construction_arguments_raise_value_error(tree_cls, kwargs):
 
 
 # ----------------------------------------------------------------------------- queries
-def test_children_are_ordered_by_first_token(tree_cls):
+def test_children_come_oldest_first_as_in_sglangs_dict(tree_cls):
+    """SGLang's ``children`` is a dict: a new child goes last and a deleted one leaves."""
     tree = tree_cls(1)
     for first in (9, 3, -5, 2**31 - 1, 0, -(2**31)):
         tree.insert([first, 1], idx(0, 2))
-    assert [int(tree.key(h)[0]) for h in tree.children(tree.root)] == [-(2**31), -5, 0, 3, 9, 2**31 - 1]
+    assert [int(tree.key(h)[0]) for h in tree.children(tree.root)] == [9, 3, -5, 2**31 - 1, 0, -(2**31)]
+    tree.evict(2)  # LRU: deletes the oldest, [9, 1]
+    assert [int(tree.key(h)[0]) for h in tree.children(tree.root)] == [3, -5, 2**31 - 1, 0, -(2**31)]
+    assert tree.num_children(tree.root) == 5
 
 
-def test_children_are_ordered_by_their_whole_first_page(tree_cls):
+def test_a_split_keeps_the_childs_place_among_its_siblings(tree_cls):
+    """SGLang's ``_split_node`` writes the new prefix under the same dict key."""
     tree = tree_cls(2)
-    for page in ([1, 9], [1, -3], [0, 5], [1, 0]):
-        tree.insert(page, idx(0, 2))
-    assert [tree.key(h).tolist() for h in tree.children(tree.root)] == [[0, 5], [1, -3], [1, 0], [1, 9]]
+    for page in ([1, 9, 7, 7], [1, -3], [0, 5]):
+        tree.insert(page, idx(0, len(page)))
+    first = tree.children(tree.root)[0]
+    tree.match_prefix([1, 9])  # splits [1, 9, 7, 7] into [1, 9] -> [7, 7]
+    kids = tree.children(tree.root)
+    assert [tree.key(h).tolist() for h in kids] == [[1, 9], [1, -3], [0, 5]]
+    assert tree.children(kids[0]) == [first] and tree.num_children(kids[0]) == 1
 
 
 def test_root_has_no_parent(tree_cls):
