@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import hiradix
+from hiradix._results import IOStatus
 from hiradix.controller import HiCacheController
 from hiradix.distributed import RankAgreement
 from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
@@ -317,16 +318,14 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ backup (L1 -> L2)
     def _backed_or_writing(self, node: int) -> bool:
-        if self.tree.parent(node) == -1:  # a (namespace) root
-            return True
-        info = self.tree.node_info(node)
-        return bool(info["backuped"]) or info["io_status"] == "writing"
+        tree = self.tree
+        return tree.is_root(node) or tree.is_backed_up(node) or tree.io_status(node) == IOStatus.WRITING
 
     def write_backup(self, node: int) -> int:
         """Back up one device node whose parent is backed up (or being backed up);
         returns the tokens whose copy was started (0 if refused). Runtime: ``O(tokens)``."""
-        info = self.tree.node_info(node)
-        if info["evicted"] or info["backuped"] or info["io_status"] != "idle":
+        tree = self.tree
+        if tree.is_evicted(node) or tree.is_backed_up(node) or tree.io_status(node) != IOStatus.IDLE:
             return 0
         if not self._backed_or_writing(self.tree.parent(node)):
             return 0
@@ -379,7 +378,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def _device_ancestor(self, node: int) -> int:
-        while self.tree.parent(node) != -1 and self.tree.node_info(node)["evicted"]:
+        while not self.tree.is_root(node) and self.tree.is_evicted(node):
             node = self.tree.parent(node)
         return node
 
@@ -416,7 +415,7 @@ class HiRadixCache:
         :meth:`match_prefix`): returns the new device slots and the node the request
         should lock. If nothing is loaded, returns no slots and the deepest device node
         above ``last_node``. Runtime: ``O(tokens)``."""
-        if host_hit_length > 0 and self.tree.node_info(last_node)["evicted"]:
+        if host_hit_length > 0 and self.tree.is_evicted(last_node):
             loaded = self.load_back(last_node, mem_quota)
             if loaded is not None:
                 return loaded, last_node
@@ -536,7 +535,7 @@ class HiRadixCache:
         n = len(tokens) // self.page_size * self.page_size
         if n < max(l3.config.threshold_tokens, self.page_size):
             return False
-        if self.tree.parent(last_host_node) != -1 and not self.tree.node_info(last_host_node)["backuped"]:
+        if not self.tree.is_root(last_host_node) and not self.tree.is_backed_up(last_host_node):
             raise ValueError(f"prefetch mount point {last_host_node} is not backed up")
         in_flight = sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
         if in_flight + n > l3.capacity_tokens:
@@ -560,7 +559,7 @@ class HiRadixCache:
         Runtime: ``O(depth)``."""
         tree = self.tree
         node = match.last_node
-        while tree.parent(node) != -1 and not tree.node_info(node)["backuped"]:
+        while not tree.is_root(node) and not tree.is_backed_up(node):
             node = tree.parent(node)
         length, walk = 0, node
         while tree.parent(walk) != -1:
@@ -715,7 +714,7 @@ class HiRadixCache:
             self._write_backup_nodes(result.backup_nodes)
         self.writing_check(write_back=True)
         for node in result.write_back_nodes:
-            if tree.node_info(node)["backuped"]:
+            if tree.is_backed_up(node):
                 slots = tree.demote(node)
             else:
                 slots = tree.drop(node)

@@ -322,12 +322,13 @@ class HiRadixCache(BasePrefixCache):
         return self.tree.parent(self._handle(node)) == -1
 
     def is_evicted(self, handle: int) -> bool:
-        return bool(self.tree.node_info(handle)["evicted"])
+        return bool(self.tree.is_evicted(handle))
 
     def is_backed_up(self, handle: int) -> bool:
-        if self.tree.parent(handle) == -1:
-            return True
-        return bool(self.tree.node_info(handle)["backuped"])
+        """Whether the node's KV is on the host; a root counts as backed up (SGLang's root
+        has an empty host value), so walks up to a backed-up node end there."""
+        tree = self.tree
+        return bool(tree.is_root(handle) or tree.is_backed_up(handle))
 
     def is_backuped(self, node: Any) -> bool:
         return self.is_backed_up(self._handle(node))
@@ -647,11 +648,12 @@ class HiRadixCache(BasePrefixCache):
 
     def pretty_print(self) -> None:
         """Print the tree, one node per line (tokens, device/host state, lock count)."""
+        tree = self.tree
+
         def walk(h: int, depth: int) -> None:
-            info = self.tree.node_info(h)
-            key = self.tree.key(h)[:10].tolist()
-            print(" " * depth + f"{info['key_len']} {key} evicted={info['evicted']} "
-                  f"backuped={info['backuped']} lock_ref={info['lock_ref']}")
+            key = tree.key(h)[:10].tolist()
+            print(" " * depth + f"{tree.key_len(h)} {key} evicted={tree.is_evicted(h)} "
+                  f"backuped={tree.is_backed_up(h)} lock_ref={tree.lock_ref(h)}")
             for c in self.tree.children(h):
                 walk(c, depth + 2)
 

@@ -101,23 +101,23 @@ class TreeNode:
 
     @property
     def lock_ref(self) -> int:
-        return int(self._info("lock_ref"))
+        return int(self._tree.lock_ref(self.id))
 
     @property
     def host_ref_counter(self) -> int:
-        return int(self._info("host_ref_counter"))
+        return int(self._tree.host_ref_counter(self.id))
 
     @property
     def hit_count(self) -> int:
-        return int(self._info("hit_count"))
+        return int(self._tree.hit_count(self.id))
 
     @property
     def priority(self) -> int:
-        return int(self._info("priority"))
+        return int(self._tree.priority(self.id))
 
     @property
     def last_access_time(self) -> float:
-        return float(self._info("last_access_time"))
+        return float(self._tree.last_access_time(self.id))
 
     @property
     def evicted(self) -> bool:
@@ -139,6 +139,3 @@ class TreeNode:
             out.append(list(node.hash_value or ()))
             node = node.parent
         return [h for hashes in reversed(out) for h in hashes]
-
-    def _info(self, field: str) -> Any:
-        return self._tree.node_info(self.id)[field]
