@@ -224,3 +224,28 @@ def test_failed_start_names_the_port_and_closes_everything(tmp_path: Path, taken
         assert _bindable(port), f"{name} port {port} still open after the failed start"
     alive = [t.name for t in threading.enumerate() if any(str(p) in t.name for p in ports.values())]
     assert alive == []
+
+
+# ---------------------------------------------------------------------- hand-off
+def test_a_malformed_handoff_entry_does_not_block_readiness() -> None:
+    """A member whose ``dir_handoff`` answer holds one entry too wide for the packed
+    fields: the joining node refuses that entry, stores the others and becomes ready
+    (the whole pull used to fail, every round, so the node never became ready)."""
+    with InProcessCluster(1, transport="fake", pool_size=1 << 20) as c:
+        a = c.nodes[0]
+        keys = [key(i, "handoff") for i in range(64)]
+        assert all(a.publish_many(keys, [page(i, 64) for i in range(64)]))
+        real = a._handle_handoff
+
+        def forged(requester: str, members: list[Any], after: str | None) -> list[Any]:
+            items, more = real(requester, members, after)
+            if items:
+                items[0][1][2] = 1 << 32  # rkey: wider than its packed column
+            return [items, more]
+
+        a.rpc.register("dir_handoff", forged)
+        b = c.add_node()
+        assert b.is_ready()
+        held = [k for k in keys if k in b.shard]
+        assert held and all(b.shard.get(k) == a.published()[k] for k in held)
+        assert all(e is None or e.rkey < 1 << 32 for e in b.shard.snapshot().values())

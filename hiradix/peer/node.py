@@ -83,6 +83,7 @@ from hiradix.peer.directory import (
     DirectoryView,
     DirEntry,
     new_incarnation,
+    put_items_from_wire,
 )
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.keyhash import key_digests
@@ -650,7 +651,7 @@ class PeerNode:
         n = 0
         while True:
             items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
-            self.shard.batch_put([(str(k), DirEntry.from_wire(w)) for k, w in items])
+            self.shard.batch_put(put_items_from_wire(items))
             n += len(items)
             if not more or not items:
                 return n
