@@ -322,3 +322,24 @@ def test_failing_background_tasks_are_counted_and_the_executor_goes_on(caplog: p
         assert node.drain_background(20) and ran.is_set()
         assert node.status()["background_errors"] == {"promote": 3}
         assert _tracebacks(caplog, "promote") == 1
+
+
+def test_a_member_back_after_its_expiry_is_readable_again() -> None:
+    """A member the others dropped (expired during a pause: here it is made to leave their
+    views) comes back with the same incarnation, never having seen its expiry, so it
+    re-publishes nothing: the others pull its entries, and its pages read again."""
+    with InProcessCluster(3, transport="fake", pool_size=1 << 20) as c:
+        a, b, gone = c.nodes
+        keys = [key(i, "pause") for i in range(64)]
+        assert all(gone.publish_many(keys, [page(i, 64) for i in range(64)]))
+        for node in (a, b):  # no heartbeat rounds: they would bring it back at once
+            node.membership.handle("disc_leave", [gone.node_id])
+            assert gone.node_id not in node.membership.members()
+        outs = [bytearray(64) for _ in keys]
+        assert b.read_into(keys, [memoryview(o) for o in outs]) == [False] * len(keys)
+        c.settle(3)  # its heartbeats bring it back
+        assert all(gone.node_id in n.membership.members() for n in (a, b))
+        assert a.drain_background(20) and b.drain_background(20)
+        assert b.read_into(keys, [memoryview(o) for o in outs]) == [True] * len(keys)
+        assert [bytes(o) for o in outs] == [page(i, 64) for i in range(64)]
+        assert a.status()["background_errors"] == {} == b.status()["background_errors"]

@@ -677,6 +677,20 @@ class PeerNode:
                 return n
             after = str(items[-1][0])
 
+    def _pull_from(self, nid: str) -> None:
+        """Pull the entries member ``nid`` published for keys this node owns (a hand-off
+        after ``nid`` came back); a member that cannot answer is left to its next change."""
+        info = self.membership.info(nid)
+        if info is None:
+            return
+        try:
+            n = self._pull_share(info, sorted(self.membership.members()))
+        except (OSError, RpcError, FrameError) as exc:
+            log.debug("%s: directory hand-off from %s failed: %r", self.node_id, nid, exc)
+            return
+        if n:
+            log.info("%s: pulled %d directory entries from %s, back in the cluster", self.node_id, n, nid)
+
     def _handle_handoff(self, requester: str, members: list[Any], after: str | None) -> list[Any]:
         """``dir_handoff``: the entries this node published whose owners, on the ring of
         ``members``, include ``requester``; keys after ``after`` in sorted order,
@@ -738,6 +752,13 @@ class PeerNode:
             entries = dict(self._entries)
         done = self.directory.republish(entries, old_ring, new_ring)
         log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done)
+        if len(old) > 1:  # (a node that was alone pulls from everyone: see _sync)
+            for nid in sorted(new.keys() - old.keys()):
+                # A member back after this node expired it (a pause, a partition) still has
+                # the pages it published, but this node dropped their entries and the member
+                # may never have seen its own expiry, so it re-publishes nothing: pull them.
+                # (A new or restarted member has none: one empty answer.)
+                self._background("handoff", self._pull_from, nid)
 
     # ------------------------------------------------------------------ pools
     def _pool_for(self, n: int) -> PublishedPool:
