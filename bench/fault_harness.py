@@ -123,6 +123,11 @@ class NodeProc:
 
     def start(self, timeout: float) -> None:
         """Start the process and read the JSON line it prints once up (``timeout`` s)."""
+        self.spawn()
+        self.wait_up(timeout)
+
+    def spawn(self) -> None:
+        """Start the process (:meth:`wait_up` waits until it is up)."""
         self.run += 1
         self.stopped = self.serving = False
         with self.log.open("ab") as err:
@@ -131,7 +136,10 @@ class NodeProc:
                 start_new_session=True, bufsize=0,
             )  # fmt: skip
         _LIVE_GROUPS.add(self.p.pid)
-        assert self.p.stdout is not None
+
+    def wait_up(self, timeout: float) -> None:
+        """Read the JSON line the process prints once up, ``timeout`` seconds at most."""
+        assert self.p is not None and self.p.stdout is not None
         fd, buf, deadline = self.p.stdout.fileno(), b"", time.monotonic() + timeout
         while b"\n" not in buf:
             left = deadline - time.monotonic()
@@ -156,13 +164,17 @@ class NodeProc:
             self.p.wait(10)
             _LIVE_GROUPS.discard(self.p.pid)
 
+    def terminate(self) -> None:
+        """SIGTERM (after SIGCONT, were it stopped); :meth:`close` waits for it."""
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+
     def close(self) -> None:
-        """SIGTERM (after SIGCONT, were it stopped), then SIGKILL after 5 s."""
+        """:meth:`terminate`, then SIGKILL after 5 s."""
         if self.p is None:
             return
         if self.p.poll() is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.p.wait(5)
             except subprocess.TimeoutExpired:
@@ -302,8 +314,7 @@ class Harness:
             "rpc_timeout_s": t, "read_timeout_s": t, "connect_timeout_s": t, "promote_timeout_s": t,
         }))  # fmt: skip
         env = dict(os.environ, HIRADIX_CLUSTER_TOKEN=self.token)
-        lifetime = p.budget + 60  # a safety net: a node outlives no harness by more
-        head = ""
+        lifetime = p.budget + 15  # a safety net: a node outlives a killed harness by no more
         for i in range(p.nodes):
             cmd = [
                 sys.executable, "-m", "hiradix.cli", "peer", "serve", "--config", str(cfg), "--data-rpc",
@@ -311,12 +322,15 @@ class Harness:
                 "--pool-size", str(p.pool), "--page-size", str(p.page), "--heartbeat", str(p.heartbeat),
                 "--lifetime", str(lifetime), "--log-level", "INFO",
             ]  # fmt: skip
-            if head:
-                cmd += ["--join", head]
+            if self.nodes:
+                cmd += ["--join", self.nodes[0].rpc]
             node = NodeProc(f"n{i}", cmd, env, self.workdir / f"n{i}.log")
             self.nodes.append(node)
-            node.start(p.timeout)
-            head = head or node.rpc
+            node.spawn()
+            if i == 0:  # the head first: the others join it, side by side
+                node.wait_up(p.timeout)
+        for node in self.nodes[1:]:
+            node.wait_up(p.timeout)
         ids = {n.node_id for n in self.nodes}
         agreed = lambda: all(self._members(n) == ids for n in self.nodes)  # noqa: E731
         if self._poll(lambda: agreed() and all(self._seen_ready(n) for n in self.nodes), p.timeout) is None:
@@ -326,6 +340,8 @@ class Harness:
         self._stop_readers.set()
         for t in self._readers:
             t.join(timeout=self.plan.call_timeout + 5)
+        for n in self.nodes:
+            n.terminate()  # all at once: each takes a while to leave
         for n in self.nodes:
             n.close()
         self.client.close()
@@ -689,7 +705,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     short = args.short
     nodes = args.nodes or (3 if short else 4)
     rounds = args.rounds or (1 if short else 2)
-    duration = args.duration or (1.5 if short else 6.0)
+    duration = args.duration or (1.2 if short else 6.0)
     heartbeat = args.heartbeat or (0.2 if short else 0.5)
     if nodes < 3:
         raise SystemExit("--nodes must be >= 3 (a victim, a second victim and a reader)")
