@@ -657,6 +657,8 @@ class Harness:
             self.kill_and_restart(rnd, self.nodes[kill])
             self.sigstop(rnd, self.nodes[stop])
             self.pool_pressure(rnd)
+        if time.monotonic() > self.deadline:
+            self.failures.append(f"the run's budget of {self.plan.budget:.0f}s was spent: waits were cut short")
 
 
 # ---------------------------------------------------------------------- report
