@@ -988,8 +988,12 @@ class PeerNode:
 
     def _background(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the background executor, guarded as ``kind`` (:meth:`_guard`):
-        a future's exception would otherwise be kept in it, unseen."""
-        fut = self._bg.submit(self._guard, kind, fn, *args)
+        a future's exception would otherwise be kept in it, unseen. Nothing once the node
+        is closing (its executor is shut down)."""
+        try:
+            fut = self._bg.submit(self._guard, kind, fn, *args)
+        except RuntimeError:  # shut down: the node is closing
+            return
         with self._lock:
             self._bg_pending.add(fut)
         fut.add_done_callback(self._bg_done)
