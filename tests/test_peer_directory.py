@@ -77,8 +77,9 @@ def test_shard_dispatch_errors_are_clear() -> None:
     s = DirectoryShard()
     with pytest.raises(ValueError, match="unknown directory method"):
         s.dispatch("dir_nuke", [])
+    assert s.dispatch("dir_put", [["k", [1, 2]]]) == 0 and "k" not in s  # refused for its key
     with pytest.raises(ValueError, match="malformed"):
-        s.dispatch("dir_put", [["k", [1, 2]]])
+        s.dispatch("dir_put", [[3, entry().to_wire()]])  # not a str key: the batch is malformed
     with pytest.raises(ValueError, match="malformed"):
         s.dispatch("dir_get", [3])
     with pytest.raises(ValueError, match="malformed"):
@@ -87,6 +88,44 @@ def test_shard_dispatch_errors_are_clear() -> None:
         DirEntry.from_wire(["n", 1, 0, 0, 0, True, -1])
     with pytest.raises(ValueError, match="malformed"):
         DirEntry.from_wire(["n", 1, 0, 0, 0, True])  # no incarnation
+
+
+# One wire field too wide for its PACKED_ENTRY column (or negative), by position in to_wire().
+OVERSIZED = [(1, 1 << 64), (2, 1 << 32), (3, 1 << 64), (4, 1 << 64), (6, 1 << 64), (1, -1), (2, -1), (4, -1)]
+
+
+@pytest.mark.parametrize(("field", "value"), OVERSIZED)
+def test_an_entry_too_wide_for_its_packed_fields_is_malformed(field: int, value: int) -> None:
+    wire = entry().to_wire()
+    wire[field] = value
+    with pytest.raises(ValueError, match="malformed"):
+        DirEntry.from_wire(wire)
+    edge = entry().to_wire()  # the largest values that fit are entries
+    edge[1:5] = [(1 << 64) - 1, (1 << 32) - 1, (1 << 64) - 1, (1 << 64) - 1]
+    edge[6] = (1 << 64) - 1
+    assert DirEntry.from_wire(edge).to_wire() == edge
+
+
+@pytest.mark.parametrize(("field", "value"), OVERSIZED)
+def test_a_malformed_entry_is_refused_for_its_key_alone(field: int, value: int) -> None:
+    """One producer's bad entry in a dir_put batch is that key's miss: the batch's other
+    keys are stored, and later dir_get batches naming it answer every other key (an
+    oversized field once failed pack_entries, so all keys of the batch missed)."""
+    cl = Cluster(["a"])
+    view = DirectoryView(HashRing(["a"]), cl.call, replicas=1)
+    bad = entry(3).to_wire()
+    bad[field] = value
+    items = [[k, entry(2).to_wire()] for k in KEYS[:8]]
+    items[4] = [KEYS[4], bad]
+    # msgpack carries ints up to 2**64 - 1 and down to -2**63; wider ones cannot be sent.
+    if value < 1 << 64:
+        assert cl.call("a", "dir_put", items) == 7
+    else:
+        assert cl.shards["a"].dispatch("dir_put", items) == 7
+    assert KEYS[4] not in cl.shards["a"]
+    got = view.batch_get(KEYS[:8])
+    assert got == [None if i == 4 else entry(2) for i in range(8)]
+    assert view.failures == 0
 
 
 def test_shard_is_thread_safe() -> None:

@@ -19,6 +19,7 @@ from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import InProcessCluster, PeerNode, PortInUseError
 from hiradix.peer.store import PeerCacheStore
 from hiradix.transport.base import Status
+from hiradix.transport.fake import FakeFabric
 
 PAGE = 4096
 
@@ -224,3 +225,121 @@ def test_failed_start_names_the_port_and_closes_everything(tmp_path: Path, taken
         assert _bindable(port), f"{name} port {port} still open after the failed start"
     alive = [t.name for t in threading.enumerate() if any(str(p) in t.name for p in ports.values())]
     assert alive == []
+
+
+# ---------------------------------------------------------------------- hand-off
+def test_a_malformed_handoff_entry_does_not_block_readiness() -> None:
+    """A member whose ``dir_handoff`` answer holds one entry too wide for the packed
+    fields: the joining node refuses that entry, stores the others and becomes ready
+    (the whole pull used to fail, every round, so the node never became ready)."""
+    with InProcessCluster(1, transport="fake", pool_size=1 << 20) as c:
+        a = c.nodes[0]
+        keys = [key(i, "handoff") for i in range(64)]
+        assert all(a.publish_many(keys, [page(i, 64) for i in range(64)]))
+        real = a._handle_handoff
+
+        def forged(requester: str, members: list[Any], after: str | None) -> list[Any]:
+            items, more = real(requester, members, after)
+            if items:
+                items[0][1][2] = 1 << 32  # rkey: wider than its packed column
+            return [items, more]
+
+        a.rpc.register("dir_handoff", forged)
+        b = c.add_node()
+        assert b.is_ready()
+        held = [k for k in keys if k in b.shard]
+        assert held and all(b.shard.get(k) == a.published()[k] for k in held)
+        assert all(e is None or e.rkey < 1 << 32 for e in b.shard.snapshot().values())
+
+
+# ---------------------------------------------------------------------- background work
+def _tracebacks(caplog: pytest.LogCaptureFixture, kind: str) -> int:
+    return sum(1 for r in caplog.records if r.exc_info and f"background {kind} failed" in r.getMessage())
+
+
+def test_a_failing_heartbeat_round_is_counted_and_the_loop_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Heartbeat rounds that raise: each is counted, the first logs its traceback, the
+    later ones do not, and the thread keeps running rounds (a good one follows)."""
+    cfg = PeerConfig(metrics_enabled=False, pool_size=1 << 20, cluster_token="t" * 32)
+    node = PeerNode(cfg, fabric=FakeFabric(), heartbeat_s=0.01)
+    try:
+        real, calls, recovered = node.membership.tick, [0], threading.Event()
+
+        def flaky() -> bool:
+            calls[0] += 1
+            if calls[0] <= 5:
+                raise RuntimeError(f"injected heartbeat failure {calls[0]}")
+            recovered.set()
+            return real()
+
+        node.membership.tick = flaky  # type: ignore[method-assign]
+        assert recovered.wait(20), "the heartbeat loop stopped after a failing round"
+        assert node.status()["background_errors"] == {"heartbeat": 5}
+        assert _tracebacks(caplog, "heartbeat") == 1
+    finally:
+        node.close()
+
+
+def test_a_failing_republish_is_counted_and_retried_and_the_join_succeeds(caplog: pytest.LogCaptureFixture) -> None:
+    """A re-publish that raises while a peer joins: the peer's join still succeeds (the
+    failure is the head's, not its RPC's), the head keeps its old ring, and its next
+    heartbeat round applies the change; the joiner then reads the head's pages."""
+    with InProcessCluster(2, transport="fake", pool_size=1 << 20) as c:
+        a = c.nodes[0]
+        keys = [key(i, "repub") for i in range(32)]
+        assert all(a.publish_many(keys, [page(i, 64) for i in range(32)]))
+        real = a.directory.republish
+        fail = [True]
+
+        def flaky(*args: Any) -> int:
+            if fail[0]:
+                fail[0] = False
+                raise RuntimeError("injected republish failure")
+            return real(*args)
+
+        a.directory.republish = flaky  # type: ignore[method-assign]
+        new = c.add_node()  # joins through a: a's membership change runs in the join RPC
+        assert len(new.membership.members()) == 3 and not fail[0]
+        assert set(a.directory.ring.nodes) == set(new.membership.members())
+        assert a.status()["background_errors"] == {"republish": 1} and _tracebacks(caplog, "republish") == 1
+        outs = [bytearray(64) for _ in keys]
+        assert new.read_into(keys, [memoryview(o) for o in outs]) == [True] * len(keys)
+        assert [bytes(o) for o in outs] == [page(i, 64) for i in range(32)]
+
+
+def test_failing_background_tasks_are_counted_and_the_executor_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Executor work that raises (a warm-up) is counted and logged, not kept unseen in its
+    future, and the executor runs the work submitted after it."""
+    with InProcessCluster(1, transport="fake", pool_size=1 << 20) as c:
+        node, ran = c.nodes[0], threading.Event()
+
+        def boom() -> None:
+            raise ValueError("injected background failure")
+
+        for _ in range(3):
+            node._background("promote", boom)
+        node._background("promote", ran.set)
+        assert node.drain_background(20) and ran.is_set()
+        assert node.status()["background_errors"] == {"promote": 3}
+        assert _tracebacks(caplog, "promote") == 1
+
+
+def test_a_member_back_after_its_expiry_is_readable_again() -> None:
+    """A member the others dropped (expired during a pause: here it is made to leave their
+    views) comes back with the same incarnation, never having seen its expiry, so it
+    re-publishes nothing: the others pull its entries, and its pages read again."""
+    with InProcessCluster(3, transport="fake", pool_size=1 << 20) as c:
+        a, b, gone = c.nodes
+        keys = [key(i, "pause") for i in range(64)]
+        assert all(gone.publish_many(keys, [page(i, 64) for i in range(64)]))
+        for node in (a, b):  # no heartbeat rounds: they would bring it back at once
+            node.membership.handle("disc_leave", [gone.node_id])
+            assert gone.node_id not in node.membership.members()
+        outs = [bytearray(64) for _ in keys]
+        assert b.read_into(keys, [memoryview(o) for o in outs]) == [False] * len(keys)
+        c.settle(3)  # its heartbeats bring it back
+        assert all(gone.node_id in n.membership.members() for n in (a, b))
+        assert a.drain_background(20) and b.drain_background(20)
+        assert b.read_into(keys, [memoryview(o) for o in outs]) == [True] * len(keys)
+        assert [bytes(o) for o in outs] == [page(i, 64) for i in range(64)]
+        assert a.status()["background_errors"] == {} == b.status()["background_errors"]

@@ -257,6 +257,21 @@ class StorageContract:
         assert store.batch_get_v1([key(0)], [0]) == [False]
         assert store.get_stats().errors == 6
 
+    @pytest.mark.parametrize("bad", [1 << 62, -1, 2.5], ids=["huge", "negative", "float"])
+    def test_an_impossible_size_is_that_keys_miss(
+        self, store: StorageBackend, monkeypatch: pytest.MonkeyPatch, bad: Any
+    ) -> None:
+        """A backend naming a size no buffer can have for one key (a corrupt record): that
+        key misses and counts one error; the batch's other keys are served."""
+        keys = [key(i) for i in range(3)]
+        assert store.batch_set(keys, [payload(i) for i in range(3)])
+        real = store._size
+        monkeypatch.setattr(store, "_size", lambda k: bad if k == keys[1] else real(k))
+        got = store.batch_get(keys)
+        assert got[1] is None
+        assert [bytes(g.numpy()) for g in (got[0], got[2])] == [payload(0), payload(2)]
+        assert store.get_stats().errors == 1
+
 
 class TestMemory(StorageContract):
     backend = "memory"

@@ -57,6 +57,7 @@ __all__ = [
     "DirectoryView",
     "new_incarnation",
     "pack_entries",
+    "put_items_from_wire",
     "republish_plan",
 ]
 
@@ -79,6 +80,11 @@ def new_incarnation() -> int:
     far longer than a microsecond.
     """
     return time.time_ns() // 1000
+
+
+# Exclusive upper bounds of addr, rkey, length, generation and incarnation: the widths of
+# their PACKED_ENTRY columns (incarnations travel beside the records, as msgpack uint64).
+_FIELD_BOUNDS = (1 << 64, 1 << 32, 1 << 64, 1 << 64, 1 << 64)
 
 
 @dataclass(frozen=True)
@@ -130,9 +136,12 @@ class DirEntry:
         if not isinstance(wire, (list, tuple)) or len(wire) != 7:
             raise ValueError(f"malformed directory entry {wire!r}")
         node, addr, rkey, length, generation, resident, incarnation = wire
+        # Every field must fit its column of PACKED_ENTRY (and msgpack's uint64): a shard
+        # that stored an oversized value would fail pack_entries for every key of the
+        # dir_get batch holding it, not just this one.
         if not isinstance(node, str) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            for v in (addr, rkey, length, generation, incarnation)
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound
+            for v, bound in zip((addr, rkey, length, generation, incarnation), _FIELD_BOUNDS, strict=True)
         ):
             raise ValueError(f"malformed directory entry {wire!r}")
         return cls(node, addr, rkey, length, generation, bool(resident), incarnation)
@@ -400,7 +409,8 @@ class DirectoryShard:
     def dispatch(self, method: str, args: Sequence[Any]) -> Any:
         """Run one of :data:`DIR_METHODS` on wire-format ``args``; the RPC server's hook.
 
-        ``dir_put``: ``[[key, entry_wire], ...]`` -> stored count.
+        ``dir_put``: ``[[key, entry_wire], ...]`` -> stored count (a malformed entry is
+        refused for its key alone, see :func:`put_items_from_wire`).
         ``dir_get``: ``[key, ...]`` -> ``[nodes, records]`` (:func:`pack_entries`).
         ``dir_exists``: ``[key, ...]`` -> ``bytes``, one :data:`MISS` / :data:`RESIDENT` /
         :data:`ON_DISK` byte per key.
@@ -412,7 +422,7 @@ class DirectoryShard:
         """
         try:
             if method == "dir_put":
-                return self.batch_put([(_key(k), DirEntry.from_wire(w)) for k, w in args])
+                return self.batch_put(put_items_from_wire(args))
             if method == "dir_get":
                 return pack_entries(self.batch_get(_keys(args)))
             if method == "dir_exists":
@@ -424,6 +434,31 @@ class DirectoryShard:
         except (TypeError, ValueError) as exc:  # unpacking a malformed item
             raise ValueError(f"malformed arguments for {method}: {exc}") from exc
         raise ValueError(f"unknown directory method {method!r}; expected one of {DIR_METHODS}")
+
+
+def put_items_from_wire(items: Iterable[Any]) -> list[tuple[str, DirEntry]]:
+    """The ``(key, entry)`` pairs of ``dir_put`` or ``dir_handoff`` items ``[[key,
+    entry_wire], ...]``, without those whose entry is malformed (:meth:`DirEntry.from_wire`):
+    one bad entry is refused for its own key, the batch's other keys are stored. An item
+    that is not a ``[str, ...]`` pair raises ``ValueError`` (the batch itself is malformed).
+
+    Runtime complexity: ``O(k)``.
+
+    >>> good = DirEntry("n1", 64, 7, 100, 3).to_wire()
+    >>> [k for k, _ in put_items_from_wire([["a", good], ["b", ["n1", 64, 1 << 32, 100, 3, True, 0]]])]
+    ['a']
+    """
+    out: list[tuple[str, DirEntry]] = []
+    refused: list[str] = []
+    for k, w in items:
+        key = _key(k)
+        try:
+            out.append((key, DirEntry.from_wire(w)))
+        except ValueError:
+            refused.append(key)
+    if refused:
+        log.warning("directory: refused %d malformed entries (first: key %r)", len(refused), refused[0])
+    return out
 
 
 def _packed_of(n: int) -> Callable[[Any], bool]:

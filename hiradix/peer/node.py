@@ -83,6 +83,7 @@ from hiradix.peer.directory import (
     DirectoryView,
     DirEntry,
     new_incarnation,
+    put_items_from_wire,
 )
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.keyhash import key_digests
@@ -90,7 +91,7 @@ from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInf
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
 from hiradix.peer.ring import HashRing
-from hiradix.peer.rpc import PendingCall, RpcClient, RpcServer
+from hiradix.peer.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
 from hiradix.transport.auth import load_token
 from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, parse_peer, view_at
 from hiradix.transport.fake import FakeFabric, FakeTransport
@@ -392,6 +393,9 @@ class PeerNode:
         # so the directory's "newer generation wins" holds across size classes.
         self._generation_lock = threading.Lock()
         self._generations = itertools.count(1)
+        #: Failures of background work (heartbeat and probe rounds, re-publishes, warm-ups,
+        #: disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
+        self.background_errors: dict[str, int] = {}
         self._evicted: list[EvictedPage] = []
         self._evict_lock = threading.Lock()
         self.evictions = 0
@@ -406,7 +410,10 @@ class PeerNode:
         self.disk: DiskTier | None = None
         if cfg.disk_enabled:
             disk = DiskTier(
-                cfg.disk_path, cfg.disk_size, queue_depth=cfg.disk_queue_depth, on_evict=self._on_disk_evict
+                cfg.disk_path,
+                cfg.disk_size,
+                queue_depth=cfg.disk_queue_depth,
+                on_evict=functools.partial(self._guard, "disk_evict", self._on_disk_evict),
             )
             self._undo.callback(disk.close)
             if disk.enabled:
@@ -570,6 +577,8 @@ class PeerNode:
         then the pull of this node's directory share if it is due (see :meth:`is_ready`).
         Returns whether the live set changed."""
         changed = self.membership.tick()
+        if self._ring_members != self.membership.members():
+            self._on_membership_change({}, {})  # a change whose re-publish failed: retry it
         self._sync()
         return changed
 
@@ -589,17 +598,29 @@ class PeerNode:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            try:
-                self.tick()
-            except Exception:  # the loop must outlive one bad round
-                log.exception("heartbeat round failed")
+            self._guard("heartbeat", self.tick)  # the loop must outlive one bad round
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            try:
-                self.membership.probe()
-            except Exception:  # the loop must outlive one bad round
-                log.exception("probe round failed")
+            self._guard("probe", self.membership.probe)
+
+    def _guard(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run as background work of ``kind``: an exception never kills the
+        loop or worker that runs it, and never vanishes. It is counted in
+        :attr:`background_errors` (``status()["background_errors"]``) and logged: with its
+        traceback the first time for each kind, in one line when the count reaches a power
+        of two (a round failing every heartbeat does not flood the log). Returns ``fn``'s
+        result, ``None`` when it raised. Runtime complexity: ``O(1)`` plus ``fn``."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            with self._lock:
+                n = self.background_errors[kind] = self.background_errors.get(kind, 0) + 1
+            if n == 1:
+                log.exception("%s: background %s failed (traceback logged once per kind)", self.node_id, kind)
+            elif n & (n - 1) == 0:
+                log.warning("%s: background %s failed %d times so far, latest: %r", self.node_id, kind, n, exc)
+            return None
 
     def is_ready(self) -> bool:
         """Whether this node's view of the directory is complete: it is in its cluster (or
@@ -650,11 +671,25 @@ class PeerNode:
         n = 0
         while True:
             items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
-            self.shard.batch_put([(str(k), DirEntry.from_wire(w)) for k, w in items])
+            self.shard.batch_put(put_items_from_wire(items))
             n += len(items)
             if not more or not items:
                 return n
             after = str(items[-1][0])
+
+    def _pull_from(self, nid: str) -> None:
+        """Pull the entries member ``nid`` published for keys this node owns (a hand-off
+        after ``nid`` came back); a member that cannot answer is left to its next change."""
+        info = self.membership.info(nid)
+        if info is None:
+            return
+        try:
+            n = self._pull_share(info, sorted(self.membership.members()))
+        except (OSError, RpcError, FrameError) as exc:
+            log.debug("%s: directory hand-off from %s failed: %r", self.node_id, nid, exc)
+            return
+        if n:
+            log.info("%s: pulled %d directory entries from %s, back in the cluster", self.node_id, n, nid)
 
     def _handle_handoff(self, requester: str, members: list[Any], after: str | None) -> list[Any]:
         """``dir_handoff``: the entries this node published whose owners, on the ring of
@@ -678,30 +713,52 @@ class PeerNode:
         return [out, len(mine) > HANDOFF_BATCH]
 
     def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
-        # Calls come from the heartbeat, probe and RPC threads, in any order: each one
-        # brings the ring from what it was built of to the current live set, one at a time.
+        # Membership calls this on the heartbeat, probe and RPC threads (a peer's join): a
+        # failing re-publish must neither kill those nor fail the peer's call.
+        self._guard("republish", self._apply_members)
+
+    def _apply_members(self) -> None:
+        """Bring the ring from what it was built of to the current live set and re-publish
+        this node's entries to the owners they gained. Calls come in any order and run one
+        at a time. On failure the ring stays the old one, so the next heartbeat round
+        (:meth:`tick`) applies the change again; every step of it is idempotent."""
         with self._change_lock:
             new = self.membership.members()
             old = self._ring_members
             if new == old:
                 return
-            self._ring_members = new
-            if len(old) == 1 and len(new) > 1:
-                self._sync_epoch += 1  # was alone, merged into a cluster: pull the share
-            old_ring = self.directory.ring.copy()
-            new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
-            for gone in old.keys() - new.keys():
-                self.shard.drop_node(gone)
-            restarted = [n for n in old.keys() & new.keys() if old[n].incarnation != new[n].incarnation]
-            for n in restarted:
-                # Its earlier run's entries are stale, and its shard died with it: it gains
-                # every key it owns, so the plan re-sends it all of them.
-                self.shard.retire(n, new[n].incarnation)
-                old_ring.remove_node(n)
-            with self._lock:
-                entries = dict(self._entries)
-            done = self.directory.republish(entries, old_ring, new_ring)
+            prev_ring = self.directory.ring
+            try:
+                self._apply_members_locked(old, new)
+            except BaseException:
+                self._ring_members, self.directory.ring = old, prev_ring
+                raise
+
+    def _apply_members_locked(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
+        self._ring_members = new
+        if len(old) == 1 and len(new) > 1:
+            self._sync_epoch += 1  # was alone, merged into a cluster: pull the share
+        old_ring = self.directory.ring.copy()
+        new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
+        for gone in old.keys() - new.keys():
+            self.shard.drop_node(gone)
+        restarted = [n for n in old.keys() & new.keys() if old[n].incarnation != new[n].incarnation]
+        for n in restarted:
+            # Its earlier run's entries are stale, and its shard died with it: it gains
+            # every key it owns, so the plan re-sends it all of them.
+            self.shard.retire(n, new[n].incarnation)
+            old_ring.remove_node(n)
+        with self._lock:
+            entries = dict(self._entries)
+        done = self.directory.republish(entries, old_ring, new_ring)
         log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done)
+        if len(old) > 1:  # (a node that was alone pulls from everyone: see _sync)
+            for nid in sorted(new.keys() - old.keys()):
+                # A member back after this node expired it (a pause, a partition) still has
+                # the pages it published, but this node dropped their entries and the member
+                # may never have seen its own expiry, so it re-publishes nothing: pull them.
+                # (A new or restarted member has none: one empty answer.)
+                self._background("handoff", self._pull_from, nid)
 
     # ------------------------------------------------------------------ pools
     def _pool_for(self, n: int) -> PublishedPool:
@@ -921,16 +978,22 @@ class PeerNode:
         for key, e in entries:
             if e.node == self.node_id:
                 if self.disk is not None:
-                    self.disk.warm(key, lambda k, d: self._store_local(k, d))
+                    self.disk.warm(key, functools.partial(self._guard, "disk_warm", self._store_local))
             else:
                 by_node[e.node].append(key)
         for node, keys in by_node.items():
             info = self.membership.info(node)
             if info is not None:
-                self._background(self._promote_remote_quiet, info.rpc, keys)
+                self._background("promote", self._promote_remote_quiet, info.rpc, keys)
 
-    def _background(self, fn: Callable[..., Any], *args: Any) -> None:
-        fut = self._bg.submit(fn, *args)
+    def _background(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the background executor, guarded as ``kind`` (:meth:`_guard`):
+        a future's exception would otherwise be kept in it, unseen. Nothing once the node
+        is closing (its executor is shut down)."""
+        try:
+            fut = self._bg.submit(self._guard, kind, fn, *args)
+        except RuntimeError:  # shut down: the node is closing
+            return
         with self._lock:
             self._bg_pending.add(fut)
         fut.add_done_callback(self._bg_done)
@@ -949,8 +1012,10 @@ class PeerNode:
         return not wait(pending, timeout).not_done
 
     def _promote_remote_quiet(self, rpc: str, keys: list[str]) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.client.call(rpc, "data_promote", keys, timeout=self.config.promote_timeout_s)
+        except (OSError, RpcError, FrameError) as exc:  # an unreachable producer: a later miss
+            log.debug("%s: warm-up promote on %s failed: %r", self.node_id, rpc, exc)
 
     # ------------------------------------------------------------------ reads
     def lookup(self, keys: Sequence[str]) -> list[DirEntry | None]:
@@ -1349,6 +1414,7 @@ class PeerNode:
             "published": len(self._entries),
             "hit_rate": self.metrics.hit_rate(),
             "stale_reads": self.stale_reads,
+            "background_errors": dict(self.background_errors),
         }
 
     # ------------------------------------------------------------------ lifetime

@@ -362,12 +362,15 @@ class StorageBackend(ABC):
             for i, key in enumerate(keys):
                 try:
                     size = self._size(key)
+                    # In the try: a size no buffer can have (huge, negative, not an int) is
+                    # a bad record of this key, so this key's miss, not the whole batch's.
+                    buf = None if size is None else torch.empty(size, dtype=torch.uint8)
                 except Exception as exc:  # any backend failure is a miss (module docstring)
                     self._failed("get", key, exc)
-                    size = None
-                if size is not None:
+                    buf = None
+                if buf is not None:
                     todo.append(i)
-                    bufs.append(torch.empty(size, dtype=torch.uint8))
+                    bufs.append(buf)
             oks = self._get_many_safe([keys[i] for i in todo], [_buffer(b.numpy()) for b in bufs])
             for i, buf, ok in zip(todo, bufs, oks, strict=True):
                 out[i] = buf if ok else None
