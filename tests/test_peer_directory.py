@@ -11,7 +11,7 @@ import pytest
 
 from hiradix.peer.directory import (
     MISS,
-    NO_NODE,
+    NO_PRODUCER,
     ON_DISK,
     PACKED_ENTRY,
     RESIDENT,
@@ -400,7 +400,7 @@ def test_packed_entries_round_trip_and_columns() -> None:
     ]
     names, body, incs = pack_entries(entries)
     assert names == ["p", "q"] and incs == [0, 0] and len(body) == len(entries) * PACKED_ENTRY.itemsize
-    assert int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
+    assert int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_PRODUCER
     shard = DirectoryShard()
     for i, e in enumerate(entries):
         if e is not None:

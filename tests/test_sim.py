@@ -30,7 +30,6 @@ from hiradix.sim import (
     MAX_BLOCK_ID,
     MooncakeTrace,
     Replayer,
-    SlotPool,
     TraceError,
     TraceRequest,
 )
@@ -223,27 +222,6 @@ def test_a_request_larger_than_the_device_is_skipped(tree_cls: Any, tmp_path: Pa
     # The third request still counts its 2-block device hit; the last two find theirs.
     assert stats.device_hit_tokens == 5 * BLOCK_TOKENS
     assert replayer.occupancy()["device_used"] == replayer.tree.device_size() == 3 * BLOCK_TOKENS
-
-
-def test_slot_pool_reuses_freed_slots_and_detects_leaks() -> None:
-    pool = SlotPool(8)
-    a = pool.alloc(5)
-    assert a is not None and a.tolist() == [0, 1, 2, 3, 4]
-    assert pool.alloc(4) is None and pool.free_count == 3
-    pool.mark(a[:2])
-    assert pool.free(a[:3]) == 2  # two of the freed slots were marked
-    assert pool.alloc(4).tolist() == [0, 1, 2, 5]  # type: ignore[union-attr]
-    pool.check_ownership([a[3:], np.array([0, 1, 2, 5])], "test")
-    with pytest.raises(AssertionError, match="held 2 times"):
-        pool.check_ownership([a[3:], np.array([0, 1, 2, 5]), np.array([5])], "test")
-    with pytest.raises(AssertionError, match="a repeat"):
-        pool.check_ownership([a[3:], np.array([0, 1, 2, 5, 5])], "test")
-    with pytest.raises(AssertionError, match="held 0 times"):
-        pool.check_ownership([a[3:]], "test")
-    with pytest.raises(AssertionError, match="never handed out"):
-        pool.check_ownership([np.array([0, 1, 2, 3, 4, 5, 7])], "test")
-    unbounded = SlotPool(None)
-    assert len(unbounded.alloc(100_000)) == 100_000  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------- (d) trace loader

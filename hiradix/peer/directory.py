@@ -45,7 +45,7 @@ from hiradix.peer.ring import HashRing, moved_keys
 __all__ = [
     "DIR_METHODS",
     "MISS",
-    "NO_NODE",
+    "NO_PRODUCER",
     "ON_DISK",
     "PACKED_ENTRY",
     "RESIDENT",
@@ -152,7 +152,7 @@ def _matches(entry: DirEntry, node: str | None, generation: int | None) -> bool:
 
 
 #: One entry of a ``dir_get`` answer: fixed-width little-endian columns (32 bytes).
-#: ``node`` indexes the answer's node-name list; :data:`NO_NODE` marks a miss.
+#: ``node`` indexes the answer's node-name list; :data:`NO_PRODUCER` marks a miss.
 PACKED_ENTRY = np.dtype(
     [
         ("node", "<u2"),
@@ -164,25 +164,25 @@ PACKED_ENTRY = np.dtype(
         ("generation", "<u8"),
     ]
 )
-NO_NODE = 0xFFFF
+NO_PRODUCER = 0xFFFF
 
 
 def pack_entries(entries: Sequence[DirEntry | None]) -> list[Any]:
     """The ``dir_get`` answer for ``entries``: ``[node_names, records, incarnations]``
     where ``records`` is ``bytes`` of one :data:`PACKED_ENTRY` per entry (misses are
-    :data:`NO_NODE`) and ``incarnations[j]`` is the incarnation of ``node_names[j]`` (a
+    :data:`NO_PRODUCER`) and ``incarnations[j]`` is the incarnation of ``node_names[j]`` (a
     shard holds one incarnation per node). A reader decodes a whole batch with one
     ``np.frombuffer``.
 
     Runtime complexity: ``O(k)``.
 
     >>> names, body, incs = pack_entries([DirEntry("n1", 64, 7, 100, 3, incarnation=9), None])
-    >>> names, incs, len(body), int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_NODE
+    >>> names, incs, len(body), int(np.frombuffer(body, PACKED_ENTRY)["node"][1]) == NO_PRODUCER
     (['n1'], [9], 64, True)
     """
     names: dict[str, int] = {}
     incs: list[int] = []
-    miss = (NO_NODE, 0, 0, 0, 0, 0, 0)
+    miss = (NO_PRODUCER, 0, 0, 0, 0, 0, 0)
     rows = []
     for e in entries:
         if e is None:
@@ -199,7 +199,7 @@ def pack_entries(entries: Sequence[DirEntry | None]) -> list[Any]:
 class DirColumns:
     """Directory entries of a batch as columns (what :meth:`DirectoryView.batch_get_columns`
     returns). ``records`` holds one :data:`PACKED_ENTRY` per key, in order, its ``node``
-    field an index into ``nodes`` or :data:`NO_NODE` for a miss; ``incarnations[j]`` is the
+    field an index into ``nodes`` or :data:`NO_PRODUCER` for a miss; ``incarnations[j]`` is the
     incarnation of ``nodes[j]``."""
 
     nodes: list[str]
@@ -213,7 +213,7 @@ class DirColumns:
     def entry(self, i: int) -> DirEntry | None:
         """Key ``i``'s entry as a :class:`DirEntry`. Runtime complexity: ``O(1)``."""
         r = self.records[i]
-        if int(r["node"]) == NO_NODE:
+        if int(r["node"]) == NO_PRODUCER:
             return None
         return DirEntry(
             self.nodes[int(r["node"])],
@@ -471,7 +471,7 @@ def _packed_of(n: int) -> Callable[[Any], bool]:
         return (
             isinstance(names, list)
             and all(type(nm) is str for nm in names)
-            and len(names) < NO_NODE
+            and len(names) < NO_PRODUCER
             and isinstance(body, bytes)
             and len(body) == n * PACKED_ENTRY.itemsize
             and isinstance(incs, list)
@@ -724,7 +724,7 @@ class DirectoryView:
         Runtime complexity: ``O(k * replicas)`` plus at most one call per owner per round.
         """
         out = np.zeros(len(keys), dtype=PACKED_ENTRY)
-        out["node"] = NO_NODE
+        out["node"] = NO_PRODUCER
         table: dict[str, int] = {}
         incarnations: list[int] = []
 
@@ -738,17 +738,17 @@ class DirectoryView:
                     incarnations[j] = max(incarnations[j], inc)
             recs = np.frombuffer(body, dtype=PACKED_ENTRY).copy()
             node = recs["node"].astype(np.int64)
-            miss = node == NO_NODE
+            miss = node == NO_PRODUCER
             bad = ~miss & (node >= len(names))
             # Owner-local node numbers -> this batch's table.
-            remap = np.array([table[nm] for nm in names] + [NO_NODE], dtype=np.int64)
+            remap = np.array([table[nm] for nm in names] + [NO_PRODUCER], dtype=np.int64)
             recs["node"] = remap[np.where(miss | bad, len(names), node)]
             at = np.asarray(idxs, dtype=np.int64)
             out[at] = recs
             n_bad = int(bad.sum())
             if n_bad:
                 self.failures += n_bad
-                out["node"][at[bad]] = NO_NODE
+                out["node"][at[bad]] = NO_PRODUCER
             return at[bad | (miss & self.fallback_on_miss)].tolist()
 
         self._read_rounds(keys, "dir_get", _packed_of, take)

@@ -77,7 +77,7 @@ from hiradix.peer.config import WILDCARD_HOSTS, PeerConfig
 from hiradix.peer.directory import (
     DIR_METHODS,
     MISS,
-    NO_NODE,
+    NO_PRODUCER,
     ON_DISK,
     DirectoryShard,
     DirectoryView,
@@ -1105,7 +1105,7 @@ class PeerNode:
         cols = self.directory.batch_get_columns(keys)
         rec = cols.records
         node = rec["node"].astype(np.int64)
-        hit = (node != NO_NODE) & (rec["length"] == lens.astype(np.uint64))
+        hit = (node != NO_PRODUCER) & (rec["length"] == lens.astype(np.uint64))
         ok[hit & (lens == 0)] = True
         live = hit & (lens > 0)
         me = cols.node_index(self.node_id)

@@ -19,7 +19,6 @@ from hiradix.sim.replay import (
     ReplayStats,
     RequestRecord,
     Served,
-    SlotPool,
     hit_blocks,
 )
 from hiradix.sim.trace import BLOCK_TOKENS, MAX_BLOCK_ID, MooncakeTrace, TraceError, TraceRequest, parse_line
@@ -33,7 +32,6 @@ __all__ = [
     "Replayer",
     "RequestRecord",
     "Served",
-    "SlotPool",
     "TraceError",
     "TraceRequest",
     "hit_blocks",

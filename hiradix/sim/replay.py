@@ -74,7 +74,6 @@ from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from hiradix.storage.base import StorageBackend
 from hiradix.storage.registry import create_backend
 
-_UNBOUNDED = 1 << 62  # capacity of an unbounded SlotPool: far beyond any addressable slot
 KV_SHAPE = MLAShape(layer_num=1, kv_lora_rank=1, qk_rope_head_dim=1)
 """The replay's KV shape: the smallest the pools take (2 elements per token)."""
 KV_DTYPE = torch.uint8
@@ -83,90 +82,6 @@ L3_BACKENDS = ("memory", "file")
 """L3 backends the replayer builds by name (any registered backend instance also works)."""
 _DEFAULT_UNBOUNDED_TOKENS = 1 << 24  # pool size for an unbounded tier when no workload bounds it
 _HOST_RESERVE_BYTES = 256 << 20  # MemAvailable headroom the host pool check keeps
-
-
-class SlotPool:
-    """Free list of integer KV slots ``0 .. capacity - 1`` with one mark bit per slot.
-
-    Slots are handed out LIFO from the free stack, then from the never-used range, so an
-    unbounded pool (``capacity=None``) costs memory only for slots actually used. The
-    mark bit is cleared when a slot is freed; the replayer uses it to remember which
-    device slots also have a host copy. ``alloc`` and ``free`` are ``O(n)`` for ``n``
-    slots (amortized: the arrays grow by doubling).
-    """
-
-    def __init__(self, capacity: int | None) -> None:
-        if capacity is not None and capacity < 0:
-            raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
-        self.capacity = capacity
-        self._limit = _UNBOUNDED if capacity is None else capacity
-        self._free = np.empty(1024, dtype=np.int64)  # stack of freed slots
-        self._top = 0  # entries of _free in use
-        self._fresh = 0  # slots >= _fresh were never handed out
-        self._marked = np.zeros(1024, dtype=bool)
-
-    @property
-    def free_count(self) -> int:
-        """Slots that :meth:`alloc` can hand out now."""
-        return self._limit - self._fresh + self._top
-
-    @property
-    def used(self) -> int:
-        """Slots handed out and not freed."""
-        return self._fresh - self._top
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` free slots (``int64``), or ``None``, taking nothing, if fewer are free."""
-        if n > self.free_count:
-            return None
-        out = np.empty(n, dtype=np.int64)
-        k = min(n, self._top)
-        out[:k] = self._free[self._top - k : self._top]
-        self._top -= k
-        out[k:] = np.arange(self._fresh, self._fresh + n - k)
-        self._fresh += n - k
-        if self._fresh > len(self._marked):
-            self._marked = np.concatenate((self._marked, np.zeros(self._fresh, dtype=bool)))
-        return out
-
-    def mark(self, slots: np.ndarray) -> None:
-        """Set the mark bit of ``slots`` (which must be allocated)."""
-        self._marked[slots] = True
-
-    def free(self, slots: np.ndarray) -> int:
-        """Return ``slots`` to the pool; returns how many of them were marked."""
-        n = len(slots)
-        if self._top + n > len(self._free):
-            grown = np.empty(max(2 * len(self._free), self._top + n), dtype=np.int64)
-            grown[: self._top] = self._free[: self._top]
-            self._free = grown
-        self._free[self._top : self._top + n] = slots
-        self._top += n
-        marked = int(np.count_nonzero(self._marked[slots]))
-        self._marked[slots] = False
-        return marked
-
-    def check_ownership(self, owned: list[np.ndarray], name: str) -> None:
-        """Assert that every slot ever handed out is either free or in exactly one of
-        ``owned`` (the slot arrays of the tree's nodes). ``O(slots)`` time, one byte of
-        memory per slot."""
-        holders = [*owned, self._free[: self._top]]
-        counts = np.zeros(self._fresh, dtype=np.uint8)
-        for slots in holders:
-            if len(slots) and (slots.min() < 0 or slots.max() >= self._fresh):
-                raise AssertionError(f"{name} pool: a node owns a slot the pool never handed out")
-            # A repeat inside one array increments once, and a count may wrap: both show
-            # up as a total that differs from the number of slots.
-            counts[slots] += 1
-        bad = np.flatnonzero(counts != 1)
-        if len(bad):
-            raise AssertionError(
-                f"{name} pool: {len(bad)} slots are not held exactly once by a node or the free "
-                f"list; e.g. slot {bad[0]} is held {counts[bad[0]]} times"
-            )
-        held = sum(len(slots) for slots in holders)
-        if held != self._fresh:
-            raise AssertionError(f"{name} pool: {held} slots held for {self._fresh} handed out (a repeat)")
 
 
 @dataclass
