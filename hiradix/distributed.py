@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LocalAgreement", "RankAgreement", "TorchDistAgreement"]
+__all__ = ["LocalAgreement", "MinReduceAgreement", "RankAgreement", "TorchDistAgreement"]
 
 
 class RankAgreement(ABC):
@@ -65,7 +65,25 @@ class LocalAgreement(RankAgreement):
         return [bool(f) for f in flags]
 
 
-class TorchDistAgreement(RankAgreement):
+class MinReduceAgreement(RankAgreement):
+    """An agreement made of one collective: an element-wise MIN over a list of integers
+    (:meth:`_reduce_min`). ``min_int`` reduces one value; ``all_true`` reduces 0/1 flags,
+    and makes no call for an empty list."""
+
+    @abstractmethod
+    def _reduce_min(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of ``values`` over the ranks (one collective)."""
+
+    def min_int(self, value: int) -> int:
+        return self._reduce_min([int(value)])[0]
+
+    def all_true(self, flags: Sequence[bool]) -> list[bool]:
+        if not flags:
+            return []
+        return [v == 1 for v in self._reduce_min([1 if f else 0 for f in flags])]
+
+
+class TorchDistAgreement(MinReduceAgreement):
     """Agreement through ``torch.distributed.all_reduce(MIN)`` on ``group``.
 
     Parameters
@@ -96,11 +114,3 @@ class TorchDistAgreement(RankAgreement):
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
         self.calls += 1
         return [int(v) for v in t.tolist()]
-
-    def min_int(self, value: int) -> int:
-        return self._reduce_min([int(value)])[0]
-
-    def all_true(self, flags: Sequence[bool]) -> list[bool]:
-        if not flags:
-            return []
-        return [v == 1 for v in self._reduce_min([1 if f else 0 for f in flags])]

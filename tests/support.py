@@ -116,6 +116,42 @@ class CoarseClock:
 HUNG_UP = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: dict[str, Any],
+              timeout_s: float) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, port, out_dir, config)`` in ``world`` spawned processes
+    and return what each wrote to ``out_dir/rank{r}.json``. A rank still running after
+    ``timeout_s`` (the run takes seconds: it hung in a collective) is killed and fails
+    the test, as does a nonzero exit."""
+    import json
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir), config), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {timeout_s} s: a collective hung"
+    assert [p.exitcode for p in procs] == [0] * world, f"exit codes {[p.exitcode for p in procs]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def send_then_drain(sock: socket.socket, data: bytes, *, half_close: bool = True) -> bytes:
     """Send ``data`` (then ``SHUT_WR`` when ``half_close``) and read until the other end
     hangs up; return every byte that arrived.

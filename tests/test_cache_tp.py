@@ -5,25 +5,16 @@ faults make them diverge, which is what the agreement is for."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 import tp_worker
-from support import OPS
+from support import OPS, run_ranks
 
 WORLD = 2
 TIMEOUT_S = 240  # the run takes seconds; past this it has hung
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(tmp_path: Path, target: Any = tp_worker.rank_main, **overrides: Any) -> list[dict[str, Any]]:
@@ -39,24 +30,7 @@ def _run(tmp_path: Path, target: Any = tp_worker.rank_main, **overrides: Any) ->
         "steps": 300,
         "seed": 7,
     } | overrides
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=target, args=(rank, WORLD, port, str(tmp_path), config), daemon=True)
-        for rank in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective hung"
-    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(target, WORLD, tmp_path, config, TIMEOUT_S)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")

@@ -6,11 +6,7 @@ waiting in its MIN agreement (the hang the design warns about)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing as mp
-import socket
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from support import run_ranks
 
 import hiradix
 from hiradix.distributed import LocalAgreement
@@ -179,28 +176,8 @@ def test_two_ranks_complete_when_one_ranks_backend_raises(tmp_path: Path) -> Non
     """Rank 1's backend raises in batch_set (sequence 0), batch_exists (1) and batch_get
     (2). Its L3 threads live on and make every agreement, so neither rank hangs, both
     agree on what loaded and the trees stay identical; sequence 3 loads everywhere."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    config = {"collective_timeout_s": 30}
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=l3_fault_worker.rank_main, args=(rank, 2, port, str(tmp_path), config), daemon=True)
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 90  # it takes seconds; a rank that skipped an agreement hangs
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running: a rank skipped an agreement"
-    assert [p.exitcode for p in procs] == [0, 0]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    # 90 s: it takes seconds; a rank that skipped an agreement hangs
+    r0, r1 = run_ranks(l3_fault_worker.rank_main, 2, tmp_path, {"collective_timeout_s": 30}, 90)
     assert r0["loaded"] == r1["loaded"] == [0, 0, 0, 160]
     assert r0["fingerprint"] == r1["fingerprint"] and r0["pending"] == r1["pending"] == 0
     errors = ("backup_errors", "prefetch_query_errors", "prefetch_read_errors", "agreement_errors")

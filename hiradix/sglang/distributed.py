@@ -5,12 +5,11 @@ pipeline, so every rank of every stage acts on the same value."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hiradix.distributed import RankAgreement
+from hiradix.distributed import MinReduceAgreement
 
 __all__ = ["SGLangAgreement"]
 
@@ -23,7 +22,7 @@ def _world(group: Any) -> int:
     return int(dist.get_world_size(group=group))
 
 
-class SGLangAgreement(RankAgreement):
+class SGLangAgreement(MinReduceAgreement):
     """MIN-agreement over ``CacheInitParams``' groups (``tp_cache_group``,
     ``attn_cp_cache_group``, ``attn_tp_cache_group``, ``pp_cache_group``).
 
@@ -86,11 +85,3 @@ class SGLangAgreement(RankAgreement):
             if self.pp_rank + 1 < self.pp_size:
                 self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group))
         return [int(v) for v in t.tolist()]
-
-    def min_int(self, value: int) -> int:
-        return self._reduce_min([int(value)])[0]
-
-    def all_true(self, flags: Sequence[bool]) -> list[bool]:
-        if not flags:
-            return []
-        return [v == 1 for v in self._reduce_min([1 if f else 0 for f in flags])]

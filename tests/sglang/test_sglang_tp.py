@@ -5,46 +5,23 @@ TP group shows the same faults make them diverge."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sglang_env  # noqa: F401  (skips this module without SGLang)
 import torch.distributed as dist
+from support import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 240  # the run takes seconds; past this a collective has hung
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
     import sglang_rank
 
     cfg = {"agree": True, "page": 4, "write_policy": "write_through", "seed": 11, "steps": 80} | config
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=sglang_rank.rank_main, args=(r, WORLD, port, str(tmp_path), cfg), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective hung"
-    assert [p.exitcode for p in procs] == [0] * WORLD, f"exit codes {[p.exitcode for p in procs]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(sglang_rank.rank_main, WORLD, tmp_path, cfg, TIMEOUT_S)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")

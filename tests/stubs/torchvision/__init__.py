@@ -1,4 +1,4 @@
-"""Import-only stub of torchvision (hiradix tests and bench/setup_sglang.sh).
+"""Import-only stub of torchvision (for hiradix's tests; bench/setup_sglang.sh copies it).
 
 The PyPI torchvision wheel cannot load against the CPU build of torch, but
 sglang imports it at module import time (e.g. ``from torchvision.io import
