@@ -330,10 +330,11 @@ class L3Controller:
         ps = self.page_size
         return host_indices[first * ps : (first + n) * ps : ps]
 
-    def _query(self, op: PrefetchOperation) -> int:
-        """Hash the tokens and count the leading pages L3 holds. Any failure: 0 hits."""
-        keys = self.key_fn(list(hiradix.page_hashes(op.tokens, self.page_size, op.prior_hash)))
-        op.keys = keys
+    def hit_pages(self, tokens: Any, prior_hash: str | None) -> tuple[list[str], int]:
+        """The L3 keys of the whole pages of ``tokens`` (chained from ``prior_hash``) and
+        how many leading ones L3 holds, asked ``batch_pages`` at a time. Rank-local, in the
+        caller's thread; a backend error propagates. ``O(pages)``."""
+        keys = self.key_fn(list(hiradix.page_hashes(tokens, self.page_size, prior_hash)))
         hits = 0
         step = self.config.batch_pages
         for start in range(0, len(keys), step):
@@ -342,6 +343,11 @@ class L3Controller:
             hits += got
             if got < len(batch):
                 break
+        return keys, hits
+
+    def _query(self, op: PrefetchOperation) -> int:
+        """Hash the tokens and count the leading pages L3 holds."""
+        op.keys, hits = self.hit_pages(op.tokens, op.prior_hash)
         return hits
 
     def _query_and_decide(self, op: PrefetchOperation) -> bool:

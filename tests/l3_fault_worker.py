@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvdata import fill, prefix_seeds
-from scheduler_loop import tree_fingerprint
+from scheduler_loop import prefetch_back, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
@@ -80,7 +80,6 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, 
         storage=storage,
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
     )
-    loaded: list[int] = []
     with cache:
         for s in seqs:
             slots = cache.alloc_device(len(s))
@@ -91,18 +90,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, 
         while cache.ongoing_backup:
             assert cache.ongoing_backup[-1].done.wait(30), "a backup never reached done"
             cache.check_hicache_events()
-        cache.evict(10**9)
-        cache.evict_host(10**9)
-        for i, s in enumerate(seqs):
-            m = cache.match_prefix(s)
-            mount, mlen = cache.prefetch_mount(m)
-            if cache.prefetch_from_storage(i, mount, s[mlen:]):
-                cache.wait_prefetch(i, 30)
-                while not cache.check_prefetch_progress(i):  # agreed: same number of calls everywhere
-                    cache.wait_prefetch(i, 30)
-            loaded.append(cache.pop_prefetch_loaded_tokens(i))
-            cache.check_hicache_events()
-            cache.check_invariants()
+        loaded = prefetch_back(cache, seqs)
         assert cache.l3 is not None
         l3_stats = dict(cache.l3.stats)
         fingerprint = json.dumps(tree_fingerprint(cache))

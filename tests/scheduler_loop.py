@@ -189,3 +189,23 @@ def tree_fingerprint(cache: HiRadixCache) -> list[Any]:
         )
         stack.extend(reversed(tree.children(h)))
     return out
+
+
+def prefetch_back(cache: HiRadixCache, seqs: list[np.ndarray]) -> list[int]:
+    """Evict everything from device and host, then prefetch each sequence back from L3
+    (waiting for each); returns the tokens each prefetch loaded. Every rank makes the
+    same calls, so the multi-rank workers use it as is."""
+    cache.evict(10**9)
+    cache.evict_host(10**9)
+    loaded = []
+    for i, s in enumerate(seqs):
+        m = cache.match_prefix(s)
+        mount, mlen = cache.prefetch_mount(m)
+        if cache.prefetch_from_storage(i, mount, s[mlen:]):
+            cache.wait_prefetch(i, 30)
+            while not cache.check_prefetch_progress(i):  # agreed: same number of calls everywhere
+                cache.wait_prefetch(i, 30)
+        loaded.append(cache.pop_prefetch_loaded_tokens(i))
+        cache.check_hicache_events()
+        cache.check_invariants()
+    return loaded

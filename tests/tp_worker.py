@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvdata import fill, prefix_seeds
-from scheduler_loop import run_loop, tree_fingerprint
+from scheduler_loop import prefetch_back, run_loop, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
@@ -131,7 +131,6 @@ def l3_rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[st
     )
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, 9999, 160) for _ in range(4)]
-    loaded: list[int] = []
     with cache:
         for s in seqs:
             slots = cache.alloc_device(len(s))
@@ -146,18 +145,7 @@ def l3_rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[st
             keys = [str(h) for h in hiradix.page_hashes(seqs[1], page)][5:]
             keys += [str(h) for h in hiradix.page_hashes(seqs[3], page)]
             storage.missing = frozenset(keys)
-        cache.evict(10**9)
-        cache.evict_host(10**9)
-        for i, s in enumerate(seqs):
-            m = cache.match_prefix(s)
-            mount, mlen = cache.prefetch_mount(m)
-            if cache.prefetch_from_storage(i, mount, s[mlen:]):
-                cache.wait_prefetch(i, 30)
-                while not cache.check_prefetch_progress(i):  # agreed: same number of calls everywhere
-                    cache.wait_prefetch(i, 30)
-            loaded.append(cache.pop_prefetch_loaded_tokens(i))
-            cache.check_hicache_events()
-            cache.check_invariants()
+        loaded = prefetch_back(cache, seqs)
         fingerprint = json.dumps(tree_fingerprint(cache))
     result = {
         "rank": rank,

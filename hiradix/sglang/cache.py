@@ -25,6 +25,7 @@ import atexit
 import json
 import logging
 import os
+import time
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -46,7 +47,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-import hiradix
 from hiradix.cache import HiRadixCache as CoreCache
 from hiradix.controller import HiCacheController
 from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
@@ -133,10 +133,11 @@ def parse_extra_config(source: str | None) -> dict[str, Any]:
 def _prefetch_config(extra: dict[str, Any], policy: str) -> tuple[PrefetchConfig, bool]:
     """Pop SGLang's prefetch keys from ``extra`` (threshold in tokens, linear timeout, and
     whether prefix keys are passed to the backend) into a :class:`PrefetchConfig`."""
-    threshold = extra.pop("prefetch_threshold", 256)
-    base = extra.pop("prefetch_timeout_base", 1.0)
-    per_ki = extra.pop("prefetch_timeout_per_ki_token", 0.25)
-    tmax = extra.pop("prefetch_timeout_max", 30.0)
+    defaults = PrefetchConfig()  # SGLang's defaults: 256 tokens, 2 s + 0.1 s per Ki token, at most 30 s
+    threshold = extra.pop("prefetch_threshold", defaults.threshold_tokens)
+    base = extra.pop("prefetch_timeout_base", defaults.timeout_base_s)
+    per_ki = extra.pop("prefetch_timeout_per_ki_token", defaults.timeout_per_ki_token_s)
+    tmax = extra.pop("prefetch_timeout_max", defaults.timeout_max_s)
     pass_keys = extra.pop("hicache_storage_pass_prefix_keys", False)
     if not isinstance(threshold, int) or isinstance(threshold, bool):
         raise ValueError(f"prefetch_threshold must be an int, got {threshold!r}")
@@ -474,8 +475,6 @@ class HiRadixCache(BasePrefixCache):
         leaves, drop the rest; write-back backs up first). ``O(k log n)``."""
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
-        import time
-
         start = time.perf_counter()
         freed = self.core.evict(int(params.num_tokens))
         self.update_eviction_metrics(freed, start)
@@ -602,9 +601,8 @@ class HiRadixCache(BasePrefixCache):
         if n < l3.config.threshold_tokens or n == 0:
             return 0
         prior = last_hash if last_hash is not None else self.core._prior_hash(handle, self._namespace_of(handle))
-        keys = l3.key_fn(list(hiradix.page_hashes(tokens[:n], self.page_size, prior)))
         try:
-            hit = int(l3.backend.batch_exists(keys))
+            _, hit = l3.hit_pages(tokens[:n], prior)
         except Exception:  # a storage failure is a miss, never an error in the scheduler
             logger.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
             hit = 0
