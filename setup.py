@@ -4,16 +4,26 @@ Environment switches:
 - ``HIRADIX_PUREPYTHON=1``: build no extension; ``hiradix`` falls back to ``_reference``.
 - ``HIRADIX_CYTHON_DEBUG=1``: bounds checks, initialized checks and line tracing on.
 - ``HIRADIX_ANNOTATE=1``: write Cython's annotated HTML next to the sources.
+- ``HIRADIX_CUDA=0``: do not build the CUDA copy kernel even where ``nvcc`` is found;
+  ``HIRADIX_CUDA=1``: fail the build if it cannot be built. Unset: build it when ``nvcc``
+  is on the ``PATH`` (or in ``$CUDA_HOME/bin``), skip it quietly otherwise.
+- ``HIRADIX_CUDA_ARCHS``: the GPU architectures to compile for (default ``80;90;100``,
+  plus PTX of the last for newer GPUs).
 """
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # (module, sources). Every extension is built with the same directives and flags.
 EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix._core", ["hiradix/_core.pyx"]),
     ("hiradix.memory._gather", ["hiradix/memory/_gather.pyx"]),
+    ("hiradix.memory._kvcopy_emu", ["hiradix/memory/_kvcopy_emu.pyx"]),
     ("hiradix.peer._verify", ["hiradix/peer/_verify.pyx"]),
     ("hiradix.peer._hash", ["hiradix/peer/_hash.pyx"]),
     ("hiradix.transport._tcpio", ["hiradix/transport/_tcpio.pyx"]),
@@ -48,7 +58,7 @@ def extensions() -> list:
         Extension(
             name,
             sources,
-            include_dirs=[numpy.get_include(), "hiradix"],
+            include_dirs=[numpy.get_include(), "hiradix", "hiradix/memory"],
             define_macros=macros,
             extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
         )
@@ -57,4 +67,48 @@ def extensions() -> list:
     return cythonize(exts, compiler_directives=directives, annotate=_flag("HIRADIX_ANNOTATE"))
 
 
-setup(ext_modules=extensions())
+# The CUDA copy kernel: a plain shared library (C ABI, CUDA runtime linked statically)
+# that hiradix.memory.kernel loads with ctypes, so it depends on no torch version.
+CUDA_SOURCE = "hiradix/memory/_kvcopy_cuda.cu"
+CUDA_LIBRARY = "libhiradix_kvcopy.so"
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home, "bin", "nvcc")
+    return str(candidate) if candidate.exists() else None
+
+
+class BuildExt(build_ext):
+    """Cython extensions, then the CUDA kernel library where CUDA is present."""
+
+    def run(self) -> None:
+        super().run()
+        wanted = os.environ.get("HIRADIX_CUDA", "")
+        if wanted == "0" or _flag("HIRADIX_PUREPYTHON"):
+            return
+        nvcc = _nvcc()
+        if nvcc is None:
+            if wanted:
+                raise RuntimeError("HIRADIX_CUDA=1 but nvcc was not found (PATH, $CUDA_HOME/bin)")
+            return
+        out_dir = Path("hiradix/memory") if self.inplace else Path(self.build_lib, "hiradix/memory")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        archs = [a for a in os.environ.get("HIRADIX_CUDA_ARCHS", "80;90;100").split(";") if a]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-Ihiradix/memory", *gencode,
+               "-o", str(out_dir / CUDA_LIBRARY), CUDA_SOURCE]
+        print(" ".join(cmd))
+        try:
+            subprocess.run(cmd, check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            if wanted:
+                raise
+            print(f"warning: the CUDA copy kernel was not built ({exc}); the torch copy path serves")
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

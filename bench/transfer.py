@@ -1,7 +1,8 @@
 """KV transfer benchmark: the copy engine between a device pool and a host pool.
 
-On this machine (no GPU) the "device" pool is a CPU pool, so every figure is a CPU->CPU
-copy; with CUDA a third section measures H2D/D2H through :class:`CudaCopyEngine`.
+The "device" pool here is a CPU pool, so every figure is a CPU->CPU copy (the engine CI
+runs and the CPU twin of the GPU path). H2D/D2H on a GPU, the CUDA kernel and the overlap
+with a forward pass on the GPU are ``bench/transfer_gpu.py``.
 
 **A. Page copies** (``backup`` = device -> host, all layers; ``load`` = host -> device).
 For each host layout x direction x page size, ``--total-mib`` of whole pages are moved in
@@ -26,9 +27,6 @@ the per-layer copy time. Reported: load alone, compute alone, load + compute pip
 and the ideal ``max(load, compute) + one layer of the shorter side`` (the first layer's
 load cannot overlap compute, or the last layer's compute cannot overlap a load). Target:
 pipelined <= 1.10 x ideal.
-
-**C. CUDA** (only when ``torch.cuda.is_available()``): H2D (``load``) and D2H (``backup``)
-GB/s of :class:`CudaCopyEngine` against one pinned-block ``.to()`` of the same bytes.
 
 Model shape: Llama-3-8B's KV at tensor parallelism 8 (32 layers, 1 KV head of 128, bf16):
 256 bytes per (token, layer, K or V) row, 16 KiB per token, so page sizes of 1, 4, 16 and 64
@@ -361,52 +359,8 @@ def bench_pipeline(args: argparse.Namespace, ratios: list[float]) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- C
-def bench_cuda_layout(args: argparse.Namespace, ps: int, layout: str) -> list[dict]:
-    from hiradix.memory import CudaCopyEngine
-
-    case = Case.make(ps, args.total_mib * MIB, layout, seed=ps + 11, device="cuda")
-    pinned = torch.empty(case.nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-    on_dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
-
-    def block(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-
-    base = {
-        "load": median_time(lambda: block(on_dev, pinned), args.repeats)["median"],
-        "backup": median_time(lambda: block(pinned, on_dev), args.repeats)["median"],
-    }
-    rows = []
-    with CudaCopyEngine() as eng:
-        for direction in ("backup", "load"):
-            t = median_time(lambda d=direction: case.run(eng, d), args.repeats)["median"]  # type: ignore[misc]
-            rows.append(
-                {
-                    "layout": layout,
-                    "direction": direction,
-                    "page_size": ps,
-                    "page_kib": ps * bytes_per_token() / 1024,
-                    "engine_gbs": case.nbytes / t / 1e9,
-                    "pinned_block_gbs": case.nbytes / base[direction] / 1e9,
-                    "ratio": base[direction] / t,
-                }
-            )
-            log(f"  cuda {layout} {direction} {ps}: {rows[-1]['engine_gbs']:.2f} GB/s")
-    return rows
-
-
-def bench_cuda(args: argparse.Namespace, page_sizes: list[int]) -> list[dict]:
-    rows = []
-    for ps in page_sizes:
-        for layout in HOST_LAYOUTS:
-            rows += bench_cuda_layout(args, ps, layout)
-            torch.cuda.empty_cache()
-    return rows
-
-
 # ----------------------------------------------------------------------------- report
-def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | None) -> str:
+def report(meta: dict, pages: list[dict], pipe: list[dict]) -> str:
     m = meta["machine"]
     lines = [
         f"## transfer — {m['cpu']} ({m['nproc']} cores), {meta['date']}",
@@ -480,19 +434,6 @@ def report(meta: dict, pages: list[dict], pipe: list[dict], cuda: list[dict] | N
             f"{r['serial_s'] * 1e3:.1f} ms | {r['pipelined_s'] * 1e3:.1f} ms | {r['ideal_s'] * 1e3:.1f} ms | "
             f"{r['ratio']:.3f} |"
         )
-    lines += ["", "### C. CUDA H2D / D2H", ""]
-    if cuda is None:
-        lines.append("Not measured: no CUDA device in this run (the code path is `bench_cuda`).")
-    else:
-        lines += [
-            "| layout | direction | page | engine GB/s | pinned block GB/s | ratio |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in cuda:
-            lines.append(
-                f"| {r['layout']} | {r['direction']} | {r['page_kib']:.0f} KiB | {r['engine_gbs']:.2f} | "
-                f"{r['pinned_block_gbs']:.2f} | {r['ratio']:.0%} |"
-            )
     lines.append("")
     return "\n".join(lines)
 
@@ -506,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratios", default="0.5,1,2", help="compute/load time ratios for section B")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--copy-threads", default="1,2", help="copy_threads values for the native path")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,B,C")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,B")
     ap.add_argument("--json", type=Path, default=None, help="write the raw results here")
     ap.add_argument("--md", type=Path, default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
@@ -531,13 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         log("the compiled row copy is not in use (not built or HIRADIX_PUREPYTHON): torch path only")
     pages = [] if "A" in skip else bench_pages(args, page_sizes)
     pipe = [] if "B" in skip else bench_pipeline(args, ratios)
-    cuda = bench_cuda(args, page_sizes) if torch.cuda.is_available() and "C" not in skip else None
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    text = report(meta, pages, pipe, cuda)
+    text = report(meta, pages, pipe)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "pipeline": pipe, "cuda": cuda}, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "pipeline": pipe}, indent=1))
         log(f"wrote {args.json}")
     if args.md:
         args.md.write_text(text)

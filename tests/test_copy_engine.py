@@ -363,14 +363,22 @@ def test_cuda_engine_without_cuda_is_a_clear_error() -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA
+def _cuda_paths() -> list:
+    from hiradix.memory.kernel import cuda_kernel_available
+
+    no_kernel = pytest.mark.skipif(not cuda_kernel_available(), reason="the CUDA kernel library was not built")
+    return [pytest.param(False, id="torch"), pytest.param(True, id="kernel", marks=no_kernel)]
+
+
 @needs_cuda
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernel", _cuda_paths())
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("shape", ["mha", "mla"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: int) -> None:
+def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: int, kernel: bool) -> None:
     dev, host = _pools(SHAPES[shape], page_size, torch.bfloat16, layout, device="cuda")
-    eng = CudaCopyEngine()
+    eng = CudaCopyEngine(kernel=kernel)
     try:
         _round_trip(eng, dev, host, seed=page_size, whole_pages=True)
         _round_trip(eng, dev, host, seed=page_size + 1, whole_pages=False)
@@ -380,14 +388,15 @@ def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: i
 
 @needs_cuda
 @pytest.mark.timeout(60)
-def test_cuda_wait_until_orders_the_current_stream() -> None:
+@pytest.mark.parametrize("kernel", _cuda_paths())
+def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
     shape = MHAShape(layer_num=4, head_num=8, head_dim=128)
     dev, host = _pools(shape, 16, torch.float16, "page_first_direct", device="cuda")
     _fill_random(dev, 1)
     idx = _page_slots([1, 2, 3], 16)
     h_idx = _page_slots([0, 5, 9], 16)
     expected = [_bytes(dev.k_buffer(layer)[idx.cuda()]) for layer in range(shape.layer_num)]
-    with make_copy_engine("cuda") as eng:
+    with make_copy_engine("cuda", kernel=kernel) as eng:
         eng.backup(dev, host, idx, h_idx).wait()
         _zero(dev)
         handle = eng.load(host, dev, h_idx, idx.cuda())

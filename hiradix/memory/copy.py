@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from hiradix._native import load
+from hiradix.memory import kernel as _kernel
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
 __all__ = [
@@ -213,21 +214,28 @@ def _validate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked, owned int64 copies of the indices: device ones on the pool's device, host
     ones on the CPU."""
+    dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
+    return dev.to(device_pool.device), host
+
+
+def _validate_cpu(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked, owned int64 CPU copies of the indices (CUDA indices are read back: a sync)."""
     if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
         raise TypeError("expected a DeviceKVPool and a HostKVPool")
     if device_pool.shape.components != host_pool.shape.components or device_pool.layer_num != host_pool.layer_num:
         raise ValueError(f"pool shapes differ: device {device_pool.shape}, host {host_pool.shape}")
     if device_pool.dtype != host_pool.dtype:
         raise ValueError(f"pool dtypes differ: device {device_pool.dtype}, host {host_pool.dtype}")
-    dev = _as_index(device_indices, "device_indices")
+    dev = _as_index(device_indices, "device_indices").cpu()
     host = _as_index(host_indices, "host_indices").cpu()
     if dev.numel() != host.numel():
         raise ValueError(f"{dev.numel()} device indices but {host.numel()} host indices")
-    if dev.device.type == "cpu":  # a check of CUDA indices would sync; index_copy_ asserts there
-        _check_range(dev, device_pool.total_slots, "device_indices")
+    _check_range(dev, device_pool.total_slots, "device_indices")
     _check_range(host, host_pool.size, "host_indices")
     # Own the indices: the caller may reuse its tensors while the copy is queued.
-    return dev.to(device_pool.device).clone(), host.clone()
+    return dev.clone(), host.clone()
 
 
 def _prepare(
@@ -671,20 +679,41 @@ class CudaCopyEngine(CopyEngine):
     """Copy engine on a dedicated CUDA copy stream, one event per layer.
 
     Every operation first makes the copy stream wait on the current stream (so it sees
-    the KV the compute stream wrote and does not overwrite slots still being read).
-    A load gathers each layer's host rows into a pinned staging buffer on the calling
-    thread, copies it to the device with ``non_blocking=True`` and scatters it with
-    ``index_copy_``, all on the copy stream; the host gathers of later layers overlap the
-    device copies of earlier ones. A backup gathers on the device, copies into pinned
-    staging asynchronously and scatters into the host pool when the handle is first seen
-    done (``query``/``wait``).
+    the KV the compute stream wrote and does not overwrite slots still being read), then
+    moves the layers in order, recording one event after each: ``wait_until(i)`` makes the
+    *current stream* wait for layer ``i`` without blocking the host.
+
+    Two ways to move a layer, the same bytes either way:
+
+    ``kernel`` (``kernel=True``, or ``HIRADIX_CUDA_KERNEL=1``; :mod:`hiradix.memory.kernel`)
+        one launch of the gather/scatter kernel per layer, reading (load) or writing
+        (backup) the pinned host pool in place over PCIe; the only host work is planning
+        the row offsets once per operation and uploading them (``16 x n x components``
+        bytes). Needs a pinned host pool (the default where CUDA is available).
+    torch indexing (the default for now, see :func:`~hiradix.memory.kernel.kernel_by_default`)
+        a load gathers each layer's host rows into pinned staging on the calling thread,
+        copies it to the device and scatters it with ``index_copy_``; a backup gathers on
+        the device, copies to pinned staging and scatters into the host pool when the
+        handle is first seen done (``query``/``wait``). Two host passes per layer.
+
+    ``kernel=None`` takes the kernel where :func:`~hiradix.memory.kernel.kernel_by_default`
+    says so and then falls back per operation where it cannot address the pools (an
+    unpinned host pool); ``kernel=True`` requires it and raises
+    :class:`~hiradix.memory.kernel.KernelError` instead; ``kernel=False`` never uses it.
+    ``blocks`` and ``threads`` set the kernel's grid per component.
 
     Index validation runs on the host: CUDA index tensors are read back once (a sync);
-    pass CPU indices to avoid it. Not yet optimised: host rows are gathered and then
-    pinned (two host copies per layer) rather than gathered straight into pinned memory.
+    pass CPU indices to avoid it.
     """
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        kernel: bool | None = None,
+        blocks: int = _kernel.DEFAULT_BLOCKS,
+        threads: int = _kernel.DEFAULT_THREADS,
+    ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaCopyEngine needs CUDA, but torch.cuda.is_available() is False; use ThreadCopyEngine "
@@ -694,15 +723,24 @@ class CudaCopyEngine(CopyEngine):
         if dev.type != "cuda":
             raise ValueError(f"CudaCopyEngine needs a cuda device, got {dev}")
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self._launcher: _kernel.CudaLauncher | None = None
+        self._require_kernel = kernel is True
+        if kernel or (kernel is None and _kernel.kernel_by_default()):
+            self._launcher = _kernel.CudaLauncher(blocks, threads)
         self._stream = torch.cuda.Stream(device=self.device)
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
 
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether operations go through the CUDA kernel (where the pools allow)."""
+        return self._launcher is not None
+
     def _begin(self, device_pool: DeviceKVPool) -> int:
         if self._closed:
             raise RuntimeError("copy engine is closed")
-        if device_pool.device != self.device:
+        if _same_device(device_pool.device, self.device) is False:
             raise ValueError(f"device pool is on {device_pool.device}, engine on {self.device}")
         op_id = self._next_id
         self._next_id += 1
@@ -715,9 +753,50 @@ class CudaCopyEngine(CopyEngine):
         dev.record_stream(self._stream)
         return dev
 
+    def _kernel_plan(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> tuple[_kernel.KernelPlan, int] | None:
+        """The kernel's plan and the host pool's device-address shift, or ``None`` for the
+        torch path (no kernel, or pools it cannot address)."""
+        if self._launcher is None:
+            return None
+        dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
+        try:
+            delta = self._launcher.host_delta(host_pool)
+            p = _kernel.plan(device_pool, host_pool, dev, host)
+            if p is None or delta % p.width:
+                raise _kernel.KernelError(f"the kernel cannot address these pools ({device_pool}, {host_pool})")
+        except _kernel.KernelError:
+            if self._require_kernel:
+                raise
+            return None
+        return p, delta
+
+    def _run_kernel(
+        self, kind: str, device_pool: DeviceKVPool, p: _kernel.KernelPlan, delta: int, to_device: bool
+    ) -> _CudaHandle:
+        launcher = self._launcher
+        assert launcher is not None
+        with self._lock:
+            op_id = self._begin(device_pool)
+            events: list[torch.cuda.Event] = []
+            with torch.cuda.stream(self._stream):
+                staged = p.offsets.pin_memory()
+                offsets = staged.to(self.device, non_blocking=True)
+                stream = self._stream.cuda_stream
+                for layer in range(device_pool.layer_num):
+                    p.launch_layer(launcher, layer, offsets.data_ptr(), delta, to_device, stream)
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    events.append(ev)
+        return _CudaHandle(op_id, kind, events, self.device, [staged, offsets])
+
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
     ) -> LoadHandle:
+        planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
+        if planned is not None:
+            return self._run_kernel("load", device_pool, *planned, to_device=True)
         dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
         with self._lock:
             op_id = self._begin(device_pool)
@@ -742,6 +821,9 @@ class CudaCopyEngine(CopyEngine):
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
+        planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
+        if planned is not None:
+            return self._run_kernel("backup", device_pool, *planned, to_device=False)
         dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
         with self._lock:
             op_id = self._begin(device_pool)
@@ -773,6 +855,16 @@ class CudaCopyEngine(CopyEngine):
             if not self._closed:
                 self._closed = True
                 self._stream.synchronize()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are the same, ``cuda`` meaning the current CUDA device."""
+    def norm(d: torch.device) -> torch.device:
+        if d.type == "cuda" and d.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return d
+
+    return norm(a) == norm(b)
 
 
 def make_copy_engine(device: str | torch.device, **kwargs: Any) -> CopyEngine:

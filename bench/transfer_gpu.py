@@ -1,0 +1,364 @@
+"""KV transfer benchmark on a CUDA GPU: :class:`CudaCopyEngine` between a device pool and a
+pinned host pool, against the link's limit, and the layer-wise overlap with a forward pass.
+
+**A. Page copies** (``load`` = H2D into the device pool, ``backup`` = D2H into the host
+pool). For each host layout x model x page size, ``--total-mib`` of whole pages in random
+page order on both sides, through:
+
+``kernel``  the gather/scatter kernel (:mod:`hiradix.memory.kernel`): one launch per layer,
+            reading or writing the pinned host pool in place
+``torch``   the engine's torch indexing path (``kernel=False``): host gather or scatter
+            on the CPU, a pinned staging copy, ``index_copy_`` / ``index_select`` on the GPU
+``contig``  the baseline: one ``copy_`` of the same number of bytes between a contiguous
+            pinned host buffer and a device buffer (the link's limit)
+
+Each is timed from submission to completion (``torch.cuda.synchronize``), the three in
+alternation round by round; ``% link`` is the median over rounds of contig time / path
+time. Target: kernel >= 80% of contig at page >= 16 for page_first and layer_first.
+
+**G. Grid.** The kernel's blocks per component, swept on one case, since the copy shares
+the SMs with the model.
+
+**D. Layer-wise overlap.** A load consumed by a synthetic Llama-3-8B forward pass: per
+layer the four projections (``[T, 4096] @ [4096, 6144]``, ``[4096, 4096]``,
+``[4096, 28672]``, ``[14336, 4096]``, bf16) after ``wait_until(layer)``, with ``T`` chosen
+so that compute is a set multiple of the load. Timed with CUDA events on the compute
+stream: load alone, compute alone, both pipelined; ideal = max(load, compute) + one
+layer's load. Target: pipelined <= 1.10 x ideal.
+
+Models: ``mha`` = Llama-3-8B at TP 1 (32 layers, 8 KV heads of 128, bf16: 2 KiB rows,
+128 KiB per token); ``mla`` = DeepSeek-V3 (61 layers, 512 + 64 latent, bf16: 1152 B rows).
+
+Usage (on the GPU machine, after ``source bench/gpu/setup.sh``)::
+
+    python bench/transfer_gpu.py --json $OUT/transfer_gpu.json --md $OUT/transfer_gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hiradix.memory import HOST_LAYOUTS, CudaCopyEngine, DeviceKVPool, HostKVPool, KVShape, MHAShape, MLAShape
+from hiradix.memory import kernel as K
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transfer import interleaved, log, machine, shuffled_slots
+
+MIB = 1 << 20
+DTYPE = torch.bfloat16
+MODELS: dict[str, KVShape] = {
+    "mha": MHAShape(layer_num=32, head_num=8, head_dim=128),
+    "mla": MLAShape(layer_num=61, kv_lora_rank=512, qk_rope_head_dim=64),
+}
+
+
+def gpu_info() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": p.name,
+        "sms": p.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "kernel": K.cuda_kernel_available(),
+    }
+
+
+class Case:
+    """A device pool and a pinned host pool of ``n_pages`` pages each, every page of both
+    in a random order, and a contiguous pinned/device pair of the same bytes."""
+
+    def __init__(self, model: str, ps: int, total: int, layout: str, seed: int) -> None:
+        shape = MODELS[model]
+        self.per_token = shape.elems_per_token * 2
+        tokens = max(1, total // (ps * self.per_token)) * ps
+        self.dev = DeviceKVPool(shape, size=tokens, page_size=ps, dtype=DTYPE, device="cuda")
+        self.host = HostKVPool(shape, tokens, ps, DTYPE, layout, reserve_bytes=0)  # type: ignore[arg-type]
+        assert self.host.pin_memory
+        self.host._buf.view(torch.uint8).fill_(0x5A)
+        for layer in range(shape.layer_num):
+            for buf in self.dev.layer_buffers(layer):
+                buf.view(torch.uint8).fill_(0xA5)
+        n_pages = tokens // ps
+        self.d_idx = shuffled_slots(n_pages, ps, 1, seed)  # device page 0 is padding
+        self.h_idx = shuffled_slots(n_pages, ps, 0, seed + 1)
+        self.nbytes = tokens * self.per_token
+        self.pinned = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+        self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda").fill_(2)
+
+    def op(self, eng: CudaCopyEngine, direction: str) -> Callable[[], None]:
+        def run() -> None:
+            if direction == "backup":
+                eng.backup(self.dev, self.host, self.d_idx, self.h_idx).wait()
+            else:
+                eng.load(self.host, self.dev, self.h_idx, self.d_idx).wait()
+            torch.cuda.synchronize()
+
+        return run
+
+    def contig(self, direction: str) -> Callable[[], None]:
+        def run() -> None:
+            if direction == "backup":
+                self.pinned.copy_(self.flat, non_blocking=True)
+            else:
+                self.flat.copy_(self.pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        return run
+
+
+def bench_pages(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for model in args.models:
+        for ps in args.page_sizes:
+            for layout in HOST_LAYOUTS:
+                case = Case(model, ps, args.total_mib * MIB, layout, seed=ps * 7 + 1)
+                with CudaCopyEngine(kernel=True, blocks=args.blocks) as kern, CudaCopyEngine(kernel=False) as ref:
+                    for direction in ("backup", "load"):
+                        fns = {"contig": case.contig(direction), "kernel": case.op(kern, direction)}
+                        if not args.no_torch:
+                            fns["torch"] = case.op(ref, direction)
+                        times = interleaved(fns, args.repeats)
+                        row: dict = {"model": model, "layout": layout, "direction": direction, "page_size": ps,
+                                     "page_kib": ps * case.per_token / 1024, "bytes": case.nbytes}
+                        for k, ts in times.items():
+                            row[f"{k}_gbs"] = case.nbytes / statistics.median(ts) / 1e9
+                            row[f"{k}_vs_link"] = statistics.median(
+                                c / t for c, t in zip(times["contig"], ts, strict=True)
+                            )
+                        if "torch" in times:
+                            row["kernel_vs_torch"] = statistics.median(
+                                t / k for t, k in zip(times["torch"], times["kernel"], strict=True)
+                            )
+                        rows.append(row)
+                        log(f"  {model} {layout:18s} {direction:6s} ps={ps:3d}: "
+                            + ", ".join(f"{k}={v:.2f}" for k, v in row.items() if k.endswith(("gbs", "link"))))
+                del case
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_grid(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    case = Case("mha", 16, args.total_mib * MIB, "page_first", seed=3)
+    for direction in ("load", "backup"):
+        fns = {"contig": case.contig(direction)}
+        engines = {b: CudaCopyEngine(kernel=True, blocks=b) for b in args.grid}
+        for b, eng in engines.items():
+            fns[f"b{b}"] = case.op(eng, direction)
+        times = interleaved(fns, args.repeats)
+        for b in args.grid:
+            ts = times[f"b{b}"]
+            rows.append({"direction": direction, "blocks": b, "gbs": case.nbytes / statistics.median(ts) / 1e9,
+                         "vs_link": statistics.median(c / t for c, t in zip(times["contig"], ts, strict=True))})
+            log(f"  grid {direction} blocks={b}: {rows[-1]['gbs']:.2f} GB/s, {rows[-1]['vs_link']:.0%} of link")
+        for eng in engines.values():
+            eng.close()
+    return rows
+
+
+# ----------------------------------------------------------------------------- D
+class Forward:
+    """Llama-3-8B's per-layer projections for ``tokens`` tokens (bf16), one weight set
+    shared by every layer (the bytes a matmul reads are the same either way)."""
+
+    def __init__(self, tokens: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def w(k: int, n: int) -> torch.Tensor:
+            return torch.randn(k, n, device="cuda", dtype=DTYPE, generator=g) / 64
+
+        self.x = torch.randn(tokens, 4096, device="cuda", dtype=DTYPE, generator=g)
+        self.w = [w(4096, 6144), w(4096, 4096), w(4096, 28672), w(14336, 4096)]
+
+    def layer(self) -> None:
+        qkv = self.x @ self.w[0]
+        _ = qkv[:, :4096] @ self.w[1]
+        gu = self.x @ self.w[2]
+        _ = gu[:, :14336] @ self.w[3]
+
+
+def _events_ms(fn: Callable[[], None]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def bench_overlap(args: argparse.Namespace) -> list[dict]:
+    case = Case("mha", 16, args.pipeline_mib * MIB, "layer_first", seed=5)
+    layers = case.dev.layer_num
+    rows = []
+    for path in ("kernel", "torch"):
+        eng = CudaCopyEngine(kernel=path == "kernel", blocks=args.blocks)
+
+        def load(eng: CudaCopyEngine = eng) -> None:
+            h = eng.load(case.host, case.dev, case.h_idx, case.d_idx)
+            h.wait_until(layers - 1)
+
+        for _ in range(2):
+            _events_ms(load)
+        load_ms = statistics.median(_events_ms(load) for _ in range(args.repeats))
+        # T tokens: the forward's time grows about linearly in T past a few hundred tokens.
+        probe = Forward(1024)
+        for _ in range(3):
+            _events_ms(lambda p=probe: [p.layer() for _ in range(layers)])
+        per_1024 = statistics.median(_events_ms(lambda p=probe: [p.layer() for _ in range(layers)]) for _ in range(5))
+        del probe
+        for ratio in args.ratios:
+            tokens = max(64, round(1024 * ratio * load_ms / per_1024 / 64) * 64)
+            fwd = Forward(tokens)
+
+            def compute(fwd: Forward = fwd) -> None:
+                for _ in range(layers):
+                    fwd.layer()
+
+            def pipelined(eng: CudaCopyEngine = eng, fwd: Forward = fwd) -> None:
+                h = eng.load(case.host, case.dev, case.h_idx, case.d_idx)
+                for layer in range(layers):
+                    h.wait_until(layer)
+                    fwd.layer()
+
+            for fn in (compute, pipelined):
+                _events_ms(fn)
+            t = {"load": [], "compute": [], "pipelined": []}
+            for _ in range(args.repeats):  # alternated, as in section A
+                t["load"].append(_events_ms(load))
+                t["compute"].append(_events_ms(compute))
+                t["pipelined"].append(_events_ms(pipelined))
+            ideals = [max(lo, co) + lo / layers for lo, co in zip(t["load"], t["compute"], strict=True)]
+            row = {
+                "path": path,
+                "compute_over_load": ratio,
+                "tokens": tokens,
+                "layers": layers,
+                "load_ms": statistics.median(t["load"]),
+                "compute_ms": statistics.median(t["compute"]),
+                "pipelined_ms": statistics.median(t["pipelined"]),
+                "ideal_ms": statistics.median(ideals),
+                "ratio": statistics.median(p / i for p, i in zip(t["pipelined"], ideals, strict=True)),
+            }
+            rows.append(row)
+            log(f"  overlap {path} r={ratio}: load {row['load_ms']:.2f} ms, compute {row['compute_ms']:.2f} ms, "
+                f"pipelined {row['pipelined_ms']:.2f} ms, ideal {row['ideal_ms']:.2f} ms, ratio {row['ratio']:.3f}")
+            del fwd
+        eng.close()
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+def report(meta: dict, pages: list[dict], grid: list[dict], overlap: list[dict]) -> str:
+    g, m = meta["gpu"], meta["machine"]
+    lines = [
+        f"## transfer on the GPU — {g['gpu']} ({g['sms']} SMs), {m['cpu']} ({m['nproc']} cores), {meta['date']}",
+        "",
+        f"Command `{meta['command']}`; torch {g['torch']} (CUDA {g['cuda']}); {meta['repeats']} rounds after one "
+        "warm-up, paths alternated round by round, medians. Host pools pinned; bf16.",
+        "",
+        f"### A. Page copies ({meta['total_mib']} MiB of whole pages per copy, random page order on both sides)",
+        "",
+        "GB/s. `kernel` = the gather/scatter kernel "
+        f"({meta['blocks']} blocks x {K.DEFAULT_THREADS} threads per component), `torch` = the torch indexing path, "
+        "`contig` = one contiguous pinned `copy_` of the same bytes (the link). `% link` = median over rounds of "
+        "contig time / path time.",
+        "",
+        "| model | layout | direction | page | contig | kernel | kernel % link | torch | torch % link "
+        "| kernel / torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in pages:
+        torch_cells = (f"{r['torch_gbs']:.2f} | {r['torch_vs_link']:.0%} | {r['kernel_vs_torch']:.1f}×"
+                       if "torch_gbs" in r else "n/a | n/a | n/a")
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['direction']} | {r['page_size']} ({r['page_kib']:.0f} KiB) | "
+            f"{r['contig_gbs']:.2f} | {r['kernel_gbs']:.2f} | {r['kernel_vs_link']:.0%} | {torch_cells} |"
+        )
+    target = [r for r in pages if r["page_size"] >= 16 and r["layout"] in ("page_first", "layer_first")]
+    if target:
+        ok = sum(r["kernel_vs_link"] >= 0.8 for r in target)
+        worst = min(target, key=lambda r: r["kernel_vs_link"])
+        lines.append(
+            f"\nTarget (kernel >= 80% of the link at page >= 16, page_first and layer_first): {ok}/{len(target)} "
+            f"cases; lowest {worst['kernel_vs_link']:.0%} ({worst['model']} {worst['layout']} {worst['direction']}, "
+            f"page {worst['page_size']})."
+        )
+    if grid:
+        lines += ["", "### G. Kernel grid (mha, page_first, page 16)", "",
+                  "| direction | blocks per component | GB/s | % link |", "|---|---|---|---|"]
+        lines += [f"| {r['direction']} | {r['blocks']} | {r['gbs']:.2f} | {r['vs_link']:.0%} |" for r in grid]
+    if overlap:
+        lines += [
+            "",
+            f"### D. Layer-wise overlap (mha, layer_first, page 16, {meta['pipeline_mib']} MiB per load; "
+            "Llama-3-8B projections per layer; CUDA events)",
+            "",
+            "| path | compute / load | tokens | load | compute | pipelined | ideal | pipelined / ideal |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in overlap:
+            lines.append(
+                f"| {r['path']} | {r['compute_over_load']} | {r['tokens']} | {r['load_ms']:.2f} ms | "
+                f"{r['compute_ms']:.2f} ms | {r['pipelined_ms']:.2f} ms | {r['ideal_ms']:.2f} ms | {r['ratio']:.3f} |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mha,mla")
+    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--total-mib", type=int, default=1024, help="MiB per copy in sections A and G")
+    ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
+    ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--blocks", type=int, default=K.DEFAULT_BLOCKS, help="kernel blocks per component")
+    ap.add_argument("--grid", default="4,8,16,32,64,132", help="blocks swept in section G")
+    ap.add_argument("--no-torch", action="store_true", help="leave the torch path out of section A")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,G,D")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--md", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not K.cuda_kernel_available():
+        log("needs a CUDA GPU and the kernel library (built by setup.py where nvcc is found)")
+        return 2
+    args.models = args.models.split(",")
+    args.page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    args.ratios = [float(r) for r in args.ratios.split(",")]
+    args.grid = [int(b) for b in args.grid.split(",") if b]
+    skip = {s.strip().upper() for s in args.skip.split(",") if s.strip()}
+    meta = {
+        "machine": machine(),
+        "gpu": gpu_info(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python bench/transfer_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "repeats": args.repeats,
+        "total_mib": args.total_mib,
+        "pipeline_mib": args.pipeline_mib,
+        "blocks": args.blocks,
+    }
+    grid = [] if "G" in skip else bench_grid(args)
+    pages = [] if "A" in skip else bench_pages(args)
+    overlap = [] if "D" in skip else bench_overlap(args)
+    text = report(meta, pages, grid, overlap)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "grid": grid, "overlap": overlap}, indent=1))
+    if args.md:
+        args.md.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The gather/scatter kernel behind :class:`~hiradix.memory.copy.CudaCopyEngine`: plan and launch.
+
+A KV transfer between a device pool and a host pool is, per (layer, component), a list of
+rows (one token's KV) moved between two byte offsets. :func:`plan` turns an operation's
+slot indices into those offsets once (they are the same for every layer; a layer only moves
+the two base addresses) and picks the widest chunk (16 bytes where everything is aligned)
+that divides every row, base and stride. A :class:`Launcher` then runs one layer per call:
+
+:class:`CudaLauncher`
+    the CUDA kernel (``_kvcopy_cuda.cu``, built by ``setup.py`` where ``nvcc`` is found)
+    on a stream. It reads or writes the pinned host pool *in place* through its mapped
+    device address, as SGLang's per-layer transfer kernels do: no staging buffer, no host
+    thread touching the bytes, one launch per layer for all its components.
+:class:`EmulatedLauncher`
+    the same kernel body (``kvcopy.h``) run thread by thread on the CPU
+    (:mod:`hiradix.memory._kvcopy_emu`), so that CI, without a GPU, checks the plan, the
+    widths and the kernel's index arithmetic byte for byte against the torch path.
+
+The grid is small on purpose: the copy shares the GPU with the model's forward pass, and a
+zero-copy read over PCIe needs bytes in flight (``HR_UNROLL`` chunks per thread), not SMs.
+``bench/transfer.py`` measures the choice (``bench/RESULTS_transfer.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hiradix._native import load, pure_python
+from hiradix.memory.pools import DeviceKVPool, HostKVPool
+
+__all__ = [
+    "DEFAULT_BLOCKS",
+    "DEFAULT_THREADS",
+    "CudaLauncher",
+    "EmulatedLauncher",
+    "KernelError",
+    "KernelPlan",
+    "Launcher",
+    "cuda_kernel_available",
+    "kernel_by_default",
+    "library_abi",
+    "plan",
+]
+
+LIBRARY = Path(__file__).with_name("libhiradix_kvcopy.so")
+ABI = 1
+MAX_JOBS = 4  # HR_MAX_JOBS in _kvcopy_cuda.cu
+DEFAULT_BLOCKS = 16
+"""Blocks per component per launch (see the module docstring)."""
+DEFAULT_THREADS = 512
+WIDTHS = (16, 8, 4, 2, 1)
+
+_emu: Any = load("hiradix.memory._kvcopy_emu")
+
+
+class KernelError(RuntimeError):
+    """The CUDA kernel library could not be used, or a launch failed."""
+
+
+class _Job(ctypes.Structure):
+    """``hr_job`` of ``kvcopy.h``."""
+
+    _fields_ = [
+        ("dst", ctypes.c_void_p),
+        ("src", ctypes.c_void_p),
+        ("dst_off", ctypes.c_void_p),
+        ("src_off", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+    ]
+
+
+# ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One (layer, component) buffer: row of slot ``s`` at byte
+    ``ptr + (s // page_size) * page_stride + (s % page_size) * slot_stride``."""
+
+    ptr: int
+    page_stride: int
+    slot_stride: int
+    row_bytes: int
+
+
+def _device_side(buf: torch.Tensor) -> _Side:
+    isz = buf.element_size()
+    return _Side(buf.data_ptr(), buf.stride(0) * isz, 0, buf[0].numel() * isz)
+
+
+def _host_side(view: torch.Tensor) -> _Side:
+    isz = view.element_size()
+    return _Side(view.data_ptr(), view.stride(0) * isz, view.stride(1) * isz, view[0, 0].numel() * isz)
+
+
+def _rows_dense(t: torch.Tensor, lead: int) -> bool:
+    expect = 1
+    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:]), strict=True):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """One operation for the kernel: per layer, per component, the device and host
+    :class:`_Side`; the byte offsets of every row (``offsets[2c]`` device,
+    ``offsets[2c + 1]`` host, for component ``c``; CPU int64, the same for every layer);
+    and the chunk ``width``."""
+
+    layers: list[list[tuple[_Side, _Side]]]
+    offsets: torch.Tensor
+    rows: int
+    width: int
+
+    def jobs(self, layer: int, offsets_ptr: int, host_delta: int, to_device: bool) -> Any:
+        """The ``hr_job`` array of ``layer``, for offsets stored at ``offsets_ptr`` (the
+        layout of :attr:`offsets`) and host addresses shifted by ``host_delta`` (the
+        pinned pool's device address minus its host address; 0 on the CPU)."""
+        pairs = self.layers[layer]
+        arr = (_Job * len(pairs))()
+        row_stride = self.rows * 8
+        for c, (d, h) in enumerate(pairs):
+            dev_off, host_off = offsets_ptr + 2 * c * row_stride, offsets_ptr + (2 * c + 1) * row_stride
+            if to_device:
+                arr[c] = _Job(d.ptr, h.ptr + host_delta, dev_off, host_off, self.rows, d.row_bytes)
+            else:
+                arr[c] = _Job(h.ptr + host_delta, d.ptr, host_off, dev_off, self.rows, d.row_bytes)
+        return arr
+
+    def launch_layer(
+        self, launcher: Launcher, layer: int, offsets_ptr: int, host_delta: int, to_device: bool, stream: int = 0
+    ) -> None:
+        """Copy ``layer``, all its components in one launch: host -> device if
+        ``to_device``, else device -> host."""
+        launcher.launch(self.jobs(layer, offsets_ptr, host_delta, to_device), self.width, stream)
+
+
+def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor) -> KernelPlan | None:
+    """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
+    where the kernel cannot address the pools (rows not dense, strides that change with
+    the layer, more than :data:`MAX_JOBS` components); the torch path serves then.
+
+    Rows are sorted by host slot, as the CPU row copy does: the host side is the one whose
+    layouts scatter a page, and walking it in address order keeps each warp's reads (or
+    writes) over PCIe in few, long runs. Runtime complexity: ``O(n log n)`` for the sort
+    (skipped when in order), ``O(n x components)`` for the offsets.
+    """
+    if dev.device.type != "cpu" or host.device.type != "cpu":
+        raise ValueError("plan() takes CPU indices")
+    n = dev.numel()
+    comps = len(device_pool.layer_buffers(0))
+    if comps > MAX_JOBS or n == 0:
+        return None
+    layers: list[list[tuple[_Side, _Side]]] = []
+    for layer in range(device_pool.layer_num):
+        pairs = []
+        for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
+            if not _rows_dense(dbuf, 1) or not _rows_dense(hview, 2):
+                return None
+            pairs.append((_device_side(dbuf), _host_side(hview)))
+        layers.append(pairs)
+    first = layers[0]
+    for pairs in layers[1:]:
+        for (d0, h0), (d, h) in zip(first, pairs, strict=True):
+            if (d.page_stride, d.row_bytes, h.page_stride, h.slot_stride) != (
+                d0.page_stride,
+                d0.row_bytes,
+                h0.page_stride,
+                h0.slot_stride,
+            ):
+                return None
+    if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
+        order = torch.argsort(host, stable=True)
+        dev, host = dev.index_select(0, order), host.index_select(0, order)
+    ps = host_pool.page_size
+    offsets = torch.empty(2 * comps, n, dtype=torch.int64)
+    g = 0
+    for c, (d, h) in enumerate(first):
+        if d.row_bytes != h.row_bytes:
+            raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
+        torch.mul(dev, d.page_stride, out=offsets[2 * c])
+        torch.add((host // ps) * h.page_stride, (host % ps) * h.slot_stride, out=offsets[2 * c + 1])
+        g = math.gcd(g, d.row_bytes, d.page_stride, h.page_stride, h.slot_stride)
+    for pairs in layers:
+        for d, h in pairs:
+            g = math.gcd(g, d.ptr, h.ptr)
+    width = next(w for w in WIDTHS if g % w == 0)
+    return KernelPlan(layers, offsets, n, width)
+
+
+# ----------------------------------------------------------------------------- launchers
+class Launcher:
+    """Runs one layer of a :class:`KernelPlan`."""
+
+    blocks: int
+    threads: int
+
+    def launch(self, jobs: Any, width: int, stream: int) -> None:
+        raise NotImplementedError
+
+
+def _check_grid(blocks: int, threads: int) -> None:
+    if not isinstance(blocks, int) or not 1 <= blocks <= 65535:
+        raise ValueError(f"blocks must be an int in [1, 65535], got {blocks!r}")
+    if not isinstance(threads, int) or threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+
+
+class EmulatedLauncher(Launcher):
+    """The kernel run on the CPU, thread by thread (:mod:`hiradix.memory._kvcopy_emu`):
+    CI's stand-in for :class:`CudaLauncher`. Needs the compiled extensions."""
+
+    def __init__(self, blocks: int = 2, threads: int = 64) -> None:
+        if _emu is None:
+            raise KernelError("the kernel emulation hiradix.memory._kvcopy_emu is not built (or HIRADIX_PUREPYTHON)")
+        _check_grid(blocks, threads)
+        self.blocks, self.threads = blocks, threads
+
+    def launch(self, jobs: Any, width: int, stream: int = 0) -> None:
+        _emu.launch(ctypes.addressof(jobs), len(jobs), width, self.blocks, self.threads)
+
+
+_LIB_LOCK = threading.Lock()
+_LIB: Any = None
+_LIB_ERROR: str | None = None
+
+
+def _library() -> Any:
+    """The loaded kernel library, or raise :class:`KernelError` saying why not."""
+    global _LIB, _LIB_ERROR
+    with _LIB_LOCK:
+        if _LIB is None and _LIB_ERROR is None:
+            if pure_python():
+                _LIB_ERROR = "turned off (HIRADIX_PUREPYTHON)"
+            elif not LIBRARY.exists():
+                _LIB_ERROR = f"{LIBRARY.name} was not built (no nvcc when hiradix was installed)"
+            else:
+                try:
+                    lib = ctypes.CDLL(str(LIBRARY))
+                    lib.hr_kvcopy_abi.restype = ctypes.c_int
+                    lib.hr_kvcopy_launch.restype = ctypes.c_int
+                    lib.hr_kvcopy_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                     ctypes.c_int, ctypes.c_void_p]
+                    lib.hr_kvcopy_host_pointer.restype = ctypes.c_int
+                    lib.hr_kvcopy_host_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+                    lib.hr_kvcopy_error_string.restype = ctypes.c_char_p
+                    lib.hr_kvcopy_error_string.argtypes = [ctypes.c_int]
+                    if lib.hr_kvcopy_abi() != ABI:
+                        raise KernelError(f"{LIBRARY.name} has ABI {lib.hr_kvcopy_abi()}, expected {ABI}: rebuild")
+                    _LIB = lib
+                except (OSError, AttributeError, KernelError) as exc:
+                    _LIB_ERROR = f"{LIBRARY.name} could not be loaded: {exc}"
+        if _LIB is None:
+            raise KernelError(f"the CUDA copy kernel is not available: {_LIB_ERROR}")
+        return _LIB
+
+
+def cuda_kernel_available() -> bool:
+    """Whether the CUDA copy kernel is built, loadable and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _library()
+    except KernelError:
+        return False
+    return True
+
+
+def kernel_by_default() -> bool:
+    """Whether :class:`~hiradix.memory.copy.CudaCopyEngine` uses the kernel unless told
+    otherwise: only with ``HIRADIX_CUDA_KERNEL=1`` (and :func:`cuda_kernel_available`).
+
+    Off by default because the kernel has not yet run on a GPU: it is checked byte for
+    byte on the CPU (the emulation, in CI) and compiled by ``nvcc``, but the one GPU
+    session so far ended before it could be run and measured (``bench/RESULTS_transfer.md``).
+    ``bench/transfer_gpu.py`` and ``tests/test_copy_kernel.py`` are what a GPU session runs
+    before turning it on.
+    """
+    return os.environ.get("HIRADIX_CUDA_KERNEL", "") == "1" and cuda_kernel_available()
+
+
+def library_abi() -> int:
+    """The ABI version of the built kernel library (loading it needs no GPU). Raises
+    :class:`KernelError` where it is not built or not loadable."""
+    return int(_library().hr_kvcopy_abi())
+
+
+class CudaLauncher(Launcher):
+    """The CUDA kernel, launched on a given stream. ``blocks`` per component and
+    ``threads`` per block (defaults :data:`DEFAULT_BLOCKS`, :data:`DEFAULT_THREADS`)."""
+
+    def __init__(self, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS) -> None:
+        _check_grid(blocks, threads)
+        self._lib = _library()
+        self.blocks, self.threads = blocks, threads
+
+    def _error(self, code: int) -> str:
+        return f"{self._lib.hr_kvcopy_error_string(code).decode()} (cudaError {code})"
+
+    def host_delta(self, host_pool: HostKVPool) -> int:
+        """The pinned host pool's device address minus its host address (0 under unified
+        addressing). Raises :class:`KernelError` if the pool is not pinned and mapped."""
+        buf = host_pool._buf
+        if not buf.is_pinned():
+            raise KernelError("the host pool is not in pinned memory; the kernel cannot reach it")
+        out = ctypes.c_void_p()
+        code = self._lib.hr_kvcopy_host_pointer(ctypes.c_void_p(buf.data_ptr()), ctypes.byref(out))
+        if code:
+            raise KernelError(f"the host pool has no device address: {self._error(code)}")
+        return int(out.value or 0) - buf.data_ptr()
+
+    def launch(self, jobs: Any, width: int, stream: int) -> None:
+        code = self._lib.hr_kvcopy_launch(jobs, len(jobs), width, self.blocks, self.threads, ctypes.c_void_p(stream))
+        if code:
+            raise KernelError(f"kernel launch failed: {self._error(code)}")
