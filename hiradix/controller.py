@@ -51,6 +51,14 @@ def _as_long(indices: Any) -> torch.Tensor:
     return torch.as_tensor(indices, dtype=torch.int64)
 
 
+def _merged(ops: Sequence[CacheOperation]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device and host indices of ``ops``, concatenated (one op: its own tensors;
+    the engines copy what they keep)."""
+    if len(ops) == 1:
+        return ops[0].device_indices, ops[0].host_indices
+    return torch.cat([op.device_indices for op in ops]), torch.cat([op.host_indices for op in ops])
+
+
 @dataclass(frozen=True, slots=True)
 class CacheOperation:
     """One node's transfer: ``device_indices[i]`` pairs with ``host_indices[i]``."""
@@ -273,8 +281,7 @@ class HiCacheController:
         if not ops:
             return None
         self._writes.pending.clear()
-        dev = torch.cat([op.device_indices for op in ops])
-        host = torch.cat([op.host_indices for op in ops])
+        dev, host = _merged(ops)
         handle = self.write_engine.backup(self.device_pool, self.host_pool, dev, host)
         ack = TransferAck(next(self._ack_ids), ops, handle)
         self._writes.acks.append(ack)
@@ -304,8 +311,7 @@ class HiCacheController:
         if not ops:
             return -1
         self._loads.pending.clear()
-        dev = torch.cat([op.device_indices for op in ops])
-        host = torch.cat([op.host_indices for op in ops])
+        dev, host = _merged(ops)
         handle = self.load_engine.load(self.host_pool, self.device_pool, host, dev)
         self._loads.acks.append(TransferAck(next(self._ack_ids), ops, handle))
         return self.layer_done_counter.update_producer(handle)

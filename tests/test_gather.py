@@ -523,3 +523,34 @@ def test_small_copy_keeps_the_gil() -> None:
             g.copy_rows(dst, off, 0, src, off, 0, row)
 
     assert not any(_main_runs_during(many_small_copies) for _ in range(2))
+
+
+# ----------------------------------------------------------------------------- planning helpers
+@needs_native
+@pytest.mark.parametrize(("page_size", "page_stride", "slot_stride"), [(1, 256, 0), (4, 4096, 64), (16, 65536, 512)])
+def test_slot_offsets_follow_the_layout_formula(page_size: int, page_stride: int, slot_stride: int) -> None:
+    slots = np.random.default_rng(page_size).integers(0, 1000, 300, dtype=np.int64)
+    got = _gather().slot_offsets(slots, 1000, page_size, page_stride, slot_stride, "slots")
+    want = (slots // page_size) * page_stride + (slots % page_size) * slot_stride
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert got is not slots and not np.shares_memory(got, slots)  # the caller may reuse its input
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_slot_offsets_name_the_bad_side_and_range(bad: int) -> None:
+    slots = np.array([3, bad, 7], dtype=np.int64)
+    msg = rf"host_indices out of range \[0, 1000\): min {min(3, bad)}, max {max(7, bad)}"
+    with pytest.raises(IndexError, match=msg):
+        _gather().slot_offsets(slots, 1000, 4, 64, 16, "host_indices")
+    with pytest.raises(ValueError, match="page_size"):
+        _gather().slot_offsets(slots, 1000, 0, 64, 16, "x")
+    with pytest.raises(TypeError, match="int64"):
+        _gather().slot_offsets(slots.astype(np.int32), 1000, 4, 64, 16, "x")
+
+
+@needs_native
+def test_is_sorted() -> None:
+    assert _gather().is_sorted(np.array([], dtype=np.int64))
+    assert _gather().is_sorted(np.array([1, 1, 2, 9], dtype=np.int64))
+    assert not _gather().is_sorted(np.array([1, 3, 2], dtype=np.int64))

@@ -218,16 +218,20 @@ def _validate(
     return dev.to(device_pool.device), host
 
 
-def _validate_cpu(
-    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked, owned int64 CPU copies of the indices (CUDA indices are read back: a sync)."""
+def _check_pools(device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
     if not isinstance(device_pool, DeviceKVPool) or not isinstance(host_pool, HostKVPool):
         raise TypeError("expected a DeviceKVPool and a HostKVPool")
     if device_pool.shape.components != host_pool.shape.components or device_pool.layer_num != host_pool.layer_num:
         raise ValueError(f"pool shapes differ: device {device_pool.shape}, host {host_pool.shape}")
     if device_pool.dtype != host_pool.dtype:
         raise ValueError(f"pool dtypes differ: device {device_pool.dtype}, host {host_pool.dtype}")
+
+
+def _validate_cpu(
+    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked, owned int64 CPU copies of the indices (CUDA indices are read back: a sync)."""
+    _check_pools(device_pool, host_pool)
     dev = _as_index(device_indices, "device_indices").cpu()
     host = _as_index(host_indices, "host_indices").cpu()
     if dev.numel() != host.numel():
@@ -236,6 +240,26 @@ def _validate_cpu(
     _check_range(host, host_pool.size, "host_indices")
     # Own the indices: the caller may reuse its tensors while the copy is queued.
     return dev.clone(), host.clone()
+
+
+def _as_index_np(indices: Any, name: str) -> np.ndarray:
+    """``indices`` as a 1-D int64 numpy array (a view where it already is one): the
+    compiled path's input. Same errors as :func:`_as_index`."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise TypeError(f"{name} must be integer, got {indices.dtype}")
+        a = (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+    else:
+        a = np.asarray(indices)
+        if a.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        if a.size == 0:
+            return np.empty(0, dtype=np.int64)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be integer, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _prepare(
@@ -400,9 +424,11 @@ class _RowPlan:
 
 
 def _row_plan(
-    device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor
+    device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
 ) -> _RowPlan | None:
-    """The compiled-copy plan for validated indices, or ``None`` to use the torch path.
+    """Validate an operation and plan it for the compiled copy, or return ``None`` (before
+    checking the indices) where the torch path must serve: not built, a pool not on the
+    CPU, or rows it cannot address. Raises as :func:`_validate` does for bad input.
 
     Rows are put in the order of their *host* slots, in both directions. The host pool is
     the large side whose layouts scatter a page (layer_first: one run per layer and
@@ -414,21 +440,29 @@ def _row_plan(
     rows that name the same destination slot twice could land differently, and the
     torch path leaves that undefined too.
 
-    Runtime complexity: ``O(n log n)`` for the sort (skipped when already in order) and
-    ``O(n x components)`` for the offsets, all vectorized.
+    Everything here is numpy and two compiled passes (:func:`_gather.slot_offsets`): the
+    scheduler thread pays this for every write-through, and the same plan in small torch
+    operations cost a quarter of an insert (``bench/RESULTS_sglang_api.md``). The offset
+    arrays are new, so the caller may reuse its index tensors at once.
+
+    Runtime complexity: ``O(n)``, plus ``O(n log n)`` to sort rows not in host order.
     """
-    if _gather is None or dev.device.type != "cpu":
+    if _gather is None or device_pool.device.type != "cpu":
         return None
+    _check_pools(device_pool, host_pool)
     dregs, hregs = _regions(device_pool), _regions(host_pool)
     if dregs is None or hregs is None:
         return None
-    if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
-        order = torch.argsort(host, stable=True)
-        # index_select, not dev[order]: torch's advanced-indexing kernel took 8 ms for 16k
-        # int64 indices here, index_select 11 us; that was a third of a 256 MiB copy.
-        dev, host = dev.index_select(0, order), host.index_select(0, order)
+    dev = _as_index_np(device_indices, "device_indices")
+    host = _as_index_np(host_indices, "host_indices")
+    if dev.shape[0] != host.shape[0]:
+        raise ValueError(f"{dev.shape[0]} device indices but {host.shape[0]} host indices")
+    if not _gather.is_sorted(host):
+        order = np.argsort(host, kind="stable")
+        dev, host = dev[order], host[order]
     ps = host_pool.page_size
-    dev_off, host_off = [], []
+    dev_off: list[np.ndarray] = []
+    host_off: list[np.ndarray] = []
     for c, (d, h) in enumerate(zip(dregs[0], hregs[0], strict=True)):
         # Strides must not change with the layer, or one offset array would not serve all.
         if any((r[c].page_stride, r[c].row_bytes) != (d.page_stride, d.row_bytes) for r in dregs) or any(
@@ -437,8 +471,16 @@ def _row_plan(
             return None
         if d.row_bytes != h.row_bytes:
             raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
-        dev_off.append((dev * d.page_stride).numpy())
-        host_off.append(((host // ps) * h.page_stride + (host % ps) * h.slot_stride).numpy())
+        if c and (d.page_stride, h.page_stride, h.slot_stride) == (
+            dregs[0][c - 1].page_stride,
+            hregs[0][c - 1].page_stride,
+            hregs[0][c - 1].slot_stride,
+        ):
+            dev_off.append(dev_off[-1])  # K and V alike: one pair of offset arrays serves both
+            host_off.append(host_off[-1])
+            continue
+        dev_off.append(_gather.slot_offsets(dev, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
+        host_off.append(_gather.slot_offsets(host, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
     return _RowPlan(dregs, hregs, tuple(dev_off), tuple(host_off), device_pool.itemsize)
 
 
@@ -567,12 +609,12 @@ class ThreadCopyEngine(CopyEngine):
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
-        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
-        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
+        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
         if plan is not None:
             return self._submit(
                 "backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
             )
+        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
         hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "backup", device_pool.layer_num, lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
@@ -581,12 +623,12 @@ class ThreadCopyEngine(CopyEngine):
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
     ) -> LoadHandle:
-        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
-        plan = _row_plan(device_pool, host_pool, dev, host) if self.native else None
+        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
         if plan is not None:
             return self._submit(
                 "load", device_pool.layer_num, lambda layer: _native_load_layer(plan, layer, self.copy_threads)
             )
+        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
         hidx = _host_index(host, host_pool.page_size)
         return self._submit(
             "load", device_pool.layer_num, lambda layer: _load_layer(host_pool, device_pool, hidx, dev, layer)
