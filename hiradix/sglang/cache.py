@@ -228,6 +228,7 @@ class HiRadixCache(BasePrefixCache):
         allocator = params.token_to_kv_pool_allocator
         self.kv_cache = allocator.get_kvcache()
         self.device = torch.device(allocator.device)
+        self._on_cpu = self.device.type == "cpu"
         device_pool = device_pool_from_sglang(self.kv_cache)
         host_pool = host_pool_for(
             device_pool,
@@ -365,19 +366,20 @@ class HiRadixCache(BasePrefixCache):
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
-        m = self.core.match_prefix(tokens[:n], ns)
-        deepest = m.last_node if m.host_hit_length else m.last_device_node
-        host = deepest
-        while not self.is_backed_up(host):
-            host = self.tree.parent(host)
-        host_node = self._node(host)
-        return MatchResult(
-            device_indices=m.device_indices,
-            last_device_node=self._node(m.last_device_node),
-            last_host_node=host_node,
-            best_match_node=host_node,
-            host_hit_length=int(m.host_hit_length),
-        )
+        # The compiled tree directly, not the core cache's wrapper: this is the
+        # scheduler's hottest call, and every Python layer costs microseconds here.
+        tree = self.tree
+        m = tree.match_prefix(tokens[:n], ns)
+        host = m.last_node if m.host_hit_length else m.last_device_node
+        while not (tree.is_backed_up(host) or tree.is_root(host)):
+            host = tree.parent(host)
+        indices = torch.from_numpy(m.device_indices)
+        if not self._on_cpu:
+            indices = indices.to(self.device)
+        host_node = TreeNode(self, host)
+        # Positional: (device_indices, last_device_node, last_host_node, best_match_node,
+        # host_hit_length), SGLang's field order.
+        return MatchResult(indices, TreeNode(self, m.last_device_node), host_node, host_node, int(m.host_hit_length))
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write
