@@ -195,6 +195,18 @@ def _as_tokens(token_ids: Any) -> np.ndarray:
     return np.asarray(token_ids, dtype=np.int64)
 
 
+def _key_tokens(key: Any) -> np.ndarray:
+    """A ``RadixKey``'s tokens (its ``limit`` applied) as an int64 array, a view where it
+    can be: ``raw_token_ids()`` copies a capped key and costs a few calls per match.
+    Bigram (EAGLE) keys are refused at startup; one arriving anyway is an error, not a
+    silent mismatch."""
+    if key.is_bigram:
+        raise ValueError("bigram (EAGLE) keys are not supported by hiradix.sglang")
+    tokens = _as_tokens(key.token_ids)
+    limit = key.limit
+    return tokens if limit is None or limit >= len(tokens) else tokens[:limit]
+
+
 class HiRadixCache(BasePrefixCache):
     """SGLang's ``HiRadixCache``, on hiradix's compiled tree and tiers.
 
@@ -362,7 +374,7 @@ class HiRadixCache(BasePrefixCache):
         host-only tail. ``O(len(key))``."""
         key = params.key
         ns = self._ns(key.extra_key, key.cache_salt)
-        tokens = _as_tokens(key.raw_token_ids())
+        tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
@@ -389,7 +401,7 @@ class HiRadixCache(BasePrefixCache):
             return InsertResult(prefix_len=0)
         key = params.key
         ns = self._ns(key.extra_key, key.cache_salt)
-        tokens = _as_tokens(key.raw_token_ids())
+        tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
             return InsertResult(prefix_len=0)
