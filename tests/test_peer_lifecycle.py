@@ -8,6 +8,7 @@ import hashlib
 import logging
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 
 from hiradix.peer.config import PeerConfig
-from hiradix.peer.membership import JoinError, Membership, NodeInfo
+from hiradix.peer.membership import JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.fake import FakeClock
 
 PAGE = 4096
@@ -136,6 +138,100 @@ def test_membership_changes_are_logged_one_line_each(caplog: pytest.LogCaptureFi
     net.add("a", clock, incarnation=8, head="h").join()
     assert "h: member restarted: a (incarnation 7 -> 8)" in [r.getMessage() for r in caplog.records]
     assert set(h.members()) == {"h", "a"}
+
+
+def test_a_master_that_never_answers_does_not_delay_the_heartbeats_to_the_others() -> None:
+    """The head is a listener that accepts connections and never says a word (a stopped
+    process). Each round ``z`` heartbeats it and the live master ``m``: every tick returns
+    while the call to the head still hangs, with ``m`` answered, so ``z`` stays live at ``m``
+    round after round, and the head gets one call in flight, not one per round. (The masters
+    used to be called one after another, head first: each round waited out the head's whole
+    RPC timeout, longer than the TTL, before ``m`` heard from ``z``.)"""
+    clock = FakeClock()
+    with socket.create_server(("127.0.0.1", 0)) as silent, RpcClient(secrets.token_hex(16), timeout=5.0) as client:
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        nodes: dict[str, Membership] = {}
+        state = threading.Condition()
+        hanging, sent = [0], [0]
+
+        def call(addr: str, method: str, args: list[Any]) -> Any:
+            if addr != hung:
+                return nodes[addr].handle(method, args)
+            with state:
+                hanging[0] += 1
+                sent[0] += 1
+            try:
+                return client.call(addr, method, *args)
+            finally:
+                with state:
+                    hanging[0] -= 1
+                    state.notify_all()
+
+        for name in ("m", "z"):
+            me = NodeInfo(name, name, f"data-{name}")
+            nodes[name] = Membership(me, call, head=hung, max_masters=2, ttl=3.0, clock=clock, heartbeat_timeout=0.05)
+            nodes[name].handle("disc_join", [NodeInfo("h", hung, "data-h").to_wire()])
+        m, z = nodes["m"], nodes["z"]
+        m.handle("disc_join", [z.me.to_wire()])
+        z.handle("disc_join", [m.me.to_wire()])
+        assert z.masters() == ("h", "m") and set(m.members()) == set(z.members()) == {"h", "m", "z"}
+        for _ in range(3):  # within the TTL of the head's last sign of life
+            clock.advance(1.0)
+            z.tick()
+            with state:
+                assert hanging[0] >= 1, "the tick waited for the silent master"
+            m.tick()
+            assert set(m.members()) == {"h", "m", "z"} and not z.frozen
+        assert sent[0] == 2  # one call each from z and m, still in flight
+        for _ in range(2):  # the head expires everywhere; z and m never do
+            clock.advance(1.0)
+            z.tick()
+            m.tick()
+        assert set(m.members()) == set(z.members()) == {"m", "z"} and z.masters() == ("m", "z")
+        assert z.heartbeat_failures == 0  # the calls to the head have not even timed out yet
+    with state:  # the listener is closed: its queued connections are reset, the calls end
+        assert state.wait_for(lambda: hanging[0] == 0, timeout=30)
+
+
+def test_a_silent_peer_is_reported_as_a_timeout_and_a_wrong_token_as_a_refusal() -> None:
+    """A peer that accepts connections and never completes the handshake timed out (it
+    used to be reported as having refused the cluster token: the handshake's timeout is an
+    AuthError); a peer holding another token refused it."""
+    with (
+        socket.create_server(("127.0.0.1", 0)) as silent,
+        RpcServer(secrets.token_hex(16)) as foreign,
+        RpcClient(secrets.token_hex(16), timeout=0.3) as client,
+    ):
+        silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        for addr, refused, words in (
+            (silent_addr, False, f"RpcTimeout: {silent_addr} accepted the connection but did not complete"),
+            (foreign.address, True, "the cluster token was refused"),
+        ):
+            with pytest.raises(OSError) as info:
+                client.call(addr, "disc_view")
+            reason, auth = describe_failure(info.value)
+            assert auth is refused and reason.startswith(words), reason
+
+
+def test_join_through_a_silent_seed_retries_and_says_it_timed_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A seed that never completes the handshake is retried until the join timeout (a
+    refusal stops at once), then named as timed out, and never logged as a refusal."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        seed = f"127.0.0.1:{silent.getsockname()[1]}"
+        cfg = PeerConfig(
+            metrics_enabled=False,
+            cluster_token=secrets.token_hex(16),
+            join_timeout_s=0.6,
+            rpc_timeout_s=0.15,
+            connect_timeout_s=0.15,
+        )
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        with pytest.raises(JoinError, match=f"{seed}: RpcTimeout: .*did not complete the handshake") as info:
+            PeerNode(cfg, seeds=[seed], heartbeat_s=0.1)
+        assert time.monotonic() - t0 >= cfg.join_timeout_s  # it kept trying
+        assert "refused" not in str(info.value)
+        assert not [r for r in caplog.records if "refused" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------- nodes over real RPC
