@@ -607,7 +607,8 @@ class PeerNode:
     def _guard(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run as background work of ``kind``: an exception never kills the
         loop or worker that runs it, and never vanishes. It is counted in
-        :attr:`background_errors` (``status()["background_errors"]``) and logged: with its
+        :attr:`background_errors` (``status()["background_errors"]``, and the
+        ``hiradix_peer_background_errors_total{kind}`` counter) and logged: with its
         traceback the first time for each kind, in one line when the count reaches a power
         of two (a round failing every heartbeat does not flood the log). Returns ``fn``'s
         result, ``None`` when it raised. Runtime complexity: ``O(1)`` plus ``fn``."""
@@ -616,6 +617,7 @@ class PeerNode:
         except Exception as exc:
             with self._lock:
                 n = self.background_errors[kind] = self.background_errors.get(kind, 0) + 1
+            self.metrics.record_background_error(kind)
             if n == 1:
                 log.exception("%s: background %s failed (traceback logged once per kind)", self.node_id, kind)
             elif n & (n - 1) == 0:
