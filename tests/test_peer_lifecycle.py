@@ -10,6 +10,8 @@ import secrets
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -311,3 +313,70 @@ def test_a_node_restarted_on_its_address_replaces_its_earlier_run() -> None:
             mine = [e for e in n.shard.snapshot().values() if e.node == new.node_id]
             assert all(e.incarnation == new.incarnation for e in mine)
         assert not any(a.read_into(gone, [memoryview(bytearray(PAGE)) for _ in gone]))
+
+
+def _ready_endpoint(node: PeerNode) -> int:
+    assert node.metrics_server is not None
+    try:
+        with urllib.request.urlopen(node.metrics_server.url + "/ready", timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_a_restarted_head_is_ready_only_with_the_cluster_back_in_its_view() -> None:
+    """A head started alone waits out the members' probe period before it calls itself a
+    new cluster. Restarted (with no seeds) after the others expired it, it is not ready
+    (status, ``/ready``) until the members are back in its view and it holds its share:
+    whenever it says ready, it lists every member and reads every page through its
+    directory. (It used to be ready at once, alone, so reads through it missed.)"""
+    clock = FakeClock()
+    base = dict(metrics_enabled=False, cluster_token=secrets.token_hex(16), pool_size=64 * (PAGE + 64))
+
+    def node(**cfg: Any) -> PeerNode:
+        n = PeerNode(PeerConfig(**dict(base, **cfg)), start=False, heartbeat_s=1.0, clock=clock)
+        n.join()
+        return n
+
+    def rounds(n: int = 1) -> None:
+        for _ in range(n):
+            clock.advance(1.0)
+            for x in nodes:
+                if not x._closed:
+                    x.tick()
+                    x.probe()
+
+    head = node()
+    nodes = [head]
+    try:
+        assert not head.is_ready()  # alone: maybe a restart the members have not found yet
+        rounds(7)
+        assert head.is_ready()  # nobody came within the probe period: a new cluster
+        nodes += [node(discovery_addr=head.address) for _ in range(2)]
+        rounds(2)
+        assert all(n.is_ready() for n in nodes)
+        producer = nodes[2]
+        keys = [key(i, "head") for i in range(60)]
+        assert all(producer.publish_many(keys, [page(i) for i in range(60)]))
+        port = int(head.address.rsplit(":", 1)[1])
+        head.close(leave=False)  # as kill -9
+        rounds(5)
+        assert all(head.node_id not in n.membership.members() for n in nodes[1:])
+        new = node(rpc_port=port, metrics_enabled=True, metrics_port=0)  # the same command: no seeds
+        nodes[0] = new
+        assert new.node_id == head.node_id and list(new.membership.members()) == [new.node_id]
+        assert not new.is_ready() and new.status()["ready"] is False and _ready_endpoint(new) == 503
+        ids = {n.node_id for n in nodes}
+        for _ in range(7):
+            rounds()
+            if new.is_ready():
+                break
+            assert new.status()["ready"] is False and _ready_endpoint(new) == 503
+        assert new.is_ready() and new.status()["ready"] is True and _ready_endpoint(new) == 200
+        assert set(new.membership.members()) == ids
+        bufs = [bytearray(PAGE) for _ in keys]
+        assert all(new.read_into(keys, [memoryview(b) for b in bufs]))
+        assert [bytes(b) for b in bufs] == [page(i) for i in range(60)]
+    finally:
+        for n in nodes:
+            n.close(leave=False)

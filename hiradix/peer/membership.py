@@ -250,6 +250,9 @@ class Membership:
         self.frozen = False  # the last tick reached no master: table kept as cached
         self.heartbeat_failures = 0  # heartbeats that raised (late ones included)
         self._in_flight: set[str] = set()  # masters whose last heartbeat has not ended yet
+        #: Answers to this node's ``disc_join`` and ``disc_heartbeat`` calls: each one is a
+        #: peer that recorded this node and sent it the members it knows (a view).
+        self.acknowledgements = 0
         #: RPC address -> why the last ``disc_join`` sent there failed (cleared on success).
         self.join_failures: dict[str, tuple[str, bool]] = {}
 
@@ -387,17 +390,15 @@ class Membership:
 
     # ------------------------------------------------------------------ client side
     def join(self) -> bool:
-        """Announce this node to the first live master among the head, the seeds and the
-        masters already known; merge its view. ``True`` when one answered, or when there is
-        nobody to ask (a head started alone). Why each address failed is kept in
-        :attr:`join_failures`. Runtime complexity: one RPC per address tried.
+        """Announce this node to the first live peer among the head, the seeds, the masters
+        already known and then the other members known; merge its view. ``True`` when one
+        answered, or when there is nobody to ask (a head started alone). Why each address
+        failed is kept in :attr:`join_failures`. Runtime complexity: one RPC per address
+        tried.
         """
         with self._lock:
-            known = [
-                self._live[m].rpc
-                for m in compute_masters(self._live.values(), self.head, self.max_masters)
-                if m != self.me.node_id
-            ]
+            order = compute_masters(self._live.values(), self.head, len(self._live))  # masters first
+            known = [self._live[m].rpc for m in order if m != self.me.node_id]
         targets = list(dict.fromkeys([*self.seeds, *known]))
         if not targets:
             return True
@@ -430,6 +431,8 @@ class Membership:
             if r is not None:
                 r.failing_since, r.backoff = None, self.backoff[0]
         self._changed(self._recompute(expire=False))
+        with self._lock:  # after on_change: the answer acknowledges the merge it brought
+            self.acknowledgements += 1
         return True
 
     def probe(self) -> int:
@@ -494,6 +497,8 @@ class Membership:
             ok = False
             try:
                 self._merge(self._call(info.rpc, "disc_heartbeat", [self.me.to_wire()]))
+                with self._lock:
+                    self.acknowledgements += 1
                 ok = True
             except Exception as exc:  # a dead master expires like any member
                 reason, auth = describe_failure(exc)
