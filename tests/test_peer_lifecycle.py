@@ -8,15 +8,19 @@ import hashlib
 import logging
 import secrets
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
 
 from hiradix.peer.config import PeerConfig
-from hiradix.peer.membership import JoinError, Membership, NodeInfo
+from hiradix.peer.membership import JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.fake import FakeClock
 
 PAGE = 4096
@@ -138,6 +142,100 @@ def test_membership_changes_are_logged_one_line_each(caplog: pytest.LogCaptureFi
     assert set(h.members()) == {"h", "a"}
 
 
+def test_a_master_that_never_answers_does_not_delay_the_heartbeats_to_the_others() -> None:
+    """The head is a listener that accepts connections and never says a word (a stopped
+    process). Each round ``z`` heartbeats it and the live master ``m``: every tick returns
+    while the call to the head still hangs, with ``m`` answered, so ``z`` stays live at ``m``
+    round after round, and the head gets one call in flight, not one per round. (The masters
+    used to be called one after another, head first: each round waited out the head's whole
+    RPC timeout, longer than the TTL, before ``m`` heard from ``z``.)"""
+    clock = FakeClock()
+    with socket.create_server(("127.0.0.1", 0)) as silent, RpcClient(secrets.token_hex(16), timeout=5.0) as client:
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        nodes: dict[str, Membership] = {}
+        state = threading.Condition()
+        hanging, sent = [0], [0]
+
+        def call(addr: str, method: str, args: list[Any]) -> Any:
+            if addr != hung:
+                return nodes[addr].handle(method, args)
+            with state:
+                hanging[0] += 1
+                sent[0] += 1
+            try:
+                return client.call(addr, method, *args)
+            finally:
+                with state:
+                    hanging[0] -= 1
+                    state.notify_all()
+
+        for name in ("m", "z"):
+            me = NodeInfo(name, name, f"data-{name}")
+            nodes[name] = Membership(me, call, head=hung, max_masters=2, ttl=3.0, clock=clock, heartbeat_timeout=0.05)
+            nodes[name].handle("disc_join", [NodeInfo("h", hung, "data-h").to_wire()])
+        m, z = nodes["m"], nodes["z"]
+        m.handle("disc_join", [z.me.to_wire()])
+        z.handle("disc_join", [m.me.to_wire()])
+        assert z.masters() == ("h", "m") and set(m.members()) == set(z.members()) == {"h", "m", "z"}
+        for _ in range(3):  # within the TTL of the head's last sign of life
+            clock.advance(1.0)
+            z.tick()
+            with state:
+                assert hanging[0] >= 1, "the tick waited for the silent master"
+            m.tick()
+            assert set(m.members()) == {"h", "m", "z"} and not z.frozen
+        assert sent[0] == 2  # one call each from z and m, still in flight
+        for _ in range(2):  # the head expires everywhere; z and m never do
+            clock.advance(1.0)
+            z.tick()
+            m.tick()
+        assert set(m.members()) == set(z.members()) == {"m", "z"} and z.masters() == ("m", "z")
+        assert z.heartbeat_failures == 0  # the calls to the head have not even timed out yet
+    with state:  # the listener is closed: its queued connections are reset, the calls end
+        assert state.wait_for(lambda: hanging[0] == 0, timeout=30)
+
+
+def test_a_silent_peer_is_reported_as_a_timeout_and_a_wrong_token_as_a_refusal() -> None:
+    """A peer that accepts connections and never completes the handshake timed out (it
+    used to be reported as having refused the cluster token: the handshake's timeout is an
+    AuthError); a peer holding another token refused it."""
+    with (
+        socket.create_server(("127.0.0.1", 0)) as silent,
+        RpcServer(secrets.token_hex(16)) as foreign,
+        RpcClient(secrets.token_hex(16), timeout=0.3) as client,
+    ):
+        silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        for addr, refused, words in (
+            (silent_addr, False, f"RpcTimeout: {silent_addr} accepted the connection but did not complete"),
+            (foreign.address, True, "the cluster token was refused"),
+        ):
+            with pytest.raises(OSError) as info:
+                client.call(addr, "disc_view")
+            reason, auth = describe_failure(info.value)
+            assert auth is refused and reason.startswith(words), reason
+
+
+def test_join_through_a_silent_seed_retries_and_says_it_timed_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A seed that never completes the handshake is retried until the join timeout (a
+    refusal stops at once), then named as timed out, and never logged as a refusal."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        seed = f"127.0.0.1:{silent.getsockname()[1]}"
+        cfg = PeerConfig(
+            metrics_enabled=False,
+            cluster_token=secrets.token_hex(16),
+            join_timeout_s=0.6,
+            rpc_timeout_s=0.15,
+            connect_timeout_s=0.15,
+        )
+        caplog.set_level(logging.WARNING)
+        t0 = time.monotonic()
+        with pytest.raises(JoinError, match=f"{seed}: RpcTimeout: .*did not complete the handshake") as info:
+            PeerNode(cfg, seeds=[seed], heartbeat_s=0.1)
+        assert time.monotonic() - t0 >= cfg.join_timeout_s  # it kept trying
+        assert "refused" not in str(info.value)
+        assert not [r for r in caplog.records if "refused" in r.getMessage()]
+
+
 # ---------------------------------------------------------------------- nodes over real RPC
 def test_join_fails_clearly_when_no_seed_answers() -> None:
     dead = f"127.0.0.1:{free_port()}"
@@ -215,3 +313,70 @@ def test_a_node_restarted_on_its_address_replaces_its_earlier_run() -> None:
             mine = [e for e in n.shard.snapshot().values() if e.node == new.node_id]
             assert all(e.incarnation == new.incarnation for e in mine)
         assert not any(a.read_into(gone, [memoryview(bytearray(PAGE)) for _ in gone]))
+
+
+def _ready_endpoint(node: PeerNode) -> int:
+    assert node.metrics_server is not None
+    try:
+        with urllib.request.urlopen(node.metrics_server.url + "/ready", timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_a_restarted_head_is_ready_only_with_the_cluster_back_in_its_view() -> None:
+    """A head started alone waits out the members' probe period before it calls itself a
+    new cluster. Restarted (with no seeds) after the others expired it, it is not ready
+    (status, ``/ready``) until the members are back in its view and it holds its share:
+    whenever it says ready, it lists every member and reads every page through its
+    directory. (It used to be ready at once, alone, so reads through it missed.)"""
+    clock = FakeClock()
+    base = dict(metrics_enabled=False, cluster_token=secrets.token_hex(16), pool_size=64 * (PAGE + 64))
+
+    def node(**cfg: Any) -> PeerNode:
+        n = PeerNode(PeerConfig(**dict(base, **cfg)), start=False, heartbeat_s=1.0, clock=clock)
+        n.join()
+        return n
+
+    def rounds(n: int = 1) -> None:
+        for _ in range(n):
+            clock.advance(1.0)
+            for x in nodes:
+                if not x._closed:
+                    x.tick()
+                    x.probe()
+
+    head = node()
+    nodes = [head]
+    try:
+        assert not head.is_ready()  # alone: maybe a restart the members have not found yet
+        rounds(7)
+        assert head.is_ready()  # nobody came within the probe period: a new cluster
+        nodes += [node(discovery_addr=head.address) for _ in range(2)]
+        rounds(2)
+        assert all(n.is_ready() for n in nodes)
+        producer = nodes[2]
+        keys = [key(i, "head") for i in range(60)]
+        assert all(producer.publish_many(keys, [page(i) for i in range(60)]))
+        port = int(head.address.rsplit(":", 1)[1])
+        head.close(leave=False)  # as kill -9
+        rounds(5)
+        assert all(head.node_id not in n.membership.members() for n in nodes[1:])
+        new = node(rpc_port=port, metrics_enabled=True, metrics_port=0)  # the same command: no seeds
+        nodes[0] = new
+        assert new.node_id == head.node_id and list(new.membership.members()) == [new.node_id]
+        assert not new.is_ready() and new.status()["ready"] is False and _ready_endpoint(new) == 503
+        ids = {n.node_id for n in nodes}
+        for _ in range(7):
+            rounds()
+            if new.is_ready():
+                break
+            assert new.status()["ready"] is False and _ready_endpoint(new) == 503
+        assert new.is_ready() and new.status()["ready"] is True and _ready_endpoint(new) == 200
+        assert set(new.membership.members()) == ids
+        bufs = [bytearray(PAGE) for _ in keys]
+        assert all(new.read_into(keys, [memoryview(b) for b in bufs]))
+        assert [bytes(b) for b in bufs] == [page(i) for i in range(60)]
+    finally:
+        for n in nodes:
+            n.close(leave=False)

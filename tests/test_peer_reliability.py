@@ -8,12 +8,14 @@ import errno
 import hashlib
 import socket
 import threading
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import InProcessCluster, PeerNode, PortInUseError
@@ -322,6 +324,36 @@ def test_failing_background_tasks_are_counted_and_the_executor_goes_on(caplog: p
         assert node.drain_background(20) and ran.is_set()
         assert node.status()["background_errors"] == {"promote": 3}
         assert _tracebacks(caplog, "promote") == 1
+
+
+def test_background_errors_are_a_prometheus_counter() -> None:
+    """Every background failure counted in ``status()["background_errors"]`` is also
+    ``hiradix_peer_background_errors_total{kind}`` on the node's metrics endpoint."""
+    with InProcessCluster(1, transport="fake", pool_size=1 << 20, metrics_enabled=True, metrics_port=0) as c:
+        node = c.nodes[0]
+        assert node.metrics_server is not None
+        url = node.metrics_server.url + "/metrics"
+
+        def boom() -> None:
+            raise ValueError("injected background failure")
+
+        def scrape() -> dict[str, float]:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            return {
+                s.labels["kind"]: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "hiradix_peer_background_errors_total"
+            }
+
+        assert scrape() == {}
+        for _ in range(3):
+            node._background("promote", boom)
+        assert node.drain_background(20)
+        node._guard("heartbeat", boom)
+        assert node.status()["background_errors"] == {"promote": 3, "heartbeat": 1}
+        assert scrape() == {"promote": 3.0, "heartbeat": 1.0}
 
 
 def test_a_member_back_after_its_expiry_is_readable_again() -> None:

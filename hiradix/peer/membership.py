@@ -15,6 +15,13 @@ its last direct heartbeat at the sender, and a receiver keeps ``max(own, now - a
 therefore never make a member younger than its last real heartbeat, so a dead node cannot be
 kept alive by views circulating between masters, and no two clocks are ever compared.
 
+The heartbeats of one tick go out side by side, one thread per master, and the tick waits
+for their answers ``heartbeat_timeout`` seconds at most (a quarter of the TTL by default). So
+a master that accepts connections and never answers (a stopped process) delays the
+heartbeats to the others by nothing, and the tick by that bound: it cannot make this node
+miss its TTL at the masters that still run. Until its call ends (by the RPC timeout), such a
+master is skipped, so a hung master holds at most one thread.
+
 When a tick reaches no master at all the table is frozen (nothing expires): a master outage
 never shrinks the ring under established readers and writers; they keep the cached view.
 
@@ -50,6 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,16 +116,24 @@ class JoinError(ConnectionError):
 def describe_failure(exc: BaseException) -> tuple[str, bool]:
     """A one-line reason for a failed call to a peer, and whether the peer refused this
     node's cluster token (the RPC client wraps the handshake's :class:`AuthError`, which
-    stays in the exception's context).
+    stays in the exception's context). A timeout is never a refusal, not even one in the
+    handshake (:class:`~hiradix.transport.auth.HandshakeTimeout` is an ``AuthError``): a
+    peer that accepts connections and then says nothing (a stopped process) is
+    unreachable, and joining keeps retrying it. Runtime complexity: ``O(chain length)``.
 
     >>> describe_failure(ConnectionRefusedError("refused"))
     ('ConnectionRefusedError: refused', False)
     >>> describe_failure(AuthError("server refused the cluster token"))[1]
     True
+    >>> from hiradix.transport.auth import HandshakeTimeout
+    >>> describe_failure(HandshakeTimeout("handshake timed out"))
+    ('HandshakeTimeout: handshake timed out', False)
     """
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
+        if isinstance(e, TimeoutError):  # checked first: HandshakeTimeout is both
+            break
         if isinstance(e, AuthError):
             return f"the cluster token was refused ({exc})", True
         seen.add(id(e))
@@ -181,6 +197,9 @@ class Membership:
     forget_after:
         Seconds of continuous failure after which a remembered address (not a seed) is
         forgotten.
+    heartbeat_timeout:
+        Real seconds a :meth:`tick` waits for the masters' answers (default ``ttl / 4``);
+        a heartbeat still in flight then counts as not answered this round.
     """
 
     def __init__(
@@ -197,11 +216,14 @@ class Membership:
         probe_call: CallFn | None = None,
         backoff: tuple[float, float] = (1.0, 5.0),
         forget_after: float = 3600.0,
+        heartbeat_timeout: float | None = None,
     ) -> None:
         if max_masters < 1:
             raise ValueError(f"max_masters must be >= 1, got {max_masters}")
         if not ttl > 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
+        if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         if not 0 < backoff[0] <= backoff[1]:
             raise ValueError(f"backoff must be (first, most) with 0 < first <= most, got {backoff}")
         self.me = me
@@ -215,6 +237,7 @@ class Membership:
         self.on_change = on_change
         self.backoff = (float(backoff[0]), float(backoff[1]))
         self.forget_after = float(forget_after)
+        self.heartbeat_timeout = float(heartbeat_timeout) if heartbeat_timeout is not None else self.ttl / 4
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
         self._probe_lock = threading.Lock()
@@ -225,7 +248,11 @@ class Membership:
         self._departed: dict[str, str] = {}  # node id -> why it left the table, until logged
         self.version = 0  # bumped on every change of the live set
         self.frozen = False  # the last tick reached no master: table kept as cached
-        self.heartbeat_failures = 0
+        self.heartbeat_failures = 0  # heartbeats that raised (late ones included)
+        self._in_flight: set[str] = set()  # masters whose last heartbeat has not ended yet
+        #: Answers to this node's ``disc_join`` and ``disc_heartbeat`` calls: each one is a
+        #: peer that recorded this node and sent it the members it knows (a view).
+        self.acknowledgements = 0
         #: RPC address -> why the last ``disc_join`` sent there failed (cleared on success).
         self.join_failures: dict[str, tuple[str, bool]] = {}
 
@@ -363,17 +390,15 @@ class Membership:
 
     # ------------------------------------------------------------------ client side
     def join(self) -> bool:
-        """Announce this node to the first live master among the head, the seeds and the
-        masters already known; merge its view. ``True`` when one answered, or when there is
-        nobody to ask (a head started alone). Why each address failed is kept in
-        :attr:`join_failures`. Runtime complexity: one RPC per address tried.
+        """Announce this node to the first live peer among the head, the seeds, the masters
+        already known and then the other members known; merge its view. ``True`` when one
+        answered, or when there is nobody to ask (a head started alone). Why each address
+        failed is kept in :attr:`join_failures`. Runtime complexity: one RPC per address
+        tried.
         """
         with self._lock:
-            known = [
-                self._live[m].rpc
-                for m in compute_masters(self._live.values(), self.head, self.max_masters)
-                if m != self.me.node_id
-            ]
+            order = compute_masters(self._live.values(), self.head, len(self._live))  # masters first
+            known = [self._live[m].rpc for m in order if m != self.me.node_id]
         targets = list(dict.fromkeys([*self.seeds, *known]))
         if not targets:
             return True
@@ -406,6 +431,8 @@ class Membership:
             if r is not None:
                 r.failing_since, r.backoff = None, self.backoff[0]
         self._changed(self._recompute(expire=False))
+        with self._lock:  # after on_change: the answer acknowledges the merge it brought
+            self.acknowledgements += 1
         return True
 
     def probe(self) -> int:
@@ -432,32 +459,60 @@ class Membership:
             return sum(self._announce(addr, self._probe_call) for addr in due)
 
     def tick(self) -> bool:
-        """One heartbeat round: heartbeat every active master (merging its view), expire
-        members unheard of for ``ttl`` unless no master answered, recompute the live set.
-        Returns whether the live set changed. Runtime complexity: one RPC per master.
+        """One heartbeat round: heartbeat every active master side by side (merging each
+        answer's view), wait ``heartbeat_timeout`` seconds at most for them, expire members
+        unheard of for ``ttl`` unless no master answered, recompute the live set. A master
+        whose previous heartbeat is still in flight is not sent another. Returns whether
+        the live set changed. Runtime complexity: one RPC and one thread per master; the
+        round takes ``heartbeat_timeout`` at most (plus ``on_change``).
         """
         with self._tick_lock:
             masters = self.masters()
             others = [m for m in masters if m != self.me.node_id]
-            reached = self.me.node_id in masters
+            pending: list[Future[bool]] = []
             for nid in others:
                 info = self.info(nid)
                 if info is None:
                     continue
-                try:
-                    self._merge(self._call(info.rpc, "disc_heartbeat", [self.me.to_wire()]))
-                    reached = True
-                except Exception as exc:  # a dead master expires like any member
-                    self.heartbeat_failures += 1
-                    reason, auth = describe_failure(exc)
-                    level = logging.WARNING if auth else logging.DEBUG
-                    log.log(level, "%s: heartbeat to %s failed: %s", self.me.node_id, nid, reason)
-            if not others and not reached:
-                reached = True
+                with self._lock:
+                    if nid in self._in_flight:
+                        log.debug("%s: heartbeat to %s still in flight, skipped", self.me.node_id, nid)
+                        continue
+                    self._in_flight.add(nid)
+                pending.append(self._heartbeat_async(nid, info))
+            done, _ = wait(pending, timeout=self.heartbeat_timeout)
+            # A master's own table is fresh (it is heartbeated), and so is a lone node's.
+            reached = self.me.node_id in masters or not others or any(f.result() for f in done)
             self.frozen = not reached
             change = self._recompute(expire=reached)
         self._changed(change)
         return change is not None
+
+    def _heartbeat_async(self, nid: str, info: NodeInfo) -> Future[bool]:
+        """Heartbeat master ``nid`` on a thread of its own; the future says whether it
+        answered. Its in-flight mark is cleared before the future is done."""
+        fut: Future[bool] = Future()
+
+        def run() -> None:
+            ok = False
+            try:
+                self._merge(self._call(info.rpc, "disc_heartbeat", [self.me.to_wire()]))
+                with self._lock:
+                    self.acknowledgements += 1
+                ok = True
+            except Exception as exc:  # a dead master expires like any member
+                reason, auth = describe_failure(exc)
+                with self._lock:
+                    self.heartbeat_failures += 1
+                level = logging.WARNING if auth else logging.DEBUG
+                log.log(level, "%s: heartbeat to %s failed: %s", self.me.node_id, nid, reason)
+            finally:
+                with self._lock:
+                    self._in_flight.discard(nid)
+                fut.set_result(ok)
+
+        threading.Thread(target=run, name=f"heartbeat-{self.me.node_id}-{nid}", daemon=True).start()
+        return fut
 
     def leave(self) -> None:
         """Tell the active masters this node is going (best effort)."""

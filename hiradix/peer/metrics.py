@@ -10,7 +10,9 @@ Exposed (prefix ``hiradix_peer_``):
   ``disk_capacity_bytes``, ``disk_keys``: gauges read at scrape time from bound callables;
 - ``read_requests_total``, ``read_hits_total``, ``read_bytes_total``,
   ``write_requests_total``, ``write_bytes_total``, ``evictions_total{tier}``,
-  ``promotes_total``: counters (use ``rate()`` for windows);
+  ``promotes_total``, ``background_errors_total{kind}`` (background work that raised:
+  heartbeat or probe rounds, re-publishes, hand-offs, warm-ups, disk callbacks; the node's
+  ``status()["background_errors"]``): counters (use ``rate()`` for windows);
 - ``read_hit_rate``: hits / requests since start;
 - ``op_latency_seconds{op, quantile}``: a summary with ``p50/p90/p99`` over a bounded
   reservoir of the most recent observations, plus ``_sum`` and ``_count`` over all of them;
@@ -200,6 +202,9 @@ class PeerMetrics:
         self.write_bytes = counter("write_bytes", "Bytes of pages written.")
         self.evictions = counter("evictions", "Pages evicted, by tier.", ("tier",))
         self.promotes = counter("promotes", "Pages promoted from disk into the pool.")
+        self.background_errors = counter(
+            "background_errors", "Background work that raised (it is logged and goes on), by kind.", ("kind",)
+        )
         self._tiers: dict[str, TierStats] = {}
         for tier in ("pool", "disk"):
             for i, (what, doc) in enumerate(
@@ -297,6 +302,11 @@ class PeerMetrics:
     def record_promote(self, n: int = 1) -> None:
         """``n`` pages promoted from disk. Runtime complexity: ``O(1)``."""
         self.promotes.inc(n)
+
+    def record_background_error(self, kind: str) -> None:
+        """One failure of background work of ``kind`` (``"heartbeat"``, ``"republish"``,
+        ...). Runtime complexity: ``O(1)``."""
+        self.background_errors.labels(kind=kind).inc()
 
     def hit_rate(self) -> float:
         """Read hits over read requests since start (0 before the first read)."""

@@ -23,9 +23,12 @@ Lifecycle. A node started with seeds (``discovery_addr`` or ``seeds``) that is n
 head must join: :meth:`PeerNode.start` retries its seeds until ``join_timeout_s`` and raises
 :class:`~hiradix.peer.membership.JoinError` if none answered (at once if every seed refused
 the cluster token), unless ``allow_alone``, which starts it alone with a WARNING. Once in a
-cluster the node pulls its share of the directory from every member (``dir_handoff``: each
-producer sends the entries of its pages that this node owns); :meth:`PeerNode.is_ready` is
-true from then on, and false again while a node that was alone merges into a cluster.
+cluster, once a member has answered it with the members it knows, the node pulls its share
+of the directory from every member (``dir_handoff``: each producer sends the entries of its
+pages that this node owns); :meth:`PeerNode.is_ready` is true from then on, and false again
+while a node that was alone merges into a cluster. The head (nobody to join) is not ready
+alone until the members' probe period has passed without anyone reaching it: restarted, it
+cannot tell a new cluster from one whose members have not found it again yet.
 Every node has an incarnation (its start time in microseconds) carried in its membership
 record and its directory entries, so a node restarted on the same address replaces its
 earlier run everywhere.
@@ -476,14 +479,20 @@ class PeerNode:
         self._thread: threading.Thread | None = None
         self._prober: threading.Thread | None = None
         self._closed = False
-        # Readiness: the directory share this node owns is here. A node with nobody to join
-        # starts complete; one that must join is not ready until it has pulled its share.
-        # ``_sync_epoch`` counts the times it had to (re)start pulling, so a pull that ran
-        # across a newer such change does not mark the node ready.
+        # Readiness (see is_ready). ``_sync_epoch`` counts the times the node had to (re)start
+        # pulling its share, so a pull that ran across a newer such change does not mark it
+        # ready; ``_ack_mark`` is the membership's acknowledgement count at the latest one.
+        # A node with nobody to join may count itself a cluster of one only after
+        # ``_alone_until`` (its membership clock): by then every member that remembers its
+        # address has probed it (the members' probe backoff, plus a round each side).
         self._change_lock = threading.Lock()
         self._ring_members: dict[str, NodeInfo] = {self.node_id: me}
-        self._sync_epoch = 0 if self._alone_by_design() else 1
+        self._sync_epoch = 1
         self._synced_epoch = 0
+        self._ack_mark = 0
+        self._alone_until: float | None = None
+        if self._alone_by_design():
+            self._alone_until = self.membership.clock() + self.membership.backoff[1] + 2 * self.heartbeat_s
         self.metrics.bind_node(self.node_id, self.is_ready, lambda: sorted(self.membership.members()))
         if start:
             try:
@@ -607,7 +616,8 @@ class PeerNode:
     def _guard(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run as background work of ``kind``: an exception never kills the
         loop or worker that runs it, and never vanishes. It is counted in
-        :attr:`background_errors` (``status()["background_errors"]``) and logged: with its
+        :attr:`background_errors` (``status()["background_errors"]``, and the
+        ``hiradix_peer_background_errors_total{kind}`` counter) and logged: with its
         traceback the first time for each kind, in one line when the count reaches a power
         of two (a round failing every heartbeat does not flood the log). Returns ``fn``'s
         result, ``None`` when it raised. Runtime complexity: ``O(1)`` plus ``fn``."""
@@ -616,6 +626,7 @@ class PeerNode:
         except Exception as exc:
             with self._lock:
                 n = self.background_errors[kind] = self.background_errors.get(kind, 0) + 1
+            self.metrics.record_background_error(kind)
             if n == 1:
                 log.exception("%s: background %s failed (traceback logged once per kind)", self.node_id, kind)
             elif n & (n - 1) == 0:
@@ -623,10 +634,16 @@ class PeerNode:
             return None
 
     def is_ready(self) -> bool:
-        """Whether this node's view of the directory is complete: it is in its cluster (or
-        has nobody to join) and holds the entries of the keys it owns, pulled from every
-        member (``dir_handoff``) since it last joined. Until then reads through it may miss
-        pages the cluster has. Runtime complexity: ``O(1)``."""
+        """Whether this node's view of the directory is complete: since it last came into
+        its cluster (its start, or a merge after it was alone), a member acknowledged it
+        (answered its ``disc_join`` or ``disc_heartbeat``: that member recorded it and sent
+        it the members it knows), and it holds the entries of the keys it owns, pulled
+        (``dir_handoff``) from every member it knew after that answer. A node with nobody
+        to join (the head) is ready alone only once no member has reached it within the
+        members' probe period (``5 * heartbeat_s`` plus two rounds): a head restarted
+        without seeds is not ready before the members that remember it are back in its
+        view. Until then reads through it may miss pages the cluster has.
+        Runtime complexity: ``O(1)``."""
         with self._change_lock:
             return self._synced_epoch == self._sync_epoch
 
@@ -639,9 +656,24 @@ class PeerNode:
             epoch = self._sync_epoch
             if self._synced_epoch == epoch:
                 return True
+            mark = self._ack_mark
         members = self.membership.members()
-        if len(members) == 1 and not self._alone_by_design():
-            return False  # still alone: nothing to pull from yet
+        if len(members) == 1:
+            if self._alone_until is None or self.membership.clock() < self._alone_until:
+                return False  # still alone: nothing to pull from yet
+            with self._change_lock:
+                if self._sync_epoch == epoch:
+                    self._synced_epoch = epoch
+                    log.info("%s: ready: alone, no member came back (a new cluster)", self.node_id)
+                return self._synced_epoch == self._sync_epoch
+        if self.membership.acknowledgements <= mark:
+            # Nobody answered this node since it came into the cluster: it may know only the
+            # members that reached it (a restarted head learns of them one probe at a time).
+            # Ask one of them for the members it knows.
+            self.membership.join()
+            if self.membership.acknowledgements <= mark:
+                return False
+            members = self.membership.members()
         ids = sorted(members)
         complete = True
         pulled = 0
@@ -737,7 +769,9 @@ class PeerNode:
     def _apply_members_locked(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
         self._ring_members = new
         if len(old) == 1 and len(new) > 1:
-            self._sync_epoch += 1  # was alone, merged into a cluster: pull the share
+            # Was alone, merged into a cluster: learn its members, then pull the share.
+            self._sync_epoch += 1
+            self._ack_mark = self.membership.acknowledgements
         old_ring = self.directory.ring.copy()
         new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
         for gone in old.keys() - new.keys():

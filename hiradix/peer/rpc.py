@@ -49,7 +49,7 @@ from typing import Any
 
 import msgpack
 
-from hiradix.transport.auth import AuthError, load_token
+from hiradix.transport.auth import AuthError, HandshakeTimeout, load_token
 from hiradix.transport.base import ChannelPool, parse_peer
 from hiradix.transport.listener import (
     AuthListener,
@@ -669,7 +669,13 @@ class RpcClient:
         limit = self.timeout if timeout is None else timeout
         try:
             sock = dial(host, port, self._token, _AUTH_CONTEXT, limit)
-        except (TimeoutError, AuthError):
+        except HandshakeTimeout:  # before AuthError: silence is not a refusal
+            raise RpcTimeout(
+                f"{peer} accepted the connection but did not complete the handshake within {limit}s"
+            ) from None
+        except TimeoutError:
+            raise RpcTimeout(f"cannot connect to {peer} within {limit}s") from None
+        except AuthError:
             raise
         except OSError as e:
             raise RpcConnectionError(f"cannot connect to {peer}: {e}") from None
@@ -734,6 +740,8 @@ class RpcClient:
         while True:
             try:
                 conn = self._pool.lease(peer, max(deadline - time.monotonic(), 0.0))
+            except RpcTimeout:  # connecting or the handshake timed out (see _connect)
+                raise
             except TimeoutError:
                 raise RpcTimeout(f"no free connection to {peer} within {timeout}s") from None
             except AuthError as e:
