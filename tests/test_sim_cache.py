@@ -20,7 +20,6 @@ from hiradix.cache import HiRadixCache
 from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
 from hiradix.sim import MooncakeTrace, Replayer
 from hiradix.sim.generators import ChatWorkload
-from hiradix.sim.replay import InlineCopyEngine
 from hiradix.sim.report import PLOTS
 
 TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
@@ -114,25 +113,6 @@ def test_bad_options_are_rejected() -> None:
         Replayer(l3_backend="tape")
     with pytest.raises(ValueError, match="device_tokens"):
         Replayer(device_tokens=-1)
-
-
-def test_inline_copy_engine_finishes_on_submission() -> None:
-    import torch
-
-    from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
-
-    shape = MLAShape(2, 3, 1)
-    dev = DeviceKVPool(shape, size=8, page_size=2, dtype=torch.float32)
-    host = HostKVPool.for_device(dev, ratio=1.0, reserve_bytes=0)
-    dev.kv_buffer(1)[2:4] = 7.0
-    seen: list[tuple[str, list[int]]] = []
-    with InlineCopyEngine(on_copy=lambda kind, d: seen.append((kind, d.tolist()))) as engine:
-        assert engine.backup(dev, host, [2, 3], [0, 1]).done()
-        dev.kv_buffer(1).zero_()
-        handle = engine.load(host, dev, [0, 1], [4, 5])
-        assert handle.done() and handle.error is None
-    assert dev.kv_buffer(1)[4:6].sum().item() == 2 * 4 * 7.0  # 2 slots x (rank 3 + rope 1)
-    assert seen == [("backup", [2, 3]), ("load", [4, 5])]
 
 
 @needs_trace
