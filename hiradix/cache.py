@@ -111,9 +111,7 @@ class CacheObserver:
         """``node``'s device -> host copy was queued (it is locked on the device until
         :meth:`on_backup_finished`)."""
 
-    def on_backup_finished(
-        self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool
-    ) -> None:
+    def on_backup_finished(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool) -> None:
         """``node``'s backup was acknowledged: ``ok`` means it is now backed up (its device
         slots have a host copy); otherwise its host slots were freed and it is as before."""
 

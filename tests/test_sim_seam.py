@@ -121,9 +121,7 @@ class Recorder(CacheObserver):
     def on_backup_started(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         self.events.append(("backup_started", node, device_indices.tolist(), host_indices.tolist()))
 
-    def on_backup_finished(
-        self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool
-    ) -> None:
+    def on_backup_finished(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool) -> None:
         self.events.append(("backup_finished", node, device_indices.tolist(), host_indices.tolist(), ok))
 
     def on_load_started(self, node: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:

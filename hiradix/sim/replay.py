@@ -228,9 +228,7 @@ class _EvictionLedger(CacheObserver):
     def on_backup_started(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         self.backup_nodes += 1
 
-    def on_backup_finished(
-        self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool
-    ) -> None:
+    def on_backup_finished(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool) -> None:
         if ok:
             self.has_host[device_indices.numpy()] = True
 
@@ -272,7 +270,7 @@ class Replayer:
     device_tokens, host_tokens:
         Slots of the device and host pools (``None``: unbounded, i.e. as many as the
         workload's prompts hold when :meth:`replay` sees the whole workload first, else
-        2**24). Host ``0``: no host tier (and then no L3).
+        2**24). Host ``0``: no host tier (an L3 backend is then an error).
     eviction_policy, write_policy:
         Passed to the cache (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
     check_every:
@@ -282,7 +280,7 @@ class Replayer:
         ``None`` (no L3), ``"memory"`` (:class:`~hiradix.storage.memory.MemoryStorage`),
         ``"file"`` (:class:`~hiradix.storage.file.FileStorage` under ``l3_path``, a
         temporary folder by default), another registered backend name, or a backend
-        instance (``l3_tokens`` is then ignored).
+        instance (sized by itself: ``l3_tokens`` is then not used).
     l3_tokens:
         L3 capacity in tokens (``None``: unbounded); pages beyond it are evicted by the
         backend (least recently used).
@@ -322,6 +320,12 @@ class Replayer:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if device_tokens is not None and device_tokens < page_size:
             raise ValueError(f"device_tokens {device_tokens} holds no page of {page_size} tokens")
+        if l3_backend is not None and host_tokens == 0:
+            raise ValueError("an L3 tier needs a host tier (L3 pages are read into host memory): host_tokens is 0")
+        if l3_backend is None and (l3_tokens is not None or l3_path is not None):
+            raise ValueError("l3_tokens / l3_path without an l3_backend would be ignored")
+        if l3_path is not None and l3_backend != "file":
+            raise ValueError("l3_path is for the file backend")
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
         if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
@@ -368,7 +372,7 @@ class Replayer:
     @property
     def uses_l3(self) -> bool:
         """Whether the replay has an L3 tier (a backend and a host tier to land in)."""
-        return self.l3_backend is not None and self.host_tokens != 0
+        return self.l3_backend is not None
 
     def _build(self, unbounded: int) -> None:
         ps = self.page_size

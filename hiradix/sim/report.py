@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import hiradix
+from hiradix.sim.config import format_tokens
 from hiradix.sim.run import SimResult
 from hiradix.sim.timing import SCENARIOS
 
@@ -32,20 +33,6 @@ PLOTS = ("hit_rate", "ttft_cdf", "occupancy")
 """Names of the plots: ``{name}.png`` in :func:`write_plots`."""
 
 _MAX_POINTS = 4000  # points per plotted line; longer series are thinned evenly
-
-
-def format_tokens(n: int | None) -> str:
-    """Short form of a token count: ``2M``, ``1.5M``, ``500k``, ``inf`` for ``None``.
-
-    >>> format_tokens(1_500_000), format_tokens(500_000), format_tokens(None), format_tokens(12)
-    ('1.5M', '500k', 'inf', '12')
-    """
-    if n is None:
-        return "inf"
-    for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale:
-            return f"{n / scale:g}{suffix}"
-    return str(n)
 
 
 def format_bytes(n: float) -> str:
