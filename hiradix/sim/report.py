@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import hiradix
-from hiradix.sim.config import format_tokens
+from hiradix.sim.config import format_gib, format_tokens
 from hiradix.sim.run import SimResult
 from hiradix.sim.timing import SCENARIOS
 
@@ -45,6 +45,26 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {suffix}"
     return f"{n:.0f} B"
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 request``, ``2,000 requests``.
+
+    >>> plural(1, "request"), plural(2000, "request"), plural(0, "bad line")
+    ('1 request', '2,000 requests', '0 bad lines')
+    """
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def capacity(tokens: int | None, bytes_per_token: float) -> str:
+    """A capacity in tokens and GiB: ``422.3k tokens (51.5 GiB)``, ``inf``.
+
+    >>> capacity(2_000_000, 131072), capacity(None, 1)
+    ('2M tokens (244 GiB)', 'unbounded')
+    """
+    if tokens is None:
+        return "unbounded"
+    return f"{format_tokens(tokens)} tokens ({format_gib(tokens * bytes_per_token)})"
 
 
 def _ms(seconds: float) -> str:
@@ -114,18 +134,29 @@ def summary(result: SimResult) -> str:
         for hit, ideal in ((hit_tokens, stats.ideal_hit_tokens), (hit_blocks, stats.ideal_hit_blocks))
     ]
     wall = result.wall_s
+    rank_bytes = result.timing.timing.rank_bytes_per_token
+    hw = result.hardware
     lines = [
-        f"hiradix sim: {source_name(result)}, {stats.requests:,} requests"
-        + (f" ({result.bad_lines:,} bad lines skipped)" if result.bad_lines else "")
+        f"hiradix sim: {source_name(result)}, {plural(stats.requests, 'request')}"
+        + (f" ({plural(result.bad_lines, 'bad line')} skipped)" if result.bad_lines else "")
         + f", {result.implementation} tree",
-        f"  page {cfg['page_size']} tokens, device {format_tokens(cfg['device_tokens'])} tokens, "
-        f"host {format_tokens(cfg['host_tokens'])} tokens, {cfg['eviction_policy']}, {cfg['write_policy']}",
+        f"  page {cfg['page_size']} tokens, device {capacity(cfg['device_tokens'], rank_bytes)} per GPU, "
+        f"host {capacity(cfg['host_tokens'], rank_bytes)} per GPU, {cfg['eviction_policy']}, {cfg['write_policy']}",
         (
-            f"  L3 {cfg['l3_backend']} {format_tokens(cfg.get('l3_tokens'))} tokens, "
+            f"  L3 {cfg['l3_backend']} {capacity(cfg.get('l3_tokens'), result.timing.timing.moved_bytes_per_token)}, "
             f"prefetch {cfg.get('prefetch_policy')}{'' if cfg.get('prefetch_wait', True) else ' (no wait)'}"
             if cfg.get("l3_backend")
             else "  no L3 tier"
         ),
+    ]
+    if hw:
+        lines.append(
+            f"  GPU           {hw['gpu']} {hw['gpu_memory_gib']:.0f} GiB, mem_fraction_static "
+            f"{hw['mem_fraction_static']:g}, weights {hw['weights_gib_per_gpu']:.3g} GiB per GPU: KV room "
+            f"{capacity(hw['device_fit_tokens'], rank_bytes)}"
+        )
+    lines += [*(f"  warning       {w}" for w in result.warnings)]
+    lines += [
         "",
         f"  {'':<18}{'tokens':>15}{'rate':>9}{'blocks':>11}{'rate':>9}",
         row("device hit", stats.device_hit_tokens, pct(rates["device_token_hit_rate"]),
@@ -148,7 +179,7 @@ def summary(result: SimResult) -> str:
     ]  # fmt: skip
     if stats.write_back_failed_tokens:
         lines.append(f"  write-back    {stats.write_back_failed_tokens:,} victim tokens found no host room")
-    lines.append(f"  too large     {stats.too_large_requests:,} requests did not fit on the device")
+    lines.append(f"  too large     {plural(stats.too_large_requests, 'request')} did not fit on the device")
     lines += ["", *_timing_lines(result), ""]
     lines.append(
         f"  time          {wall:.1f} s, {stats.requests / wall if wall else 0:,.0f} requests/s, "
