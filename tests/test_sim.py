@@ -25,7 +25,6 @@ from support import require_core
 import hiradix
 from hiradix import _reference
 from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
-from hiradix.sim.config import Size
 from hiradix.sim import (
     BLOCK_TOKENS,
     MAX_BLOCK_ID,
@@ -34,6 +33,7 @@ from hiradix.sim import (
     TraceError,
     TraceRequest,
 )
+from hiradix.sim.config import Size
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
@@ -350,7 +350,7 @@ def test_cli_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     path = tmp_path / "trace.jsonl"
     path.write_text(f"{GOOD}\n{BAD_LINES['invalid JSON']}\n{GOOD}\n")
     assert main(["sim", "--trace", str(path), "--skip-bad-lines", "--no-progress"]) == 0
-    assert "2 requests (1 bad lines skipped)" in capsys.readouterr().out
+    assert "2 requests (1 bad line skipped)" in capsys.readouterr().out
 
 
 @needs_trace
