@@ -21,6 +21,8 @@ thin: ``match_prefix``, ``insert``, ``cache_finished_req`` / ``cache_unfinished_
   the controller's :class:`~hiradix.distributed.RankAgreement` before the tree changes,
   so the ranks' trees stay identical and they make the same collectives.
 - ``evict`` returns the number of device tokens freed.
+- Observers (:class:`CacheObserver`, :meth:`HiRadixCache.add_observer`) are told of every
+  backup, load and device free as it happens: a simulator counts them without patching.
 
 Single-threaded, like the scheduler that drives it; the copies run on the controller's
 engines.
@@ -45,7 +47,7 @@ from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend
 from hiradix.storage.keys import KeyNamespace, storage_keys
 
-__all__ = ["CacheMatchResult", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
+__all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -78,6 +80,52 @@ class DeviceAllocator(Protocol):
     def available_size(self) -> int: ...
 
     def clear(self) -> None: ...
+
+
+def _long(indices: Any) -> torch.Tensor:
+    """Indices as an int64 CPU tensor (what observers are given)."""
+    if isinstance(indices, torch.Tensor):
+        return indices.to(dtype=torch.int64, device="cpu")
+    return torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+
+
+class CacheObserver:
+    """What a :class:`HiRadixCache` does to its tiers, told as it happens.
+
+    Subclass it, override the events you need (the defaults do nothing) and register the
+    instance with :meth:`HiRadixCache.add_observer`. Indices are 1-D int64 tensors, on the
+    CPU except in :meth:`on_device_freed` (on the device pool's device). Observers run
+    inside the cache's operations, on the caller's thread: they must be quick and must
+    not call back into the cache. An exception from an observer propagates to the
+    cache's caller (it is a bug in the observer, not a cache condition).
+
+    Every device slot the cache frees goes through :meth:`on_device_freed`, except that
+    :meth:`HiRadixCache.reset` empties the pools without events. A node's backup is
+    :meth:`on_backup_started` when its copy is queued and :meth:`on_backup_finished` when
+    every rank acknowledged it; loads likewise. With these a simulator can tell, per
+    device slot, whether its KV has a host copy when it is evicted
+    (:class:`hiradix.sim.replay.Replayer` does).
+    """
+
+    def on_backup_started(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """``node``'s device -> host copy was queued (it is locked on the device until
+        :meth:`on_backup_finished`)."""
+
+    def on_backup_finished(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool) -> None:
+        """``node``'s backup was acknowledged: ``ok`` means it is now backed up (its device
+        slots have a host copy); otherwise its host slots were freed and it is as before."""
+
+    def on_load_started(self, node: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """``node``'s evicted chain is being loaded back into ``device_indices``."""
+
+    def on_load_finished(self, node: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """``node``'s load landed and was acknowledged: its device slots hold the KV of
+        its host copy (a failed load is copied again before this is told)."""
+
+    def on_device_freed(self, indices: torch.Tensor, evicted: bool) -> None:
+        """Device slots went back to the allocator. ``evicted``: freed by
+        :meth:`HiRadixCache.evict` (demoted, with a host copy kept, or deleted); otherwise
+        a request's duplicate or unaligned slots, or an allocation given back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +283,22 @@ class HiRadixCache:
         self.ongoing_backup: list[BackupOperation] = []
         self.prefetch_loaded_tokens_by_reqid: dict[Any, int] = {}
         self._release_queue: list[tuple[PrefetchOperation, torch.Tensor]] = []
+        self._observers: list[CacheObserver] = []
         if storage is not None:
             ok, msg = self.attach_storage_backend(storage, prefetch=prefetch, inline=l3_inline)
             assert ok, msg
+
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: CacheObserver) -> None:
+        """Tell ``observer`` of every later backup, load and device free (see
+        :class:`CacheObserver`). ``O(1)``."""
+        if not isinstance(observer, CacheObserver):
+            raise TypeError(f"observer must be a CacheObserver, got {type(observer).__name__}")
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: CacheObserver) -> None:
+        """Stop telling ``observer``; ``ValueError`` if it was not added. ``O(observers)``."""
+        self._observers.remove(observer)
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -352,6 +413,8 @@ class HiRadixCache:
                 ctrl.write(device, host, node)
                 self.ongoing_write_through[node] = host
                 started += size
+                for obs in self._observers:
+                    obs.on_backup_started(node, _long(device), _long(host))
             else:
                 if host is not None:
                     self.host_pool.free(host)
@@ -368,13 +431,16 @@ class HiRadixCache:
         for ack, ok in self.cache_controller.ack_writes(wait_all=write_back):
             for op in ack.ops:
                 host = self.ongoing_write_through.pop(op.node)
-                if self.tree.commit_backup(op.node, ok):
+                committed = self.tree.commit_backup(op.node, ok)
+                if committed:
                     self.stats["backup_done_tokens"] += len(host)
                     if self.l3 is not None:
                         self.write_backup_storage(op.node)
                 else:
                     self.host_pool.free(host)
                     self.stats["backup_failed_tokens"] += len(host)
+                for obs in self._observers:
+                    obs.on_backup_finished(op.node, op.device_indices, op.host_indices, committed)
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def _device_ancestor(self, node: int) -> int:
@@ -406,6 +472,8 @@ class HiRadixCache:
         self.cache_controller.load(host, device, node)
         self.ongoing_load_back[node] = device
         self.stats["load_back_tokens"] += n
+        for obs in self._observers:
+            obs.on_load_started(node, _long(host), _long(device))
         return device
 
     def init_load_back(
@@ -442,6 +510,8 @@ class HiRadixCache:
             for op in ack.ops:
                 self.ongoing_load_back.pop(op.node)
                 self.tree.finish_load_back(op.node)
+                for obs in self._observers:
+                    obs.on_load_finished(op.node, op.host_indices, op.device_indices)
 
     def check_hicache_events(self) -> None:
         """One scheduler step's bookkeeping: acknowledge finished backups (to host and to
@@ -658,13 +728,15 @@ class HiRadixCache:
         del self.ongoing_backup[:n]
 
     # ------------------------------------------------------------------ eviction
-    def _free_device(self, indices: Any) -> None:
+    def _free_device(self, indices: Any, evicted: bool = False) -> None:
         if len(indices):
             # The tree hands out numpy arrays; an engine's allocator (SGLang's) takes tensors
             # on its own device.
             if not isinstance(indices, torch.Tensor):
                 indices = torch.from_numpy(np.ascontiguousarray(indices)).to(self.device_pool.device)
             self.device_allocator.free(indices)
+            for obs in self._observers:
+                obs.on_device_freed(indices, evicted)
 
     def alloc_device(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a page multiple), evicting as needed; ``None`` if they cannot
@@ -678,7 +750,7 @@ class HiRadixCache:
         slots = self.device_allocator.alloc(n) if n <= self.device_allocator.available_size() else None
         if not self.agreement.all_true([slots is not None])[0]:
             if slots is not None:
-                self.device_allocator.free(slots)
+                self._free_device(slots)
             return None
         return slots
 
@@ -707,7 +779,7 @@ class HiRadixCache:
         tree = self.tree
         result = tree.evict(num_tokens)
         freed = len(result.device_indices)
-        self._free_device(result.device_indices)
+        self._free_device(result.device_indices, evicted=True)
         if not result.write_back_nodes:
             return freed, False
         if result.backup_nodes:
@@ -720,7 +792,7 @@ class HiRadixCache:
                 slots = tree.drop(node)
                 self.stats["write_back_dropped_tokens"] += len(slots)
             freed += len(slots)
-            self._free_device(slots)
+            self._free_device(slots, evicted=True)
         return freed, True
 
     def evict_host(self, num_tokens: int) -> int:

@@ -16,10 +16,11 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-from decimal import Decimal, InvalidOperation
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,41 +29,25 @@ from hiradix.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
+from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
-from hiradix.sim.report import format_tokens, render_plots, summary, to_json, write_html, write_plots
+from hiradix.sim.report import render_plots, summary, to_json, write_html, write_plots
 from hiradix.sim.run import simulate
-from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
+from hiradix.sim.timing import DTYPE_BYTES, MODELS, Link
 
-__all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "format_tokens", "main", "parse_tokens"]
+__all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "main"]
 
 # ``../shared/traces/`` next to the repository root (the project's data folder).
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
 TRACE_ENV = "HIRADIX_TRACE"
 
-_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
-
-def parse_tokens(text: str) -> int | None:
-    """A token count such as ``2000000``, ``2M``, ``1.5m``, ``500k`` or ``2_000_000``
-    (decimal suffixes), or ``inf`` for unbounded (``None``).
-
-    >>> parse_tokens("1.5M"), parse_tokens("500k"), parse_tokens("inf")
-    (1500000, 500000, None)
-    """
-    spec = text.strip().lower().replace("_", "")
-    if spec in ("inf", "unbounded"):
-        return None
-    multiplier = _SUFFIXES.get(spec[-1:], 1)
-    digits = spec[:-1] if multiplier > 1 else spec
+def _size(text: str) -> Size:
+    """argparse type: a :class:`~hiradix.sim.config.Size` (tokens, bytes, inf or auto)."""
     try:
-        value = Decimal(digits) * multiplier
-    except InvalidOperation:
-        value = Decimal("NaN")
-    if not value.is_finite() or value < 0 or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(
-            f"invalid token count {text!r}: use a whole number such as 2000000, 2M, 500k, or inf"
-        )
-    return int(value)
+        return Size.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _list_of(parse: Any, choices: Any = None) -> Any:
@@ -154,7 +139,7 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-DEFAULT_L3_TOKENS = 32_000_000
+_DEFAULTS = SimConfig()
 
 
 def _add_l3_options(parser: argparse.ArgumentParser) -> None:
@@ -162,16 +147,17 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--l3-backend",
         choices=["memory", "file", "none"],
-        default="memory",
         metavar="NAME",
-        help="L3 backend: memory (in-process pages, LRU), file (segment files under --l3-path), none (default: memory)",
+        help="L3 backend: memory (in-process pages, LRU), file (segment files under --l3-path), none "
+        f"(default: {_DEFAULTS.l3_backend})",
     )
     group.add_argument(
         "--l3-tokens",
+        "--l3",
+        dest="l3_tokens",
         metavar="SIZE",
-        type=parse_tokens,
-        default=DEFAULT_L3_TOKENS,
-        help="L3 capacity in tokens, 'inf' for unbounded (default: 32M)",
+        type=_size,
+        help="L3 capacity, all ranks together: tokens (32M), bytes (4TiB) or inf (default: 32M tokens)",
     )
     group.add_argument(
         "--l3-path", metavar="DIR", help="folder of the file backend (default: a temporary folder, removed after)"
@@ -179,16 +165,15 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prefetch-policy",
         choices=list(PREFETCH_POLICIES),
-        default="best_effort",
         metavar="NAME",
-        help=f"when a request stops waiting for its L3 prefetch: {', '.join(PREFETCH_POLICIES)} (default: best_effort)",
+        help=f"when a request stops waiting for its L3 prefetch: {', '.join(PREFETCH_POLICIES)} "
+        f"(default: {_DEFAULTS.prefetch_policy})",
     )
     group.add_argument(
         "--prefetch-threshold",
         metavar="TOKENS",
         type=_count("prefetch threshold", 0),
-        default=256,
-        help="fewest missed tokens worth an L3 prefetch (default: 256)",
+        help=f"fewest missed tokens worth an L3 prefetch (default: {_DEFAULTS.prefetch_threshold})",
     )
     group.add_argument(
         "--no-prefetch-wait",
@@ -198,21 +183,6 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
             "prefetch with whatever landed so far, and results depend on thread timing"
         ),
     )
-
-
-def _l3_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The replayer keywords of the L3 options."""
-    backend = None if args.l3_backend == "none" else args.l3_backend
-    if args.l3_path is not None and backend != "file":
-        raise _UsageError("--l3-path is for --l3-backend file")
-    return {
-        "l3_backend": backend,
-        "l3_tokens": args.l3_tokens,
-        "l3_path": args.l3_path,
-        "prefetch_policy": args.prefetch_policy,
-        "prefetch_threshold": args.prefetch_threshold,
-        "prefetch_wait": not args.no_prefetch_wait,
-    }
 
 
 def _add_timing_options(parser: argparse.ArgumentParser) -> None:
@@ -229,6 +199,20 @@ def _add_timing_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--tp", metavar="N", type=_count("tp", 1), default=1, help="tensor-parallel ranks (default: 1)")
     group.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default=_DEFAULTS.gpu,
+        metavar="NAME",
+        help=f"GPU of each rank, sizes the device tier (--device-tokens auto) and checks it fits: "
+        f"{', '.join(GPUS)} (default: {_DEFAULTS.gpu})",
+    )
+    group.add_argument(
+        "--mem-fraction-static",
+        metavar="F",
+        type=_positive("memory fraction"),
+        help="fraction of GPU memory for weights and KV, as SGLang's option (default: SGLang 0.5.18's for the GPU)",
+    )
+    group.add_argument(
         "--prefill-tps",
         metavar="TOKENS/S",
         type=_positive("prefill rate"),
@@ -244,9 +228,9 @@ def _add_timing_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--l3-link",
         choices=["rdma", "tcp", "disk"],
-        default="rdma",
         metavar="NAME",
-        help="L3 link: rdma (45 GB/s), tcp (2.5 GB/s) to a peer's host memory, or disk (6 GB/s) (default: rdma)",
+        help="L3 link: rdma (45 GB/s), tcp (2.5 GB/s) to a peer's host memory, or disk (6 GB/s) "
+        "(default: what the backend uses: disk for --l3-backend file, else tcp; rdma only when asked)",
     )
     group.add_argument("--pcie-gbps", metavar="GB/S", type=_positive("bandwidth"), help="override the host link GB/s")
     group.add_argument("--l3-gbps", metavar="GB/S", type=_positive("bandwidth"), help="override the L3 link GB/s")
@@ -271,17 +255,21 @@ def _add_cache_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
         names = hiradix.policy_names()
         group.add_argument(
             "--device-tokens",
+            "--device",
+            dest="device_tokens",
             metavar="LIST",
-            type=_list_of(parse_tokens),
-            default=[500_000, 1_000_000, 2_000_000, 4_000_000],
-            help="device capacities to try (default: 500k,1M,2M,4M)",
+            type=_list_of(_size),
+            default=[Size(tokens=100_000), Size(tokens=200_000), Size(auto=True)],
+            help="device capacities per GPU to try: tokens, bytes or auto (default: 100k,200k,auto)",
         )
         group.add_argument(
             "--host-tokens",
+            "--host",
+            dest="host_tokens",
             metavar="LIST",
-            type=_list_of(parse_tokens),
-            default=[8_000_000],
-            help="host capacities to try (default: 8M)",
+            type=_list_of(_size),
+            default=[Size(auto=True)],
+            help="host capacities per GPU to try: tokens, bytes, inf or auto, twice the device (default: auto)",
         )
         group.add_argument(
             "--eviction-policies",
@@ -300,17 +288,21 @@ def _add_cache_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
         return
     group.add_argument(
         "--device-tokens",
+        "--device",
+        dest="device_tokens",
         metavar="SIZE",
-        type=parse_tokens,
-        default=2_000_000,
-        help="device (GPU) tier capacity in tokens (default: 2M)",
+        type=_size,
+        help="device (GPU) tier per GPU: tokens (500k), bytes (40GiB), inf, or auto: the KV pool SGLang "
+        "leaves on --gpu after the model's weights (default: auto)",
     )
     group.add_argument(
         "--host-tokens",
+        "--host",
+        dest="host_tokens",
         metavar="SIZE",
-        type=parse_tokens,
-        default=8_000_000,
-        help="host (CPU memory) tier capacity in tokens (default: 8M)",
+        type=_size,
+        help="host (CPU memory) tier per GPU: tokens (4M), bytes (64GiB), inf, or auto: twice the device, "
+        "SGLang's default --hicache-ratio (default: auto)",
     )
     group.add_argument(
         "--eviction-policy",
@@ -332,7 +324,8 @@ def _add_cache_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
 
 
 _EPILOG = (
-    "Sizes are in tokens and accept decimal suffixes: 500k, 2M, 1.5G; 'inf' means unbounded. "
+    "Sizes are tokens with decimal suffixes (500k, 2M, 1.5G) or bytes (64GiB, 80GB, 1.5TiB: KV bytes per "
+    "token of --model, --kv-dtype and --tp; device and host per GPU, L3 for all ranks); 'inf' means unbounded. "
     "Hit rates count tokens of the page-aligned prompt, and 512-token trace blocks. TTFT is an "
     "estimate on an idle GPU (no queueing) from the timing model. "
 )
@@ -438,24 +431,53 @@ def _workload(args: argparse.Namespace) -> Workload:
         raise _UsageError(str(exc)) from None
 
 
-def _timing(args: argparse.Namespace) -> TimingModel:
-    pcie, l3 = LINKS[args.host_link], LINKS[args.l3_link]
-    if args.pcie_gbps:
-        pcie = Link(pcie.name, args.pcie_gbps, pcie.latency_us)
-    if args.l3_gbps:
-        l3 = Link(l3.name, args.l3_gbps, l3.latency_us)
-    try:
-        return TimingModel(
-            model=MODELS[args.model].with_dtype(args.kv_dtype),
-            tp=args.tp,
-            prefill_tokens_per_s=args.prefill_tps,
-            overhead_ms=args.overhead_ms,
-            pcie=pcie,
-            l3=l3,
-            layerwise=not args.no_layerwise,
+def _config(args: argparse.Namespace, command: str) -> ResolvedConfig:
+    """The run's :class:`SimConfig` from the options given (the rest: its defaults),
+    checked; its warnings are printed on stderr."""
+    settings: dict[str, Any] = {
+        "page_size": args.page_size,
+        "model": args.model,
+        "kv_dtype": args.kv_dtype,
+        "tp": args.tp,
+        "gpu": args.gpu,
+        "mem_fraction_static": args.mem_fraction_static,
+        "host_link": args.host_link,
+    }
+    if command == "sim":
+        settings.update(
+            eviction_policy=args.eviction_policy,
+            write_policy=args.write_policy,
+            check_every=args.check_invariants_every,
+            device_tokens=args.device_tokens,
+            host_tokens=args.host_tokens,
         )
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+    for name in ("l3_tokens", "l3_path", "prefetch_policy", "prefetch_threshold", "l3_link"):
+        settings[name] = getattr(args, name)
+    if args.no_prefetch_wait:
+        settings["prefetch_wait"] = False
+    config = SimConfig().replace(**{k: v for k, v in settings.items() if v is not None})
+    if args.l3_backend is not None:  # "none" is None, so not filtered above
+        config = config.replace(l3_backend=None if args.l3_backend == "none" else args.l3_backend)
+    if config.l3_backend is None and args.l3_gbps is not None:
+        raise _UsageError("--l3-gbps set without an L3 tier (--l3-backend none): it would be ignored")
+    base = config.timing_model()
+    overrides: dict[str, Any] = {
+        "prefill_tokens_per_s": args.prefill_tps,
+        "overhead_ms": args.overhead_ms,
+        "layerwise": not args.no_layerwise,
+    }
+    if args.pcie_gbps:
+        overrides["pcie"] = Link(base.pcie.name, args.pcie_gbps, base.pcie.latency_us)
+    if args.l3_gbps:
+        overrides["l3"] = Link(base.l3.name, args.l3_gbps, base.l3.latency_us)
+    resolved = config.resolve(config.timing_model(**overrides))
+    for note in resolved.warnings:
+        print(f"hiradix {command}: warning: {note}", file=sys.stderr)
+    return resolved
+
+
+def _json_config(config: SimConfig) -> dict[str, Any]:
+    return {k: repr(v) if isinstance(v, Size) else v for k, v in dataclasses.asdict(config).items()}
 
 
 def _check_writable(path: Path | None) -> None:
@@ -465,30 +487,28 @@ def _check_writable(path: Path | None) -> None:
 
 def run_sim(args: argparse.Namespace) -> int:
     """Run ``hiradix sim``; returns the exit status."""
+    workload: Workload | None = None
     try:
+        resolved = _config(args, "sim")
         workload = _workload(args)
-        timing = _timing(args)
         _check_writable(args.json)
         _check_writable(args.html)
         if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
             raise _UsageError(f"--plots {args.plots}: not a folder")
-        result = simulate(
-            workload,
-            timing=timing,
-            progress=False if args.no_progress else None,
-            page_size=args.page_size,
-            device_tokens=args.device_tokens,
-            host_tokens=args.host_tokens,
-            eviction_policy=args.eviction_policy,
-            write_policy=args.write_policy,
-            check_every=args.check_invariants_every,
-            **_l3_options(args),
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SimWarning)  # printed above, once
+            result = simulate(
+                workload,
+                resolved.config,
+                timing=resolved.timing,
+                progress=False if args.no_progress else None,
+            )
     except _UsageError as exc:
         return _fail("sim", str(exc))
     except TraceError as exc:
-        return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if workload.name == "trace" else str(exc))
-    except ValueError as exc:  # a generator running out of block ids, say
+        is_trace = workload is not None and workload.name == "trace"
+        return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc))
+    except ValueError as exc:  # ConfigError, an empty trace, a generator running out of block ids
         return _fail("sim", str(exc))
     except OSError as exc:
         return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
@@ -511,22 +531,27 @@ def run_sim(args: argparse.Namespace) -> int:
 def run_sweep(args: argparse.Namespace) -> int:
     """Run ``hiradix sweep``; returns the exit status."""
     from hiradix.sim.report import png_bytes
-    from hiradix.sim.sweep import grid, plot_sweep, run_sweep, sweep_table
+    from hiradix.sim.sweep import grid, plot_sweep, resolve_cells, run_sweep, sweep_table
 
     try:
+        resolved = _config(args, "sweep")
         workload = _workload(args)
-        timing = _timing(args)
+        timing = resolved.timing
         _check_writable(args.json)
         _check_writable(args.plot)
-        cells = grid(args.device_tokens, args.host_tokens, args.eviction_policies, args.write_policies)
+        cells = resolve_cells(
+            resolved.config,
+            grid(args.device_tokens, args.host_tokens, args.eviction_policies, args.write_policies),
+            timing,
+            warn=lambda note: print(f"hiradix sweep: warning: {note}", file=sys.stderr),
+        )
         rows = run_sweep(
             workload,
             cells,
-            page_size=args.page_size,
+            config=resolved.config,
             timing=timing,
             jobs=args.jobs,
             progress=False if args.no_progress else None,
-            replayer_options=_l3_options(args),
         )
     except _UsageError as exc:
         return _fail("sweep", str(exc))
@@ -545,6 +570,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                 "implementation": hiradix.IMPLEMENTATION,
                 "workload": description,
                 "page_size": args.page_size,
+                "config": _json_config(resolved.config),
+                "hardware": resolved.hardware(),
                 "timing": timing.describe(),
                 "rows": [row.to_dict() for row in rows],
             }

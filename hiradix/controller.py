@@ -208,6 +208,12 @@ class HiCacheController:
     layer_hook:
         Passed to default CPU engines (a test seam, see
         :data:`~hiradix.memory.copy.LayerHook`).
+    inline_copies:
+        Build the default engines as ``ThreadCopyEngine(inline=True)``: every copy runs
+        on the caller's thread when it is submitted (``start_writing`` /
+        ``start_loading``), so a replay does not depend on thread timing. CPU pools only
+        (``ValueError`` for a CUDA device pool); engines passed in are used as they are.
+        Default engines, inline or not, are closed by :meth:`close`.
     """
 
     def __init__(
@@ -219,6 +225,7 @@ class HiCacheController:
         write_engine: CopyEngine | None = None,
         load_engine: CopyEngine | None = None,
         layer_hook: LayerHook | None = None,
+        inline_copies: bool = False,
     ) -> None:
         if (device_pool.shape, device_pool.page_size, device_pool.dtype) != (
             host_pool.shape,
@@ -232,7 +239,13 @@ class HiCacheController:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.agreement = agreement or LocalAgreement()
-        kwargs = {} if layer_hook is None or device_pool.device.type == "cuda" else {"layer_hook": layer_hook}
+        kwargs: dict[str, Any] = {}
+        if layer_hook is not None and device_pool.device.type != "cuda":
+            kwargs["layer_hook"] = layer_hook
+        if inline_copies:
+            if device_pool.device.type == "cuda":
+                raise ValueError("inline_copies runs copies on the caller's thread: CPU device pools only")
+            kwargs["inline"] = True
         self._owned: list[CopyEngine] = []
         if write_engine is None:
             write_engine = make_copy_engine(device_pool.device, **kwargs)

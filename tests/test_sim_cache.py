@@ -20,7 +20,6 @@ from hiradix.cache import HiRadixCache
 from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
 from hiradix.sim import MooncakeTrace, Replayer
 from hiradix.sim.generators import ChatWorkload
-from hiradix.sim.replay import InlineCopyEngine
 from hiradix.sim.report import PLOTS
 
 TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
@@ -100,8 +99,8 @@ def test_wait_complete_policy_on_a_generated_workload() -> None:
     assert r.occupancy()["l3_used"] == 0  # detached on close
 
 
-def test_no_host_tier_means_no_l3() -> None:
-    with Replayer(device_tokens=20_000, host_tokens=0, l3_backend="memory", check_every=10) as r:
+def test_no_host_tier_without_l3_deletes_every_eviction() -> None:
+    with Replayer(device_tokens=20_000, host_tokens=0, check_every=10) as r:
         stats = r.replay(ChatWorkload(requests=100, seed=4))
     assert stats.host_hit_tokens == stats.l3_hit_tokens == stats.backup_tokens == 0
     assert stats.device_deleted_tokens > 0 and r.config()["l3_backend"] is None
@@ -114,25 +113,12 @@ def test_bad_options_are_rejected() -> None:
         Replayer(l3_backend="tape")
     with pytest.raises(ValueError, match="device_tokens"):
         Replayer(device_tokens=-1)
-
-
-def test_inline_copy_engine_finishes_on_submission() -> None:
-    import torch
-
-    from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
-
-    shape = MLAShape(2, 3, 1)
-    dev = DeviceKVPool(shape, size=8, page_size=2, dtype=torch.float32)
-    host = HostKVPool.for_device(dev, ratio=1.0, reserve_bytes=0)
-    dev.kv_buffer(1)[2:4] = 7.0
-    seen: list[tuple[str, list[int]]] = []
-    with InlineCopyEngine(on_copy=lambda kind, d: seen.append((kind, d.tolist()))) as engine:
-        assert engine.backup(dev, host, [2, 3], [0, 1]).done()
-        dev.kv_buffer(1).zero_()
-        handle = engine.load(host, dev, [0, 1], [4, 5])
-        assert handle.done() and handle.error is None
-    assert dev.kv_buffer(1)[4:6].sum().item() == 2 * 4 * 7.0  # 2 slots x (rank 3 + rope 1)
-    assert seen == [("backup", [2, 3]), ("load", [4, 5])]
+    with pytest.raises(ValueError, match="needs a host tier"):
+        Replayer(host_tokens=0, l3_backend="memory")
+    with pytest.raises(ValueError, match="would be ignored"):
+        Replayer(l3_tokens=1000)
+    with pytest.raises(ValueError, match="file backend"):
+        Replayer(l3_backend="memory", l3_path="/tmp")
 
 
 @needs_trace
@@ -159,4 +145,4 @@ def test_cli_l3_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main([*argv, "--l3-backend", "file", "--l3-path", str(tmp_path / "l3"), "--no-progress"]) == 0
     assert "L3 file" in capsys.readouterr().out and (tmp_path / "l3").is_dir()
     assert main([*argv, "--l3-path", str(tmp_path), "--no-progress"]) == 2
-    assert "--l3-path is for --l3-backend file" in capsys.readouterr().err
+    assert "l3_path is for the file backend (--l3-backend file)" in capsys.readouterr().err

@@ -181,7 +181,7 @@ def test_the_observer_sees_every_request_with_occupancy(tree_cls: Any) -> None:
 # --------------------------------------------------------------------------- outputs
 @pytest.fixture(scope="module")
 def result() -> Any:
-    return simulate(ChatWorkload(requests=200, seed=5), device_tokens=20_000, host_tokens=100_000)
+    return simulate(ChatWorkload(requests=200, seed=5), device_tokens=20_000, host_tokens=100_000, l3_backend=None)
 
 
 def test_summary_and_json(result: Any) -> None:

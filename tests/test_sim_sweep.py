@@ -28,7 +28,7 @@ def test_grid_is_the_product_in_nested_order() -> None:
 
 def test_rows_follow_the_cells_and_hit_more_with_more_device() -> None:
     cells = grid([10_000, 20_000, 40_000, None], [0], ["lru"], ["write_through"])
-    rows = run_sweep(WORKLOAD, cells, jobs=1)
+    rows = run_sweep(WORKLOAD, cells, jobs=1, l3_backend=None)
     assert [r.cell for r in rows] == cells
     assert all(r.requests == 200 and r.too_large_requests == 0 for r in rows)
     hits = [r.hit_rate for r in rows]
@@ -47,11 +47,15 @@ def test_spawned_workers_give_the_in_process_results() -> None:
     def strip(rows: list[SweepRow]) -> list[dict[str, object]]:
         return [{k: v for k, v in r.to_dict().items() if k != "wall_s"} for r in rows]
 
-    assert strip(run_sweep(WORKLOAD, cells, jobs=2)) == strip(run_sweep(WORKLOAD, cells, jobs=1))
+    assert strip(run_sweep(WORKLOAD, cells, jobs=2, l3_backend=None)) == strip(
+        run_sweep(WORKLOAD, cells, jobs=1, l3_backend=None)
+    )
 
 
 def test_table_and_plot() -> None:
-    rows = run_sweep(WORKLOAD, grid([10_000, None], [50_000], ["lru", "lfu"], ["write_through"]), jobs=1)
+    rows = run_sweep(
+        WORKLOAD, grid([10_000, None], [50_000], ["lru", "lfu"], ["write_through"]), jobs=1, l3_backend=None
+    )
     table = sweep_table(rows).splitlines()
     assert len(table) == 1 + len(rows) and "TTFT p50" in table[0]
     assert table[-1].split()[:4] == ["inf", "50k", "lfu", "write_through"]
@@ -69,6 +73,7 @@ def test_cli_sweep_writes_one_table_json_and_plot(
 ) -> None:
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     argv = [*spelling, "--workload", "chat", "--limit", "150", "--device-tokens", "10k,inf", "--host-tokens", "0"]
+    argv += ["--l3-backend", "none"]
     argv += ["--eviction-policies", "lru,sieve", "--write-policies", "write_through,write_back", "--jobs", "1"]
     assert main([*argv, "--json", str(out), "--plot", str(plot), "--no-progress"]) == 0
     data = json.loads(out.read_text())

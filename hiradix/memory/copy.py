@@ -13,7 +13,10 @@ Two operations, both asynchronous, both returning a handle:
 Operations of one engine complete in submission order (one FIFO queue or one stream).
 
 :class:`ThreadCopyEngine` (CPU, or any device, without CUDA streams) runs the copies on one
-worker thread; per-layer completion is a condition plus a landed-layer counter.
+worker thread; per-layer completion is a condition plus a landed-layer counter. With
+``inline=True`` it runs each operation on the caller's thread instead, before ``backup`` /
+``load`` returns (same validation, copies and handles; for simulators and tests that must
+not depend on thread timing).
 :class:`CudaCopyEngine` issues them on a dedicated copy stream and records one CUDA event
 per layer; ``wait_until`` makes the *current stream* wait on the event instead of blocking
 the host.
@@ -36,6 +39,7 @@ passes over the data through an intermediate tensor, this is one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -558,6 +562,13 @@ class ThreadCopyEngine(CopyEngine):
     ``copy_threads`` (compiled copy only; default half the cores, 1 to 4) splits each large
     (layer, component) copy over that many threads, the worker being one of them.
 
+    ``inline=True`` starts no worker: each operation runs on the caller's thread and its
+    handle is finished when ``backup`` / ``load`` returns. Handles behave as usual (a
+    failure is recorded on the handle and raised as :class:`CopyError` by ``wait``, not by
+    the submitting call), operations still complete in submission order, and
+    ``layer_hook`` is still called before each layer. Nothing overlaps the caller, so it is
+    for simulators and deterministic tests, not for a server.
+
     >>> from hiradix.memory import MHAShape
     >>> dev = DeviceKVPool(MHAShape(2, 1, 4), size=4, page_size=2, dtype=torch.float32)
     >>> host = HostKVPool.for_device(dev, ratio=1.0, reserve_bytes=0)
@@ -578,6 +589,7 @@ class ThreadCopyEngine(CopyEngine):
         name: str = "hiradix-copy",
         native: bool | None = None,
         copy_threads: int | None = None,
+        inline: bool = False,
     ) -> None:
         threads = _default_copy_threads() if copy_threads is None else copy_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 8:
@@ -594,8 +606,11 @@ class ThreadCopyEngine(CopyEngine):
         self._lock = threading.Lock()  # guards _closed/_next_id; submission order = queue order
         self._closed = False
         self._next_id = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.inline = bool(inline)
+        self._thread: threading.Thread | None = None
+        if not self.inline:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     def _submit(self, kind: str, layer_num: int, step: Callable[[int], None]) -> _ThreadHandle:
         with self._lock:
@@ -603,8 +618,25 @@ class ThreadCopyEngine(CopyEngine):
                 raise RuntimeError("copy engine is closed")
             handle = _ThreadHandle(self._next_id, kind, layer_num)
             self._next_id += 1
-            self._queue.put((handle, step))
+            if not self.inline:
+                self._queue.put((handle, step))
+                return handle
+        # Inline: outside the lock, as on the worker (a hook may submit or close).
+        self._execute(handle, step)
         return handle
+
+    def _execute(self, handle: _ThreadHandle, step: Callable[[int], None]) -> None:
+        """Run one operation layer by layer; a failure goes to the handle's waiters."""
+        try:
+            for layer in range(handle.layer_num):
+                if self._hook is not None:
+                    self._hook(handle.kind, handle.op_id, layer)
+                step(layer)
+                handle._mark_layer(layer)
+        except BaseException as exc:  # handed to the waiters, never swallowed
+            handle._fail(exc)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt & co. still stop the caller
+                raise
 
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
@@ -640,20 +672,16 @@ class ThreadCopyEngine(CopyEngine):
             if item is _STOP:
                 return
             handle, step = item
-            try:
-                for layer in range(handle.layer_num):
-                    if self._hook is not None:
-                        self._hook(handle.kind, handle.op_id, layer)
-                    step(layer)
-                    handle._mark_layer(layer)
-            except BaseException as exc:  # handed to the waiters, never swallowed
-                handle._fail(exc)
+            with contextlib.suppress(BaseException):  # the handle holds the error
+                self._execute(handle, step)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if self._thread is None:  # inline: every operation already ran
+                return
             self._queue.put(_STOP)
         if self._thread is not threading.current_thread():
             self._thread.join()

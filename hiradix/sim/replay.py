@@ -20,10 +20,15 @@ Nothing here decides what is cached, evicted, backed up or fetched: the hit rate
 those of the library. Two things make a replay deterministic, and both are documented
 choices of the simulator, not changes to the cache:
 
-* **Synchronous copies.** The controller gets :class:`InlineCopyEngine`, the CPU copy
-  engine with its copies run inline at submission instead of on its worker thread (same
-  validation, same copy code). A backup is therefore done by the next
-  ``check_hicache_events``, as if copies were much faster than a request.
+* **Synchronous copies.** The controller's copy engines run inline
+  (``HiCacheController(inline_copies=True)``: the CPU engine with each copy run on the
+  caller's thread at submission instead of on its worker thread; same validation, same
+  copy code). A backup is therefore done by the next ``check_hicache_events``, as if
+  copies were much faster than a request.
+
+The replayer uses only the cache's public API; what it counts beyond ``cache.stats``
+(device evictions split into demoted and deleted tokens, backups per node) comes from
+a :class:`~hiradix.cache.CacheObserver`.
 * **Prefetches and L3 writes complete between requests** (``prefetch_wait=True``, the
   default): the replayer waits for the L3 threads to finish a request's prefetch before
   ``check_prefetch_progress``, as if the request waited in the queue long enough, and for
@@ -65,10 +70,9 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import CacheObserver, HiRadixCache, Req
 from hiradix.controller import HiCacheController
 from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
-from hiradix.memory.copy import CopyHandle, LoadHandle, ThreadCopyEngine, _ThreadHandle
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from hiradix.storage.base import StorageBackend
@@ -205,107 +209,39 @@ class RequestRecord:
     l3_used: int = 0
 
 
-class InlineCopyEngine(ThreadCopyEngine):
-    """The CPU copy engine with every copy run inline, at submission.
-
-    Validation, copy plans and the copies themselves are :class:`ThreadCopyEngine`'s; only
-    the queue to the worker thread is skipped, so a handle is finished when ``backup`` or
-    ``load`` returns and a replay does not depend on thread timing. ``on_copy(kind,
-    device_indices)`` (optional) is told about every copy that landed: the replayer uses it
-    to know which device slots have a host copy. For the simulator; a server wants the
-    asynchronous engine.
-    """
-
-    def __init__(self, on_copy: Callable[[str, torch.Tensor], None] | None = None, **kwargs: Any) -> None:
-        super().__init__(copy_threads=1, **kwargs)
-        self.on_copy = on_copy
-        self._device_indices: torch.Tensor | None = None
-
-    def _submit(self, kind: str, layer_num: int, step: Callable[[int], None]) -> _ThreadHandle:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("copy engine is closed")
-            handle = _ThreadHandle(self._next_id, kind, layer_num)
-            self._next_id += 1
-        try:
-            for layer in range(layer_num):
-                if self._hook is not None:
-                    self._hook(kind, handle.op_id, layer)
-                step(layer)
-                handle._mark_layer(layer)
-        except Exception as exc:  # handed to the waiters, as on the worker thread
-            handle._fail(exc)
-        if handle.error is None and self.on_copy is not None and self._device_indices is not None:
-            self.on_copy(kind, self._device_indices)
-        return handle
-
-    def backup(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
-    ) -> CopyHandle:
-        self._device_indices = torch.as_tensor(device_indices)
-        try:
-            return super().backup(device_pool, host_pool, device_indices, host_indices)
-        finally:
-            self._device_indices = None
-
-    def load(
-        self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
-    ) -> LoadHandle:
-        self._device_indices = torch.as_tensor(device_indices)
-        try:
-            return super().load(host_pool, device_pool, host_indices, device_indices)
-        finally:
-            self._device_indices = None
-
-
-class _EvictionLedger:
-    """Splits device evictions into *demoted* (a host copy stays) and *deleted* tokens.
+class _EvictionLedger(CacheObserver):
+    """Splits device evictions into *demoted* (a host copy stays) and *deleted* tokens,
+    from the cache's observer events (:class:`~hiradix.cache.CacheObserver`).
 
     One bit per device slot says whether the slot's KV has a host copy: set when a backup
-    or a load of the slot lands (:class:`InlineCopyEngine` reports both), cleared when the
-    slot is freed. Frees made while the cache evicts are counted by that bit; node backups
-    are counted as the controller queues them. Instruments
-    the cache; decides nothing. ``O(slots)`` per free.
+    of the slot is acknowledged or a load into it lands, cleared when the slot is freed.
+    Evicting frees are counted by that bit; node backups are counted as they are queued.
+    Decides nothing. ``O(slots)`` per event.
     """
 
-    def __init__(self, cache: HiRadixCache) -> None:
-        self.has_host = np.zeros(cache.device_pool.total_slots, dtype=bool)
-        self.evicting = 0
+    def __init__(self, device_slots: int) -> None:
+        self.has_host = np.zeros(device_slots, dtype=bool)
         self.demoted = 0
         self.deleted = 0
         self.backup_nodes = 0  # device -> host copies started, one per node
-        allocator = cache.device_allocator
-        controller = cache.cache_controller
-        write = controller.write
-        free = allocator.free
-        evict = cache.evict
 
-        def counted_free(indices: Any) -> None:
-            free(indices)
-            idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-            if self.evicting:
-                backed = int(np.count_nonzero(self.has_host[idx]))
-                self.demoted += backed
-                self.deleted += len(idx) - backed
-            self.has_host[idx] = False
+    def on_backup_started(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        self.backup_nodes += 1
 
-        def counted_evict(num_tokens: int) -> int:
-            self.evicting += 1
-            try:
-                return evict(num_tokens)
-            finally:
-                self.evicting -= 1
+    def on_backup_finished(self, node: int, device_indices: torch.Tensor, host_indices: torch.Tensor, ok: bool) -> None:
+        if ok:
+            self.has_host[device_indices.numpy()] = True
 
-        def counted_write(device_indices: Any, host_indices: Any, node: int = -1) -> None:
-            write(device_indices, host_indices, node)
-            self.backup_nodes += 1
-
-        allocator.free = counted_free  # type: ignore[method-assign,assignment]
-        controller.write = counted_write  # type: ignore[method-assign]
-        cache.evict = counted_evict  # type: ignore[method-assign]
-
-    def on_copy(self, kind: str, device_indices: torch.Tensor) -> None:
+    def on_load_finished(self, node: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         self.has_host[device_indices.numpy()] = True
+
+    def on_device_freed(self, indices: torch.Tensor, evicted: bool) -> None:
+        idx = indices.cpu().numpy()
+        if evicted:
+            backed = int(np.count_nonzero(self.has_host[idx]))
+            self.demoted += backed
+            self.deleted += len(idx) - backed
+        self.has_host[idx] = False
 
 
 def _host_pool(tokens: int, page_size: int) -> HostKVPool:
@@ -334,7 +270,7 @@ class Replayer:
     device_tokens, host_tokens:
         Slots of the device and host pools (``None``: unbounded, i.e. as many as the
         workload's prompts hold when :meth:`replay` sees the whole workload first, else
-        2**24). Host ``0``: no host tier (and then no L3).
+        2**24). Host ``0``: no host tier (an L3 backend is then an error).
     eviction_policy, write_policy:
         Passed to the cache (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
     check_every:
@@ -344,7 +280,7 @@ class Replayer:
         ``None`` (no L3), ``"memory"`` (:class:`~hiradix.storage.memory.MemoryStorage`),
         ``"file"`` (:class:`~hiradix.storage.file.FileStorage` under ``l3_path``, a
         temporary folder by default), another registered backend name, or a backend
-        instance (``l3_tokens`` is then ignored).
+        instance (sized by itself: ``l3_tokens`` is then not used).
     l3_tokens:
         L3 capacity in tokens (``None``: unbounded); pages beyond it are evicted by the
         backend (least recently used).
@@ -384,6 +320,12 @@ class Replayer:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if device_tokens is not None and device_tokens < page_size:
             raise ValueError(f"device_tokens {device_tokens} holds no page of {page_size} tokens")
+        if l3_backend is not None and host_tokens == 0:
+            raise ValueError("an L3 tier needs a host tier (L3 pages are read into host memory): host_tokens is 0")
+        if l3_backend is None and (l3_tokens is not None or l3_path is not None):
+            raise ValueError("l3_tokens / l3_path without an l3_backend would be ignored")
+        if l3_path is not None and l3_backend != "file":
+            raise ValueError("l3_path is for the file backend")
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
         if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
@@ -430,17 +372,14 @@ class Replayer:
     @property
     def uses_l3(self) -> bool:
         """Whether the replay has an L3 tier (a backend and a host tier to land in)."""
-        return self.l3_backend is not None and self.host_tokens != 0
+        return self.l3_backend is not None
 
     def _build(self, unbounded: int) -> None:
         ps = self.page_size
         unbounded = max(unbounded, ps)
         device = DeviceKVPool(KV_SHAPE, self.device_tokens or unbounded, ps, KV_DTYPE)
         host = _host_pool(unbounded if self.host_tokens is None else self.host_tokens, ps)
-        ledger: _EvictionLedger | None = None
-        engines = [InlineCopyEngine(on_copy=lambda k, d: ledger.on_copy(k, d) if ledger else None) for _ in range(2)]
-        controller = HiCacheController(device, host, write_engine=engines[0], load_engine=engines[1])
-        controller._owned.extend(engines)  # closed with the controller
+        controller = HiCacheController(device, host, inline_copies=True)
         storage = None
         if self.uses_l3:
             storage = self._make_backend(host)
@@ -459,7 +398,8 @@ class Replayer:
             # hand-offs (the same L3 code; see hiradix.l3.L3Controller).
             l3_inline=storage is not None and self.prefetch_wait,
         )
-        ledger = _EvictionLedger(cache)
+        ledger = _EvictionLedger(device.total_slots)
+        cache.add_observer(ledger)
         self._cache, self._ledger = cache, ledger
 
     def _make_backend(self, host: HostKVPool) -> StorageBackend:

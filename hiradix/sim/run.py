@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 import hiradix
+from hiradix.sim.config import SimConfig
 from hiradix.sim.generators import MooncakeWorkload, Workload
 from hiradix.sim.replay import Replayer, ReplayStats, RequestRecord
 from hiradix.sim.timing import TimingEstimate, TimingModel
@@ -88,29 +89,38 @@ class SimResult:
     wall_s: float
     implementation: str = field(default_factory=lambda: hiradix.IMPLEMENTATION)
     bad_lines: int = 0
+    hardware: dict[str, Any] = field(default_factory=dict)  # ResolvedConfig.hardware()
+    warnings: tuple[str, ...] = ()  # the configuration's warnings (SimConfig.resolve)
 
 
 def simulate(
     workload: Workload,
+    config: SimConfig | None = None,
     *,
     timing: TimingModel | None = None,
     progress: bool | None = False,
     tree_cls: Any = None,
-    **replayer_options: Any,
+    **settings: Any,
 ) -> SimResult:
     """Replay ``workload`` and time it.
 
-    ``replayer_options`` go to :class:`~hiradix.sim.replay.Replayer` (``page_size``,
-    ``device_tokens``, ``host_tokens``, ``eviction_policy``, ``write_policy``,
-    ``check_every``, ``l3_backend``, ``l3_tokens``, ``l3_path``, ``prefetch_policy``, ...);
-    the replayer's cache is closed (its threads stopped) before this returns.
-    ``progress``: ``True`` shows a progress bar on stderr, ``None`` shows it only when
-    stderr is a terminal, ``False`` never. Errors of the workload
-    (:class:`~hiradix.sim.trace.TraceError`, ``OSError``) propagate.
+    ``config`` (default :class:`~hiradix.sim.config.SimConfig`, the CLI's defaults) with
+    ``settings`` (any of its fields: ``device_tokens``, ``host_tokens``, ``l3_backend``,
+    ``gpu`` ...) applied on top. The configuration is checked first
+    (:class:`~hiradix.sim.config.ConfigError`, a ``ValueError``); its warnings are
+    issued as :class:`~hiradix.sim.config.SimWarning` and kept in the result. ``timing``
+    defaults to the configuration's timing model. The replayer's cache is closed (its
+    threads stopped) before this returns. ``progress``: ``True`` shows a progress bar on
+    stderr, ``None`` shows it only when stderr is a terminal, ``False`` never. Errors of
+    the workload (:class:`~hiradix.sim.trace.TraceError`, ``OSError``) propagate; a
+    workload with no requests is a ``ValueError``.
     Runtime complexity: the replay's, plus ``O(requests)``.
     """
-    timing = timing or TimingModel()
-    replayer = Replayer(tree_cls, **replayer_options)
+    config = (config or SimConfig()).replace(**settings)
+    resolved = config.resolve(timing)
+    resolved.emit_warnings()
+    timing = resolved.timing
+    replayer = Replayer(tree_cls, **resolved.replayer_options())
     timeline = Timeline()
     source: Any = workload
     if isinstance(workload, MooncakeWorkload):
@@ -130,14 +140,20 @@ def simulate(
     ):
         stats = replayer.replay(requests, timeline)
     wall = time.perf_counter() - start
+    if stats.requests == 0:
+        described = workload.describe()
+        name = described.get("path") or described.get("workload", "workload")
+        raise ValueError(f"empty workload: {name} has no requests to replay")
     columns = timeline.arrays()
     estimate = timing.estimate(columns["input_tokens"], columns["device_hit"], columns["host_hit"], columns["l3_hit"])
     return SimResult(
         workload=workload.describe(),
-        config=replayer.config(),
+        config={**replayer.config(), "gpu": config.gpu, "model": timing.model.name, "tp": timing.tp},
         stats=stats,
         timeline=columns,
         timing=estimate,
         wall_s=wall,
         bad_lines=getattr(source, "bad_lines", 0),
+        hardware=resolved.hardware(),
+        warnings=resolved.warnings,
     )

@@ -14,15 +14,16 @@ import itertools
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tqdm import tqdm
 
+from hiradix.sim.config import SimConfig, SimWarning, format_tokens
 from hiradix.sim.generators import Workload
-from hiradix.sim.report import format_tokens
 from hiradix.sim.run import simulate
 from hiradix.sim.timing import TimingModel
 
@@ -81,27 +82,54 @@ def grid(
     return [SweepCell(*combo) for combo in combos]
 
 
-def run_cell(
-    workload: Workload,
-    cell: SweepCell,
-    page_size: int,
-    timing: TimingModel,
-    replayer_options: dict[str, Any] | None = None,
-) -> SweepRow:
-    """Replay ``workload`` with ``cell``'s settings through the same path as ``hiradix
-    sim`` (:func:`~hiradix.sim.run.simulate`, i.e. a real ``HiRadixCache``);
-    ``replayer_options`` (the L3 tier, prefetch policy ...) apply to every cell. A
-    module-level function, so that spawned workers can import it."""
-    result = simulate(
-        workload,
-        timing=timing,
-        **(replayer_options or {}),
-        page_size=page_size,
-        device_tokens=cell.device_tokens,
-        host_tokens=cell.host_tokens,
-        eviction_policy=cell.eviction_policy,
-        write_policy=cell.write_policy,
-    )
+def resolve_cells(
+    config: SimConfig,
+    cells: Iterable[SweepCell | tuple[Any, Any, str, str]],
+    timing: TimingModel | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> list[SweepCell]:
+    """Cells with their capacities in tokens: sizes in bytes and ``auto`` are resolved
+    against ``config`` (:meth:`~hiradix.sim.config.SimConfig.resolve`; its model, TP and
+    GPU). Configuration errors are raised here, before any worker starts; each distinct
+    warning is passed to ``warn`` once (default: issued as
+    :class:`~hiradix.sim.config.SimWarning`). ``O(cells)``."""
+    out, seen = [], set()
+    for cell in cells:
+        device, host, eviction, write = (
+            (cell.device_tokens, cell.host_tokens, cell.eviction_policy, cell.write_policy)
+            if isinstance(cell, SweepCell)
+            else cell
+        )
+        resolved = config.replace(
+            device_tokens=device, host_tokens=host, eviction_policy=eviction, write_policy=write
+        ).resolve(timing)
+        for note in resolved.warnings:
+            if note not in seen:
+                seen.add(note)
+                if warn is not None:
+                    warn(note)
+                else:
+                    warnings.warn(note, SimWarning, stacklevel=2)
+        out.append(SweepCell(resolved.device_tokens, resolved.host_tokens, eviction, write))
+    return out
+
+
+def run_cell(workload: Workload, cell: SweepCell, config: SimConfig, timing: TimingModel) -> SweepRow:
+    """Replay ``workload`` with ``config`` and ``cell``'s settings through the same path as
+    ``hiradix sim`` (:func:`~hiradix.sim.run.simulate`, i.e. a real ``HiRadixCache``).
+    Configuration warnings are not repeated here (:func:`resolve_cells` tells them once).
+    A module-level function, so that spawned workers can import it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SimWarning)
+        result = simulate(
+            workload,
+            config,
+            timing=timing,
+            device_tokens=cell.device_tokens,
+            host_tokens=cell.host_tokens,
+            eviction_policy=cell.eviction_policy,
+            write_policy=cell.write_policy,
+        )
     stats, rates = result.stats, result.stats.rates()
     ttft = result.timing.percentiles()
     moved = timing.bytes_moved(stats)
@@ -131,44 +159,52 @@ def run_sweep(
     workload: Workload,
     cells: Sequence[SweepCell],
     *,
-    page_size: int = 16,
+    config: SimConfig | None = None,
     timing: TimingModel | None = None,
     jobs: int | None = None,
     progress: bool | None = False,
-    replayer_options: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> list[SweepRow]:
     """Run every cell; returns the rows in the order of ``cells``.
 
-    ``replayer_options`` go to every cell's replayer (e.g. ``l3_backend="memory",
-    l3_tokens=32_000_000``; default: no L3 tier).
+    Every cell starts from ``config`` (default :class:`~hiradix.sim.config.SimConfig`,
+    ``hiradix sim``'s defaults) with ``settings`` applied (``l3_backend=None``,
+    ``page_size=...``); the cell sets the capacities and policies. Capacities may be
+    sizes in bytes or ``auto`` (see :func:`resolve_cells`, called here first).
 
     ``jobs`` worker processes (default: one per CPU, at most one per cell); ``jobs=1``
     runs in this process. ``progress`` as in :func:`~hiradix.sim.run.simulate`, one
-    tick per finished cell. An error in a cell (a bad trace line, say) is raised here.
+    tick per finished cell, with the elapsed time and an estimate of the time left;
+    when stderr is not a terminal (piped, logged) the bar is printed as plain lines at
+    most every few seconds. An error in a cell (a bad trace line, say) is raised here.
     """
-    timing = timing or TimingModel()
     if jobs is not None and jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    config = (config or SimConfig()).replace(**settings)
+    timing = timing or config.timing_model()
+    cells = resolve_cells(config, cells, timing)
     jobs = min(jobs or os.cpu_count() or 1, max(len(cells), 1))
     rows: list[SweepRow | None] = [None] * len(cells)
+    piped = not sys.stderr.isatty()
     bar = tqdm(
         total=len(cells),
         unit="run",
         file=sys.stderr,
-        disable=True if progress is False else (None if progress is None else False),
-        dynamic_ncols=True,
+        disable=progress is False,
+        dynamic_ncols=not piped,
+        ncols=80 if piped else None,
+        mininterval=5.0 if piped else 0.1,
+        ascii=piped,
+        desc=f"sweep ({jobs} job{'s' if jobs != 1 else ''})",
     )
     with bar:
         if jobs == 1:
             for i, cell in enumerate(cells):
-                rows[i] = run_cell(workload, cell, page_size, timing, replayer_options)
+                rows[i] = run_cell(workload, cell, config, timing)
                 bar.update()
         else:
             with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {
-                    pool.submit(run_cell, workload, cell, page_size, timing, replayer_options): i
-                    for i, cell in enumerate(cells)
-                }
+                futures = {pool.submit(run_cell, workload, cell, config, timing): i for i, cell in enumerate(cells)}
                 for future in as_completed(futures):
                     rows[futures[future]] = future.result()
                     bar.update()
