@@ -146,9 +146,7 @@ class _Fenwick:
         return out
 
 
-def stack_positions(
-    keys: np.ndarray, lengths: np.ndarray, progress: Callable[[int], Any] | None = None
-) -> np.ndarray:
+def stack_positions(keys: np.ndarray, lengths: np.ndarray, progress: Callable[[int], Any] | None = None) -> np.ndarray:
     """LRU stack position of every page of every request at the request's arrival.
 
     ``keys`` are the page ids of all requests, one request after the other, each in
@@ -266,8 +264,8 @@ def _read_pages(
     j = np.repeat(pages - 1, pages) - (np.arange(total) - np.repeat(first, pages))
     last_token = (j + 1) * page_size - 1
     block_first = np.cumsum(nblocks) - nblocks
-    block = block_ids[block_first[owner] + last_token // BLOCK_TOKENS] if total else block_ids[:0]
-    keys = block * BLOCK_TOKENS + last_token % BLOCK_TOKENS
+    page_block = block_ids[block_first[owner] + last_token // BLOCK_TOKENS] if total else block_ids[:0]
+    keys = page_block * BLOCK_TOKENS + last_token % BLOCK_TOKENS
     return _Pages(keys, pages, nblocks, int(lengths.sum()))
 
 
@@ -648,10 +646,15 @@ def plot_curve(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     if bytes_per_token:
-        gib = ax.secondary_xaxis(
-            "top", functions=(lambda t: t * bytes_per_token / GIB, lambda g: g * GIB / bytes_per_token)
-        )
-        gib.set_xlabel("KV capacity (GiB)")
+        scale = bytes_per_token / GIB
+
+        def to_gib(tokens: Any) -> Any:
+            return tokens * scale
+
+        def to_tokens(gib: Any) -> Any:
+            return gib / scale
+
+        ax.secondary_xaxis("top", functions=(to_gib, to_tokens)).set_xlabel("KV capacity (GiB)")
     return fig
 
 
