@@ -663,7 +663,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Run ``hiradix plan``; returns the exit status."""
     import time
 
-    from hiradix.sim.curve import GIB, CapacityCurve, check_prices, plot_curve, recommend
+    from hiradix.sim.curve import GIB, CapacityCurve, check_prices, format_size, plot_curve, recommend
     from hiradix.sim.generators import MooncakeWorkload
     from hiradix.sim.report import png_bytes
 
@@ -708,20 +708,23 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(
         f"  ideal (unbounded)  {curve.ideal_token_hit_rate:.2%} of tokens, {curve.ideal_block_hit_rate:.2%} of blocks; "
-        f"reached at {format_tokens(curve.max_useful_tokens)} tokens ({gib(curve.max_useful_tokens)} GiB)"
+        f"reached at {format_size(curve.max_useful_tokens)} tokens ({gib(curve.max_useful_tokens)} GiB)"
     )
     print(
-        f"  knee               {format_tokens(knee)} tokens ({gib(knee)} GiB): "
+        f"  knee               {format_size(knee)} tokens ({gib(knee)} GiB): "
         f"{curve.token_hit_rate(knee):.2%} of tokens"
     )
     print()
     print(f"  {'capacity':>9} {'GiB':>10} {'token hit':>10} {'block hit':>10} {'/ideal':>7}")
     for size in curve.sizes():
         rate = curve.token_hit_rate(size)
+        small = " *" if size < curve.max_prompt_tokens else ""
         print(
             f"  {format_tokens(size):>9} {gib(size):>10} {rate:>10.2%} {curve.block_hit_rate(size):>10.2%} "
-            f"{rate / curve.ideal_token_hit_rate:>7.1%}"
+            f"{rate / curve.ideal_token_hit_rate:>7.1%}{small}"
         )
+    if curve.sizes()[0] < curve.max_prompt_tokens:
+        print(f"  * below the longest prompt ({format_size(curve.max_prompt_tokens)} tokens): approximate")
     print()
     print(
         f"Cheapest sizes for a {target:.2%} token hit rate (prices per GiB: "
@@ -735,14 +738,14 @@ def run_plan(args: argparse.Namespace) -> int:
     for plan in plans:
         gibs = f"{plan.device_gib:,.0f}/{plan.host_gib:,.0f}/{plan.l3_gib:,.0f}"
         print(
-            f"  {plan.layout:<15} {format_tokens(plan.device_tokens):>7} {format_tokens(plan.host_tokens):>7} "
-            f"{format_tokens(plan.l3_tokens):>7} {plan.device_hit_rate:>8.2%} {plan.host_hit_rate:>8.2%} "
+            f"  {plan.layout:<15} {format_size(plan.device_tokens):>7} {format_size(plan.host_tokens):>7} "
+            f"{format_size(plan.l3_tokens):>7} {plan.device_hit_rate:>8.2%} {plan.host_hit_rate:>8.2%} "
             f"{plan.l3_hit_rate:>7.2%} {plan.hit_rate:>7.2%} {gibs:>24} {plan.cost:>12,.0f}"
         )
     best = plans[0]
     print(
-        f"  recommended: {best.layout}, device {format_tokens(best.device_tokens)}, host "
-        f"{format_tokens(best.host_tokens)}, L3 {format_tokens(best.l3_tokens)} tokens, cost {best.cost:,.0f}"
+        f"  recommended: {best.layout}, device {format_size(best.device_tokens)}, host "
+        f"{format_size(best.host_tokens)}, L3 {format_size(best.l3_tokens)} tokens, cost {best.cost:,.0f}"
     )
     try:
         if args.json is not None:

@@ -621,22 +621,28 @@ def plot_curve(
     fig = Figure(figsize=(8, 4.8), dpi=120, layout="constrained")
     ax = fig.add_subplot()
     hits, denominator = (curve.block_hits, curve.blocks) if block else (curve.token_hits, curve.prompt_tokens)
-    pages = np.unique(np.geomspace(1, max(curve.max_pages, 2), 2000).astype(np.int64))
+    # Four decades below the capacity that hits everything: smaller caches hold a few
+    # prompts at most, and the curve there is flat or approximate (module docstring).
+    top = max(curve.max_pages, 2)
+    pages = np.unique(np.geomspace(max(1, top // 10_000), top, 2000).astype(np.int64))
     x = pages * curve.page_size
     y = 100 * hits[pages] / denominator
     ideal = 100 * hits[-1] / denominator
-    ax.plot(x, y, color="C0", lw=2, label=f"LRU hit rate (page {curve.page_size})")
+    ax.plot(x, y, color="C0", lw=2, label=f"LRU, page {curve.page_size}")
     ax.axhline(ideal, color="0.5", ls="--", lw=1, label=f"ideal (unbounded): {ideal:.1f}%")
     knee = curve.knee()
     if knee:
         ky = 100 * hits[knee // curve.page_size] / denominator
-        ax.plot([knee], [ky], "o", color="C3", ms=7, label=f"knee: {_short(knee)} tokens, {ky:.1f}%")
-    for k, (label, tokens) in enumerate((marks or {}).items()):
-        if tokens <= 0:
-            continue
+        ax.plot([knee], [ky], "o", color="C3", ms=7, label=f"knee: {format_size(knee)} tokens, {ky:.1f}%")
+    grouped: dict[int, list[str]] = {}
+    for label, tokens in (marks or {}).items():
+        if tokens > 0:
+            grouped.setdefault(tokens, []).append(label)
+    for color, (tokens, labels) in zip(("C1", "C2", "C4", "C5", "C6", "C7"), grouped.items(), strict=False):
         my = 100 * hits[min(tokens // curve.page_size, curve.max_pages)] / denominator
-        ax.axvline(tokens, color=f"C{k + 1}", ls=":", lw=1.2)
-        ax.plot([tokens], [my], "s", color=f"C{k + 1}", ms=5, label=f"{label}: {_short(tokens)} tokens, {my:.1f}%")
+        ax.axvline(tokens, color=color, ls=":", lw=1.2)
+        text = f"{', '.join(labels)}: {format_size(tokens)} tokens, {my:.1f}%"
+        ax.plot([tokens], [my], "s", color=color, ms=5, label=text)
     ax.set_xscale("log")
     ax.set_xlim(x[0], x[-1] * 1.5)
     ax.set_ylim(0, ideal * 1.1 + 1)
@@ -658,7 +664,12 @@ def plot_curve(
     return fig
 
 
-def _short(tokens: int) -> str:
+def format_size(tokens: int) -> str:
+    """A token count to three significant digits: ``126k``, ``17.9M``.
+
+    >>> format_size(126_192), format_size(17_872_512), format_size(512)
+    ('126k', '17.9M', '512')
+    """
     for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
         if tokens >= scale:
             return f"{tokens / scale:.3g}{suffix}"
