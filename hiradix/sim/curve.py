@@ -62,8 +62,8 @@ cache differs (measured in ``tests/test_sim_curve.py`` and ``bench/RESULTS_capac
 * *Node-granular eviction.* The tree evicts whole leaf nodes (a node is a run of pages
   shared by the same requests), so it may free more than it needs and hold a little
   less than its capacity: the curve is an upper bound, off by about one node's tokens
-  of capacity. On the conversation trace at page 16 it is within 0.2 points of full
-  replays at 0.5M to 32M tokens.
+  of capacity. On the conversation trace at page 16 it is within 0.3 points of full
+  replays at 0.5M to 32M tokens (``bench/RESULTS_capacity.md``).
 * *A request larger than the device* is not inserted by the cache at all; the model
   keeps its first pages. Only capacities below the longest prompt (126k tokens on the
   conversation trace) are affected; :func:`recommend` never goes below it.
