@@ -6,8 +6,10 @@ prints hit rates per tier against the infinite-capacity ideal (see
 :mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
 :mod:`hiradix.sim.timing`), and optionally writes JSON, PNG plots and an HTML report.
 ``hiradix sweep`` (also spelled ``hiradix sim sweep``) replays one workload over a grid
-of capacities and policies on every core. ``hiradix peer serve|status`` runs or inspects
-a peer-cache node. Run ``hiradix sim --help``.
+of capacities and policies on every core. ``hiradix plan`` computes the hit rate at every
+capacity from one pass over a trace (:mod:`hiradix.sim.curve`) and the cheapest tier
+sizes for a target hit rate. ``hiradix peer serve|status`` runs or inspects a peer-cache
+node. Run ``hiradix sim --help``.
 
 Bad input (an unreadable or malformed trace, a bad option) ends with a one-line error on
 stderr and exit status 2, never a traceback.
@@ -394,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", metavar="FILE", type=Path, help="write the hit rate by capacity and policy as a PNG")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sweep.set_defaults(run=run_sweep)
+    _add_plan_parser(commands)
     add_peer_subparsers(commands)
     return parser
 
@@ -581,6 +584,219 @@ def run_sweep(args: argparse.Namespace) -> int:
             print(f"plot: {args.plot}")
     except OSError as exc:
         return _fail("sweep", f"cannot write {exc.filename}: {exc.strerror or exc}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- hiradix plan
+def _fraction(text: str) -> float:
+    """argparse type: a hit rate as a fraction in (0, 1] (``0.35``) or a percentage (``35%``)."""
+    spec = text.strip()
+    try:
+        value = float(spec[:-1]) / 100 if spec.endswith("%") else float(spec)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid hit rate {text!r}: expected a fraction in (0, 1] or a percentage")
+    return value
+
+
+def _prices(text: str) -> dict[str, float]:
+    """argparse type: ``TIER=PRICE`` pairs, comma-separated (``host=4,l3=0.2``)."""
+    from hiradix.sim.curve import check_prices
+
+    prices: dict[str, float] = {}
+    for item in text.split(","):
+        tier, sep, price = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            prices[tier.strip()] = float(price)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid price {item!r}: expected TIER=PRICE, e.g. host=4") from None
+    try:
+        check_prices(prices)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return prices
+
+
+def _finite_tokens(text: str) -> int:
+    value = parse_tokens(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: must be finite")
+    return value
+
+
+def _add_plan_parser(commands: Any) -> None:
+    from hiradix.sim.curve import DEFAULT_PRICES
+
+    plan = commands.add_parser(
+        "plan",
+        help="capacity planning: hit rate at every cache size from one pass, the knee, the cheapest tier sizes",
+        description=(
+            "Compute the LRU hit rate of the tree at every capacity from one pass over a workload "
+            "(LRU stack positions over pages; see hiradix.sim.curve for when this is exact), print it "
+            "at round sizes with the knee of the curve, and the cheapest device / host / L3 sizes "
+            "that reach a target token hit rate at the given prices per GiB. Tiers are inclusive: "
+            "each holds what the tiers above it hold."
+        ),
+        epilog=_EPILOG
+        + "Example: hiradix plan --trace conversation_trace.jsonl --target-hit-rate 35%% --prices l3=5 --plot c.png",
+    )
+    _add_workload_options(plan)
+    group = plan.add_argument_group("plan")
+    group.add_argument(
+        "--page-size", metavar="N", type=_count("page size", 1), default=16, help="tokens per KV page (default: 16)"
+    )
+    group.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="llama-3-8b",
+        metavar="NAME",
+        help=f"model shape, sets KV bytes/token: {', '.join(MODELS)} (default: llama-3-8b)",
+    )
+    group.add_argument(
+        "--kv-dtype", choices=list(DTYPE_BYTES), default="bf16", metavar="DTYPE", help="KV cache dtype (default: bf16)"
+    )
+    group.add_argument(
+        "--target-hit-rate",
+        metavar="RATE",
+        type=_fraction,
+        help="token hit rate to reach, as 0.35 or 35%% (default: 90%% of the ideal, i.e. unbounded, hit rate)",
+    )
+    group.add_argument(
+        "--prices",
+        metavar="TIER=PRICE,...",
+        type=_prices,
+        default={},
+        help="prices per GiB of the tiers device, host, l3 (default: "
+        + ", ".join(f"{t}={p:g}" for t, p in DEFAULT_PRICES.items())
+        + "; see hiradix.sim.curve.DEFAULT_PRICES)",
+    )
+    group.add_argument(
+        "--min-device-tokens",
+        metavar="SIZE",
+        type=_finite_tokens,
+        help="smallest device size to consider (default: the longest prompt, so that every request fits)",
+    )
+    out = plan.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", type=Path, help="also write the curve and the plans as JSON")
+    out.add_argument("--plot", metavar="FILE", type=Path, help="write the curve, knee and chosen sizes as a PNG")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    plan.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``hiradix plan``; returns the exit status."""
+    import time
+
+    from hiradix.sim.curve import GIB, CapacityCurve, check_prices, format_size, plot_curve, recommend
+    from hiradix.sim.generators import MooncakeWorkload
+    from hiradix.sim.report import png_bytes
+
+    model = MODELS[args.model].with_dtype(args.kv_dtype)
+    bpt = model.bytes_per_token
+    try:
+        workload = _workload(args)
+        _check_writable(args.json)
+        _check_writable(args.plot)
+        start = time.perf_counter()
+        source: Any = workload.trace() if isinstance(workload, MooncakeWorkload) else workload
+        curve = CapacityCurve.from_requests(
+            source,
+            page_size=args.page_size,
+            progress=not args.no_progress,
+            total=None if args.no_progress else workload.count(),
+        )
+        wall = time.perf_counter() - start
+        target = args.target_hit_rate or 0.9 * curve.ideal_token_hit_rate
+        plans = recommend(
+            curve, target, bytes_per_token=bpt, prices=args.prices, min_device_tokens=args.min_device_tokens
+        )
+    except _UsageError as exc:
+        return _fail("plan", str(exc))
+    except TraceError as exc:
+        return _fail("plan", f"{exc} (--skip-bad-lines skips such lines)")
+    except ValueError as exc:
+        return _fail("plan", str(exc))
+    except OSError as exc:
+        return _fail("plan", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
+    prices = check_prices(args.prices)
+    description = workload.describe()
+    name = Path(description["path"]).name if "path" in description else f"{workload.name} (seed {args.seed})"
+    knee = curve.knee()
+
+    def gib(tokens: int) -> str:
+        return f"{tokens * bpt / GIB:,.1f}"
+
+    print(
+        f"hiradix plan: {name}, {curve.requests:,} requests, {format_tokens(curve.prompt_tokens)} prompt tokens, "
+        f"page {curve.page_size}, {model.name} {model.dtype} ({bpt:,} KV bytes/token); one pass in {wall:.1f} s"
+    )
+    print(
+        f"  ideal (unbounded)  {curve.ideal_token_hit_rate:.2%} of tokens, {curve.ideal_block_hit_rate:.2%} of blocks; "
+        f"reached at {format_size(curve.max_useful_tokens)} tokens ({gib(curve.max_useful_tokens)} GiB)"
+    )
+    print(
+        f"  knee               {format_size(knee)} tokens ({gib(knee)} GiB): "
+        f"{curve.token_hit_rate(knee):.2%} of tokens"
+    )
+    print()
+    print(f"  {'capacity':>9} {'GiB':>10} {'token hit':>10} {'block hit':>10} {'/ideal':>7}")
+    for size in curve.sizes():
+        rate = curve.token_hit_rate(size)
+        small = " *" if size < curve.max_prompt_tokens else ""
+        print(
+            f"  {format_tokens(size):>9} {gib(size):>10} {rate:>10.2%} {curve.block_hit_rate(size):>10.2%} "
+            f"{rate / curve.ideal_token_hit_rate:>7.1%}{small}"
+        )
+    if curve.sizes()[0] < curve.max_prompt_tokens:
+        print(f"  * below the longest prompt ({format_size(curve.max_prompt_tokens)} tokens): approximate")
+    print()
+    print(
+        f"Cheapest sizes for a {target:.2%} token hit rate (prices per GiB: "
+        + ", ".join(f"{t} {p:g}" for t, p in prices.items())
+        + "; tiers inclusive):"
+    )
+    print(
+        f"  {'layout':<15} {'device':>7} {'host':>7} {'L3':>7} {'dev hit':>8} {'host hit':>8} {'L3 hit':>7} "
+        f"{'total':>7} {'GiB dev/host/L3':>24} {'cost':>12}"
+    )
+    for plan in plans:
+        gibs = f"{plan.device_gib:,.0f}/{plan.host_gib:,.0f}/{plan.l3_gib:,.0f}"
+        print(
+            f"  {plan.layout:<15} {format_size(plan.device_tokens):>7} {format_size(plan.host_tokens):>7} "
+            f"{format_size(plan.l3_tokens):>7} {plan.device_hit_rate:>8.2%} {plan.host_hit_rate:>8.2%} "
+            f"{plan.l3_hit_rate:>7.2%} {plan.hit_rate:>7.2%} {gibs:>24} {plan.cost:>12,.0f}"
+        )
+    best = plans[0]
+    print(
+        f"  recommended: {best.layout}, device {format_size(best.device_tokens)}, host "
+        f"{format_size(best.host_tokens)}, L3 {format_size(best.l3_tokens)} tokens, cost {best.cost:,.0f}"
+    )
+    try:
+        if args.json is not None:
+            data = {
+                "hiradix_version": hiradix.__version__,
+                "workload": description,
+                "model": model.name,
+                "kv_dtype": model.dtype,
+                "bytes_per_token": bpt,
+                "wall_s": wall,
+                "target_hit_rate": target,
+                "prices": prices,
+                "curve": curve.to_dict(),
+                "plans": [p.to_dict() for p in plans],
+            }
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+        if args.plot is not None:
+            marks = {"device": best.device_tokens, "host": best.host_tokens, "L3": best.l3_tokens}
+            marks = {k: v for k, v in marks.items() if v}
+            title = f"LRU hit rate by capacity: {name}, page {curve.page_size}"
+            args.plot.write_bytes(png_bytes(plot_curve(curve, title, marks=marks, bytes_per_token=bpt)))
+            print(f"  plot: {args.plot}")
+    except OSError as exc:
+        return _fail("plan", f"cannot write {exc.filename}: {exc.strerror or exc}")
     return 0
 
 

@@ -9,6 +9,8 @@
 * :mod:`hiradix.sim.run` ties a workload, the replayer and the timing model together;
   :mod:`hiradix.sim.report` writes the summary, JSON, plots and HTML;
   :mod:`hiradix.sim.sweep` runs grids of configurations on every core.
+* :mod:`hiradix.sim.curve` gives the LRU hit rate at every capacity from one pass (LRU
+  stack positions over pages) and the cheapest tier sizes for a target hit rate.
 """
 
 from __future__ import annotations
