@@ -268,6 +268,76 @@ def test_allow_alone_starts_alone_loudly_and_not_ready(caplog: pytest.LogCapture
         assert dead in node.membership.remembered()  # and it keeps probing the seed
 
 
+def test_a_member_that_never_answers_does_not_hold_up_the_heartbeats() -> None:
+    """Member ``x`` joins through the head, then accepts connections and never says a
+    word (a stopped process). The node learns of it from a heartbeat and re-publishes to
+    it the keys it gained: that ``dir_put`` hangs (for the whole RPC timeout, far longer
+    than the TTL), and all the while the node goes on heartbeating the head, a beat
+    every round. (The re-publish used to run on the heartbeat thread: the node's
+    heartbeats stopped for the RPC timeout, and the healthy masters expired it; and its
+    status waited for the re-publish to end.) The clocks are fake so nobody expires; the
+    gaps between beats are real seconds."""
+    clock, ttl = FakeClock(), 2.0
+    base = dict(metrics_enabled=False, cluster_token=secrets.token_hex(16), pool_size=64 * (PAGE + 64), max_masters=1)
+    state = threading.Condition()
+    beats: list[tuple[str, float]] = []  # (sender, when the head heard it)
+    in_flight: dict[str, int] = {}  # the node's calls to x still waiting, by method
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        head = PeerNode(PeerConfig(**base), start=False, heartbeat_s=3600.0, clock=clock)
+        node: PeerNode | None = None
+        try:
+
+            def heard(*args: Any) -> Any:
+                with state:
+                    beats.append((args[0][0], time.monotonic()))
+                    state.notify_all()
+                return head.membership.handle("disc_heartbeat", list(args))
+
+            head.rpc.register("disc_heartbeat", heard)
+            cfg = PeerConfig(**dict(base, discovery_addr=head.address, rpc_timeout_s=30.0))
+            node = PeerNode(cfg, heartbeat_s=0.05, ttl_s=ttl, clock=clock)
+            assert node.is_ready()
+            keys = [key(i, "hung") for i in range(64)]
+            assert all(node.publish_many(keys, [page(i, 64) for i in range(64)]))
+            real = node.client.call
+
+            def call(peer: str, method: str, *args: Any, **kw: Any) -> Any:
+                if peer != hung:
+                    return real(peer, method, *args, **kw)
+                with state:
+                    in_flight[method] = in_flight.get(method, 0) + 1
+                    state.notify_all()
+                try:
+                    return real(peer, method, *args, **kw)
+                finally:
+                    with state:
+                        in_flight[method] -= 1
+                        state.notify_all()
+
+            node.client.call = call  # type: ignore[method-assign]
+            head.membership.handle("disc_join", [NodeInfo("x", hung, hung).to_wire()])
+            me = node.node_id
+            with state:
+                assert state.wait_for(lambda: in_flight.get("dir_put", 0) > 0, timeout=20), "no re-publish to x"
+                t0 = time.monotonic()
+                assert state.wait_for(lambda: sum(n == me and t > t0 for n, t in beats) >= 5, timeout=10), (
+                    "the heartbeats waited for the re-publish to the silent member"
+                )
+                gaps = np.diff([t0] + [t for n, t in beats if n == me and t > t0])
+            status = node.status()  # no wait either: readiness is not behind the re-publish
+            with state:
+                assert in_flight["dir_put"] > 0  # all of that while the re-publish hangs
+            assert gaps.max() < ttl
+            assert set(head.membership.members()) == set(status["members"]) == {head.node_id, me, "x"}
+            assert status["ready"] and status["background_errors"] == {}
+        finally:
+            silent.close()  # its queued connections are reset: the calls to x end
+            if node is not None:
+                node.close(leave=False)
+            head.close(leave=False)
+
+
 def test_a_joining_node_is_ready_with_its_share_of_the_directory() -> None:
     with InProcessCluster(2, pool_size=64 * (PAGE + 64)) as cluster:
         producer = cluster.nodes[1]  # not the head: nothing re-publishes its pages synchronously

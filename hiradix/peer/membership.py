@@ -188,7 +188,9 @@ class Membership:
     on_change:
         ``on_change(old, new)`` with the live member dicts, called from :meth:`tick`,
         :meth:`join`, :meth:`probe` or :meth:`handle` (never under the lock) whenever the
-        live set changes; a member's record changing (a restart) counts.
+        live set changes; a member's record changing (a restart) counts. It runs on the
+        caller's thread, a heartbeat round's included: slow work belongs on a thread of its
+        own (a :class:`~hiradix.peer.node.PeerNode` only wakes its sync thread).
     probe_call:
         The ``call`` of :meth:`probe` (a shorter timeout suits it); default ``call``.
     backoff:

@@ -11,8 +11,8 @@ Exposed (prefix ``hiradix_peer_``):
 - ``read_requests_total``, ``read_hits_total``, ``read_bytes_total``,
   ``write_requests_total``, ``write_bytes_total``, ``evictions_total{tier}``,
   ``promotes_total``, ``background_errors_total{kind}`` (background work that raised:
-  heartbeat or probe rounds, re-publishes, hand-offs, warm-ups, disk callbacks; the node's
-  ``status()["background_errors"]``): counters (use ``rate()`` for windows);
+  heartbeat, probe or sync rounds, re-publishes, hand-offs, warm-ups, disk callbacks; the
+  node's ``status()["background_errors"]``): counters (use ``rate()`` for windows);
 - ``read_hit_rate``: hits / requests since start;
 - ``op_latency_seconds{op, quantile}``: a summary with ``p50/p90/p99`` over a bounded
   reservoir of the most recent observations, plus ``_sum`` and ``_count`` over all of them;

@@ -17,7 +17,13 @@ A :class:`PeerNode` runs
   the ring is rebuilt, entries published by departed nodes (or by a restarted node's earlier
   incarnation) are dropped from the local shard, and this node re-publishes its own pages
   to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`), a restarted
-  node counting as having gained all of its keys.
+  node counting as having gained all of its keys. That work, and the pull of the node's
+  directory share, runs on a third thread (the *sync* thread), never on the heartbeat
+  thread: it calls members one after another, and a member that accepts connections and
+  never answers holds each call for the whole RPC timeout, far longer than the TTL. The
+  heartbeat thread only heartbeats (``heartbeat_timeout`` at most a round), so such a
+  member delays the sync thread, never this node's heartbeats: the healthy masters never
+  expire it for that.
 
 Lifecycle. A node started with seeds (``discovery_addr`` or ``seeds``) that is not itself the
 head must join: :meth:`PeerNode.start` retries its seeds until ``join_timeout_s`` and raises
@@ -396,8 +402,8 @@ class PeerNode:
         # so the directory's "newer generation wins" holds across size classes.
         self._generation_lock = threading.Lock()
         self._generations = itertools.count(1)
-        #: Failures of background work (heartbeat and probe rounds, re-publishes, warm-ups,
-        #: disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
+        #: Failures of background work (heartbeat, probe and sync rounds, re-publishes,
+        #: warm-ups, disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
         self.background_errors: dict[str, int] = {}
         self._evicted: list[EvictedPage] = []
         self._evict_lock = threading.Lock()
@@ -478,6 +484,9 @@ class PeerNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prober: threading.Thread | None = None
+        # The sync thread (see _sync_loop) and what wakes it early: a membership change.
+        self._syncer: threading.Thread | None = None
+        self._sync_wanted = threading.Event()
         self._closed = False
         # Readiness (see is_ready). ``_sync_epoch`` counts the times the node had to (re)start
         # pulling its share, so a pull that ran across a newer such change does not mark it
@@ -485,7 +494,11 @@ class PeerNode:
         # A node with nobody to join may count itself a cluster of one only after
         # ``_alone_until`` (its membership clock): by then every member that remembers its
         # address has probed it (the members' probe backoff, plus a round each side).
+        # ``_ready_lock`` guards those three numbers alone. ``_change_lock`` serializes the
+        # changes of the live set and is held across their re-publish, RPCs to members that
+        # may hang: is_ready (status, /ready, the metrics) must never wait for it.
         self._change_lock = threading.Lock()
+        self._ready_lock = threading.Lock()
         self._ring_members: dict[str, NodeInfo] = {self.node_id: me}
         self._sync_epoch = 1
         self._synced_epoch = 0
@@ -582,12 +595,15 @@ class PeerNode:
         return joined
 
     def tick(self) -> bool:
-        """One heartbeat round (the background thread calls this every ``heartbeat_s``),
-        then the pull of this node's directory share if it is due (see :meth:`is_ready`).
-        Returns whether the live set changed."""
+        """One heartbeat round, then, on the calling thread, what the sync thread does: the
+        change of the live set applied (ring, re-publish; one that failed is retried) and
+        the pull of this node's directory share if it is due (see :meth:`is_ready`). For
+        nodes driven by hand (:class:`InProcessCluster`, tests); the background threads do
+        the two halves apart (:meth:`start_heartbeat`). Returns whether the live set
+        changed. Runtime complexity: one RPC per master, then as :meth:`_apply_members`
+        and :meth:`_sync`."""
         changed = self.membership.tick()
-        if self._ring_members != self.membership.members():
-            self._on_membership_change({}, {})  # a change whose re-publish failed: retry it
+        self._guard("republish", self._apply_members)
         self._sync()
         return changed
 
@@ -597,21 +613,46 @@ class PeerNode:
         return self.membership.probe()
 
     def start_heartbeat(self) -> None:
-        """Start the background heartbeat and probe threads (idempotent)."""
+        """Start the background threads (idempotent): heartbeat (a membership round every
+        ``heartbeat_s``), probe (the remembered peers due), and sync (membership changes
+        applied, the directory share pulled; see :meth:`_sync_loop`). From then on a
+        membership change only wakes the sync thread, whichever thread reports it."""
         if self._thread is not None:
             return
+        # The sync thread first: a change reported once the heartbeat runs must find it.
+        self._syncer = threading.Thread(target=self._sync_loop, name=f"peer-sync-{self.node_id}", daemon=True)
+        self._syncer.start()
         self._thread = threading.Thread(target=self._heartbeat_loop, name=f"peer-hb-{self.node_id}", daemon=True)
         self._thread.start()
         self._prober = threading.Thread(target=self._probe_loop, name=f"peer-probe-{self.node_id}", daemon=True)
         self._prober.start()
 
     def _heartbeat_loop(self) -> None:
+        # Heartbeats only: a round takes heartbeat_timeout at most however many members
+        # hang (see Membership.tick). Everything that calls members one by one is the sync
+        # thread's.
         while not self._stop.wait(self.heartbeat_s):
-            self._guard("heartbeat", self.tick)  # the loop must outlive one bad round
+            self._guard("heartbeat", self.membership.tick)  # the loop must outlive one bad round
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             self._guard("probe", self.membership.probe)
+
+    def _sync_loop(self) -> None:
+        """Apply membership changes (:meth:`_apply_members`: ring, re-publish, hand-offs) and
+        pull the directory share while due (:meth:`_sync`), at once on a change and every
+        ``heartbeat_s`` besides (a failed re-publish or pull is retried so). A member that
+        hangs holds this thread for its RPC timeout per call; changes reported meanwhile
+        are applied together when it comes back."""
+        while not self._stop.is_set():
+            self._sync_wanted.wait(self.heartbeat_s)
+            # A change reported between the wait and the clear is not lost: it is in the
+            # membership already, and the round below reads the membership afresh.
+            self._sync_wanted.clear()
+            if self._stop.is_set():
+                return
+            self._guard("republish", self._apply_members)
+            self._guard("sync", self._sync)
 
     def _guard(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run as background work of ``kind``: an exception never kills the
@@ -644,7 +685,7 @@ class PeerNode:
         without seeds is not ready before the members that remember it are back in its
         view. Until then reads through it may miss pages the cluster has.
         Runtime complexity: ``O(1)``."""
-        with self._change_lock:
+        with self._ready_lock:
             return self._synced_epoch == self._sync_epoch
 
     def _sync(self) -> bool:
@@ -652,7 +693,7 @@ class PeerNode:
         the node is ready. A member that fails leaves the node not ready until the next
         round (by then it answered or expired). Runtime complexity: one ``dir_handoff`` RPC
         per member and ``HANDOFF_BATCH`` entries."""
-        with self._change_lock:
+        with self._ready_lock:
             epoch = self._sync_epoch
             if self._synced_epoch == epoch:
                 return True
@@ -661,7 +702,7 @@ class PeerNode:
         if len(members) == 1:
             if self._alone_until is None or self.membership.clock() < self._alone_until:
                 return False  # still alone: nothing to pull from yet
-            with self._change_lock:
+            with self._ready_lock:
                 if self._sync_epoch == epoch:
                     self._synced_epoch = epoch
                     log.info("%s: ready: alone, no member came back (a new cluster)", self.node_id)
@@ -685,7 +726,7 @@ class PeerNode:
             except Exception as exc:  # a dead member: it expires, or answers next round
                 complete = False
                 log.debug("%s: directory hand-off from %s failed: %s", self.node_id, nid, describe_failure(exc)[0])
-        with self._change_lock:
+        with self._ready_lock:
             if complete and self._sync_epoch == epoch:
                 self._synced_epoch = epoch
                 log.info(
@@ -745,15 +786,22 @@ class PeerNode:
         return [out, len(mine) > HANDOFF_BATCH]
 
     def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
-        # Membership calls this on the heartbeat, probe and RPC threads (a peer's join): a
-        # failing re-publish must neither kill those nor fail the peer's call.
-        self._guard("republish", self._apply_members)
+        # Membership calls this on the heartbeat, probe and RPC threads (a peer's join).
+        # The re-publish calls owners one by one, so it must not hold any of those up (a
+        # hung owner would stall the heartbeats past the TTL, or fail the peer's call): it
+        # is the sync thread's once that runs. A node driven by hand applies it here; a
+        # failing re-publish then neither kills the caller nor fails the peer's call.
+        if self._syncer is not None:
+            self._sync_wanted.set()
+        else:
+            self._guard("republish", self._apply_members)
 
     def _apply_members(self) -> None:
         """Bring the ring from what it was built of to the current live set and re-publish
         this node's entries to the owners they gained. Calls come in any order and run one
-        at a time. On failure the ring stays the old one, so the next heartbeat round
-        (:meth:`tick`) applies the change again; every step of it is idempotent."""
+        at a time. On failure the ring stays the old one, so the next sync round
+        (:meth:`_sync_loop`, or :meth:`tick`) applies the change again; every step of it is
+        idempotent."""
         with self._change_lock:
             new = self.membership.members()
             old = self._ring_members
@@ -770,8 +818,9 @@ class PeerNode:
         self._ring_members = new
         if len(old) == 1 and len(new) > 1:
             # Was alone, merged into a cluster: learn its members, then pull the share.
-            self._sync_epoch += 1
-            self._ack_mark = self.membership.acknowledgements
+            with self._ready_lock:
+                self._sync_epoch += 1
+                self._ack_mark = self.membership.acknowledgements
         old_ring = self.directory.ring.copy()
         new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
         for gone in old.keys() - new.keys():
@@ -1458,9 +1507,13 @@ class PeerNode:
             return
         self._closed = True
         self._stop.set()
-        for t in (self._thread, self._prober):
+        self._sync_wanted.set()
+        # One deadline for all: a thread in a call to a hung member ends with the call (its
+        # RPC timeout); close does not wait for that past 5 s (the threads are daemons).
+        deadline = time.monotonic() + 5.0
+        for t in (self._thread, self._prober, self._syncer):
             if t is not None:
-                t.join(timeout=5.0)
+                t.join(timeout=max(deadline - time.monotonic(), 0.0))
         if leave:
             with contextlib.suppress(Exception):
                 self.membership.leave()
