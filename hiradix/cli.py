@@ -31,7 +31,7 @@ from hiradix.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
-from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size
+from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
 from hiradix.sim.report import render_plots, summary, to_json, write_html, write_plots
 from hiradix.sim.run import simulate
@@ -621,10 +621,13 @@ def _prices(text: str) -> dict[str, float]:
 
 
 def _finite_tokens(text: str) -> int:
-    value = parse_tokens(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: must be finite")
-    return value
+    try:
+        size = Size.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size.tokens is None:
+        raise argparse.ArgumentTypeError(f"invalid token count {text!r}: must be a finite number of tokens")
+    return size.tokens
 
 
 def _add_plan_parser(commands: Any) -> None:

@@ -349,7 +349,7 @@ def test_cli_plan_prints_the_curve_and_writes_json_and_plot(tmp_path: Path, caps
         (["--target-hit-rate", "0.99"], "above the ideal"),
         (["--prices", "gpu=3"], "unknown tier"),
         (["--prices", "host"], "TIER=PRICE"),
-        (["--min-device-tokens", "-5"], "token count"),
+        (["--min-device-tokens", "-5"], "invalid size"),
         (["--json", "/no/such/dir/x.json"], "folder does not exist"),
     ],
 )
