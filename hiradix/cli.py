@@ -33,7 +33,7 @@ from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
-from hiradix.sim.report import render_plots, summary, to_json, write_html, write_plots
+from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
 from hiradix.sim.run import simulate
 from hiradix.sim.timing import DTYPE_BYTES, MODELS, Link
 
@@ -365,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--html", metavar="FILE", type=Path, help="write a self-contained HTML report (plots embedded)")
     out.add_argument(
+        "--curve",
+        action="store_true",
+        help="also compute the one-pass capacity curve (hiradix plan) over the same workload: print what it "
+        "predicts for these tier sizes beside the replay, and add the curve, with the sizes marked, to "
+        "--plots/--html",
+    )
+    out.add_argument(
         "--check-invariants-every",
         metavar="N",
         type=_count("request count", 0),
@@ -516,11 +523,14 @@ def run_sim(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
     print(summary(result))
+    curve_png = _sim_curve(args, workload, resolved, result) if args.curve else None
     try:
         if args.json is not None:
             args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
         if args.plots is not None or args.html is not None:
             rendered = render_plots(result)
+            if curve_png is not None:
+                rendered["capacity_curve"] = curve_png
             if args.plots is not None:
                 paths = write_plots(result, args.plots, rendered)
                 print(f"  plots         {', '.join(str(p) for p in paths)}")
@@ -529,6 +539,34 @@ def run_sim(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("sim", f"cannot write {exc.filename}: {exc.strerror or exc}")
     return 0
+
+
+def _sim_curve(args: argparse.Namespace, workload: Workload, resolved: ResolvedConfig, result: Any) -> bytes | None:
+    """``hiradix sim --curve``: the one-pass curve over the replayed workload, its
+    prediction for the replayed tier sizes printed beside the replay's hit rates, and the
+    curve as PNG bytes (the sizes marked) when plots or HTML are asked for."""
+    from hiradix.sim.curve import CapacityCurve, plot_curve
+    from hiradix.sim.report import png_bytes
+
+    curve = CapacityCurve.from_requests(
+        workload, page_size=resolved.config.page_size, progress=False if args.no_progress else None
+    )
+    device = resolved.device_tokens if resolved.device_tokens is not None else curve.max_useful_tokens
+    host = resolved.host_tokens if resolved.host_tokens is not None else curve.max_useful_tokens
+    predicted = curve.tiers(device, host)
+    rates = result.stats.rates()
+    print(
+        f"  curve         LRU prediction for these sizes: device {predicted['device']:.2%}, device+host "
+        f"{predicted['device'] + predicted['host']:.2%} (replayed: {rates['device_token_hit_rate']:.2%}, "
+        f"{rates['device_token_hit_rate'] + rates['host_token_hit_rate']:.2%}); knee {format_tokens(curve.knee())} "
+        "tokens; the curve is exact for LRU when every prompt fits the device and an upper bound otherwise "
+        "(hiradix.sim.curve)"
+    )
+    if args.plots is None and args.html is None:
+        return None
+    marks = {"device": device, "device + host": host}
+    title = f"Capacity curve, {source_name(result)}, page {curve.page_size}"
+    return png_bytes(plot_curve(curve, title, marks=marks, bytes_per_token=int(resolved.timing.rank_bytes_per_token)))
 
 
 def run_sweep(args: argparse.Namespace) -> int:

@@ -373,3 +373,17 @@ def test_cli_plan_empty_or_missing_trace(tmp_path: Path, capsys: pytest.CaptureF
     bad.write_text('{"timestamp": 0}\n')
     assert main(["plan", "--trace", str(bad), "--no-progress"]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_cli_sim_curve_prints_the_prediction_and_embeds_the_curve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", random_trace(6, 300))
+    html = tmp_path / "r.html"
+    argv = ["sim", "--trace", str(trace), "--device-tokens", "200k", "--host-tokens", "800k", "--l3-backend", "none"]
+    assert run_cli([*argv, "--curve", "--html", str(html), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("curve"))
+    assert "LRU prediction for these sizes" in line and "replayed" in line
+    text = html.read_text()
+    assert "one pass" in text and text.count("data:image/png;base64") == 4  # three plots and the curve

@@ -416,6 +416,8 @@ _CAPTIONS = {
     "ttft_cdf": "Estimated time to first token per request on an idle GPU (no queueing), for the tiers as "
     "replayed and with lower tiers removed.",
     "occupancy": "Tokens each tier holds after each request (solid) against its capacity (dotted).",
+    "capacity_curve": "Token hit rate an LRU cache of each size would reach on this workload, from one pass "
+    "(hiradix.sim.curve), with the replayed tier sizes and the knee marked.",
 }
 
 
