@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
+
 import hiradix
 from hiradix.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
@@ -35,7 +37,7 @@ from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, Sim
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
 from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
 from hiradix.sim.run import simulate
-from hiradix.sim.timing import DTYPE_BYTES, MODELS, Link
+from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
 
 __all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "main"]
 
@@ -706,6 +708,20 @@ def _add_plan_parser(commands: Any) -> None:
         help="token hit rate to reach, as 0.35 or 35%% (default: 90%% of the ideal, i.e. unbounded, hit rate)",
     )
     group.add_argument(
+        "--target-p90-ttft",
+        metavar="SECONDS",
+        type=_positive("TTFT target"),
+        help="instead of a hit rate: the cheapest sizes whose p90 TTFT (estimated per request with the "
+        "simulator's timing model, on an idle GPU) is at most SECONDS",
+    )
+    group.add_argument("--tp", metavar="N", type=_count("tp", 1), default=1, help="tensor parallelism (default: 1)")
+    group.add_argument(
+        "--l3-link",
+        choices=["rdma", "tcp", "disk"],
+        default="tcp",
+        help="the L3 link for --target-p90-ttft (default: tcp, what the peer cache runs on today)",
+    )
+    group.add_argument(
         "--prices",
         metavar="TIER=PRICE,...",
         type=_prices,
@@ -731,7 +747,15 @@ def run_plan(args: argparse.Namespace) -> int:
     """Run ``hiradix plan``; returns the exit status."""
     import time
 
-    from hiradix.sim.curve import GIB, CapacityCurve, check_prices, format_size, plot_curve, recommend
+    from hiradix.sim.curve import (
+        GIB,
+        CapacityCurve,
+        check_prices,
+        format_size,
+        plot_curve,
+        recommend,
+        recommend_for_ttft,
+    )
     from hiradix.sim.generators import MooncakeWorkload
     from hiradix.sim.report import png_bytes
 
@@ -751,9 +775,25 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         wall = time.perf_counter() - start
         target = args.target_hit_rate or 0.9 * curve.ideal_token_hit_rate
-        plans = recommend(
-            curve, target, bytes_per_token=bpt, prices=args.prices, min_device_tokens=args.min_device_tokens
-        )
+        if args.target_p90_ttft is not None:
+            if args.target_hit_rate is not None:
+                raise _UsageError("give --target-hit-rate or --target-p90-ttft, not both")
+            timing = TimingModel(model=model, tp=args.tp, l3=LINKS[args.l3_link])
+            plans = recommend_for_ttft(
+                curve, timing, args.target_p90_ttft, bytes_per_token=bpt, prices=args.prices,
+                min_device_tokens=args.min_device_tokens,
+            )
+            if not plans:
+                no_cache = float(np.percentile(curve.ttft(timing, 0), 90))
+                raise _UsageError(
+                    f"no layout reaches a p90 TTFT of {args.target_p90_ttft:g} s (no cache: {no_cache:.3g} s; "
+                    f"with everything cached on the device: "
+                    f"{float(np.percentile(curve.ttft(timing, curve.max_useful_tokens), 90)):.3g} s)"
+                )
+        else:
+            plans = recommend(
+                curve, target, bytes_per_token=bpt, prices=args.prices, min_device_tokens=args.min_device_tokens
+            )
     except _UsageError as exc:
         return _fail("plan", str(exc))
     except TraceError as exc:
@@ -794,8 +834,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if curve.sizes()[0] < curve.max_prompt_tokens:
         print(f"  * below the longest prompt ({format_size(curve.max_prompt_tokens)} tokens): approximate")
     print()
+    goal = (
+        f"a p90 TTFT of at most {args.target_p90_ttft:g} s (tp {args.tp}, L3 over {args.l3_link})"
+        if args.target_p90_ttft is not None
+        else f"a {target:.2%} token hit rate"
+    )
     print(
-        f"Cheapest sizes for a {target:.2%} token hit rate (prices per GiB: "
+        f"Cheapest sizes for {goal} (prices per GiB: "
         + ", ".join(f"{t} {p:g}" for t, p in prices.items())
         + "; tiers inclusive):"
     )
@@ -809,6 +854,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"  {plan.layout:<15} {format_size(plan.device_tokens):>7} {format_size(plan.host_tokens):>7} "
             f"{format_size(plan.l3_tokens):>7} {plan.device_hit_rate:>8.2%} {plan.host_hit_rate:>8.2%} "
             f"{plan.l3_hit_rate:>7.2%} {plan.hit_rate:>7.2%} {gibs:>24} {plan.cost:>12,.0f}"
+            + (f"  p90 TTFT {plan.ttft_s:.3g} s" if plan.ttft_s is not None else "")
         )
     best = plans[0]
     print(
@@ -824,7 +870,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 "kv_dtype": model.dtype,
                 "bytes_per_token": bpt,
                 "wall_s": wall,
-                "target_hit_rate": target,
+                "target_hit_rate": None if args.target_p90_ttft is not None else target,
+                "target_p90_ttft_s": args.target_p90_ttft,
                 "prices": prices,
                 "curve": curve.to_dict(),
                 "plans": [p.to_dict() for p in plans],

@@ -387,3 +387,67 @@ def test_cli_sim_curve_prints_the_prediction_and_embeds_the_curve(
     assert "LRU prediction for these sizes" in line and "replayed" in line
     text = html.read_text()
     assert "one pass" in text and text.count("data:image/png;base64") == 4  # three plots and the curve
+
+
+# ----------------------------------------------------------------------------- TTFT targets
+def _chat_curve() -> CapacityCurve:
+    return CapacityCurve.from_requests(ChatWorkload(requests=300, seed=3), page_size=16)
+
+
+def test_request_hits_add_up_to_the_curve_at_every_capacity() -> None:
+    curve = _chat_curve()
+    for tokens in (0, 16, 5_000, 40_000, curve.max_useful_tokens // 2, curve.max_useful_tokens):
+        hits = curve.request_hit_tokens(tokens)
+        assert hits.shape == (curve.requests,) and hits.min() >= 0
+        assert int(hits.sum()) == int(curve.token_hits[min(tokens // 16, curve.max_pages)])
+        assert np.all(hits <= curve.request_pages * 16)
+
+
+def test_ttft_per_request_uses_each_tiers_hits() -> None:
+    from hiradix.sim.timing import LINKS, TimingModel
+
+    curve = _chat_curve()
+    timing = TimingModel(l3=LINKS["tcp"])
+    d, h, top = 20_000, 60_000, curve.max_useful_tokens
+    dh, hh, th = (curve.request_hit_tokens(x) for x in (d, h, top))
+    expect = timing.ttft(curve.request_inputs, dh, hh - dh, th - hh)
+    assert np.array_equal(curve.ttft(timing, d, h, top), expect)
+    assert np.all(curve.ttft(timing, top) <= curve.ttft(timing, 0))  # all on the device beats none
+
+
+def test_recommend_for_ttft_meets_the_target_at_the_smallest_size_tried() -> None:
+    from hiradix.sim.curve import recommend_for_ttft
+    from hiradix.sim.timing import LINKS, TimingModel
+
+    curve = _chat_curve()
+    timing = TimingModel(l3=LINKS["rdma"])
+    none = float(np.percentile(curve.ttft(timing, 0), 90))
+    best = float(np.percentile(curve.ttft(timing, curve.max_useful_tokens), 90))
+    target = best + 0.5 * (none - best)
+    plans = recommend_for_ttft(curve, timing, target, bytes_per_token=131_072)
+    assert plans and [p.cost for p in plans] == sorted(p.cost for p in plans)
+    for plan in plans:
+        assert plan.ttft_s is not None and plan.ttft_s <= target
+        got = np.percentile(curve.ttft(timing, plan.device_tokens, plan.host_tokens, plan.l3_tokens), 90)
+        assert got == pytest.approx(plan.ttft_s)
+    device_only = next(p for p in plans if p.layout == "device")
+    smaller = max(curve.max_prompt_tokens, device_only.device_tokens // 2)
+    if smaller < device_only.device_tokens:
+        assert np.percentile(curve.ttft(timing, smaller), 90) > target or smaller == curve.max_prompt_tokens
+    assert recommend_for_ttft(curve, timing, best / 10, bytes_per_token=131_072) == []
+    with pytest.raises(ValueError, match="TTFT"):
+        recommend_for_ttft(curve, timing, 0, bytes_per_token=131_072)
+
+
+def test_cli_plan_for_a_ttft_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", random_trace(6, 300))
+    base = ["plan", "--trace", str(trace), "--no-progress"]
+    assert run_cli([*base, "--target-p90-ttft", "10", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "p90 TTFT of at most 10 s" in out and "p90 TTFT" in out.splitlines()[-1] or "recommended" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["target_p90_ttft_s"] == 10 and data["plans"][0]["ttft_s"] <= 10
+    assert run_cli([*base, "--target-p90-ttft", "0.000001"]) == 2
+    assert "no layout reaches a p90 TTFT" in capsys.readouterr().err
+    assert run_cli([*base, "--target-p90-ttft", "1", "--target-hit-rate", "10%"]) == 2
+    assert "not both" in capsys.readouterr().err

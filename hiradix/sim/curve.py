@@ -97,12 +97,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from hiradix.sim.timing import TimingModel
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 
 GIB = 1 << 30
@@ -228,6 +229,7 @@ class _Pages:
     pages: np.ndarray  # prompt pages per request
     blocks: np.ndarray  # trace blocks per request (all of them, the denominator of block rates)
     input_tokens: int
+    inputs: np.ndarray  # input tokens per request (page-aligned or not), for TTFT
 
 
 def _read_pages(
@@ -266,7 +268,7 @@ def _read_pages(
     block_first = np.cumsum(nblocks) - nblocks
     page_block = block_ids[block_first[owner] + last_token // BLOCK_TOKENS] if total else block_ids[:0]
     keys = page_block * BLOCK_TOKENS + last_token % BLOCK_TOKENS
-    return _Pages(keys, pages, nblocks, int(lengths.sum()))
+    return _Pages(keys, pages, nblocks, int(lengths.sum()), lengths)
 
 
 # ---------------------------------------------------------------------------- the curve
@@ -297,6 +299,11 @@ class CapacityCurve:
     token_hits: np.ndarray
     block_hits: np.ndarray
     max_prompt_tokens: int  # the longest page-aligned prompt: below it a request may not fit
+    # Per request, for TTFT (request_hit_tokens): every page's stack position in access
+    # order, the pages and the input tokens of each request. Not part of the summary.
+    positions: np.ndarray | None = field(default=None, repr=False, compare=False)
+    request_pages: np.ndarray | None = field(default=None, repr=False, compare=False)
+    request_inputs: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_requests(
@@ -354,6 +361,9 @@ class CapacityCurve:
             token_hits=token_hits,
             block_hits=block_hits,
             max_prompt_tokens=int(prompt.max()),
+            positions=positions,
+            request_pages=pages.pages,
+            request_inputs=pages.inputs,
         )
 
     # ------------------------------------------------------------------ reading the curve
@@ -411,6 +421,29 @@ class CapacityCurve:
         h = self.token_hit_rate(max(device, host))
         total = self.token_hit_rate(max(device, host, l3))
         return {"device": d, "host": h - d, "l3": total - h, "total": total}
+
+    def request_hit_tokens(self, tokens: int) -> np.ndarray:
+        """Prompt tokens each request hits with an LRU cache of ``tokens`` (whole pages),
+        in request order: the pages whose stack position is within the capacity, which
+        (prefix closure, module docstring) are a prefix of the request's pages.
+        ``O(pages)``; :class:`ValueError` on a curve built without per-request data."""
+        if self.positions is None or self.request_pages is None:
+            raise ValueError("this curve has no per-request data (build it with from_requests)")
+        c = int(tokens) // self.page_size
+        hit = (self.positions > 0) & (self.positions <= c)
+        cs = np.concatenate(([0], np.cumsum(hit, dtype=np.int64)))
+        ends = np.cumsum(self.request_pages)
+        return (cs[ends] - cs[ends - self.request_pages]) * self.page_size
+
+    def ttft(self, timing: TimingModel, device: int, host: int = 0, l3: int = 0) -> np.ndarray:
+        """Estimated TTFT per request (seconds, :meth:`TimingModel.ttft`) with inclusive
+        LRU tiers of these sizes: device hits are the hits at the device size, host hits
+        the further hits up to the host size, L3 hits the rest up to the L3 size.
+        ``O(pages)``."""
+        d = self.request_hit_tokens(device)
+        h = self.request_hit_tokens(max(device, host))
+        t = self.request_hit_tokens(max(device, host, l3))
+        return timing.ttft(self.request_inputs, d, h - d, t - h)
 
     def capacity_for(self, rate: float, *, block: bool = False) -> int | None:
         """The smallest capacity (tokens, whole pages) whose token (or block) hit rate is
@@ -508,6 +541,7 @@ class Plan:
     host_gib: float
     l3_gib: float
     cost: float
+    ttft_s: float | None = None  # the TTFT percentile asked for (recommend_for_ttft), seconds
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -567,11 +601,7 @@ def recommend(
             f"target hit rate {target:.2%} is above the ideal {curve.ideal_token_hit_rate:.2%} "
             "(unbounded capacity) of this workload"
         )
-    ps = curve.page_size
-    floor = curve.max_prompt_tokens if min_device_tokens is None else min_device_tokens
-    if floor < 0:
-        raise ValueError(f"min_device_tokens must be >= 0, got {floor}")
-    floor = max(ps, -(-floor // ps) * ps)
+    floor = _floor_tokens(curve, min_device_tokens)
     plans = []
     for layout in LAYOUTS:
         sizes = dict.fromkeys(TIERS, 0)
@@ -580,24 +610,93 @@ def recommend(
         if len(layout) > 1 and need <= floor:
             continue  # the floor alone reaches the target: a lower tier adds only cost
         sizes[layout[-1]] = max(need, floor)
-        rates = curve.tiers(sizes["device"], sizes["host"], sizes["l3"])
-        gib = {tier: sizes[tier] * bytes_per_token / GIB for tier in TIERS}
-        plans.append(
-            Plan(
-                layout="+".join(layout),
-                device_tokens=sizes["device"],
-                host_tokens=sizes["host"],
-                l3_tokens=sizes["l3"],
-                device_hit_rate=rates["device"],
-                host_hit_rate=rates["host"],
-                l3_hit_rate=rates["l3"],
-                hit_rate=rates["total"],
-                device_gib=gib["device"],
-                host_gib=gib["host"],
-                l3_gib=gib["l3"],
-                cost=sum(gib[tier] * price[tier] for tier in TIERS),
-            )
-        )
+        plans.append(_plan(curve, layout, sizes, bytes_per_token, price))
+    return sorted(plans, key=lambda p: p.cost)
+
+
+def _plan(
+    curve: CapacityCurve,
+    layout: tuple[str, ...],
+    sizes: dict[str, int],
+    bytes_per_token: int,
+    price: dict[str, float],
+    ttft_s: float | None = None,
+) -> Plan:
+    rates = curve.tiers(sizes["device"], sizes["host"], sizes["l3"])
+    gib = {tier: sizes[tier] * bytes_per_token / GIB for tier in TIERS}
+    return Plan(
+        layout="+".join(layout),
+        device_tokens=sizes["device"],
+        host_tokens=sizes["host"],
+        l3_tokens=sizes["l3"],
+        device_hit_rate=rates["device"],
+        host_hit_rate=rates["host"],
+        l3_hit_rate=rates["l3"],
+        hit_rate=rates["total"],
+        device_gib=gib["device"],
+        host_gib=gib["host"],
+        l3_gib=gib["l3"],
+        cost=sum(gib[tier] * price[tier] for tier in TIERS),
+        ttft_s=ttft_s,
+    )
+
+
+def _floor_tokens(curve: CapacityCurve, min_device_tokens: int | None) -> int:
+    floor = curve.max_prompt_tokens if min_device_tokens is None else min_device_tokens
+    if floor < 0:
+        raise ValueError(f"min_device_tokens must be >= 0, got {floor}")
+    return max(curve.page_size, -(-floor // curve.page_size) * curve.page_size)
+
+
+def recommend_for_ttft(
+    curve: CapacityCurve,
+    timing: TimingModel,
+    target_s: float,
+    *,
+    percentile: float = 90.0,
+    bytes_per_token: int,
+    prices: dict[str, float] | None = None,
+    min_device_tokens: int | None = None,
+    candidates: int = 48,
+) -> list[Plan]:
+    """The cheapest sizes of each layout of :data:`LAYOUTS` whose ``percentile`` TTFT
+    (estimated per request with ``timing``, :meth:`CapacityCurve.ttft`) is at most
+    ``target_s`` seconds, cheapest first; a layout that cannot reach it at any size is
+    left out, and an empty list means none can.
+
+    As in :func:`recommend`, the tiers above a layout's lowest one stay at their floor
+    and the lowest one grows; but TTFT is not monotone in capacity (an L3 hit over a slow
+    link can take longer than recomputing the tokens), so each layout is evaluated at
+    ``candidates`` sizes spaced evenly on a log scale from the floor to the capacity that
+    hits everything, and the smallest size that meets the target is taken: a plan is the
+    cheapest of those sizes, not of every size. Each :attr:`Plan.ttft_s` is the
+    percentile reached. ``O(candidates x layouts x pages)``.
+    """
+    price = check_prices(prices or {})
+    if not target_s > 0:
+        raise ValueError(f"target TTFT must be > 0 seconds, got {target_s}")
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    if bytes_per_token < 1:
+        raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+    ps = curve.page_size
+    floor = _floor_tokens(curve, min_device_tokens)
+    top = max(floor, curve.max_useful_tokens)
+    grid = np.unique(np.geomspace(floor, top, candidates).astype(np.int64) // ps * ps)
+    grid = grid[grid >= floor]
+    plans = []
+    for layout in LAYOUTS:
+        for size in grid:
+            sizes = dict.fromkeys(TIERS, 0)
+            for tier in layout:
+                sizes[tier] = floor
+            sizes[layout[-1]] = int(size)
+            if len(layout) > 1 and size <= floor:
+                continue  # the same as the layout without this tier
+            reached = float(np.percentile(curve.ttft(timing, sizes["device"], sizes["host"], sizes["l3"]), percentile))
+            if reached <= target_s:
+                plans.append(_plan(curve, layout, sizes, bytes_per_token, price, reached))
+                break
     return sorted(plans, key=lambda p: p.cost)
 
 
