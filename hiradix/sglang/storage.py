@@ -205,9 +205,10 @@ class _SGLangStorage(HiCacheStorage):
         any layout) for the v1 calls; the page geometry is read from it once. ``O(1)``."""
         if not isinstance(mem_pool_host, HostKVCache):
             raise TypeError(f"mem_pool_host must be SGLang's HostKVCache, got {type(mem_pool_host).__name__}")
-        dummy = mem_pool_host.get_dummy_flat_data_page()
+        # A view of page 0, not get_dummy_flat_data_page(): that one allocates pinned
+        # memory, which fails where no accelerator is present.
         page = mem_pool_host.get_data_page(0, flat=False)
-        self._page_dtype, self._page_numel = dummy.dtype, int(dummy.numel())
+        self._page_dtype, self._page_numel = page.dtype, int(page.numel())
         # In place only where a page view is contiguous and its row-major order is the
         # flat page's (always so for a contiguous view: flat = view.flatten()).
         self._in_place = bool(page.is_contiguous()) and page.device.type == "cpu"
