@@ -437,11 +437,21 @@ class StorageBackend(ABC):
         stored (SGLang's convention); pages stored before a failure stay stored.
         Runtime complexity: ``O(total bytes)``.
         """
+        return all(self.batch_set_each(keys, values))
+
+    def batch_set_each(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+        """:meth:`batch_set` with one bool per key: whether that page was stored.
+        Runtime complexity: ``O(total bytes)``.
+
+        >>> from hiradix.storage.memory import MemoryStorage
+        >>> MemoryStorage(capacity_bytes=2).batch_set_each(["a", "b"], [b"1", b"333"])
+        [True, False]
+        """
         keys = check_keys(keys)
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
         views = [as_byte_view(v) for v in values]
-        return all(self._put_many_safe(keys, views))
+        return self._put_many_safe(keys, views)
 
     def _put_many(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         """Store each of ``views`` under its key (see :meth:`_put`). The default calls
