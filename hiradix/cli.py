@@ -189,8 +189,9 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_timing_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("timing model (see hiradix.sim.timing)")
+def _add_model_options(group: Any) -> None:
+    """``--model``, ``--kv-dtype`` and ``--tp``: what sets the KV bytes per token and the
+    prefill rate (``hiradix sim``, ``sweep`` and ``plan`` alike)."""
     group.add_argument(
         "--model",
         choices=list(MODELS),
@@ -202,6 +203,11 @@ def _add_timing_options(parser: argparse.ArgumentParser) -> None:
         "--kv-dtype", choices=list(DTYPE_BYTES), default="bf16", metavar="DTYPE", help="KV cache dtype (default: bf16)"
     )
     group.add_argument("--tp", metavar="N", type=_count("tp", 1), default=1, help="tensor-parallel ranks (default: 1)")
+
+
+def _add_timing_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("timing model (see hiradix.sim.timing)")
+    _add_model_options(group)
     group.add_argument(
         "--gpu",
         choices=list(GPUS),
@@ -691,16 +697,7 @@ def _add_plan_parser(commands: Any) -> None:
     group.add_argument(
         "--page-size", metavar="N", type=_count("page size", 1), default=16, help="tokens per KV page (default: 16)"
     )
-    group.add_argument(
-        "--model",
-        choices=list(MODELS),
-        default="llama-3-8b",
-        metavar="NAME",
-        help=f"model shape, sets KV bytes/token: {', '.join(MODELS)} (default: llama-3-8b)",
-    )
-    group.add_argument(
-        "--kv-dtype", choices=list(DTYPE_BYTES), default="bf16", metavar="DTYPE", help="KV cache dtype (default: bf16)"
-    )
+    _add_model_options(group)
     group.add_argument(
         "--target-hit-rate",
         metavar="RATE",
@@ -714,7 +711,6 @@ def _add_plan_parser(commands: Any) -> None:
         help="instead of a hit rate: the cheapest sizes whose p90 TTFT (estimated per request with the "
         "simulator's timing model, on an idle GPU) is at most SECONDS",
     )
-    group.add_argument("--tp", metavar="N", type=_count("tp", 1), default=1, help="tensor parallelism (default: 1)")
     group.add_argument(
         "--l3-link",
         choices=["rdma", "tcp", "disk"],

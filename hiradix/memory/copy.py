@@ -54,7 +54,7 @@ import torch
 
 from hiradix._native import load
 from hiradix.memory import kernel as _kernel
-from hiradix.memory.pools import DeviceKVPool, HostKVPool
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
 
 __all__ = [
     "CopyEngine",
@@ -347,16 +347,6 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
-def _rows_contiguous(t: torch.Tensor, lead: int) -> bool:
-    """Whether each row ``t[i_0, .., i_lead-1]`` is one contiguous run of elements."""
-    expect = 1
-    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:]), strict=True):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
 def _device_regions(pool: DeviceKVPool) -> list[list[_Region]] | None:
     if pool.device.type != "cpu":
         return None
@@ -364,7 +354,7 @@ def _device_regions(pool: DeviceKVPool) -> list[list[_Region]] | None:
     for layer in range(pool.layer_num):
         regions = []
         for buf in pool.layer_buffers(layer):
-            if not _rows_contiguous(buf, 1):
+            if not rows_contiguous(buf, 1):
                 return None
             isz = buf.element_size()
             row = buf[0].numel() * isz
@@ -378,7 +368,7 @@ def _host_regions(pool: HostKVPool) -> list[list[_Region]] | None:
     for layer in range(pool.layer_num):
         regions = []
         for view in pool.get_page_layer_view(layer):  # [pages, page_size, *shape]
-            if view.device.type != "cpu" or not _rows_contiguous(view, 2):
+            if view.device.type != "cpu" or not rows_contiguous(view, 2):
                 return None
             isz = view.element_size()
             row = view[0, 0].numel() * isz

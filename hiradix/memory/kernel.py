@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hiradix._native import load, pure_python
-from hiradix.memory.pools import DeviceKVPool, HostKVPool
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
 
 __all__ = [
     "DEFAULT_BLOCKS",
@@ -100,15 +100,6 @@ def _host_side(view: torch.Tensor) -> _Side:
     return _Side(view.data_ptr(), view.stride(0) * isz, view.stride(1) * isz, view[0, 0].numel() * isz)
 
 
-def _rows_dense(t: torch.Tensor, lead: int) -> bool:
-    expect = 1
-    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:]), strict=True):
-        if size != 1 and stride != expect:
-            return False
-        expect *= size
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
     """One operation for the kernel: per layer, per component, the device and host
@@ -164,7 +155,7 @@ def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, ho
     for layer in range(device_pool.layer_num):
         pairs = []
         for dbuf, hview in zip(device_pool.layer_buffers(layer), host_pool.get_page_layer_view(layer), strict=True):
-            if not _rows_dense(dbuf, 1) or not _rows_dense(hview, 2):
+            if not rows_contiguous(dbuf, 1) or not rows_contiguous(hview, 2):
                 return None
             pairs.append((_device_side(dbuf), _host_side(hview)))
         layers.append(pairs)

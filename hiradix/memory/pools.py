@@ -101,6 +101,16 @@ def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False
     return torch.from_numpy(raw[skip : skip + nbytes]).view(dtype)
 
 
+def rows_contiguous(t: torch.Tensor, lead: int) -> bool:
+    """Whether each row ``t[i_0, .., i_lead-1]`` is one contiguous run of elements."""
+    expect = 1
+    for size, stride in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:]), strict=True):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
 def fp8_dtypes() -> tuple[torch.dtype, ...]:
     """The fp8 dtypes this torch build has (possibly none)."""
     names = ("float8_e4m3fn", "float8_e5m2")
