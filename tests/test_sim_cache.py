@@ -135,7 +135,7 @@ def test_cli_with_l3_writes_json_plots_and_html(tmp_path: Path, capsys: pytest.C
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(f"{n}.png" for n in PLOTS)
     assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") == len(PLOTS)
     text = capsys.readouterr().out
-    assert "L3 memory 4M tokens, prefetch timeout" in text and "L3 hit" in text
+    assert "L3 memory 4M tokens (" in text and "GiB), prefetch timeout" in text and "L3 hit" in text
 
 
 def test_cli_l3_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
