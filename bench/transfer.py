@@ -137,9 +137,9 @@ class Case:
     nbytes: int
 
     @classmethod
-    def make(cls, page_size: int, total_bytes: int, layout: str, seed: int, device: str = "cpu") -> Case:
+    def make(cls, page_size: int, total_bytes: int, layout: str, seed: int) -> Case:
         tokens = max(1, total_bytes // (page_size * bytes_per_token())) * page_size
-        dev = DeviceKVPool(SHAPE, size=tokens, page_size=page_size, dtype=DTYPE, device=device)
+        dev = DeviceKVPool(SHAPE, size=tokens, page_size=page_size, dtype=DTYPE)
         host = HostKVPool(SHAPE, tokens, page_size, DTYPE, layout, reserve_bytes=0)  # type: ignore[arg-type]
         # Fault in every page of both pools, with non-zero bytes. Untouched anonymous memory
         # reads as the shared zero page, which stays in cache: a backup from a device pool
