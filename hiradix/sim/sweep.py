@@ -262,7 +262,13 @@ def plot_sweep(rows: Sequence[SweepRow], title: str = "") -> Any:
     ideal = max((r.ideal_hit_rate for r in rows), default=0.0)
     ax.axhline(100 * ideal, color="k", ls="--", lw=1, label="ideal (infinite capacity)")
     ax.set_xticks(range(len(capacities)), [format_tokens(c) for c in capacities])
-    ax.set(xlabel="device capacity (tokens)", ylabel="token hit rate, all tiers (%)", ylim=(0, 100))
+    # Scaled to the data (hit rates and the ideal), not 0-100%: sweeps of one workload
+    # differ by a few points, which a full-scale axis draws as one line.
+    values = [100 * r.hit_rate for r in rows] + [100 * ideal]
+    lo, hi = min(values), max(values)
+    pad = max(0.5, 0.1 * (hi - lo))
+    ax.set(xlabel="device capacity (tokens)", ylabel="token hit rate, all tiers (%)",
+           ylim=(max(0.0, lo - pad), min(100.0, hi + pad)))
     ax.set_title(title or "Hit rate by capacity and policy")
     ax.legend(fontsize="small", loc="upper left", ncol=2)
     ax.grid(alpha=0.3)
