@@ -54,7 +54,7 @@ import torch
 
 from hiradix._native import load
 from hiradix.memory import kernel as _kernel
-from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, in_host_order, rows_contiguous, slot_offsets
 
 __all__ = [
     "CopyEngine",
@@ -451,9 +451,7 @@ def _row_plan(
     host = _as_index_np(host_indices, "host_indices")
     if dev.shape[0] != host.shape[0]:
         raise ValueError(f"{dev.shape[0]} device indices but {host.shape[0]} host indices")
-    if not _gather.is_sorted(host):
-        order = np.argsort(host, kind="stable")
-        dev, host = dev[order], host[order]
+    dev, host = in_host_order(dev, host)
     ps = host_pool.page_size
     dev_off: list[np.ndarray] = []
     host_off: list[np.ndarray] = []
@@ -473,8 +471,8 @@ def _row_plan(
             dev_off.append(dev_off[-1])  # K and V alike: one pair of offset arrays serves both
             host_off.append(host_off[-1])
             continue
-        dev_off.append(_gather.slot_offsets(dev, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
-        host_off.append(_gather.slot_offsets(host, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
+        dev_off.append(slot_offsets(dev, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
+        host_off.append(slot_offsets(host, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
     return _RowPlan(dregs, hregs, tuple(dev_off), tuple(host_off), device_pool.itemsize)
 
 

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hiradix._native import load, pure_python
-from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, in_host_order, rows_contiguous, slot_offsets
 
 __all__ = [
     "DEFAULT_BLOCKS",
@@ -169,18 +170,17 @@ def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, ho
                 h0.slot_stride,
             ):
                 return None
-    if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
-        order = torch.argsort(host, stable=True)
-        dev, host = dev.index_select(0, order), host.index_select(0, order)
+    dev_np, host_np = in_host_order(dev.numpy(), host.numpy())
     ps = host_pool.page_size
-    offsets = torch.empty(2 * comps, n, dtype=torch.int64)
+    rows: list[np.ndarray] = []
     g = 0
     for c, (d, h) in enumerate(first):
         if d.row_bytes != h.row_bytes:
             raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
-        torch.mul(dev, d.page_stride, out=offsets[2 * c])
-        torch.add((host // ps) * h.page_stride, (host % ps) * h.slot_stride, out=offsets[2 * c + 1])
+        rows.append(slot_offsets(dev_np, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
+        rows.append(slot_offsets(host_np, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
         g = math.gcd(g, d.row_bytes, d.page_stride, h.page_stride, h.slot_stride)
+    offsets = torch.from_numpy(np.stack(rows))
     for pairs in layers:
         for d, h in pairs:
             g = math.gcd(g, d.ptr, h.ptr)

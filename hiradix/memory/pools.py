@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from hiradix._native import load
 from hiradix.memory.allocator import PagedSlotAllocator
 
 __all__ = [
@@ -109,6 +110,34 @@ def rows_contiguous(t: torch.Tensor, lead: int) -> bool:
             return False
         expect *= size
     return True
+
+
+_gather: Any = load("hiradix.memory._gather")  # the compiled row planning, where built
+
+
+def in_host_order(dev: np.ndarray, host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (device slot, host slot) pairs sorted by host slot (stable), or the arrays
+    themselves when they already are: both copy paths walk the host side in address
+    order (``bench/RESULTS_transfer.md``). ``O(n)``, ``O(n log n)`` to sort."""
+    in_order = _gather.is_sorted(host) if _gather is not None else bool(np.all(host[1:] >= host[:-1]))
+    if in_order:
+        return dev, host
+    order = np.argsort(host, kind="stable")
+    return dev[order], host[order]
+
+
+def slot_offsets(
+    slots: np.ndarray, limit: int, page_size: int, page_stride: int, slot_stride: int, name: str
+) -> np.ndarray:
+    """Byte offsets of the rows of int64 ``slots``: ``(s // page_size) * page_stride +
+    (s % page_size) * slot_stride``, a new array; ``IndexError`` naming ``name`` when a
+    slot is outside ``[0, limit)``. Compiled (:func:`_gather.slot_offsets`) where built,
+    numpy otherwise. ``O(n)``."""
+    if _gather is not None:
+        return _gather.slot_offsets(slots, limit, page_size, page_stride, slot_stride, name)
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+        raise IndexError(f"{name} out of range [0, {limit}): min {int(slots.min())}, max {int(slots.max())}")
+    return (slots // page_size) * page_stride + (slots % page_size) * slot_stride
 
 
 def fp8_dtypes() -> tuple[torch.dtype, ...]:
