@@ -48,28 +48,21 @@ import numpy as np
 
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import InProcessCluster, PeerNode
-from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig
+from hiradix.storage.base import SGLANG_LOADER_KEYS, Capabilities, StorageBackend, StorageConfig
 
 __all__ = ["PeerCacheStore"]
 
 log = logging.getLogger(__name__)
 
 _STORE_OPTIONS = ("capacity_bytes", "seeds", "heartbeat_s", "recv_bytes", "inprocess_nodes", "transport", "path")
-_IGNORED = ("backend_name", "module_path", "class_name")
+_IGNORED = SGLANG_LOADER_KEYS
 
 
 def _as_storage_config(config: Any) -> StorageConfig | None:
     """Our :class:`StorageConfig`, from ours or from SGLang's ``HiCacheStorageConfig``."""
     if config is None or isinstance(config, StorageConfig):
         return config
-    extra = getattr(config, "extra_config", None) or {}
-    return StorageConfig(
-        tp_rank=int(getattr(config, "tp_rank", 0)),
-        tp_size=int(getattr(config, "tp_size", 1)),
-        model_name=getattr(config, "model_name", None),
-        is_mla_model=bool(getattr(config, "is_mla_model", False)),
-        extra_config=dict(extra),
-    )
+    return StorageConfig.from_sglang(config)
 
 
 class PeerCacheStore(StorageBackend):

@@ -59,12 +59,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.pool_host import HostKVCache
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from hiradix.storage.base import MAX_KEY_BYTES, StorageBackend, StorageConfig
+from hiradix.storage.base import MAX_KEY_BYTES, SGLANG_LOADER_KEYS, StorageBackend, StorageConfig
 
 __all__ = ["LOADER_KEYS", "FileStorage", "MemoryStorage", "PeerStorage", "key_suffix"]
 
 #: Keys of the extra config that SGLang's loader reads; not passed to the backend.
-LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+LOADER_KEYS = SGLANG_LOADER_KEYS
 _SGLANG_KEY_BYTES = 64  # SGLang's page keys are SHA-256 hex digests
 _METRIC_BATCHES = 4096  # per-batch samples kept between two get_stats() calls
 
@@ -87,24 +87,6 @@ def key_suffix(config: HiCacheStorageConfig | None) -> str:
         out += f"_cp{getattr(config, 'attn_cp_rank', 0)}_{cp_size}"
     return out
 
-
-def _hiradix_config(config: HiCacheStorageConfig | None, kwargs: Mapping[str, Any] | None) -> StorageConfig:
-    """hiradix's :class:`StorageConfig` for SGLang's: ranks, model, MLA, and the extra config
-    less the loader's keys (``kwargs``, what the loader forwards, win)."""
-    extra = {**dict((config.extra_config if config is not None else None) or {}), **dict(kwargs or {})}
-    for k in LOADER_KEYS:
-        extra.pop(k, None)
-    if config is None:
-        return StorageConfig(extra_config=extra)
-    return StorageConfig(
-        tp_rank=config.tp_rank,
-        tp_size=config.tp_size,
-        pp_rank=config.pp_rank,
-        pp_size=config.pp_size,
-        model_name=config.model_name,
-        is_mla_model=config.is_mla_model,
-        extra_config=extra,
-    )
 
 
 class _SGLangStorage(HiCacheStorage):
@@ -145,7 +127,7 @@ class _SGLangStorage(HiCacheStorage):
         if backend is not None and not isinstance(backend, StorageBackend):
             raise TypeError(f"backend must be a hiradix StorageBackend, got {type(backend).__name__}")
         self.backend: StorageBackend = backend if backend is not None else type(self).open_backend(
-            _hiradix_config(storage_config, kwargs)
+            StorageConfig.from_sglang(storage_config, kwargs)
         )
         self.mem_pool_host: HostKVCache | None = None
         self._page_dtype = torch.uint8

@@ -111,6 +111,38 @@ class StorageConfig:
             raise TypeError(f"extra_config must be a mapping, got {type(self.extra_config).__name__}")
         object.__setattr__(self, "extra_config", MappingProxyType(dict(self.extra_config)))
 
+    @classmethod
+    def from_sglang(cls, config: Any, overrides: Mapping[str, Any] | None = None) -> StorageConfig:
+        """Ours, from SGLang's ``HiCacheStorageConfig`` (read by attribute, so SGLang need not
+        be installed): ranks, model, MLA, and the extra config less the keys SGLang's
+        ``dynamic`` loader reads (:data:`SGLANG_LOADER_KEYS`), ``overrides`` (the keyword
+        arguments the loader forwards) winning. ``None`` gives the defaults. ``O(keys)``.
+
+        >>> from types import SimpleNamespace as NS
+        >>> c = StorageConfig.from_sglang(NS(tp_rank=1, tp_size=2, extra_config={"class_name": "X", "path": "/d"}))
+        >>> c.tp_rank, dict(c.extra_config)
+        (1, {'path': '/d'})
+        """
+        extra = {**dict(getattr(config, "extra_config", None) or {}), **dict(overrides or {})}
+        for k in SGLANG_LOADER_KEYS:
+            extra.pop(k, None)
+        if config is None:
+            return cls(extra_config=extra)
+        return cls(
+            tp_rank=int(getattr(config, "tp_rank", 0)),
+            tp_size=int(getattr(config, "tp_size", 1)),
+            pp_rank=int(getattr(config, "pp_rank", 0)),
+            pp_size=int(getattr(config, "pp_size", 1)),
+            model_name=getattr(config, "model_name", None),
+            is_mla_model=bool(getattr(config, "is_mla_model", False)),
+            extra_config=extra,
+        )
+
+
+SGLANG_LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+"""Keys of SGLang's ``--hicache-storage-backend-extra-config`` that its ``dynamic`` loader
+reads itself; they are not backend options."""
+
 
 @dataclass(frozen=True, slots=True)
 class StorageExtraInfo:
