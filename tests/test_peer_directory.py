@@ -283,7 +283,7 @@ def test_republish_on_join_and_leave() -> None:
     plan = republish_plan(mine, old, new, 2)
     assert set(plan) == {"d"}
     cl.calls.clear()
-    assert view.republish(mine, old, new) == len(plan["d"])
+    assert view.republish(mine, old, new) == (len(plan["d"]), ())
     assert cl.calls == [("d", "dir_put")]
     for k in KEYS:
         for owner in new.owners(k, 2):
@@ -302,6 +302,29 @@ def test_republish_on_join_and_leave() -> None:
     # fresh start: everything goes to all owners
     fresh = republish_plan(KEYS, None, newer, 2)
     assert sum(len(v) for v in fresh.values()) == 2 * len(KEYS)
+
+
+def test_republish_names_the_owners_that_failed_and_calls_owners_through_the_given_runner() -> None:
+    old = HashRing(["a", "b"])
+    new = old.copy()
+    new.add_node("c")
+    new.add_node("d")
+    cl = Cluster(["a", "b", "c", "d"])
+    cl.down = {"c"}
+    view = DirectoryView(old, cl.call, replicas=2)
+    mine = {k: entry() for k in KEYS}
+    plan = republish_plan(mine, old, new, 2)
+    assert set(plan) == {"c", "d"}
+    seen: list[list[str]] = []
+
+    def runner(put: Any, owners: list[str]) -> list[bool]:
+        seen.append(list(owners))
+        return [put(o) for o in reversed(owners)][::-1]  # any order of calls; answers in order
+
+    done = view.republish(mine, old, new, call_owners=runner)
+    assert seen == [list(plan)] and view.ring is new
+    assert done == (len(plan["d"]), ("c",))
+    assert all(k in cl.shards["d"] for k in plan["d"]) and not cl.shards["c"].get(plan["c"][0])
 
 
 # ---------------------------------------------------------------------- dir_exists

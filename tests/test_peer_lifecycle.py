@@ -20,6 +20,7 @@ import pytest
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.membership import JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.node import InProcessCluster, PeerNode
+from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.fake import FakeClock
 
@@ -335,6 +336,70 @@ def test_a_member_that_never_answers_does_not_hold_up_the_heartbeats() -> None:
             silent.close()  # its queued connections are reset: the calls to x end
             if node is not None:
                 node.close(leave=False)
+            head.close(leave=False)
+
+
+def test_a_member_that_never_answers_does_not_hold_up_the_republish_to_the_others() -> None:
+    """Member ``x`` joins and never says a word; the node's re-publish to it hangs for the
+    whole RPC timeout (30 s). Then ``y`` joins: the node re-publishes to ``y`` the keys it
+    gained within seconds, while the call to ``x`` is still hanging. (The sync thread used
+    to call the owners one after another and wait for each: ``y`` got nothing until ``x``
+    timed out, and every later change waited behind it.) Clocks are fake so nobody
+    expires; the waits are bounded real seconds."""
+    clock = FakeClock()
+    base = dict(metrics_enabled=False, cluster_token=secrets.token_hex(16), pool_size=64 * (PAGE + 64), max_masters=1)
+    state = threading.Condition()
+    begun: list[str] = []  # the node's calls to x, by method
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        hung = f"127.0.0.1:{silent.getsockname()[1]}"
+        head = PeerNode(PeerConfig(**base), start=False, heartbeat_s=3600.0, clock=clock)
+        other = PeerNode(PeerConfig(**base), start=False, heartbeat_s=3600.0, clock=clock)
+        node: PeerNode | None = None
+        try:
+            cfg = PeerConfig(**dict(base, discovery_addr=head.address, rpc_timeout_s=30.0))
+            node = PeerNode(cfg, heartbeat_s=0.05, ttl_s=2.0, clock=clock)
+            keys = [key(i, "fan") for i in range(64)]
+            assert all(node.publish_many(keys, [page(i, 64) for i in range(64)]))
+            real = node.client.call
+
+            def call(peer: str, method: str, *args: Any, **kw: Any) -> Any:
+                if peer == hung:
+                    with state:
+                        begun.append(method)
+                        state.notify_all()
+                return real(peer, method, *args, **kw)
+
+            node.client.call = call  # type: ignore[method-assign]
+
+            def put_at_y(items: list[Any]) -> Any:
+                with state:
+                    try:
+                        return other.shard.dispatch("dir_put", items)
+                    finally:
+                        state.notify_all()
+
+            other.rpc.register("dir_put", put_at_y)
+            head.membership.handle("disc_join", [NodeInfo("x", hung, hung).to_wire()])
+            with state:
+                assert state.wait_for(lambda: "dir_put" in begun, timeout=20), "no re-publish to x"
+            t0 = time.monotonic()
+            head.membership.handle("disc_join", [other.membership.me.to_wire()])
+            ring = HashRing([head.node_id, node.node_id, "x", other.node_id], vnodes=cfg.virtual_nodes)
+            gained = [k for k in keys if other.node_id in ring.owners(k, cfg.directory_replicas)]
+            assert gained, "y owns none of the keys: pick more keys"
+            with state:
+                assert state.wait_for(lambda: all(other.shard.get(k) for k in gained), timeout=10), (
+                    "y got nothing while the call to x hung"
+                )
+            elapsed = time.monotonic() - t0
+            assert elapsed < 10.0 < cfg.rpc_timeout_s  # so the call to x is still hanging
+            assert set(node.directory.ring.nodes) == {head.node_id, node.node_id, "x", other.node_id}
+            assert node.status()["background_errors"] == {}
+        finally:
+            silent.close()  # its queued connections are reset: the calls to x end
+            if node is not None:
+                node.close(leave=False)
+            other.close(leave=False)
             head.close(leave=False)
 
 

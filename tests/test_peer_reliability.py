@@ -293,11 +293,11 @@ def test_a_failing_republish_is_counted_and_retried_and_the_join_succeeds(caplog
         real = a.directory.republish
         fail = [True]
 
-        def flaky(*args: Any) -> int:
+        def flaky(*args: Any, **kw: Any) -> Any:
             if fail[0]:
                 fail[0] = False
                 raise RuntimeError("injected republish failure")
-            return real(*args)
+            return real(*args, **kw)
 
         a.directory.republish = flaky  # type: ignore[method-assign]
         new = c.add_node()  # joins through a: a's membership change runs in the join RPC

@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -55,6 +55,7 @@ __all__ = [
     "DirEntry",
     "DirectoryShard",
     "DirectoryView",
+    "Republished",
     "new_incarnation",
     "pack_entries",
     "put_items_from_wire",
@@ -593,6 +594,14 @@ def republish_plan(keys: Iterable[str], old: HashRing | None, new: HashRing, rep
     return dict(plan)
 
 
+class Republished(NamedTuple):
+    """What :meth:`DirectoryView.republish` did: ``puts`` (key, owner) puts answered, and
+    the owners that ``failed`` (none answered, or answered malformed data)."""
+
+    puts: int
+    failed: tuple[str, ...]
+
+
 class DirectoryView:
     """Client side of the directory: writes to all replica owners, reads with fallback.
 
@@ -864,17 +873,34 @@ class DirectoryView:
         log.debug("directory %s on %s failed: %r", method, owner, exc)
 
     # ------------------------------------------------------------------ membership
-    def republish(self, entries: Mapping[str, DirEntry], old: HashRing | None, new: HashRing) -> int:
+    def republish(
+        self,
+        entries: Mapping[str, DirEntry],
+        old: HashRing | None,
+        new: HashRing,
+        *,
+        call_owners: Callable[[Callable[[str], bool], list[str]], list[bool]] | None = None,
+    ) -> Republished:
         """Re-PUT this producer's ``entries`` to the owners they gained from ``old`` to ``new``.
 
-        Also makes ``new`` the current ring. Returns the number of (key, owner) puts that
-        were answered. Runtime complexity: ``O(K * log(N * V))`` plus one call per owner.
+        Also makes ``new`` the current ring. ``call_owners(put, owners)`` runs ``put(owner)``
+        for each owner and returns whether each was answered, in order; give one that calls
+        them at the same time so an owner that hangs holds up nobody else's entries (the
+        default calls them one after another). Returns how many (key, owner) puts were
+        answered and which owners failed: the caller retries those (their entries are
+        missing a replica until then).
+        Runtime complexity: ``O(K * log(N * V))`` plus one call per owner.
         """
         self.ring = new
         plan = republish_plan(entries.keys(), old, new, self.replicas)
-        done = 0
-        for owner, keys in plan.items():
-            ok, _ = self._try(owner, "dir_put", [[k, entries[k].to_wire()] for k in keys], lambda r: isinstance(r, int))
-            if ok:
-                done += len(keys)
-        return done
+
+        def put(owner: str) -> bool:
+            items = [[k, entries[k].to_wire()] for k in plan[owner]]
+            return self._try(owner, "dir_put", items, lambda r: isinstance(r, int))[0]
+
+        owners = list(plan)
+        answered = call_owners(put, owners) if call_owners is not None else [put(o) for o in owners]
+        return Republished(
+            sum(len(plan[o]) for o, ok in zip(owners, answered, strict=True) if ok),
+            tuple(o for o, ok in zip(owners, answered, strict=True) if not ok),
+        )

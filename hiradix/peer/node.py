@@ -77,7 +77,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 
 MIN_CLASS = 64
 _P = ParamSpec("_P")
+_T = TypeVar("_T")
 HANDOFF_BATCH = 50_000  # directory entries per dir_handoff answer (a frame stays far below 16 MiB)
 
 _verify: Any = load("hiradix.peer._verify")
@@ -352,6 +353,9 @@ class PeerNode:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
+        # How long a sync round waits for its calls to members (see _call_members): a
+        # heartbeat, within the RPC timeout (a node driven by hand waits for the calls).
+        self._round_wait_s = max(min(self.heartbeat_s, cfg.rpc_timeout_s), 0.25)
         self.allow_alone = allow_alone
         self.incarnation = new_incarnation()
         advertised = cfg.advertised_host()  # before any listener: a ConfigError leaks nothing
@@ -503,6 +507,9 @@ class PeerNode:
         self._sync_epoch = 1
         self._synced_epoch = 0
         self._ack_mark = 0
+        self._pulled: set[str] = set()  # members whose share was pulled in ``_sync_epoch``
+        # The sync thread's calls to members still running, as (kind, member): see _call_members.
+        self._member_calls: set[tuple[str, str]] = set()
         self._alone_until: float | None = None
         if self._alone_by_design():
             self._alone_until = self.membership.clock() + self.membership.backoff[1] + 2 * self.heartbeat_s
@@ -641,9 +648,9 @@ class PeerNode:
     def _sync_loop(self) -> None:
         """Apply membership changes (:meth:`_apply_members`: ring, re-publish, hand-offs) and
         pull the directory share while due (:meth:`_sync`), at once on a change and every
-        ``heartbeat_s`` besides (a failed re-publish or pull is retried so). A member that
-        hangs holds this thread for its RPC timeout per call; changes reported meanwhile
-        are applied together when it comes back."""
+        ``heartbeat_s`` besides (a failed re-publish or pull is retried so). Calls to the
+        members run side by side (:meth:`_call_members`): a member that hangs delays a round
+        by one heartbeat at most, and the others' entries not at all."""
         while not self._stop.is_set():
             self._sync_wanted.wait(self.heartbeat_s)
             # A change reported between the wait and the clear is not lost: it is in the
@@ -689,10 +696,11 @@ class PeerNode:
             return self._synced_epoch == self._sync_epoch
 
     def _sync(self) -> bool:
-        """Pull this node's directory share from every other member if it is due; whether
-        the node is ready. A member that fails leaves the node not ready until the next
-        round (by then it answered or expired). Runtime complexity: one ``dir_handoff`` RPC
-        per member and ``HANDOFF_BATCH`` entries."""
+        """Pull this node's directory share from every other member it has not pulled from
+        since it came into the cluster, all at once, if it is due; whether the node is
+        ready. A member that fails or has not answered within the round leaves the node not
+        ready until a later round (by then it answered or expired). Runtime complexity: one
+        ``dir_handoff`` RPC per member and ``HANDOFF_BATCH`` entries, in parallel."""
         with self._ready_lock:
             epoch = self._sync_epoch
             if self._synced_epoch == epoch:
@@ -716,39 +724,84 @@ class PeerNode:
                 return False
             members = self.membership.members()
         ids = sorted(members)
-        complete = True
-        pulled = 0
-        for nid, info in members.items():
-            if nid == self.node_id:
-                continue
-            try:
-                pulled += self._pull_share(info, ids)
-            except Exception as exc:  # a dead member: it expires, or answers next round
-                complete = False
-                log.debug("%s: directory hand-off from %s failed: %s", self.node_id, nid, describe_failure(exc)[0])
+
+        def pull(nid: str) -> int | None:
+            n = self._pull_share(members[nid], ids)
+            if n is not None:
+                with self._ready_lock:
+                    if self._sync_epoch == epoch:
+                        self._pulled.add(nid)
+            return n
+
         with self._ready_lock:
-            if complete and self._sync_epoch == epoch:
+            due = [n for n in ids if n != self.node_id and n not in self._pulled]
+        got = self._call_members("pull", pull, due)
+        with self._ready_lock:
+            if self._sync_epoch == epoch and self._pulled.issuperset(n for n in ids if n != self.node_id):
                 self._synced_epoch = epoch
                 log.info(
-                    "%s: ready: directory share pulled from %d members (%d entries)",
+                    "%s: ready: directory share pulled from %d members (%d entries this round)",
                     self.node_id,
-                    len(members) - 1,
-                    pulled,
+                    len(ids) - 1,
+                    sum(n or 0 for n in got.values()),
                 )
             return self._synced_epoch == self._sync_epoch
 
-    def _pull_share(self, info: NodeInfo, ids: list[str]) -> int:
+    def _call_members(self, kind: str, fn: Callable[[str], _T], members: Sequence[str]) -> dict[str, _T | None]:
+        """``fn(member)`` for every member at once, each on a thread of its own, waiting
+        :attr:`_round_wait_s` at most; ``fn``'s result for each call that ended by then,
+        ``None`` for the others and for those that raised (guarded as background work of
+        ``kind``). A call still running goes on alone (its result is dropped; ``fn`` records
+        what must outlive the round) and the member is skipped until it ends, so a member
+        that hangs ties up one thread per kind, and delays nobody else's calls nor the next
+        round past the wait. Runtime complexity: one thread per member called."""
+        results: dict[str, _T | None] = dict.fromkeys(members)
+        calls: dict[Future[_T | None], str] = {}
+        for nid in members:
+            with self._lock:
+                if (kind, nid) in self._member_calls:
+                    log.debug("%s: %s from/to %s still in flight, skipped", self.node_id, kind, nid)
+                    continue
+                self._member_calls.add((kind, nid))
+            fut: Future[_T | None] = Future()
+
+            def run(nid: str = nid, fut: Future[_T | None] = fut) -> None:
+                try:
+                    out = self._guard(kind, fn, nid)
+                finally:
+                    with self._lock:  # cleared before the future is done: see the skip above
+                        self._member_calls.discard((kind, nid))
+                fut.set_result(out)
+
+            threading.Thread(target=run, name=f"peer-{kind}-{self.node_id}-{nid}", daemon=True).start()
+            calls[fut] = nid
+        done, _ = wait(calls, timeout=self._round_wait_s)
+        for fut in done:
+            results[calls[fut]] = fut.result()
+        return results
+
+    def _answered(self, kind: str, fn: Callable[[str], bool], members: list[str]) -> list[bool]:
+        """:meth:`_call_members` as whether each member answered, in order."""
+        got = self._call_members(kind, fn, members)
+        return [got[m] is True for m in members]
+
+    def _pull_share(self, info: NodeInfo, ids: list[str]) -> int | None:
         """Store the entries ``info``'s node published for keys this node owns on the ring
-        of ``ids``; how many. Runtime complexity: one RPC per ``HANDOFF_BATCH`` entries."""
+        of ``ids``; how many, or ``None`` if it failed (logged: a dead member expires, or
+        answers next round). Runtime complexity: one RPC per ``HANDOFF_BATCH`` entries."""
         after: str | None = None
         n = 0
-        while True:
-            items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
-            self.shard.batch_put(put_items_from_wire(items))
-            n += len(items)
-            if not more or not items:
-                return n
-            after = str(items[-1][0])
+        try:
+            while True:
+                items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
+                self.shard.batch_put(put_items_from_wire(items))
+                n += len(items)
+                if not more or not items:
+                    return n
+                after = str(items[-1][0])
+        except (OSError, RpcError, FrameError) as exc:
+            log.debug("%s: directory hand-off from %s failed: %s", self.node_id, info.node_id, describe_failure(exc)[0])
+            return None
 
     def _pull_from(self, nid: str) -> None:
         """Pull the entries member ``nid`` published for keys this node owns (a hand-off
@@ -756,11 +809,7 @@ class PeerNode:
         info = self.membership.info(nid)
         if info is None:
             return
-        try:
-            n = self._pull_share(info, sorted(self.membership.members()))
-        except (OSError, RpcError, FrameError) as exc:
-            log.debug("%s: directory hand-off from %s failed: %r", self.node_id, nid, exc)
-            return
+        n = self._pull_share(info, sorted(self.membership.members()))
         if n:
             log.info("%s: pulled %d directory entries from %s, back in the cluster", self.node_id, n, nid)
 
@@ -821,7 +870,10 @@ class PeerNode:
             with self._ready_lock:
                 self._sync_epoch += 1
                 self._ack_mark = self.membership.acknowledgements
-        old_ring = self.directory.ring.copy()
+                self._pulled = set()
+        # The ring of ``old`` itself, not the current one: after a round whose puts failed,
+        # ``old`` is the membership before that round (see below).
+        old_ring = HashRing(old, vnodes=self.config.virtual_nodes)
         new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
         for gone in old.keys() - new.keys():
             self.shard.drop_node(gone)
@@ -833,8 +885,19 @@ class PeerNode:
             old_ring.remove_node(n)
         with self._lock:
             entries = dict(self._entries)
-        done = self.directory.republish(entries, old_ring, new_ring)
-        log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done)
+        done = self.directory.republish(
+            entries, old_ring, new_ring, call_owners=lambda put, owners: self._answered("republish", put, owners)
+        )
+        log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done.puts)
+        if done.failed:
+            # Those owners lack a replica of the entries they gained. Serve on the new ring,
+            # but remember the old membership as the one applied, so the next round (a
+            # heartbeat later, or the next change) plans from it again and re-sends them.
+            # The other steps are idempotent; an owner that already has an entry keeps it.
+            self._ring_members = old
+            log.warning(
+                "%s: re-publish to %s failed; retrying next round", self.node_id, ", ".join(sorted(done.failed))
+            )
         if len(old) > 1:  # (a node that was alone pulls from everyone: see _sync)
             for nid in sorted(new.keys() - old.keys()):
                 # A member back after this node expired it (a pause, a partition) still has
