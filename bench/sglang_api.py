@@ -24,12 +24,13 @@ host pool (ratio 2) holds every backup.
 Figures per repeat (fresh caches, untimed builds), each phase timed as a whole:
 
 ``insert/s``  ``insert(InsertParams(RadixKey(key), value))`` of every page-aligned key in
-              workload order, each followed by ``check_hicache_events()`` (the scheduler's
-              once-per-step bookkeeping, which acknowledges finished backups).
+              workload order, every ``--step`` of them (default 1) followed by
+              ``check_hicache_events()`` (the scheduler's once-per-step bookkeeping, which
+              acknowledges finished backups; hiradix.sglang starts a step's backups there).
 ``finish/s``  the same requests ended through ``cache_finished_req(req,
               kv_len_to_handle=len)`` on real SGLang ``Req`` objects (full, unaligned
-              sequences; their ``ReqToTokenPool`` rows), each followed by
-              ``check_hicache_events()``, on a second fresh cache: insert, free of the
+              sequences; their ``ReqToTokenPool`` rows), every ``--step`` of them followed
+              by ``check_hicache_events()``, on a second fresh cache: insert, free of the
               duplicate prefix and the unaligned tail, lock release.
 ``match/s``   ``match_prefix(MatchPrefixParams(RadixKey(key))).device_indices`` of every
               key on the insert/s cache (all full hits).
@@ -362,7 +363,7 @@ def match_signature(cache: Any, keys: list[array]) -> list[tuple[int, int]]:
     return out
 
 
-def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None) -> dict:
+def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1) -> dict:
     out: dict[str, Any] = {}
     clock = Clock(profiles)
 
@@ -370,9 +371,11 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     cache, freed = build_cache(impl, w.page_size, w.pool_size, w.req_to_token)
     insert, events = cache.insert, cache.check_hicache_events
     with clock.phase("insert"):
-        for k, v in zip(w.keys, w.values, strict=True):
+        for i, (k, v) in enumerate(zip(w.keys, w.values, strict=True), 1):
             insert(InsertParams(key=RadixKey(k), value=v))
-            events()
+            if i % step == 0:
+                events()
+        events()
     out["insert_per_s"] = len(w.keys) / clock.last
     out["insert_per_cpu_s"] = len(w.keys) / clock.last_cpu
     out["insert_per_thread_s"] = len(w.keys) / clock.last_thread
@@ -410,9 +413,11 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     cache, freed = build_cache(impl, w.page_size, w.pool_size, w.req_to_token)
     finish, events = cache.cache_finished_req, cache.check_hicache_events
     with clock.phase("finish"):
-        for req, n in zip(w.reqs, w.lens, strict=True):
+        for i, (req, n) in enumerate(zip(w.reqs, w.lens, strict=True), 1):
             finish(req, kv_len_to_handle=n)
-            events()
+            if i % step == 0:
+                events()
+        events()
     out["finish_per_s"] = len(w.reqs) / clock.last
     out["finish_per_cpu_s"] = len(w.reqs) / clock.last_cpu
     out["finish_per_thread_s"] = len(w.reqs) / clock.last_thread
@@ -474,7 +479,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
     for r in range(-args.warmup, args.repeats):
         order = impls if r % 2 == 0 else impls[::-1]  # alternate, so drift hits both alike
         for impl in order:
-            res = one_repeat(impl, w)
+            res = one_repeat(impl, w, step=args.step)
             tag = "warm-up" if r < 0 else f"repeat {r + 1}/{args.repeats}"
             log(
                 f"  {tag} {impl:8s}: "
@@ -510,7 +515,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
             }
     for impl in args.profile or ():
         profiles: dict[str, cProfile.Profile] = {}
-        one_repeat(impl, w, profiles)
+        one_repeat(impl, w, profiles, step=args.step)
         for phase, prof in profiles.items():
             log(f"  cProfile of {impl} {phase}, page {ps} (an extra untimed repeat):")
             log(profile_table(prof))
@@ -536,8 +541,8 @@ def fmt(metric: str, v: float) -> str:
 def report(results: dict, meta: dict) -> str:
     lines = [
         f"Workload: {meta['workload']['count']} sequences, {meta['workload']['total_tokens']:,} tokens "
-        f"(scale {meta['scale']}); warm-up {meta['warmup']}, {meta['repeats']} repeats, medians (best in "
-        "parentheses).",
+        f"(scale {meta['scale']}); {meta['step']} request(s) per step; warm-up {meta['warmup']}, "
+        f"{meta['repeats']} repeats, medians (best in parentheses).",
     ]
     for title, metrics in (
         ("wall time", METRICS),
@@ -584,8 +589,17 @@ def main(argv: list[str] | None = None) -> int:
         choices=IMPLS,
         help="after the repeats, cProfile one more repeat of this cache, per phase (repeatable)",
     )
+    ap.add_argument(
+        "--step",
+        type=int,
+        default=1,
+        help="requests per scheduler step: check_hicache_events() after every STEP inserts/finishes "
+        "(default 1: after each; SGLang's scheduler calls it once per step, whatever the batch finished)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
+    if args.step < 1:
+        ap.error("--step must be >= 1")
     args.impls = args.impls.split(",")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -601,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         "scale": args.scale,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "step": args.step,
         "workload": describe(seqs),
         "command": "python bench/sglang_api.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -208,6 +208,13 @@ class HiRadixCache:
     l3_inline:
         Run the L3 operations in the caller's thread (simulators; see
         :class:`~hiradix.l3.L3Controller`).
+    batch_backups:
+        Start the backups that inserts ask for together, once per scheduler step (at the
+        next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
+        :meth:`writing_check` needs them started), rather than one submission per insert:
+        one host allocation, one agreement and one copy for all of a step's inserts.
+        Until then those nodes are on the device only, as with a backup that has not
+        finished. Default ``False`` (each insert starts its own).
     """
 
     def __init__(
@@ -231,6 +238,7 @@ class HiRadixCache:
         prefetch_agreement: RankAgreement | None = None,
         l3_inline: bool = False,
         allocator: DeviceAllocator | None = None,
+        batch_backups: bool = False,
     ) -> None:
         if load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
@@ -255,6 +263,8 @@ class HiRadixCache:
         # Pending-transfer protections, each released exactly once (popped on ack).
         self.ongoing_write_through: dict[int, torch.Tensor] = {}  # node -> host slots
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
+        self.batch_backups = batch_backups
+        self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
         self.stats = {
             "backup_started_tokens": 0,
             "backup_done_tokens": 0,
@@ -334,7 +344,10 @@ class HiRadixCache:
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
         result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked)
         if result.backup_nodes:
-            self._write_backup_nodes(result.backup_nodes)
+            if self.batch_backups:
+                self._pending_backups.extend(result.backup_nodes)
+            else:
+                self._write_backup_nodes(result.backup_nodes)
         return int(result.prefix_len)
 
     def cache_finished_req(self, req: Req) -> None:
@@ -392,6 +405,37 @@ class HiRadixCache:
             return 0
         return self._write_backup_nodes([node])
 
+    def start_pending_backups(self) -> int:
+        """Start the backups inserts asked for since the last call (``batch_backups``), as
+        one submission; returns the tokens whose copy was started. A node that was evicted,
+        backed up or put in flight meanwhile is skipped (its handle may even name a newer
+        node by now: the checks are on whatever it names, which is as good a candidate).
+        Parents go before their children, whatever order the inserts came in (an insert
+        that splits a waiting node asks for the new parent after the child).
+        Runtime: ``O(sum of the nodes' depths among the waiting ones)`` plus the backup."""
+        pending = self._pending_backups
+        if not pending:
+            return 0
+        self._pending_backups = []
+        tree = self.tree
+        waiting = {
+            n: None
+            for n in pending
+            if tree.is_alive(n)
+            and not tree.is_evicted(n)
+            and not tree.is_backed_up(n)
+            and tree.io_status(n) == IOStatus.IDLE
+        }
+        ordered: dict[int, None] = {}
+        for node in waiting:
+            chain = []
+            n = node
+            while n in waiting and n not in ordered:
+                chain.append(n)
+                n = tree.parent(n)
+            ordered.update(dict.fromkeys(reversed(chain)))
+        return self._write_backup_nodes(list(ordered)) if ordered else 0
+
     def _write_backup_nodes(self, nodes: Sequence[int]) -> int:
         """Start the backups of ``nodes`` (parents first). Host slots are allocated for all,
         agreed across ranks; those that failed anywhere get one retry after evicting
@@ -428,6 +472,8 @@ class HiRadixCache:
         """Complete the backups every rank has finished (all of them with ``write_back``).
         A failed copy leaves its nodes as they were and frees their host slots.
         Runtime: ``O(nodes acknowledged)``."""
+        if write_back:
+            self.start_pending_backups()
         for ack, ok in self.cache_controller.ack_writes(wait_all=write_back):
             for op in ack.ops:
                 host = self.ongoing_write_through.pop(op.node)
@@ -515,7 +561,10 @@ class HiRadixCache:
 
     def check_hicache_events(self) -> None:
         """One scheduler step's bookkeeping: acknowledge finished backups (to host and to
-        storage) and loads, and free the slots of finished, terminated prefetches."""
+        storage) and loads, and free the slots of finished, terminated prefetches. With
+        ``batch_backups``, first start the backups this step's inserts asked for."""
+        if self._pending_backups:
+            self.start_pending_backups()
         self.writing_check()
         self.loading_check()
         if self.l3 is not None or self.ongoing_backup:
@@ -763,6 +812,8 @@ class HiRadixCache:
         write-back victim that cannot be backed up is deleted.
         Runtime: ``O(k log n)`` for ``k`` victims plus any write-back copies.
         """
+        if self._pending_backups:  # as without batching: a node being backed up is kept
+            self.start_pending_backups()
         freed = 0
         while freed < num_tokens:
             got, more = self._evict_round(num_tokens - freed)
@@ -815,6 +866,7 @@ class HiRadixCache:
 
     def flush(self) -> None:
         """Wait for every submitted copy and acknowledge it (every rank must call it)."""
+        self.start_pending_backups()
         self.cache_controller.start_writing()
         self.cache_controller.start_loading()
         self.cache_controller.drain()

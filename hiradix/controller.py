@@ -267,9 +267,13 @@ class HiCacheController:
 
         One agreement call (none for an empty list). Where any rank failed, this rank's
         slots are freed again and ``None`` is returned, so all ranks see the same outcome.
-        Runtime complexity: ``O(len(sizes))`` allocations.
+        Runtime complexity: one allocation of the total when it fits (each size then gets
+        a slice of it), else ``O(len(sizes))`` allocations.
         """
-        got = [self.host_pool.alloc(n) for n in sizes]
+        whole = self.host_pool.alloc(sum(sizes)) if len(sizes) > 1 else None
+        got: list[torch.Tensor | None] = (
+            list(torch.split(whole, list(sizes))) if whole is not None else [self.host_pool.alloc(n) for n in sizes]
+        )
         agreed = self.agreement.all_true([g is not None for g in got])
         out: list[torch.Tensor | None] = []
         for slots, ok in zip(got, agreed, strict=True):

@@ -156,6 +156,64 @@ def test_write_through_selective_backs_up_on_second_hit() -> None:
         assert cache.tree.host_size() == 32
 
 
+def test_batched_backups_start_at_the_step_parents_first() -> None:
+    """With ``batch_backups`` the inserts only note their backups; the step's
+    ``check_hicache_events`` starts them together. The second insert splits the first
+    node and asks for the new parent after the child: the parent still goes first (a
+    child is backed up only below a parent that is), so everything is backed up, and the
+    bytes come back from the host."""
+    with make_cache(batch_backups=True) as cache:
+        tree, rng = cache.tree, np.random.default_rng(7)
+        a = rng.integers(0, 1000, 32)
+        b = np.concatenate((a[:16], rng.integers(1000, 2000, 16)))
+        for p in (a, b):
+            m = cache.match_prefix(p)
+            new = cache.alloc_device(len(p) - len(m.device_indices))
+            fill(cache.device_pool, new, prefix_seeds(p)[len(m.device_indices) :])
+            prefix = cache.insert(p, torch.cat((m.device_indices, new)))
+            cache._free_device(new[: prefix - len(m.device_indices)])
+        assert len(cache._pending_backups) == 3  # a; then the split parent and b's leaf
+        assert tree.host_size() == 0 and not cache.ongoing_write_through, "nothing started before the step"
+        child, parent = cache._pending_backups[:2]
+        assert tree.parent(child) == parent
+        cache.check_hicache_events()
+        assert not cache._pending_backups and len(cache.ongoing_write_through) == 3
+        cache.flush()
+        assert tree.host_size() == tree.device_size() == 48
+        assert cache.evict(10**6) == 48
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))
+        for p in (a, b):
+            _, reused = compute(cache, p)
+            assert reused == 32
+        cache.check_invariants()
+
+
+def test_batched_backups_start_before_an_eviction_and_skip_dropped_nodes() -> None:
+    """An eviction before the step starts the waiting backups first, so it keeps those
+    nodes as an unbatched cache would (a node being backed up is not a victim); a waiting
+    node that was dropped meanwhile is skipped, not backed up."""
+    for batch in (False, True):
+        with make_cache(batch_backups=batch) as cache:
+            p = np.arange(32)
+            slots = cache.alloc_device(32)
+            fill(cache.device_pool, slots, prefix_seeds(p))
+            cache.insert(p, slots)
+            assert cache.evict(32) == 0, batch  # in flight: kept
+            cache.flush()
+            assert cache.tree.host_size() == 32 and cache.evict(32) == 32
+            cache.check_invariants()
+    with make_cache(batch_backups=True) as cache:
+        slots = cache.alloc_device(32)
+        cache.insert(np.arange(32), slots)
+        (node,) = cache._pending_backups
+        cache._free_device(cache.tree.drop(node))
+        free = cache.host_pool.available_size()
+        cache.check_hicache_events()
+        assert cache.host_pool.available_size() == free and not cache.ongoing_write_through
+        assert cache.tree.host_size() == 0 and cache.available_device_size() == cache.device_allocator.size
+        cache.check_invariants()
+
+
 class FlakyHostPool(HostKVPool):
     """A host pool whose ``alloc`` fails while ``fail`` says so (injected fault)."""
 

@@ -17,19 +17,22 @@ from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape, MLAShape
 STEPS = 1500
 
 CASES = [
-    # (seed, page, policy, write policy, layout, device, host, shape)
-    (1, 1, "lru", "write_through", "layer_first", 96, 192, "mha"),
-    (2, 4, "lfu", "write_through_selective", "page_first", 128, 256, "mha"),
-    (3, 16, "slru", "write_back", "page_first_direct", 512, 768, "mla"),
-    (4, 4, "sieve", "write_back", "layer_first", 96, 128, "mla"),
-    (5, 16, "priority", "write_through", "page_first", 384, 512, "mha"),
-    (6, 1, "fifo", "write_through_selective", "page_first_direct", 80, 320, "mla"),
+    # (seed, page, policy, write policy, layout, device, host, shape, batch_backups)
+    (1, 1, "lru", "write_through", "layer_first", 96, 192, "mha", False),
+    (2, 4, "lfu", "write_through_selective", "page_first", 128, 256, "mha", False),
+    (3, 16, "slru", "write_back", "page_first_direct", 512, 768, "mla", False),
+    (4, 4, "sieve", "write_back", "layer_first", 96, 128, "mla", False),
+    (5, 16, "priority", "write_through", "page_first", 384, 512, "mha", False),
+    (6, 1, "fifo", "write_through_selective", "page_first_direct", 80, 320, "mla", False),
+    # the backups of a step's inserts started together (as hiradix.sglang runs)
+    (7, 4, "lru", "write_through", "page_first", 128, 256, "mha", True),
+    (8, 1, "lfu", "write_through_selective", "layer_first", 96, 192, "mla", True),
 ]
 
 
-@pytest.mark.parametrize(("seed", "page", "policy", "write", "layout", "device", "host", "shape"), CASES)
+@pytest.mark.parametrize(("seed", "page", "policy", "write", "layout", "device", "host", "shape", "batch"), CASES)
 def test_scheduler_loop(
-    seed: int, page: int, policy: str, write: str, layout: str, device: int, host: int, shape: str
+    seed: int, page: int, policy: str, write: str, layout: str, device: int, host: int, shape: str, batch: bool
 ) -> None:
     kv_shape = MHAShape(2, 2, 4) if shape == "mha" else MLAShape(2, 6, 2)
     dev = DeviceKVPool(kv_shape, size=device, page_size=page, dtype=torch.float16)
@@ -44,7 +47,13 @@ def test_scheduler_loop(
             raise OSError(f"injected {kind} failure")
 
     cache = HiRadixCache(
-        dev, hpool, eviction_policy=policy, write_policy=write, load_back_threshold=page, layer_hook=hook
+        dev,
+        hpool,
+        eviction_policy=policy,
+        write_policy=write,
+        load_back_threshold=page,
+        layer_hook=hook,
+        batch_backups=batch,
     )
     with cache:
         fail.set()

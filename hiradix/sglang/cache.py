@@ -276,6 +276,9 @@ class HiRadixCache(BasePrefixCache):
             allocator=allocator,
             tp_rank=int(getattr(server_args, "tp_rank", 0) or 0),
             prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
+            # The scheduler calls check_hicache_events once per step: the backups a step's
+            # inserts ask for start there, as one submission.
+            batch_backups=True,
         )
         self.tree = self.core.tree
         self.cache_controller = controller
