@@ -8,6 +8,7 @@ test gets a new client on an emptied store, as every backend gets a fresh store.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Iterator
@@ -183,3 +184,33 @@ def test_absent_master_fails_fast_with_a_clear_error() -> None:
         port = sock.getsockname()[1]  # bound, not listening: nothing answers there
         with pytest.raises(StorageError, match="does not answer"):
             create_backend("mooncake", StorageConfig(extra_config={"master_server_addr": f"127.0.0.1:{port}"}))
+
+
+# ---------------------------------------------------------------------- the simulator
+def _replay(**options: Any) -> Any:
+    from hiradix.sim import Replayer
+    from hiradix.sim.generators import ChatWorkload
+
+    with Replayer(device_tokens=20_000, host_tokens=40_000, verify_bytes=True, **options) as r:
+        return r.replay(ChatWorkload(requests=200, seed=4))
+
+
+@pytest.mark.parametrize("l3_tokens", [None, 60_000], ids=["unbounded", "60k"])
+def test_sim_through_mooncake_serves_the_memory_backends_hits(l3_tokens: int | None) -> None:
+    """A private master per replay; the LRU bound of the memory backend, the same hits,
+    and every reused KV byte checked through the L3."""
+    memory = _replay(l3_backend="memory", l3_tokens=l3_tokens)
+    mooncake = _replay(l3_backend="mooncake", l3_tokens=l3_tokens)
+    assert memory.l3_hit_tokens > 0 and memory.verified_tokens > memory.l3_hit_tokens
+    assert dataclasses.asdict(mooncake) == dataclasses.asdict(memory)
+    assert mooncake.corrupt_tokens == 0
+
+
+def test_sim_through_a_named_master(master: MooncakeMaster, capsys: pytest.CaptureFixture[str]) -> None:
+    from hiradix.cli import main
+
+    connect(master).clear()
+    argv = ["sim", "--workload", "chat", "--requests", "120", "--device-tokens", "20k", "--host-tokens", "40k"]
+    assert main([*argv, "--l3-backend", "mooncake", "--l3-master", master.addr, "--verify-bytes", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "L3 mooncake" in out and " reused tokens verified, 0 wrong" in out
