@@ -398,6 +398,7 @@ class Replayer:
         self._ledger: _EvictionLedger | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         self._master: Any = None  # a private mooncake_master (hiradix.storage.mooncake.MooncakeMaster)
+        self._owned: StorageBackend | None = None  # the L3 backend built here by name, closed by close()
         self._kv: torch.Tensor | None = None  # the device pool's [slots, 2] bytes (verify_bytes)
         self._rid = 0
 
@@ -454,6 +455,11 @@ class Replayer:
         if isinstance(self.l3_backend, StorageBackend):
             return self.l3_backend
         assert self.l3_backend is not None
+        self._owned = self._create(host, unbounded)
+        return self._owned
+
+    def _create(self, host: HostKVPool, unbounded: int) -> StorageBackend:
+        assert isinstance(self.l3_backend, str)
         pages = max(1, (unbounded if self.l3_tokens is None else self.l3_tokens) // self.page_size)
         extra: dict[str, Any] = {}
         if self.l3_tokens is not None:
@@ -489,10 +495,14 @@ class Replayer:
         return extra
 
     def close(self) -> None:
-        """Stop the cache's threads (the L3 backend with them), a private
-        ``mooncake_master``, and remove a temporary L3 folder. Idempotent."""
+        """Stop the cache's threads, close an L3 backend built here by name (not one
+        passed in), stop a private ``mooncake_master`` and remove a temporary L3 folder.
+        Idempotent."""
         if self._cache is not None:
             self._cache.close()
+        if self._owned is not None:  # the peer cluster's nodes, the Mooncake client, files
+            self._owned.close()
+            self._owned = None
         if self._master is not None:
             self._master.close()
             self._master = None

@@ -419,7 +419,10 @@ class MooncakeStorage(StorageBackend):
         for i, out in enumerate(outs):
             n = len(out)
             if n == 0:  # an empty page is the one-byte mark (module docstring)
-                results[i] = self._size(keys[i]) == 0
+                try:
+                    results[i] = self._size(keys[i]) == 0
+                except Exception as exc:  # this key's miss, not the batch's
+                    self._failed("get", keys[i], exc)
             elif n != _EMPTY_MARK:  # no one-byte page is ever stored
                 addrs[i] = _address(out)
                 todo.append(i)
