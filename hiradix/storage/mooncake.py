@@ -597,7 +597,7 @@ class MooncakeStorage(StorageBackend):
 
     def close(self) -> None:
         """Unregister the buffers and close the Mooncake client (its segment leaves the
-        store with it). Idempotent."""
+        store with it). Idempotent. ``O(staging buffers)`` plus Mooncake's teardown."""
         if self._closed:
             return
         self._closed = True
@@ -707,7 +707,7 @@ class MooncakeMaster:
             p.wait(timeout=10)
 
     def close(self) -> None:
-        """Stop the master (SIGTERM, then SIGKILL after 10 s). Idempotent."""
+        """Stop the master (SIGTERM, then SIGKILL after 10 s; at most 20 s). Idempotent."""
         self._stop()
         if self._log is not None:
             self._log.close()
