@@ -12,7 +12,10 @@ Every repeat checks that every page arrived and compares a sample of bytes.
 It also times ``batch_exists`` of 128 keys (p50 / p99 over ``--exists-reps`` calls), and,
 when they are installed in separate venvs, runs PeerCache 0.8.4 (TCP mode) and Mooncake
 Store (TCP) with the same page sizes (``--peercache-python``, ``--mooncake-python``;
-skipped with a note otherwise).
+skipped with a note otherwise). Last, with the hiradix venv's own Mooncake wheel
+(requirements/mooncake.txt), hiradix's ``mooncake`` backend against Mooncake's own client
+on the same pages in the same run (``peer_others.py hiradix-mooncake``, in a network
+namespace of its own).
 
     python bench/peer.py                          # 16 KiB .. 1 MiB pages, 64 MiB per run
     python bench/peer.py --json out.json
@@ -132,7 +135,9 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
     """PeerCache / Mooncake side by side when their venvs exist (bench/peer_others.py)."""
     out: dict[str, Any] = {}
     script = Path(__file__).with_name("peer_others.py")
-    for name, py in (("peercache", args.peercache_python), ("mooncake", args.mooncake_python)):
+    systems = [("peercache", args.peercache_python), ("mooncake", args.mooncake_python)]
+    systems.append(("hiradix-mooncake", sys.executable))
+    for name, py in systems:
         if not py or not Path(py).exists() or not script.exists():
             out[name] = {"skipped": f"no interpreter with {name} installed (pass --{name}-python)"}
             print(f"{name}: skipped ({out[name]['skipped']})", flush=True)
@@ -140,6 +145,16 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
         import subprocess
 
         cmd = [py, str(script), name, "--total-mib", str(args.total_mib), "--repeats", str(args.repeats)]
+        if name == "hiradix-mooncake":
+            from hiradix.storage.mooncake import mooncake_available
+
+            why = mooncake_available()
+            if why is not None:
+                out[name] = {"skipped": f"the Mooncake wheel does not import: {why}"}
+                print(f"{name}: skipped ({out[name]['skipped']})", flush=True)
+                continue
+            # Mooncake's client listens on 0.0.0.0: a network namespace of its own (root).
+            cmd = [sys.executable, "-m", "hiradix._netns", *cmd]
         cmd += ["--warmup", str(args.warmup), "--exists-reps", str(args.exists_reps)]
         cmd += ["--pages", *[str(p) for p in args.pages]]
         try:
@@ -152,6 +167,14 @@ def others(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name}: failed: {res.stderr.strip()[-300:]}", flush=True)
             continue
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+        if name == "hiradix-mooncake":
+            for r in out[name]["rows"]:
+                print(
+                    f"hiradix mooncake backend {r['page_kib']:>5} KiB  {r['hiradix_gbps_median']:.2f} GB/s"
+                    f"  mooncake client {r['client_gbps_median']:.2f} GB/s  paired {r['ratio_paired']:.2f}",
+                    flush=True,
+                )
+            continue
         for r in out[name]["rows"]:
             print(
                 f"{name} {r['page_kib']:>5} KiB  {r['gbps_median']:.2f} GB/s  raw {r['raw_gbps_median']:.2f} GB/s"

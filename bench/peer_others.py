@@ -1,10 +1,13 @@
 """PeerCache 0.8.4 (TCP mode) and Mooncake Store (TCP) under the workload of ``bench/peer.py``.
 
 Run by ``bench/peer.py`` with the interpreter of a separate venv that has the system
-installed (never the hiradix venv; neither system is a hiradix dependency)::
+installed (never the hiradix venv for these two; neither is a hiradix dependency), and
+``hiradix-mooncake`` (hiradix's Mooncake backend against Mooncake's own client) with the
+hiradix venv, which has the pinned wheel::
 
     /work/venvs/peercache/bin/python bench/peer_others.py peercache --pages 16384 65536
     /work/venvs/mooncake/bin/python bench/peer_others.py mooncake
+    .venv/bin/python -m hiradix._netns .venv/bin/python bench/peer_others.py hiradix-mooncake
 
 Same shape as our bench: a producer process publishes ``--total-mib`` of random pages per
 page size and serves the same bytes over a raw socket; a consumer process reads every page
@@ -285,6 +288,101 @@ def run_mooncake(args: argparse.Namespace) -> dict[str, Any]:
     return {"system": "mooncake store (tcp)", "rows": rows, "exists": ex}
 
 
+# ---------------------------------------------------------------------- hiradix over Mooncake
+def run_hiradix_mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    """hiradix's ``mooncake`` backend against Mooncake's own client, same run, same pages.
+
+    A producer process puts every page with Mooncake's client (``batch_put_from``), as in
+    :func:`run_mooncake`. The consumer is one :class:`hiradix.storage.mooncake.MooncakeStorage`
+    with a ``page_first`` host KV pool registered. Each round times
+    ``MooncakeStorage.batch_get_v1`` of every page into the pool, then the same pages with
+    the backend's Mooncake client called directly (``batch_get_into`` in batches of
+    ``--batch`` keys, into the same pool memory), each after the pool was zeroed and
+    checked after. The paired ratio is the median over rounds of hiradix over client speed.
+    Runs with the hiradix venv (the wheel of requirements/mooncake.txt installed), in a
+    network namespace of its own when ``bench/peer.py`` starts it.
+    """
+    import torch
+
+    from hiradix.memory.pools import HostKVPool, MHAShape
+    from hiradix.storage import StorageConfig, create_backend
+    from hiradix.storage.mooncake import MooncakeMaster
+
+    total = args.total_mib << 20
+    master = MooncakeMaster(log_path=os.environ.get("MOONCAKE_MASTER_LOG", "/tmp/mooncake_master.log"))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_mc_producer, args=(child, master.addr, total, args.pages), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("mooncake producer did not come up")
+        parent.recv()  # the raw server's port: unused here (the baseline is Mooncake's client)
+        cfg = {"master_server_addr": master.addr, "global_segment_size": 16 << 20, "max_batch_keys": args.batch}
+        store = create_backend("mooncake", StorageConfig(extra_config=cfg))
+        client = store.client  # type: ignore[attr-defined]
+        try:
+            for p in args.pages:
+                n = total // p
+                keys = _keys(p, n)
+                host = HostKVPool(MHAShape(1, 1, p // 4), n, 1, torch.float16, "page_first", pin_memory=False)
+                assert host.page_bytes == p
+                store.register_mem_pool_host(host)
+                flat = host.pages_array().reshape(-1)
+                ref = _data(p, n)
+                idx = np.arange(n)
+                base = int(flat.ctypes.data)
+                ptrs = [base + i * p for i in range(n)]
+
+                def ours(keys: list[str] = keys, idx: np.ndarray = idx) -> int:
+                    return sum(store.batch_get_v1(keys, idx))
+
+                def theirs(keys: list[str] = keys, ptrs: list[int] = ptrs, p: int = p) -> int:
+                    hits = 0
+                    for s in range(0, len(keys), args.batch):
+                        rc = client.batch_get_into(
+                            keys[s : s + args.batch], ptrs[s : s + args.batch], [p] * len(keys[s : s + args.batch])
+                        )
+                        hits += sum(r == p for r in rc)
+                    return hits
+
+                t_ours: list[float] = []
+                t_theirs: list[float] = []
+                for rep in range(args.warmup + args.repeats):
+                    for fn, times in ((ours, t_ours), (theirs, t_theirs)):
+                        flat[:] = 0
+                        t0 = time.perf_counter()
+                        hits = fn()
+                        dt = time.perf_counter() - t0
+                        if hits != n or not np.array_equal(flat[::4099], ref[::4099]):
+                            raise RuntimeError(f"{fn.__name__} get failed at page {p}: {n - hits} misses")
+                        if rep >= args.warmup:
+                            times.append(dt)
+                gb = n * p / 1e9
+                row = {
+                    "page_kib": p >> 10,
+                    "hiradix_gbps_median": gb / float(np.median(t_ours)),
+                    "hiradix_gbps_best": gb / min(t_ours),
+                    "client_gbps_median": gb / float(np.median(t_theirs)),
+                    "client_gbps_best": gb / min(t_theirs),
+                    "ratio_paired": float(np.median([b / a for a, b in zip(t_ours, t_theirs, strict=True)])),
+                }
+                rows.append(row)
+                _log(
+                    f"hiradix-mooncake {p >> 10:>5} KiB  hiradix {row['hiradix_gbps_median']:.2f} GB/s"
+                    f"  client {row['client_gbps_median']:.2f} GB/s  paired {row['ratio_paired']:.2f}"
+                )
+                del host, flat
+        finally:
+            store.close()
+    finally:
+        parent.send("stop")
+        proc.join(timeout=30)
+        master.close()
+    return {"system": "hiradix mooncake backend vs mooncake client (tcp)", "rows": rows}
+
+
 # ---------------------------------------------------------------------- shared
 def _sweep(args: Any, total: int) -> Iterator[tuple[int, int, list[str], np.ndarray]]:
     """Per page size: page bytes, page count, keys and a zeroed destination for them all."""
@@ -310,7 +408,7 @@ def _exists_lat(fn: Any, keys: list[str], args: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("system", choices=["peercache", "mooncake"])
+    ap.add_argument("system", choices=["peercache", "mooncake", "hiradix-mooncake"])
     ap.add_argument("--pages", type=int, nargs="+", default=PAGES)
     ap.add_argument("--total-mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
@@ -319,14 +417,15 @@ def main() -> None:
         "--batch",
         type=int,
         default=0,
-        help="keys per batch get call (default: all for peercache; 512 for mooncake, whose batch_get_into"
-        " of 4096 keys over TCP missed 1758 of them here while batches of 512 all hit)",
+        help="keys per batch get call (default: all for peercache; 512 for mooncake and hiradix-mooncake, whose"
+        " batch_get_into of 4096 keys over TCP missed 1758 of them here while batches of 512 all hit)",
     )
     ap.add_argument("--exists-reps", type=int, default=1000)
     args = ap.parse_args()
     if args.batch <= 0:
-        args.batch = 512 if args.system == "mooncake" else 1 << 30
-    result = run_peercache(args) if args.system == "peercache" else run_mooncake(args)
+        args.batch = 1 << 30 if args.system == "peercache" else 512
+    runs = {"peercache": run_peercache, "mooncake": run_mooncake, "hiradix-mooncake": run_hiradix_mooncake}
+    result = runs[args.system](args)
     result["load"] = os.getloadavg()
     print(json.dumps(result))
 

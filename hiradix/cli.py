@@ -38,6 +38,7 @@ from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_worklo
 from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
 from hiradix.sim.run import simulate
 from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
+from hiradix.storage.base import StorageError
 
 __all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "main"]
 
@@ -150,10 +151,11 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("L3 storage tier (see hiradix.sim.replay)")
     group.add_argument(
         "--l3-backend",
-        choices=["memory", "file", "none"],
+        choices=["memory", "file", "peer", "mooncake", "none"],
         metavar="NAME",
-        help="L3 backend: memory (in-process pages, LRU), file (segment files under --l3-path), none "
-        f"(default: {_DEFAULTS.l3_backend})",
+        help="L3 backend: memory (in-process pages, LRU), file (segment files under --l3-path), peer (an "
+        "in-process peer-cache cluster on loopback TCP), mooncake (Mooncake Store; --l3-master, else a private "
+        f"mooncake_master on 127.0.0.1), none (default: {_DEFAULTS.l3_backend})",
     )
     group.add_argument(
         "--l3-tokens",
@@ -165,6 +167,16 @@ def _add_l3_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--l3-path", metavar="DIR", help="folder of the file backend (default: a temporary folder, removed after)"
+    )
+    group.add_argument(
+        "--l3-master",
+        metavar="HOST:PORT",
+        help="mooncake_master of --l3-backend mooncake (default: start a private one on 127.0.0.1, stopped after)",
+    )
+    group.add_argument(
+        "--verify-bytes",
+        action="store_true",
+        help="write token-derived KV bytes and check every reused prefix against them, through every tier",
     )
     group.add_argument(
         "--prefetch-policy",
@@ -469,8 +481,10 @@ def _config(args: argparse.Namespace, command: str) -> ResolvedConfig:
             device_tokens=args.device_tokens,
             host_tokens=args.host_tokens,
         )
-    for name in ("l3_tokens", "l3_path", "prefetch_policy", "prefetch_threshold", "l3_link"):
+    for name in ("l3_tokens", "l3_path", "l3_master", "prefetch_policy", "prefetch_threshold", "l3_link"):
         settings[name] = getattr(args, name)
+    if args.verify_bytes:
+        settings["verify_bytes"] = True
     if args.no_prefetch_wait:
         settings["prefetch_wait"] = False
     config = SimConfig().replace(**{k: v for k, v in settings.items() if v is not None})
@@ -528,6 +542,8 @@ def run_sim(args: argparse.Namespace) -> int:
         return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc))
     except ValueError as exc:  # ConfigError, an empty trace, a generator running out of block ids
         return _fail("sim", str(exc))
+    except StorageError as exc:  # an L3 backend that cannot be built (no Mooncake wheel, no master)
+        return _fail("sim", f"--l3-backend {args.l3_backend}: {exc}")
     except OSError as exc:
         return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
     print(summary(result))
@@ -546,6 +562,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 print(f"  html          {write_html(result, args.html, rendered)}")
     except OSError as exc:
         return _fail("sim", f"cannot write {exc.filename}: {exc.strerror or exc}")
+    if result.stats.corrupt_tokens:
+        return _fail("sim", f"{result.stats.corrupt_tokens:,} reused tokens came back with wrong KV bytes")
     return 0
 
 

@@ -246,7 +246,17 @@ class StorageContract:
         def boom(*args: Any) -> Any:
             raise OSError("injected backend failure")
 
-        prims = ("_exists", "_exists_many", "_size", "_get_into", "_get_many_into", "_get_many_at", "_put", "_put_many")
+        prims = (
+            "_exists",
+            "_exists_many",
+            "_size",
+            "_get_into",
+            "_get_many_into",
+            "_get_many_at",
+            "_put",
+            "_put_many",
+            "_put_many_at",
+        )
         for prim in prims:
             monkeypatch.setattr(store, prim, boom)
         assert store.batch_exists([key(0), key(1)]) == 0

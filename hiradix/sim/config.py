@@ -224,8 +224,11 @@ class SimConfig:
 
     Capacities are :class:`Size` values or anything :meth:`Size.of` takes (token counts,
     ``None`` for unbounded, text such as ``"64GiB"``). ``l3_backend=None`` means no L3
-    tier; ``l3_tokens`` / ``l3_path`` / prefetch settings / ``l3_link`` are then errors
-    unless left at their defaults. ``l3_link=None`` picks :func:`default_l3_link`.
+    tier; ``l3_tokens`` / ``l3_path`` / ``l3_master`` / prefetch settings / ``l3_link`` are
+    then errors unless left at their defaults. ``l3_link=None`` picks :func:`default_l3_link`.
+    ``l3_backend`` is ``"memory"``, ``"file"``, ``"peer"`` (an in-process peer-cache
+    cluster), ``"mooncake"`` (Mooncake Store; ``l3_master`` names its master, else a private
+    one is started), another registered name, or a backend instance.
     """
 
     page_size: int = 16
@@ -236,6 +239,8 @@ class SimConfig:
     l3_backend: Any = "memory"
     l3_tokens: Size | int | str | None = 32_000_000
     l3_path: str | None = None
+    l3_master: str | None = None
+    verify_bytes: bool = False
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 256
     prefetch_wait: bool = True
@@ -339,6 +344,7 @@ class SimConfig:
                 for name in (
                     "l3_tokens",
                     "l3_path",
+                    "l3_master",
                     "prefetch_policy",
                     "prefetch_threshold",
                     "prefetch_wait",
@@ -358,6 +364,8 @@ class SimConfig:
                 )
             if self.l3_path is not None and l3_backend != "file":
                 raise ConfigError("l3_path is for the file backend (--l3-backend file)")
+            if self.l3_master is not None and l3_backend != "mooncake":
+                raise ConfigError("l3_master is for the mooncake backend (--l3-backend mooncake)")
             l3_tokens = Size.of(self.l3_tokens).to_tokens(timing.moved_bytes_per_token)
             if not isinstance(l3_backend, str) and self.l3_tokens != defaults.l3_tokens:
                 raise ConfigError("l3_tokens is ignored with a backend instance: size the backend itself")
@@ -408,6 +416,8 @@ class ResolvedConfig:
             "l3_backend": c.l3_backend,
             "l3_tokens": self.l3_tokens if c.l3_backend is not None else None,
             "l3_path": c.l3_path,
+            "l3_master": c.l3_master,
+            "verify_bytes": c.verify_bytes,
             "prefetch_policy": c.prefetch_policy,
             "prefetch_threshold": c.prefetch_threshold,
             "prefetch_wait": c.prefetch_wait,

@@ -13,7 +13,11 @@ backend, the controller and its L3 threads) one request at a time, as a schedule
    ``alloc_device`` for the rest (evicting as needed).
 4. The forward pass: ``ready_to_load_host_cache`` and ``wait_until`` every layer. The KV
    "compute" is a no-op: the pools are 2 bytes per token (one layer of
-   ``MLAShape(1, 1, 1)``, ``uint8``), so a full trace fits in memory.
+   ``MLAShape(1, 1, 1)``, ``uint8``), so a full trace fits in memory. With
+   ``verify_bytes`` it writes each new token's KV as a function of the token, its position
+   and the token before it, and every reused prefix (device hit, host and L3 load-back) is
+   checked against that function first: a page that came back from any tier with another
+   page's bytes is counted in ``corrupt_tokens``.
 5. ``cache_finished_req`` (insert, backups per the write policy), ``check_hicache_events``.
 
 Nothing here decides what is cached, evicted, backed up or fetched: the hit rates are
@@ -82,8 +86,11 @@ KV_SHAPE = MLAShape(layer_num=1, kv_lora_rank=1, qk_rope_head_dim=1)
 """The replay's KV shape: the smallest the pools take (2 elements per token)."""
 KV_DTYPE = torch.uint8
 KV_BYTES_PER_TOKEN = 2
-L3_BACKENDS = ("memory", "file")
-"""L3 backends the replayer builds by name (any registered backend instance also works)."""
+L3_BACKENDS = ("memory", "file", "peer", "mooncake")
+"""L3 backends the replayer builds by name (any registered backend instance also works):
+``peer`` is an in-process peer-cache cluster of :data:`PEER_NODES` nodes on loopback TCP,
+``mooncake`` a Mooncake Store client (of a private ``mooncake_master`` unless one is named)."""
+PEER_NODES = 3
 _DEFAULT_UNBOUNDED_TOKENS = 1 << 24  # pool size for an unbounded tier when no workload bounds it
 _HOST_RESERVE_BYTES = 256 << 20  # MemAvailable headroom the host pool check keeps
 
@@ -122,6 +129,9 @@ class ReplayStats:
     prefetch_partial: int = 0  # stopped early (best_effort / timeout): a shorter L3 hit
     prefetch_failed: int = 0  # storage error: the tokens were recomputed
     prefetch_issued: int = 0  # prefetches started (L3 was asked), whatever they found
+    # verify_bytes: reused prefix tokens checked, and those whose KV bytes were wrong
+    verified_tokens: int = 0
+    corrupt_tokens: int = 0
 
     @property
     def miss_tokens(self) -> int:
@@ -244,6 +254,26 @@ class _EvictionLedger(CacheObserver):
         self.has_host[idx] = False
 
 
+def kv_content(tokens: np.ndarray) -> np.ndarray:
+    """The replay's KV bytes of a prompt under ``verify_bytes``: ``[len, 2]`` ``uint8``,
+    token ``i``'s a mix of the token, its position and the token before it, so that a page
+    of another prefix, position or request differs. ``O(len)`` vectorized.
+
+    >>> kv_content(np.array([5, 5, 7])).shape
+    (3, 2)
+    >>> bool((kv_content(np.array([1, 2]))[1] != kv_content(np.array([3, 2]))[1]).any())
+    True
+    """
+    t = np.asarray(tokens).astype(np.uint64)
+    prev = np.concatenate((np.zeros(1, np.uint64), t[:-1])) if len(t) else t
+    pos = np.arange(1, len(t) + 1, dtype=np.uint64)
+    x = t * np.uint64(0x9E3779B97F4A7C15) ^ pos * np.uint64(0xBF58476D1CE4E5B9) ^ prev * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(29)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(32)
+    return np.ascontiguousarray(x.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :KV_BYTES_PER_TOKEN])
+
+
 def _host_pool(tokens: int, page_size: int) -> HostKVPool:
     """A host pool of ``tokens`` slots; with 0, a one-page pool whose only page is
     withdrawn (the cache needs a pool; this one never hands out a slot)."""
@@ -283,7 +313,15 @@ class Replayer:
         instance (sized by itself: ``l3_tokens`` is then not used).
     l3_tokens:
         L3 capacity in tokens (``None``: unbounded); pages beyond it are evicted by the
-        backend (least recently used).
+        backend (least recently used; the peer cluster by its own pool's order). The peer
+        cluster's writing node and the Mooncake client are sized to hold exactly that many
+        pages.
+    l3_master:
+        ``host:port`` of the ``mooncake_master`` for ``l3_backend="mooncake"`` (default:
+        a private one on 127.0.0.1, started for the replay and stopped by :meth:`close`).
+    verify_bytes:
+        Write token-derived KV at "compute" and check every reused prefix against it
+        (module docstring, step 4). ``O(prompt tokens)`` more per request.
     prefetch_policy, prefetch_threshold, prefetch_wait:
         The L3 prefetch policy (:data:`hiradix.l3.PREFETCH_POLICIES`), the fewest tokens
         worth prefetching, and whether to wait for a prefetch's I/O before checking its
@@ -308,6 +346,8 @@ class Replayer:
         l3_backend: str | StorageBackend | None = None,
         l3_tokens: int | None = None,
         l3_path: str | None = None,
+        l3_master: str | None = None,
+        verify_bytes: bool = False,
         prefetch_policy: str = "best_effort",
         prefetch_threshold: int = 256,
         prefetch_wait: bool = True,
@@ -326,6 +366,8 @@ class Replayer:
             raise ValueError("l3_tokens / l3_path without an l3_backend would be ignored")
         if l3_path is not None and l3_backend != "file":
             raise ValueError("l3_path is for the file backend")
+        if l3_master is not None and l3_backend != "mooncake":
+            raise ValueError("l3_master is for the mooncake backend")
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
         if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
@@ -345,6 +387,8 @@ class Replayer:
         self.l3_backend = l3_backend
         self.l3_tokens = l3_tokens
         self.l3_path = l3_path
+        self.l3_master = l3_master
+        self.verify_bytes = verify_bytes
         self.prefetch = PrefetchConfig(policy=prefetch_policy, threshold_tokens=prefetch_threshold)
         self.prefetch_wait = prefetch_wait
         self.load_back_threshold = load_back_threshold
@@ -353,6 +397,9 @@ class Replayer:
         self._cache: HiRadixCache | None = None
         self._ledger: _EvictionLedger | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._master: Any = None  # a private mooncake_master (hiradix.storage.mooncake.MooncakeMaster)
+        self._owned: StorageBackend | None = None  # the L3 backend built here by name, closed by close()
+        self._kv: torch.Tensor | None = None  # the device pool's [slots, 2] bytes (verify_bytes)
         self._rid = 0
 
     # ------------------------------------------------------------------ the cache
@@ -382,7 +429,7 @@ class Replayer:
         controller = HiCacheController(device, host, inline_copies=True)
         storage = None
         if self.uses_l3:
-            storage = self._make_backend(host)
+            storage = self._make_backend(host, unbounded)
         cache = HiRadixCache(
             device,
             host,
@@ -401,24 +448,64 @@ class Replayer:
         ledger = _EvictionLedger(device.total_slots)
         cache.add_observer(ledger)
         self._cache, self._ledger = cache, ledger
+        if self.verify_bytes:
+            self._kv = device.kv_buffer(0).view(device.total_slots, KV_BYTES_PER_TOKEN)
 
-    def _make_backend(self, host: HostKVPool) -> StorageBackend:
+    def _make_backend(self, host: HostKVPool, unbounded: int) -> StorageBackend:
         if isinstance(self.l3_backend, StorageBackend):
             return self.l3_backend
         assert self.l3_backend is not None
+        self._owned = self._create(host, unbounded)
+        return self._owned
+
+    def _create(self, host: HostKVPool, unbounded: int) -> StorageBackend:
+        assert isinstance(self.l3_backend, str)
+        pages = max(1, (unbounded if self.l3_tokens is None else self.l3_tokens) // self.page_size)
         extra: dict[str, Any] = {}
         if self.l3_tokens is not None:
-            extra["capacity_bytes"] = max(1, self.l3_tokens // self.page_size) * host.page_bytes
+            extra["capacity_bytes"] = pages * host.page_bytes
         if self.l3_backend == "file":
             if self.l3_path is None:
                 self._tmpdir = tempfile.TemporaryDirectory(prefix="hiradix-sim-l3-")
             extra["path"] = self.l3_path or self._tmpdir.name  # type: ignore[union-attr]
+        elif self.l3_backend == "peer":
+            from hiradix.peer.pool import SLOT_ALIGN, SLOT_HEADER_SIZE
+
+            # Pages are published by the node that writes them: its pool holds the L3, one
+            # slot (header + page, aligned) per page; unbounded means every prompt page.
+            stride = -(-(SLOT_HEADER_SIZE + host.page_bytes) // SLOT_ALIGN) * SLOT_ALIGN
+            extra = {"inprocess_nodes": PEER_NODES, "page_size": host.page_bytes, "capacity_bytes": pages * stride}
+        elif self.l3_backend == "mooncake":
+            extra.update(self._mooncake_options(pages * host.page_bytes))
         return create_backend(self.l3_backend, extra_config=extra)
 
+    def _mooncake_options(self, nbytes: int) -> dict[str, Any]:
+        from hiradix.storage.mooncake import MooncakeMaster
+
+        extra: dict[str, Any] = {"global_segment_size": int(nbytes * 1.25) + (16 << 20)}
+        if self.l3_master is not None:
+            extra["master_server_addr"] = self.l3_master
+            return extra
+        self._master = MooncakeMaster()
+        extra["master_server_addr"] = self._master.addr
+        # A private master and, waiting for every L3 operation, no read in flight while a
+        # page is replaced or evicted: Mooncake's reader leases can be overridden, so that
+        # the LRU bound holds exactly as in the memory backend.
+        extra["force_remove"] = self.prefetch_wait
+        return extra
+
     def close(self) -> None:
-        """Stop the cache's threads and remove a temporary L3 folder. Idempotent."""
+        """Stop the cache's threads, close an L3 backend built here by name (not one
+        passed in), stop a private ``mooncake_master`` and remove a temporary L3 folder.
+        Idempotent."""
         if self._cache is not None:
             self._cache.close()
+        if self._owned is not None:  # the peer cluster's nodes, the Mooncake client, files
+            self._owned.close()
+            self._owned = None
+        if self._master is not None:
+            self._master.close()
+            self._master = None
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
@@ -464,6 +551,11 @@ class Replayer:
         counter.set_consumer(cache.ready_to_load_host_cache())
         for layer in range(counter.layer_num):
             counter.wait_until(layer)
+        if self._kv is not None:
+            kv = kv_content(prompt)
+            self._verify(kv[: len(prefix)], prefix)
+            if new is not None and len(new):
+                self._kv[new] = torch.from_numpy(kv[len(prefix) :])
         if new is None:
             cache.dec_lock_ref(node)
             self._end_step()
@@ -472,6 +564,15 @@ class Replayer:
         cache.cache_finished_req(req)
         self._end_step()
         return Served(device_hit, served_host, fitted=True, l3_hit=served_l3, prefetch=outcome)
+
+    def _verify(self, expected: np.ndarray, slots: torch.Tensor) -> None:
+        """Count the reused tokens whose device KV differs from ``expected`` (verify_bytes)."""
+        assert self._kv is not None
+        if not len(slots):
+            return
+        got = self._kv[slots].numpy()
+        self.stats.verified_tokens += len(slots)
+        self.stats.corrupt_tokens += int(np.count_nonzero((got != expected).any(axis=1)))
 
     def _prefetch(self, rid: int, prompt: np.ndarray, m: Any) -> tuple[str, int]:
         """Prefetch the key after the match's mount point from L3; returns the outcome
@@ -623,6 +724,8 @@ class Replayer:
             "write_policy": self.write_policy,
             "l3_backend": None if not self.uses_l3 else getattr(self.l3_backend, "name", self.l3_backend),
             "l3_tokens": self.l3_tokens if self.uses_l3 else 0,
+            "l3_master": self.l3_master,
+            "verify_bytes": self.verify_bytes,
             "prefetch_policy": self.prefetch.policy if self.uses_l3 else None,
             "prefetch_wait": self.prefetch_wait,
             "load_back_threshold": self.load_back_threshold,

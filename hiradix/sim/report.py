@@ -180,6 +180,11 @@ def summary(result: SimResult) -> str:
     if stats.write_back_failed_tokens:
         lines.append(f"  write-back    {stats.write_back_failed_tokens:,} victim tokens found no host room")
     lines.append(f"  too large     {plural(stats.too_large_requests, 'request')} did not fit on the device")
+    if cfg.get("verify_bytes"):
+        lines.append(
+            f"  bytes         {stats.verified_tokens:,} reused tokens verified, {stats.corrupt_tokens:,} wrong"
+            + ("" if not stats.corrupt_tokens else "  << WRONG KV BYTES")
+        )
     lines += ["", *_timing_lines(result), ""]
     lines.append(
         f"  time          {wall:.1f} s, {stats.requests / wall if wall else 0:,.0f} requests/s, "

@@ -1,11 +1,14 @@
 """L3 storage: the backend interface (SGLang's ``HiCacheStorage`` calls), namespaced page
 keys, a registry with dynamic loading, and the built-in backends.
 
-========== ====================================================================
-``memory`` :class:`MemoryStorage`: in-process dict with an LRU byte bound
-``file``   :class:`FileStorage`: append-only segment files of checksummed
-           records, optional lz4, LRU byte bound, index rebuilt on restart
-========== ====================================================================
+============ ==================================================================
+``memory``   :class:`MemoryStorage`: in-process dict with an LRU byte bound
+``file``     :class:`FileStorage`: append-only segment files of checksummed
+             records, optional lz4, LRU byte bound, index rebuilt on restart
+``peer``     ``hiradix.peer.store.PeerCacheStore``: the peer cache (imported on use)
+``mooncake`` ``hiradix.storage.mooncake.MooncakeStorage``: Mooncake Store, zero copy
+             against the host pool (imported on use; needs the Mooncake wheel)
+============ ==================================================================
 """
 
 from hiradix.storage.base import (

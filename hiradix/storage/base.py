@@ -2,7 +2,9 @@
 backend primitives.
 
 A backend subclasses :class:`StorageBackend` and implements six primitives (``_exists``,
-``_size``, ``_get_into``, ``_put``, ``_clear``, ``_usage``). The public SGLang-shaped calls
+``_size``, ``_get_into``, ``_put``, ``_clear``, ``_usage``), and may override their batch
+forms (``_exists_many``, ``_get_many_into``, ``_put_many``, and ``_get_many_at`` /
+``_put_many_at`` for raw page addresses of a page-first host pool). The public SGLang-shaped calls
 (``batch_exists``, ``batch_get``, ``batch_set``, ``batch_get_v1``, ``batch_set_v1``, ...)
 are written once here, on top of them, so that every backend has the same semantics:
 
@@ -499,9 +501,31 @@ class StorageBackend(ABC):
         except Exception as exc:  # a failing batch override: every key of it is a False
             self._failed("set", keys[0], exc)
             results = [False] * len(keys)
+        return self._count_sets(results)
+
+    def _count_sets(self, results: list[bool]) -> list[bool]:
         n_ok = sum(results)
         self._count(sets=n_ok, set_failures=len(results) - n_ok)
         return results
+
+    def _put_many_at(self, keys: list[str], addrs: np.ndarray, lengths: np.ndarray, hold: Any) -> list[bool] | None:
+        """Optional batch primitive of the page-first v1 set, the twin of
+        :meth:`_get_many_at`: store ``lengths[i]`` bytes at the raw address ``addrs[i]``
+        (kept alive by ``hold``) under ``keys[i]``. ``None`` (the default) means "not
+        supported": the caller builds one view per page and uses :meth:`_put_many`."""
+        return None
+
+    def _put_many_at_safe(self, keys: list[str], rows: np.ndarray, pages: np.ndarray) -> list[bool] | None:
+        if not keys:
+            return []
+        page_bytes = rows.shape[1]
+        addrs = rows.ctypes.data + pages.astype(np.uint64) * np.uint64(page_bytes)
+        try:
+            results = self._put_many_at(keys, addrs, np.full(len(keys), page_bytes, dtype=np.int64), rows)
+        except Exception as exc:  # a failing batch override: every key of it is a False
+            self._failed("set", keys[0], exc)
+            results = [False] * len(keys)
+        return None if results is None else self._count_sets([bool(r) for r in results])
 
     # ------------------------------------------------------------------ v1 (host pool)
     def _page_starts(self, keys: list[str], host_indices: Any) -> np.ndarray:
@@ -580,7 +604,11 @@ class StorageBackend(ABC):
         assert pool is not None
         if pool.layout != "layer_first":  # written straight from the pool
             rows = pool.pages_array()
-            views = _row_views(rows, pool.page_ids(starts).tolist())
+            pages = pool.page_ids(starts)
+            results = self._put_many_at_safe(keys, rows, pages)
+            if results is not None:
+                return results
+            views = _row_views(rows, pages.tolist())
         else:  # gathered into a per-thread buffer first
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
             pool.read_pages(starts, scratch)

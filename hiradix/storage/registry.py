@@ -163,6 +163,7 @@ def _register_builtins() -> None:
     register_backend("memory", MemoryStorage, replace=True)
     register_backend("file", FileStorage, replace=True)
     register_backend("peer", _peer_backend, replace=True)
+    register_backend("mooncake", _mooncake_backend, replace=True)
 
 
 def _peer_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
@@ -170,6 +171,14 @@ def _peer_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
     from hiradix.peer.store import PeerCacheStore
 
     return PeerCacheStore(config, **kwargs)
+
+
+def _mooncake_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
+    # Imported on first use; the Mooncake wheel itself is imported only when one is built
+    # (StorageError saying how to install it when it is missing).
+    from hiradix.storage.mooncake import MooncakeStorage
+
+    return MooncakeStorage(config, **kwargs)
 
 
 _register_builtins()
