@@ -49,19 +49,24 @@ KEY_HEX_CHARS = 64
 _ENCODING = "hiradix.kv-namespace/1:"
 
 
-def page_byte_order(layout: str) -> str:
+def page_byte_order(layout: str, page_order: str = "hiradix") -> str:
     """The byte order of a host page as :meth:`HostKVPool.get_page_bytes` gives it:
     ``layer_first`` pages are gathered in ``page_first_direct`` order, so the two are
-    interchangeable in L3; ``page_first`` is token-major and is not.
+    interchangeable in L3; ``page_first`` is token-major and is not. In SGLang's page
+    order (``page_order="sglang"``) the same holds, with names prefixed ``sglang:``.
 
-    >>> page_byte_order("layer_first")
-    'page_first_direct'
+    >>> page_byte_order("layer_first"), page_byte_order("page_first", "sglang")
+    ('page_first_direct', 'sglang:page_first')
     """
+    if page_order not in ("hiradix", "sglang"):
+        raise ValueError(f"unknown page order {page_order!r}")
     if layout in ("layer_first", "page_first_direct"):
-        return "page_first_direct"
-    if layout == "page_first":
-        return "page_first"
-    raise ValueError(f"unknown host layout {layout!r}")
+        name = "page_first_direct"
+    elif layout == "page_first":
+        name = "page_first"
+    else:
+        raise ValueError(f"unknown host layout {layout!r}")
+    return name if page_order == "hiradix" else f"sglang:{name}"
 
 
 def _check_str(**fields: Any) -> None:
@@ -124,7 +129,7 @@ class KeyNamespace:
             model=model,
             weight_version=weight_version,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
-            layout=page_byte_order(pool.layout),
+            layout=page_byte_order(pool.layout, pool.page_order),
             tp_size=tp_size,
             tp_sharded=not pool.is_mla,
             tenant=tenant,
