@@ -651,6 +651,8 @@ class HostKVPool(_KVPoolBase):
         # view a uint8 [page_num, *inner] view of the pool whose row p holds page p's
         # bytes offset .. offset + inner bytes; together they cover the page once.
         raw = self._buf.view(torch.uint8)
+        if self.pages_in_place:
+            return [(raw.view(self.page_num, self.page_bytes), 0)]
         isz, ps, layers = self.itemsize, self.page_size, self.layer_num
         sglang = self.page_order == "sglang"
         pieces: list[tuple[torch.Tensor, int]] = []
@@ -669,9 +671,7 @@ class HostKVPool(_KVPoolBase):
                 if self.layout == "layer_first":  # component regions [layers, slots, E_c]
                     base = (self.size * layers * self._comp_offsets[c] + layer * self.size * e) * isz
                     view = raw[base : base + self.page_num * run].view(self.page_num, run)
-                else:  # page-first layouts: [pages, layers, components, page_size, E]
-                    if self.layout == "page_first":
-                        raise AssertionError("hiradix-order page_first pages are in place")
+                else:  # page_first_direct (the other page-first cases are in place)
                     start = ps * (layer * self._elems_per_layer + self._comp_offsets[c]) * isz
                     view = raw.view(self.page_num, self.page_bytes)[:, start : start + run]
                 if sglang:  # [components, layers, page_size, E]: K of every layer, then V
@@ -732,25 +732,28 @@ class HostKVPool(_KVPoolBase):
         return self._buf.view(torch.uint8).numpy().reshape(self.page_num, self.page_bytes)
 
     def _native_pieces_copy(self, pages: np.ndarray, rows: torch.Tensor, to_pool: bool) -> bool:
-        # With the compiled row copy: one GIL-free copy_rows per piece that is a run of
-        # bytes per page, between the pool and the page rows. False: not available, or
-        # a piece is not one run per page (then torch copies them all).
+        # With the compiled row copy: one GIL-free copy_rows per piece, between the pool
+        # and the page rows, each piece cut into its contiguous runs (one per page, or
+        # per page, token and layer for SGLang's page_first order). False: not built.
         from hiradix.memory.copy import _gather
 
-        pieces = self._page_pieces()
-        if _gather is None or any(view.dim() != 2 for view, _ in pieces):
+        if _gather is None:
             return False
         pool_bytes = self._buf.view(torch.uint8).numpy()
         row_bytes = rows.numpy().reshape(-1)
         row_starts = np.arange(len(pages), dtype=np.int64) * self.page_bytes
         base = self._buf.view(torch.uint8).storage_offset()
-        for view, offset in pieces:
-            seg = (view.storage_offset() - base) + pages * view.stride(0)
-            run = view.shape[1]
+        for view, offset in self._page_pieces():
+            run = view.shape[-1]  # the innermost dimension is contiguous in every piece
+            inner = np.zeros(1, dtype=np.int64)  # pool offsets of a piece's runs inside a page
+            for size, stride in zip(view.shape[1:-1], view.stride()[1:-1], strict=True):
+                inner = (inner[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+            seg = ((view.storage_offset() - base) + pages[:, None] * view.stride(0) + inner[None, :]).reshape(-1)
+            dst = (row_starts[:, None] + np.arange(len(inner), dtype=np.int64)[None, :] * run).reshape(-1)
             if to_pool:
-                _gather.copy_rows(pool_bytes, seg, 0, row_bytes, row_starts, offset, run)
+                _gather.copy_rows(pool_bytes, seg, 0, row_bytes, dst, offset, run)
             else:
-                _gather.copy_rows(row_bytes, row_starts, offset, pool_bytes, seg, 0, run)
+                _gather.copy_rows(row_bytes, dst, offset, pool_bytes, seg, 0, run)
         return True
 
     def _check_rows(self, rows: torch.Tensor, n: int, name: str) -> None:
@@ -759,16 +762,16 @@ class HostKVPool(_KVPoolBase):
 
     def read_pages(self, host_indices: Any, out: torch.Tensor) -> None:
         """Copy the pages starting at ``host_indices`` into the rows of ``out`` (uint8
-        ``[n, page_bytes]``), in :meth:`get_page_bytes` order. One vectorized copy where
-        :attr:`pages_in_place`, else one per piece of a page (per layer and component,
-        or per component for SGLang's ``page_first`` order).
+        ``[n, page_bytes]``), in :meth:`get_page_bytes` order: one copy (compiled and
+        GIL-free where built) where :attr:`pages_in_place`, else one per piece of a page:
+        per layer and component, or per component for SGLang's ``page_first`` order.
         Runtime complexity: ``O(n x page_bytes)``."""
         pages = torch.from_numpy(self.page_ids(host_indices))
         self._check_rows(out, len(pages), "out")
+        if out.is_contiguous() and self._native_pieces_copy(pages.numpy(), out, to_pool=False):
+            return
         if self.pages_in_place:
             torch.index_select(torch.from_numpy(self.pages_array()), 0, pages, out=out)
-            return
-        if out.is_contiguous() and self._native_pieces_copy(pages.numpy(), out, to_pool=False):
             return
         for view, offset in self._page_pieces():
             inner = view.shape[1:]
@@ -780,12 +783,12 @@ class HostKVPool(_KVPoolBase):
         :meth:`read_pages`. Runtime complexity: ``O(n x page_bytes)``."""
         pages = torch.from_numpy(self.page_ids(host_indices))
         self._check_rows(src, len(pages), "src")
+        if src.is_contiguous() and self._native_pieces_copy(pages.numpy(), src, to_pool=True):
+            return
         if self.pages_in_place:
             # index_copy_, not [pages] = ...: torch's advanced indexing is ~1000x slower
             # than index_select / index_copy_ on large index tensors (copy._row_plan).
             torch.from_numpy(self.pages_array()).index_copy_(0, pages, src)
-            return
-        if src.is_contiguous() and self._native_pieces_copy(pages.numpy(), src, to_pool=True):
             return
         for view, offset in self._page_pieces():
             inner = view.shape[1:]
