@@ -748,7 +748,8 @@ class HostKVPool(_KVPoolBase):
             inner = np.zeros(1, dtype=np.int64)  # pool offsets of a piece's runs inside a page
             for size, stride in zip(view.shape[1:-1], view.stride()[1:-1], strict=True):
                 inner = (inner[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
-            seg = ((view.storage_offset() - base) + pages[:, None] * view.stride(0) + inner[None, :]).reshape(-1)
+            first = int(view.storage_offset() - base)  # byte offset of the piece in page 0
+            seg = (first + pages[:, None] * view.stride(0) + inner[None, :]).reshape(-1)
             dst = (row_starts[:, None] + np.arange(len(inner), dtype=np.int64)[None, :] * run).reshape(-1)
             if to_pool:
                 _gather.copy_rows(pool_bytes, seg, 0, row_bytes, dst, offset, run)
