@@ -108,9 +108,11 @@ cdef class HiRadixTree:
 
     # namespaces
     cdef dict _namespaces         # extra_key -> root arena index
-    cdef uint8_t* seeds           # DIGEST bytes per namespace (namespace 0: unused)
+    cdef uint8_t* seeds           # DIGEST bytes per namespace (0: the default root's)
+    cdef uint8_t* seeded          # per namespace: 1 if its chain is seeded (seeds valid)
     cdef int32_t ns_n
     cdef int32_t ns_cap
+    cdef object _chain_seed       # extra_key (None: default root) -> hex seed or None
 
     # counters
     cdef node_t root_idx
@@ -137,6 +139,8 @@ cdef class HiRadixTree:
     cdef node_t _node(self, object handle) except -2
     cdef double _tick(self) except? -1
     cdef node_t _ns_root(self, object extra_key) except -2
+    cdef int _set_seed(self, int32_t ns, object extra_key) except -1
+    cdef const uint8_t* _seed(self, int32_t ns) noexcept nogil
 
     # child table
     cdef uint64_t _page_hash(self, node_t parent, const token_t* page) noexcept nogil

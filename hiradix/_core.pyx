@@ -33,7 +33,7 @@ import hashlib
 import numpy as np
 
 from hiradix._results import IOStatus, LockError
-from hiradix.policy import FIELDS, check_tree_args, get_policy, write_through_threshold
+from hiradix.policy import FIELDS, check_tree_args, get_policy, seed_digest, write_through_threshold
 
 cnp.import_array()
 
@@ -373,12 +373,14 @@ cdef class HiRadixTree:
         free(self.ht_keys)
         free(self.ht_vals)
         free(self.seeds)
+        free(self.seeded)
         free(self.scratch)
 
     def __init__(self, page_size=1, *, eviction_policy="lru", write_policy="write_through",
-                 enable_hash=False, clock=None):
-        check_tree_args(page_size, clock)
+                 enable_hash=False, clock=None, chain_seed=None):
+        check_tree_args(page_size, clock, chain_seed)
         self.page_size = page_size
+        self._chain_seed = chain_seed
         self.policy = get_policy(eviction_policy)
         self.write_through_threshold = write_through_threshold(write_policy)   # validates it
         self.write_policy = write_policy
@@ -395,6 +397,7 @@ cdef class HiRadixTree:
         self._slru_threshold = self.policy.protected_threshold
         self.buf_len = 0
         self._reserve_span(1)     # sizes the hash buffer now that page_size is known
+        self._set_seed(0, None)   # the default root's (it lives as long as the tree)
         self.reset()
 
     # ------------------------------------------------------------------ memory
@@ -581,6 +584,35 @@ cdef class HiRadixTree:
         n.ns = ns
         return i
 
+    cdef int _set_seed(self, int32_t ns, object extra_key) except -1:
+        # Namespace ns's chain seed: chain_seed(extra_key) if given, else none for the
+        # default root and namespace_seed(extra_key) for a named one.
+        cdef void* p
+        cdef int32_t cap
+        if self._chain_seed is not None:
+            value = self._chain_seed(extra_key)
+        else:
+            value = None if extra_key is None else namespace_seed(extra_key)
+        cdef object digest = seed_digest(value, extra_key)
+        if ns >= self.ns_cap:
+            cap = 2 * self.ns_cap + 4
+            p = realloc(self.seeds, cap * DIGEST)
+            if p == NULL:
+                raise MemoryError()
+            self.seeds = <uint8_t*>p
+            p = realloc(self.seeded, cap)
+            if p == NULL:
+                raise MemoryError()
+            self.seeded = <uint8_t*>p
+            self.ns_cap = cap
+        self.seeded[ns] = digest is not None
+        if digest is not None:
+            memcpy(self.seeds + ns * DIGEST, <const char*>(<bytes>digest), DIGEST)
+        return 0
+
+    cdef const uint8_t* _seed(self, int32_t ns) noexcept nogil:
+        return self.seeds + ns * DIGEST if self.seeded[ns] else NULL
+
     cdef node_t _ns_root(self, object extra_key) except -2:
         if extra_key is None:
             return self.root_idx
@@ -589,15 +621,7 @@ cdef class HiRadixTree:
             return <node_t>root
         if not isinstance(extra_key, str):
             raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
-        cdef void* p
-        cdef bytes seed = bytes.fromhex(namespace_seed(extra_key))
-        if self.ns_n >= self.ns_cap:
-            p = realloc(self.seeds, (2 * self.ns_cap + 4) * DIGEST)
-            if p == NULL:
-                raise MemoryError()
-            self.seeds = <uint8_t*>p
-            self.ns_cap = 2 * self.ns_cap + 4
-        memcpy(self.seeds + self.ns_n * DIGEST, <const char*>seed, DIGEST)
+        self._set_seed(self.ns_n, extra_key)
         cdef node_t r = self._new_root(self.ns_n)
         self.ns_n += 1
         self._namespaces[extra_key] = r
@@ -727,7 +751,7 @@ cdef class HiRadixTree:
         memcpy(self.tokens + nd.key_off, toks, n * sizeof(token_t))
         if self.enable_hash:
             if p.is_root:
-                prev = NULL if p.ns == 0 else self.seeds + p.ns * DIGEST
+                prev = self._seed(p.ns)
             else:
                 prev = self.hashes + ((p.key_off + p.key_len) // self.page_size - 1) * DIGEST
             hr_hash_pages(toks, n // self.page_size, self.page_size, prev,
@@ -1566,6 +1590,15 @@ cdef class HiRadixTree:
         cdef node_t r = self._ns_root(extra_key)
         return _handle(&self.nodes[r], r)
 
+    def root_seed(self, node):
+        """The hex digest the hash chain under root ``node`` starts from (``None``:
+        unseeded); ``ValueError`` for a node that is not a root. ``O(1)``."""
+        cdef node_t i = self._node(node)
+        if not self.nodes[i].is_root:
+            raise ValueError(f"node {node} is not a root")
+        cdef const uint8_t* seed = self._seed(self.nodes[i].ns)
+        return None if seed == NULL else PyBytes_FromStringAndSize(<const char*>seed, DIGEST).hex()
+
     def evictable_size(self):
         return self._evictable
 
@@ -1831,7 +1864,7 @@ cdef class HiRadixTree:
                 fail(f"lock_ref differs from the locks owned at and below the node ({owned})", i)
             if self.enable_hash:
                 if self.nodes[p].is_root:
-                    prev = NULL if self.nodes[p].ns == 0 else self.seeds + self.nodes[p].ns * DIGEST
+                    prev = self._seed(self.nodes[p].ns)
                 else:
                     prev = self.hashes + DIGEST * (
                         (self.nodes[p].key_off + self.nodes[p].key_len) // self.page_size - 1)

@@ -51,7 +51,7 @@ from hiradix._results import (
     LockError,
     MatchResult,
 )
-from hiradix.policy import EvictionPolicy, check_tree_args, get_policy, write_through_threshold
+from hiradix.policy import EvictionPolicy, check_tree_args, get_policy, seed_digest, write_through_threshold
 
 ROOT = 0
 IO_IDLE, IO_WRITING, IO_LOADING = 0, 1, 2
@@ -255,6 +255,13 @@ class HiRadixTree:
     clock:
         Callable returning the time stamped on accessed nodes, called once per
         operation. By default a logical counter (1, 2, 3, ...), never wall time.
+    chain_seed:
+        Where each root's hash chain starts: called once per root with its
+        ``extra_key`` (``None`` for the default root, at construction), it returns 64
+        hex digits or ``None`` (unseeded: SGLang's chain). By default the default root
+        is unseeded and a namespace root is seeded with :func:`namespace_seed` of its
+        ``extra_key``. ``lambda extra_key: None`` hashes every namespace's pages as
+        SGLang does (tokens only; the namespaces still never share nodes).
     """
 
     _root: _Node
@@ -268,14 +275,16 @@ class HiRadixTree:
         write_policy: str = "write_through",
         enable_hash: bool = False,
         clock: Callable[[], float] | None = None,
+        chain_seed: Callable[[str | None], str | None] | None = None,
     ) -> None:
-        check_tree_args(page_size, clock)
+        check_tree_args(page_size, clock, chain_seed)
         self.page_size = page_size
         self.policy = get_policy(eviction_policy)
         self.write_policy = write_policy
         self.write_through_threshold = write_through_threshold(write_policy)
         self.enable_hash = bool(enable_hash)
         self._clock = clock
+        self._chain_seed = chain_seed
         self._init_state()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -340,8 +349,11 @@ class HiRadixTree:
         root.is_root = True
         root.value = _EMPTY
         root.lock_ref = 1  # a root is never evicted
-        if extra_key is not None:
-            root.seed = bytes.fromhex(namespace_seed(extra_key))
+        if self._chain_seed is not None:
+            seed = self._chain_seed(extra_key)
+        else:
+            seed = None if extra_key is None else namespace_seed(extra_key)
+        root.seed = seed_digest(seed, extra_key)
         return root
 
     def _namespace_root(self, extra_key: str | None) -> _Node:
@@ -966,6 +978,14 @@ class HiRadixTree:
     def namespace_root(self, extra_key: str | None) -> int:
         """Handle of the root of a namespace (created on first use)."""
         return self._namespace_root(extra_key).handle
+
+    def root_seed(self, node: int) -> str | None:
+        """The hex digest the hash chain under root ``node`` starts from (``None``:
+        unseeded); ``ValueError`` for a node that is not a root. ``O(1)``."""
+        n = self._node(node)
+        if not n.is_root:
+            raise ValueError(f"node {node} is not a root")
+        return None if n.seed is None else n.seed.hex()
 
     def evictable_size(self) -> int:
         return self._evictable

@@ -44,8 +44,8 @@ from hiradix.distributed import RankAgreement
 from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
-from hiradix.storage.base import StorageBackend
-from hiradix.storage.keys import KeyNamespace, storage_keys
+from hiradix.storage.base import StorageBackend, check_keys
+from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
 
 __all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 
@@ -197,14 +197,18 @@ class HiRadixCache:
         The device slot allocator (:class:`DeviceAllocator`; default: a fresh one over
         ``device_pool``). Inside SGLang it is the scheduler's own allocator, so the
         scheduler's slot accounting and the cache's are one.
-    tree_cls, enable_hash, clock:
+    tree_cls, enable_hash, clock, chain_seed:
         The tree implementation (default :class:`hiradix.HiRadixTree`) and its options.
-        Page hashes are on by default: they are the L3 keys.
-    storage, prefetch, namespace, tp_rank, prefetch_agreement:
+        Page hashes are on by default: they are the L3 keys. ``chain_seed`` says where
+        each namespace's hash chain starts (see the tree; ``lambda extra_key: None``
+        gives SGLang's token-only chains).
+    storage, prefetch, namespace, tp_rank, key_suffix, prefetch_agreement:
         An L3 backend to attach at once (see :meth:`attach_storage_backend`), the
         prefetch policy, the key namespace (its ``extra_key()`` is the tree namespace of
-        requests that pass it), this rank's TP rank (key suffix for sharded pages) and
-        the agreement the prefetch thread uses (a process group of its own).
+        requests that pass it), this rank's TP rank (key suffix for sharded pages), a
+        suffix appended to every storage key (SGLang's model and rank suffix, see
+        :func:`hiradix.storage.keys.sglang_key_suffix`) and the agreement the prefetch
+        thread uses (a process group of its own).
     l3_inline:
         Run the L3 operations in the caller's thread (simulators; see
         :class:`~hiradix.l3.L3Controller`).
@@ -231,10 +235,12 @@ class HiRadixCache:
         tree_cls: Any = None,
         enable_hash: bool = True,
         clock: Callable[[], float] | None = None,
+        chain_seed: Callable[[str | None], str | None] | None = None,
         storage: StorageBackend | None = None,
         prefetch: PrefetchConfig | None = None,
         namespace: KeyNamespace | None = None,
         tp_rank: int = 0,
+        key_suffix: str = "",
         prefetch_agreement: RankAgreement | None = None,
         l3_inline: bool = False,
         allocator: DeviceAllocator | None = None,
@@ -248,6 +254,11 @@ class HiRadixCache:
             kwargs["enable_hash"] = True
         if clock is not None:
             kwargs["clock"] = clock
+        if chain_seed is not None:
+            kwargs["chain_seed"] = chain_seed
+        if not isinstance(key_suffix, str):
+            raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
+        check_keys(["0" * KEY_HEX_CHARS + (namespace.rank_suffix(tp_rank) if namespace else "") + key_suffix])
         self.page_size = device_pool.page_size
         self.tree = tree_cls(self.page_size, **kwargs)
         self.write_policy = write_policy
@@ -287,6 +298,7 @@ class HiRadixCache:
         self.clock = clock
         self.namespace = namespace
         self.tp_rank = tp_rank
+        self.key_suffix = key_suffix
         self.prefetch_agreement = prefetch_agreement
         self.l3: L3Controller | None = None
         self.ongoing_prefetch: dict[Any, OngoingPrefetch] = {}
@@ -578,7 +590,9 @@ class HiRadixCache:
         return self.l3 is not None
 
     def _key_fn(self, hashes: Sequence[str]) -> list[str]:
-        return storage_keys(hashes, self.namespace, self.tp_rank)
+        keys = storage_keys(hashes, self.namespace, self.tp_rank)
+        suffix = self.key_suffix
+        return [k + suffix for k in keys] if suffix else keys
 
     def attach_storage_backend(
         self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False
@@ -621,9 +635,11 @@ class HiRadixCache:
         self.l3 = None
         return True, f"detached storage backend {l3.backend.name!r}"
 
-    def _prior_hash(self, node: int, extra_key: str | None) -> str | None:
-        if self.tree.parent(node) == -1:  # a (namespace) root: the chain's seed
-            return hiradix.namespace_seed(extra_key) if extra_key is not None else None
+    def prior_hash(self, node: int) -> str | None:
+        """The hash the chain of pages below ``node`` continues from: its last page's,
+        or at a (namespace) root the chain's seed (``None``: unseeded). ``O(1)``."""
+        if self.tree.parent(node) == -1:
+            return self.tree.root_seed(node)  # type: ignore[no-any-return]
         hashes = self.tree.hash_value(node)
         assert hashes, f"node {node} has no page hashes"
         return str(hashes[-1])
@@ -634,15 +650,14 @@ class HiRadixCache:
         last_host_node: int,
         new_input_tokens: Any,
         last_hash: str | None = None,
-        extra_key: str | None = None,
     ) -> bool:
         """Start fetching the pages that follow the backed-up ``last_host_node`` from L3
         into freshly allocated host slots; returns whether a prefetch was started.
 
         Nothing starts without storage, for fewer than ``threshold_tokens`` page-aligned
         tokens, past the prefetch capacity or without host room (each counted in
-        :attr:`stats`). ``last_hash`` defaults to the hash of the node's last page (or
-        the namespace seed of ``extra_key`` at a root). Every rank must call it alike.
+        :attr:`stats`). ``last_hash`` defaults to :meth:`prior_hash` of the node (the
+        hash of its last page, or its root's seed). Every rank must call it alike.
         Runtime: ``O(1)`` here; the work runs on the L3 threads.
         """
         l3 = self.l3
@@ -664,7 +679,7 @@ class HiRadixCache:
         if host is None:
             self.stats["prefetch_skipped_no_host"] += n
             return False
-        prior = last_hash if last_hash is not None else self._prior_hash(last_host_node, extra_key)
+        prior = last_hash if last_hash is not None else self.prior_hash(last_host_node)
         self.tree.inc_host_ref(last_host_node)
         op = l3.prefetch(req_id, host, tokens[:n], prior)
         self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)

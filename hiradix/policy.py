@@ -156,13 +156,38 @@ def write_through_threshold(write_policy: str) -> int:
         raise ValueError(f"unknown write policy {write_policy!r}; choose from {', '.join(WRITE_POLICIES)}") from None
 
 
-def check_tree_args(page_size: object, clock: object) -> None:
+def check_tree_args(page_size: object, clock: object, chain_seed: object = None) -> None:
     """Validate the tree constructor arguments shared by both implementations:
     ``ValueError`` for a ``page_size`` that is not an int >= 1, ``OverflowError`` for one
-    beyond int64, ``TypeError`` for a clock that is not callable."""
+    beyond int64, ``TypeError`` for a clock or a ``chain_seed`` that is not callable."""
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
     if page_size > 2**63 - 1:
         raise OverflowError(f"page_size {page_size} does not fit in int64")
     if clock is not None and not callable(clock):
         raise TypeError("clock must be callable")
+    if chain_seed is not None and not callable(chain_seed):
+        raise TypeError("chain_seed must be callable")
+
+
+def seed_digest(seed: object, extra_key: str | None) -> bytes | None:
+    """The 32 bytes a root's hash chain starts from, from what the tree's ``chain_seed``
+    returned for ``extra_key`` (``None``: the default root): 64 hex digits, or ``None``
+    for an unseeded chain (SGLang's). ``TypeError`` / ``ValueError`` name the namespace
+    otherwise. ``O(1)``.
+
+    >>> seed_digest("00" * 32, "a") == bytes(32), seed_digest(None, None)
+    (True, None)
+    """
+    if seed is None:
+        return None
+    where = "the default root" if extra_key is None else f"namespace {extra_key!r}"
+    if not isinstance(seed, str):
+        raise TypeError(f"chain_seed must return a hex str or None, got {type(seed).__name__} for {where}")
+    try:
+        digest = bytes.fromhex(seed)
+    except ValueError:
+        digest = b""
+    if len(digest) != 32 or len(seed) != 64:
+        raise ValueError(f"chain_seed must return 64 hex digits or None, got {seed!r:.80} for {where}")
+    return digest

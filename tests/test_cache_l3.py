@@ -110,7 +110,7 @@ def fetch(cache: HiRadixCache, tokens: np.ndarray, rid: str = "r", extra_key: st
     m = cache.match_prefix(tokens, extra_key)
     mount, mlen = cache.prefetch_mount(m)
     from_l3 = 0
-    if cache.prefetch_from_storage(rid, mount, tokens[mlen:], extra_key=extra_key):
+    if cache.prefetch_from_storage(rid, mount, tokens[mlen:]):
         assert cache.wait_prefetch(rid, 30)
         assert cache.check_prefetch_progress(rid)
         from_l3 = cache.pop_prefetch_loaded_tokens(rid)

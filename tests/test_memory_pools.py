@@ -20,7 +20,7 @@ from hiradix.memory import (
     fp8_dtypes,
     read_meminfo,
 )
-from hiradix.memory.pools import HUGE_PAGE, alloc_cpu_buffer, huge_pages_enabled
+from hiradix.memory.pools import HUGE_PAGE, PAGE_ORDERS, alloc_cpu_buffer, huge_pages_enabled
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU on this machine")
@@ -299,12 +299,15 @@ def test_host_pool_shapes_and_page_round_trip(kind: str, dtype: torch.dtype, pag
         assert torch.equal(got, data)
 
 
+@pytest.mark.parametrize("order", PAGE_ORDERS)
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("kind", sorted(SHAPES))
-def test_host_layout_byte_order(kind: str, layout: str) -> None:
-    """Each (layer, component, token) lands where the layout says inside its page's bytes."""
+def test_host_layout_byte_order(kind: str, layout: str, order: str) -> None:
+    """Each (layer, component, token) lands where the layout and page order say inside
+    its page's bytes."""
     page_size = 4
-    host = _host(kind, torch.float32, page_size, layout)
+    dev = DeviceKVPool(SHAPES[kind], size=4 * page_size, page_size=page_size, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, layout=layout, page_order=order, **NO_RESERVE)  # type: ignore[arg-type]
     shape = SHAPES[kind]
     comps = shape.components
     elems = [math.prod(c) for c in comps]
@@ -322,8 +325,13 @@ def test_host_layout_byte_order(kind: str, layout: str) -> None:
     for (page, layer, c, t), val in expected.items():
         flat = host.get_page_bytes(page * page_size).view(torch.float32)
         off_c = sum(elems[:c])
-        if layout == "page_first":  # [page_size, layers, comps, ...]
-            start = t * shape.layer_num * per_layer + layer * per_layer + off_c
+        layers = shape.layer_num
+        if order == "sglang" and layout == "page_first":  # SGLang's [comps, page_size, layers, ...]
+            start = page_size * layers * off_c + (t * layers + layer) * elems[c]
+        elif order == "sglang":  # SGLang's layer_first / page_first_direct page: [comps, layers, page_size, ...]
+            start = page_size * (layers * off_c + layer * elems[c]) + t * elems[c]
+        elif layout == "page_first":  # [page_size, layers, comps, ...]
+            start = t * layers * per_layer + layer * per_layer + off_c
         else:  # page_first_direct order, also what layer_first's copy uses: [layers, comps, page_size, ...]
             start = page_size * (layer * per_layer + off_c) + t * elems[c]
         assert torch.equal(flat[start : start + elems[c]], val.reshape(-1))
@@ -443,13 +451,16 @@ def test_host_pool_is_pinned_on_cuda() -> None:
     assert host.pin_memory and host._buf.is_pinned()
 
 
+@pytest.mark.parametrize("order", PAGE_ORDERS)
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: str, page_size: int) -> None:
+def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: str, page_size: int,
+                                                            order: str) -> None:
     """read_pages / write_pages (the L3 path) agree byte for byte with get/set_page_bytes."""
     shape = MHAShape(3, 2, 4) if kind == "mha" else MLAShape(3, 6, 2)
-    pool = HostKVPool(shape, 8 * page_size, page_size, torch.bfloat16, layout, reserve_bytes=0)
+    pool = HostKVPool(shape, 8 * page_size, page_size, torch.bfloat16, layout, page_order=order,  # type: ignore[arg-type]
+                      reserve_bytes=0)
     g = torch.Generator().manual_seed(page_size)
     pool._buf.view(torch.uint8).copy_(torch.randint(0, 256, (pool._buf.numel() * 2,), generator=g, dtype=torch.uint8))
     starts = [5 * page_size, 0, 7 * page_size, 2 * page_size]
@@ -463,8 +474,13 @@ def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: s
     for row, s in zip(new, starts, strict=True):
         assert torch.equal(pool.get_page_bytes(s), row)
     assert torch.equal(pool.get_page_bytes(page_size), untouched)
-    if layout != "layer_first":
+    # In place: page-first layouts in hiradix's order, and MLA (one component) in both.
+    assert pool.pages_in_place == (layout != "layer_first" and (order == "hiradix" or kind == "mla"))
+    if pool.pages_in_place:
         assert pool.pages_array()[7].tobytes() == new[2].numpy().tobytes()
+    else:
+        with pytest.raises(ValueError, match="not contiguous"):
+            pool.pages_array()
     with pytest.raises(ValueError, match="page starts"):
         pool.read_pages([1] if page_size > 1 else [8], out[:1])
     with pytest.raises(ValueError, match="uint8"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hiradix.memory.pools import HOST_LAYOUTS, HostKVPool, MHAShape, MLAShape
+from hiradix.memory.pools import HOST_LAYOUTS, PAGE_ORDERS, HostKVPool, MHAShape, MLAShape
 from hiradix.storage import StorageBackend, StorageConfig, create_backend
 
 PAGE = 4096
@@ -30,9 +30,10 @@ def payload(i: int, n: int = PAGE, version: int = 0) -> bytes:
     return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def make_pool(layout: str, mla: bool, page_size: int = 4, pages: int = 8) -> HostKVPool:
+def make_pool(layout: str, mla: bool, page_size: int = 4, pages: int = 8, order: str = "hiradix") -> HostKVPool:
     shape = MLAShape(2, 8, 4) if mla else MHAShape(2, 2, 4)
-    pool = HostKVPool(shape, pages * page_size, page_size, torch.float16, layout, pin_memory=False, reserve_bytes=0)  # type: ignore[arg-type]
+    pool = HostKVPool(shape, pages * page_size, page_size, torch.float16, layout, page_order=order,  # type: ignore[arg-type]
+                      pin_memory=False, reserve_bytes=0)
     g = torch.Generator().manual_seed(1)
     pool._buf.copy_(torch.randn(pool._buf.numel(), generator=g).to(torch.float16))
     return pool
@@ -124,10 +125,11 @@ class StorageContract:
         assert got is not None and got.numel() == 0
 
     # ------------------------------------------------------------------ v1 into a host pool
+    @pytest.mark.parametrize("order", PAGE_ORDERS)
     @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
     @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-    def test_v1_round_trip(self, store: StorageBackend, layout: str, mla: bool) -> None:
-        pool = make_pool(layout, mla)
+    def test_v1_round_trip(self, store: StorageBackend, layout: str, mla: bool, order: str) -> None:
+        pool = make_pool(layout, mla, order=order)
         store.register_mem_pool_host(pool)
         ps = pool.page_size
         src = [0, 2 * ps, 5 * ps]
@@ -146,8 +148,9 @@ class StorageContract:
         assert torch.equal(pool.get_page_bytes(4 * ps), expected[0])
         assert torch.equal(pool.get_page_bytes(6 * ps), expected[1])
 
-    def test_v1_pages_move_between_layouts_of_one_byte_order(self, store: StorageBackend) -> None:
-        a, b = make_pool("layer_first", False), make_pool("page_first_direct", False)
+    @pytest.mark.parametrize("order", PAGE_ORDERS)
+    def test_v1_pages_move_between_layouts_of_one_byte_order(self, store: StorageBackend, order: str) -> None:
+        a, b = make_pool("layer_first", False, order=order), make_pool("page_first_direct", False, order=order)
         b._buf.zero_()
         store.register_mem_pool_host(a)
         assert store.batch_set_v1([key(0)], [4]) == [True]

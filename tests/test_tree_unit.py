@@ -909,6 +909,41 @@ def test_namespaces_have_different_hash_chains(tree_cls, impl_module):
     assert chains[1] == hash_chain(key, 4, impl_module.namespace_seed("a"))
 
 
+def test_chain_seed_sets_where_each_roots_chain_starts(tree_cls, impl_module):
+    key = seq(0, 8)
+    # SGLang's chains: tokens only in every namespace, which still never share nodes.
+    tree = tree_cls(4, enable_hash=True, chain_seed=lambda extra_key: None)
+    a = tree.insert(key, idx(10, 8), extra_key="a").last_node
+    plain = tree.insert(key, idx(0, 8)).last_node
+    assert a != plain and tree.hash_value(a) == tree.hash_value(plain) == hash_chain(key, 4)
+    assert tree.root_seed(tree.namespace_root("a")) is None and tree.root_seed(tree.root) is None
+    # A seeded default root (hiradix.sglang's model namespace), stable across reset().
+    seeds = {None: "11" * 32, "a": "22" * 32}
+    calls = []
+    tree = tree_cls(4, enable_hash=True, chain_seed=lambda k: calls.append(k) or seeds[k])
+    plain = tree.insert(key, idx(0, 8)).last_node
+    a = tree.insert(key, idx(10, 8), extra_key="a").last_node
+    assert tree.hash_value(plain) == hash_chain(key, 4, "11" * 32)
+    assert tree.hash_value(a) == hash_chain(key, 4, "22" * 32)
+    assert calls == [None, "a"]  # once per root
+    tree.check_invariants()
+    tree.reset()
+    assert tree.root_seed(tree.root) == "11" * 32
+    # the default rule
+    tree = tree_cls(4, enable_hash=True)
+    assert tree.root_seed(tree.root) is None
+    assert tree.root_seed(tree.namespace_root("b")) == impl_module.namespace_seed("b")
+    with pytest.raises(ValueError, match="not a root"):
+        tree.root_seed(tree.insert(key, idx(0, 8)).last_node)
+
+
+@pytest.mark.parametrize(("seed", "error"), [(lambda k: "ab", ValueError), (lambda k: 7, TypeError),
+                                             (lambda k: "g" * 64, ValueError), ("00" * 32, TypeError)])
+def test_a_bad_chain_seed_is_refused_naming_the_root(tree_cls, seed, error):
+    with pytest.raises(error, match="chain_seed"):
+        tree_cls(4, enable_hash=True, chain_seed=seed)
+
+
 def test_namespace_root_is_stable(tree_cls):
     tree = tree_cls(1)
     assert tree.namespace_root(None) == tree.root

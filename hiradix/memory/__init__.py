@@ -13,18 +13,21 @@ from hiradix.memory.copy import (
 )
 from hiradix.memory.pools import (
     HOST_LAYOUTS,
+    PAGE_ORDERS,
     DeviceKVPool,
     HostKVPool,
     HostLayout,
     KVShape,
     MHAShape,
     MLAShape,
+    PageOrder,
     fp8_dtypes,
     read_meminfo,
 )
 
 __all__ = [
     "HOST_LAYOUTS",
+    "PAGE_ORDERS",
     "CopyEngine",
     "CopyError",
     "CopyHandle",
@@ -36,6 +39,7 @@ __all__ = [
     "LoadHandle",
     "MHAShape",
     "MLAShape",
+    "PageOrder",
     "PagedSlotAllocator",
     "ThreadCopyEngine",
     "fp8_dtypes",

@@ -28,6 +28,16 @@ The K/V split sits *inside* the page in both page-first layouts (SGLang puts it 
 so that a page is a single run of bytes for L3 storage. ``get_page_bytes`` hands out that
 run as a zero-copy view; for ``layer_first`` it gathers a copy in ``page_first_direct``
 order.
+
+Page byte order (``HostKVPool(page_order=...)``): what a page's bytes are when they leave
+the pool for L3 (``get_page_bytes``, ``read_pages``, the storage backends' v1 calls).
+``"hiradix"`` is the order above. ``"sglang"`` is SGLang 0.5.18's flat host page
+(``get_data_page(flat=True)``), so that pages stored by a stock SGLang node of the same
+layout are read here and the other way round: components outermost, ``[K|V, layer, token,
+...]`` for ``layer_first`` and ``page_first_direct`` and ``[K|V, token, layer, ...]`` for
+``page_first``. MHA pages in SGLang's order are gathered and scattered piece by piece (one
+copy per layer and component, or per component for ``page_first``); an MLA page has one
+component, so both orders are the same bytes and page-first MLA pages stay zero copy.
 """
 
 from __future__ import annotations
@@ -46,12 +56,14 @@ from hiradix.memory.allocator import PagedSlotAllocator
 
 __all__ = [
     "HOST_LAYOUTS",
+    "PAGE_ORDERS",
     "DeviceKVPool",
     "HostKVPool",
     "HostLayout",
     "KVShape",
     "MHAShape",
     "MLAShape",
+    "PageOrder",
     "alloc_cpu_buffer",
     "fp8_dtypes",
     "huge_pages_enabled",
@@ -60,6 +72,8 @@ __all__ = [
 
 HostLayout = Literal["layer_first", "page_first", "page_first_direct"]
 HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first", "page_first_direct")
+PageOrder = Literal["hiradix", "sglang"]
+PAGE_ORDERS: tuple[PageOrder, ...] = ("hiradix", "sglang")
 GB = 10**9  # SGLang's --hicache-size is in GB (1e9 bytes), not GiB.
 GIB = 1 << 30
 _DEFAULT_RESERVE_MIN = 2 * GIB
@@ -427,7 +441,8 @@ class HostKVPool(_KVPoolBase):
     directly. The whole pool is one flat buffer of ``dtype`` (pinned when CUDA is
     available, unless ``pin_memory`` says otherwise; else on transparent huge pages, see
     :func:`alloc_cpu_buffer`); typed views of it give each layout (module docstring).
-    Host slots are ``0 .. size - 1``: no padding page.
+    Host slots are ``0 .. size - 1``: no padding page. ``page_order`` is the byte order of
+    the pages it hands to L3: ``"hiradix"`` or SGLang 0.5.18's (module docstring).
 
     Before allocating, the size is checked against ``MemAvailable`` minus a reserve
     (``reserve_bytes``; default the larger of 10% of ``MemTotal`` and 2 GiB), and a pool
@@ -448,6 +463,7 @@ class HostKVPool(_KVPoolBase):
         dtype: torch.dtype,
         layout: HostLayout = "layer_first",
         *,
+        page_order: PageOrder = "hiradix",
         pin_memory: bool | None = None,
         reserve_bytes: int | None = None,
         meminfo_path: str = "/proc/meminfo",
@@ -456,9 +472,12 @@ class HostKVPool(_KVPoolBase):
             raise TypeError(f"shape must be MHAShape or MLAShape, got {type(shape).__name__}")
         if layout not in HOST_LAYOUTS:
             raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {layout!r}")
+        if page_order not in PAGE_ORDERS:
+            raise ValueError(f"page_order must be one of {PAGE_ORDERS}, got {page_order!r}")
         _check_positive(page_size=page_size)
         self.shape = shape
         self.layout: HostLayout = layout
+        self.page_order: PageOrder = page_order
         self.page_size = page_size
         self.size = (int(size) // page_size) * page_size
         if self.size < page_size:
@@ -501,6 +520,7 @@ class HostKVPool(_KVPoolBase):
         ratio: float | None = None,
         size_gb: float | None = None,
         layout: HostLayout = "layer_first",
+        page_order: PageOrder = "hiradix",
         pin_memory: bool | None = None,
         reserve_bytes: int | None = None,
         meminfo_path: str = "/proc/meminfo",
@@ -527,6 +547,7 @@ class HostKVPool(_KVPoolBase):
             device_pool.page_size,
             device_pool.dtype,
             layout,
+            page_order=page_order,
             pin_memory=pin_memory,
             reserve_bytes=reserve_bytes,
             meminfo_path=meminfo_path,
@@ -617,44 +638,75 @@ class HostKVPool(_KVPoolBase):
             )
         return host_index // self.page_size
 
-    def _page_runs(self, page: int) -> list[torch.Tensor]:
-        # The page's bytes as views, in page_first_direct order (layer, component).
-        if self.layout == "layer_first":
-            s = page * self.page_size
-            return [
-                self._layer_first_view(layer, c)[s : s + self.page_size].reshape(-1).view(torch.uint8)
-                for layer in range(self.layer_num)
-                for c in range(len(self._comp_shapes))
-            ]
-        start = page * self._page_elems
-        return [self._buf[start : start + self._page_elems].view(torch.uint8)]
+    @property
+    def pages_in_place(self) -> bool:
+        """Whether each page's bytes, in :attr:`page_order`, are one contiguous run of the
+        pool (row ``p`` of :meth:`pages_array`): page-first layouts in hiradix's order,
+        and every page-first layout of an MLA pool (one component: both orders agree).
+        Where they are not, pages are gathered and scattered (:meth:`read_pages`)."""
+        return self.layout != "layer_first" and (self.page_order == "hiradix" or len(self._comp_shapes) == 1)
+
+    def _page_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        # Where a page's bytes (in page_order) sit in the pool: (view, offset) pairs, each
+        # view a uint8 [page_num, *inner] view of the pool whose row p holds page p's
+        # bytes offset .. offset + inner bytes; together they cover the page once.
+        raw = self._buf.view(torch.uint8)
+        if self.pages_in_place:
+            return [(raw.view(self.page_num, self.page_bytes), 0)]
+        isz, ps, layers = self.itemsize, self.page_size, self.layer_num
+        sglang = self.page_order == "sglang"
+        pieces: list[tuple[torch.Tensor, int]] = []
+        if self.layout == "page_first" and sglang:
+            # SGLang's page_first page: per component, [token, layer, E] token major.
+            rows = raw.view(self.page_num, ps, layers, self._elems_per_layer * isz)
+            offset = 0
+            for c, e in enumerate(self._comp_elems):
+                start = self._comp_offsets[c] * isz
+                pieces.append((rows[..., start : start + e * isz], offset))
+                offset += ps * layers * e * isz
+            return pieces
+        for layer in range(layers):
+            for c, e in enumerate(self._comp_elems):
+                run = ps * e * isz
+                if self.layout == "layer_first":  # component regions [layers, slots, E_c]
+                    base = (self.size * layers * self._comp_offsets[c] + layer * self.size * e) * isz
+                    view = raw[base : base + self.page_num * run].view(self.page_num, run)
+                else:  # page_first_direct (the other page-first cases are in place)
+                    start = ps * (layer * self._elems_per_layer + self._comp_offsets[c]) * isz
+                    view = raw.view(self.page_num, self.page_bytes)[:, start : start + run]
+                if sglang:  # [components, layers, page_size, E]: K of every layer, then V
+                    offset = ps * (layers * self._comp_offsets[c] + layer * e) * isz
+                else:  # [layers, components, page_size, E]
+                    offset = ps * (layer * self._elems_per_layer + self._comp_offsets[c]) * isz
+                pieces.append((view, offset))
+        return pieces
 
     def get_page_bytes(self, host_index: int) -> torch.Tensor:
-        """The bytes of the page starting at slot ``host_index``, as a 1-D uint8 tensor
-        of :attr:`page_bytes`.
+        """The bytes of the page starting at slot ``host_index``, in :attr:`page_order`,
+        as a 1-D uint8 tensor of :attr:`page_bytes`.
 
-        Page-first layouts return a zero-copy view of the pool (write to it and the pool
-        changes); ``layer_first`` returns a copy, gathered in ``page_first_direct`` order.
+        Where :attr:`pages_in_place` this is a zero-copy view of the pool (write to it and
+        the pool changes); otherwise a gathered copy.
         Runtime complexity: ``O(1)`` for a view, ``O(page_bytes)`` for a copy.
         """
-        runs = self._page_runs(self._page_id(host_index))
-        return runs[0] if len(runs) == 1 else torch.cat(runs)
+        page = self._page_id(host_index)
+        if self.pages_in_place:
+            start = page * self._page_elems
+            return self._buf[start : start + self._page_elems].view(torch.uint8)
+        out = torch.empty((1, self.page_bytes), dtype=torch.uint8)
+        self.read_pages([host_index], out)
+        return out[0]
 
     def set_page_bytes(self, host_index: int, data: Any) -> None:
         """Overwrite the page starting at slot ``host_index`` with ``data`` (bytes-like or a
         tensor of exactly :attr:`page_bytes` bytes, in the order :meth:`get_page_bytes`
         returns). Runtime complexity: ``O(page_bytes)``.
         """
-        page = self._page_id(host_index)
+        self._page_id(host_index)
         src = _bytes_like(data)
         if src.numel() != self.page_bytes:
             raise ValueError(f"page data has {src.numel()} bytes, a page has {self.page_bytes}")
-        src = src.cpu()
-        off = 0
-        for run in self._page_runs(page):
-            n = run.numel()
-            run.copy_(src[off : off + n])
-            off += n
+        self.write_pages([host_index], src.cpu().view(1, -1))
 
     # ------------------------------------------------------------------ whole pages, batched
     def page_ids(self, host_indices: Any) -> np.ndarray:
@@ -670,16 +722,19 @@ class HostKVPool(_KVPoolBase):
 
     def pages_array(self) -> np.ndarray:
         """The pool as a ``[page_num, page_bytes]`` uint8 numpy array sharing its memory:
-        row ``p`` is page ``p``'s bytes in :meth:`get_page_bytes` order. Page-first
-        layouts only (``layer_first`` scatters a page over the pool: use
+        row ``p`` is page ``p``'s bytes in :meth:`get_page_bytes` order. Only where
+        :attr:`pages_in_place` (elsewhere a page is scattered over the pool: use
         :meth:`read_pages` / :meth:`write_pages`). ``O(1)``."""
-        if self.layout == "layer_first":
-            raise ValueError("layer_first pages are not contiguous; use read_pages / write_pages")
+        if not self.pages_in_place:
+            raise ValueError(
+                f"{self.layout} pages in {self.page_order} order are not contiguous; use read_pages / write_pages"
+            )
         return self._buf.view(torch.uint8).numpy().reshape(self.page_num, self.page_bytes)
 
-    def _native_segments_copy(self, pages: np.ndarray, rows: torch.Tensor, to_pool: bool) -> bool:
-        # layer_first with the compiled row copy: one GIL-free copy_rows per (layer,
-        # component) between the pool's region and the page rows. False: not available.
+    def _native_pieces_copy(self, pages: np.ndarray, rows: torch.Tensor, to_pool: bool) -> bool:
+        # With the compiled row copy: one GIL-free copy_rows per piece, between the pool
+        # and the page rows, each piece cut into its contiguous runs (one per page, or
+        # per page, token and layer for SGLang's page_first order). False: not built.
         from hiradix.memory.copy import _gather
 
         if _gather is None:
@@ -687,64 +742,61 @@ class HostKVPool(_KVPoolBase):
         pool_bytes = self._buf.view(torch.uint8).numpy()
         row_bytes = rows.numpy().reshape(-1)
         row_starts = np.arange(len(pages), dtype=np.int64) * self.page_bytes
-        for view, offset, run in self._page_segments():
-            seg = (view.data_ptr() - self._buf.data_ptr()) + pages * run
+        base = self._buf.view(torch.uint8).storage_offset()
+        for view, offset in self._page_pieces():
+            run = view.shape[-1]  # the innermost dimension is contiguous in every piece
+            inner = np.zeros(1, dtype=np.int64)  # pool offsets of a piece's runs inside a page
+            for size, stride in zip(view.shape[1:-1], view.stride()[1:-1], strict=True):
+                inner = (inner[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+            first = int(view.storage_offset() - base)  # byte offset of the piece in page 0
+            seg = (first + pages[:, None] * view.stride(0) + inner[None, :]).reshape(-1)
+            dst = (row_starts[:, None] + np.arange(len(inner), dtype=np.int64)[None, :] * run).reshape(-1)
             if to_pool:
-                _gather.copy_rows(pool_bytes, seg, 0, row_bytes, row_starts, offset, run)
+                _gather.copy_rows(pool_bytes, seg, 0, row_bytes, dst, offset, run)
             else:
-                _gather.copy_rows(row_bytes, row_starts, offset, pool_bytes, seg, 0, run)
+                _gather.copy_rows(row_bytes, dst, offset, pool_bytes, seg, 0, run)
         return True
 
-    def _page_segments(self) -> list[tuple[torch.Tensor, int, int]]:
-        # layer_first: for each (layer, component), the pool's bytes as [page_num, run]
-        # and where that run sits in a page's bytes (page_first_direct order).
-        raw = self._buf.view(torch.uint8)
-        out = []
-        for layer in range(self.layer_num):
-            for c in range(len(self._comp_shapes)):
-                run = self.page_size * self._comp_elems[c] * self.itemsize
-                base = self.size * self.layer_num * self._comp_offsets[c] * self.itemsize
-                start = base + layer * self.size * self._comp_elems[c] * self.itemsize
-                view = raw[start : start + self.page_num * run].view(self.page_num, run)
-                offset = self.page_size * (layer * self._elems_per_layer + self._comp_offsets[c]) * self.itemsize
-                out.append((view, offset, run))
-        return out
+    def _check_rows(self, rows: torch.Tensor, n: int, name: str) -> None:
+        if tuple(rows.shape) != (n, self.page_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8 [{n}, {self.page_bytes}], got {rows.dtype} {tuple(rows.shape)}")
 
     def read_pages(self, host_indices: Any, out: torch.Tensor) -> None:
         """Copy the pages starting at ``host_indices`` into the rows of ``out`` (uint8
-        ``[n, page_bytes]``), in :meth:`get_page_bytes` order. One vectorized copy per
-        (layer, component) for ``layer_first``, one for the page-first layouts.
+        ``[n, page_bytes]``), in :meth:`get_page_bytes` order: one copy (compiled and
+        GIL-free where built) where :attr:`pages_in_place`, else one per piece of a page:
+        per layer and component, or per component for SGLang's ``page_first`` order.
         Runtime complexity: ``O(n x page_bytes)``."""
         pages = torch.from_numpy(self.page_ids(host_indices))
-        if tuple(out.shape) != (len(pages), self.page_bytes) or out.dtype != torch.uint8:
-            raise ValueError(f"out must be uint8 [{len(pages)}, {self.page_bytes}], got {out.dtype} {tuple(out.shape)}")
-        if self.layout != "layer_first":
+        self._check_rows(out, len(pages), "out")
+        if out.is_contiguous() and self._native_pieces_copy(pages.numpy(), out, to_pool=False):
+            return
+        if self.pages_in_place:
             torch.index_select(torch.from_numpy(self.pages_array()), 0, pages, out=out)
             return
-        if out.is_contiguous() and self._native_segments_copy(pages.numpy(), out, to_pool=False):
-            return
-        for view, offset, run in self._page_segments():
-            out[:, offset : offset + run] = view.index_select(0, pages)
+        for view, offset in self._page_pieces():
+            inner = view.shape[1:]
+            out[:, offset : offset + math.prod(inner)].view(len(pages), *inner).copy_(view.index_select(0, pages))
 
     def write_pages(self, host_indices: Any, src: torch.Tensor) -> None:
         """Overwrite the pages starting at ``host_indices`` with the rows of ``src``
         (uint8 ``[n, page_bytes]``, :meth:`get_page_bytes` order); the inverse of
         :meth:`read_pages`. Runtime complexity: ``O(n x page_bytes)``."""
         pages = torch.from_numpy(self.page_ids(host_indices))
-        if tuple(src.shape) != (len(pages), self.page_bytes) or src.dtype != torch.uint8:
-            raise ValueError(f"src must be uint8 [{len(pages)}, {self.page_bytes}], got {src.dtype} {tuple(src.shape)}")
-        if self.layout != "layer_first":
+        self._check_rows(src, len(pages), "src")
+        if src.is_contiguous() and self._native_pieces_copy(pages.numpy(), src, to_pool=True):
+            return
+        if self.pages_in_place:
             # index_copy_, not [pages] = ...: torch's advanced indexing is ~1000x slower
             # than index_select / index_copy_ on large index tensors (copy._row_plan).
             torch.from_numpy(self.pages_array()).index_copy_(0, pages, src)
             return
-        if src.is_contiguous() and self._native_segments_copy(pages.numpy(), src, to_pool=True):
-            return
-        for view, offset, run in self._page_segments():
-            view.index_copy_(0, pages, src[:, offset : offset + run])
+        for view, offset in self._page_pieces():
+            inner = view.shape[1:]
+            view.index_copy_(0, pages, src[:, offset : offset + math.prod(inner)].reshape(len(pages), *inner))
 
     def __repr__(self) -> str:
         return (
             f"HostKVPool({self.shape}, size={self.size}, page_size={self.page_size}, dtype={self.dtype}, "
-            f"layout={self.layout!r}, pinned={self.pin_memory})"
+            f"layout={self.layout!r}, page_order={self.page_order!r}, pinned={self.pin_memory})"
         )

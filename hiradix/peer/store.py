@@ -26,7 +26,7 @@ Semantics, on top of :class:`~hiradix.storage.base.StorageBackend`:
 - ``set`` is one memcpy into a published-pool slot plus a directory PUT to the key's
   replica owners; the bytes never leave this node until someone reads them.
 - ``get`` is a batched directory lookup (one RPC per owner) and one transport READ batch
-  per producer. For the page-first v1 calls the host KV pool is registered as a *local
+  per producer. For the in-place v1 calls the host KV pool is registered as a *local
   receive* region (never published: no peer can read it), and each slot is READ as two
   items, its header into the receive region and its payload straight into the host page,
   then verified in place (magic, key digest, generation, CRC): no copy. Other
@@ -124,13 +124,13 @@ class PeerCacheStore(StorageBackend):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Attach the host pool and register it with the node's transport as a *local
-        receive* region (page-first layouts), so remote payloads are READ straight into
+        receive* region (pages that are one run of it), so remote payloads are READ straight into
         their pages. It is never published: no peer can read it. ``O(regions)``."""
         super().register_mem_pool_host(mem_pool_host)
         if self._receive_handle is not None:
             self.node.deregister_receive(self._receive_handle)
             self._receive_handle = None
-        if mem_pool_host.layout != "layer_first":
+        if mem_pool_host.pages_in_place:
             try:
                 self._receive_handle = self.node.register_receive(mem_pool_host.pages_array())
             except ValueError as exc:  # overlaps a region already registered: the staged path

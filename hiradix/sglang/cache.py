@@ -15,6 +15,23 @@ runs on SGLang's own objects:
 - every count and allocation outcome is agreed over SGLang's TP / attention-CP / PP
   groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`).
 
+L3 page format (``"l3_format"`` in ``--hicache-storage-backend-extra-config``):
+
+``"hiradix"`` (default)
+    Namespaced keys: every hash chain is seeded from the model (``--served-model-name``),
+    ``--weight-version``, KV dtype, page byte layout, KV shape and TP/PP/CP shape, and a
+    request's ``extra_key`` / ``cache_salt`` seed its own chain on top, so no other
+    model's, version's or tenant's pages are ever served; MHA ranks under TP add
+    ``_r{rank}``. Pages are hiradix's byte order (zero copy for page-first layouts).
+``"sglang"``
+    SGLang 0.5.18's keys and pages exactly: the token-only ``get_hash_str`` chain in every
+    namespace (as SGLang, requests with other ``extra_key`` / ``cache_salt`` share L3
+    pages of equal tokens, though never tree nodes), ``HiCacheFile``'s model and rank
+    suffix (:func:`~hiradix.storage.keys.sglang_key_suffix`) and SGLang's flat host page
+    for the layout, so this node and stock SGLang nodes of the same model, layout and
+    parallel shape read each other's pages from one L3 (stock SGLang loads hiradix's
+    backends through :mod:`hiradix.sglang.storage`).
+
 Options this adapter does not support are refused at start-up with the option named
 (:func:`check_supported`), never silently ignored.
 """
@@ -27,7 +44,8 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +65,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+import hiradix
 from hiradix.cache import HiRadixCache as CoreCache
 from hiradix.controller import HiCacheController
 from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
@@ -54,13 +73,16 @@ from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
+from hiradix.storage.base import StorageConfig
+from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
 
-__all__ = ["HiRadixCache", "SGLangCacheController", "check_supported", "parse_extra_config"]
+__all__ = ["L3_FORMATS", "HiRadixCache", "SGLangCacheController", "check_supported", "parse_extra_config"]
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+L3_FORMATS = ("hiradix", "sglang")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "sieve")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -154,6 +176,23 @@ def _prefetch_config(extra: dict[str, Any], policy: str) -> tuple[PrefetchConfig
     return cfg, pass_keys
 
 
+def _l3_format(extra: dict[str, Any]) -> str:
+    """Pop ``l3_format`` from the extra config (default ``"hiradix"``)."""
+    fmt = extra.pop("l3_format", "hiradix")
+    if fmt not in L3_FORMATS:
+        raise ValueError(f"l3_format must be one of {L3_FORMATS}, got {fmt!r}")
+    return str(fmt)
+
+
+def _group_rank(group: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (``(0, 1)`` without one)."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return int(dist.get_rank(group=group)), int(dist.get_world_size(group=group))
+
+
 def check_supported(params: Any, server_args: Any) -> None:
     """Refuse, naming the option, what this adapter does not do (yet), instead of
     falling back silently."""
@@ -216,8 +255,9 @@ class HiRadixCache(BasePrefixCache):
     ``--hicache-write-policy``, ``--hicache-io-backend``, ``--hicache-storage-backend``
     (a hiradix backend: ``memory``, ``file``, ``peer`` or ``dynamic``) with
     ``--hicache-storage-backend-extra-config`` (JSON or ``@file``; ``prefetch_threshold``,
-    ``prefetch_timeout_*``, ``hicache_storage_pass_prefix_keys``),
-    ``--hicache-storage-prefetch-policy`` and ``--radix-eviction-policy``.
+    ``prefetch_timeout_*``, ``hicache_storage_pass_prefix_keys``, and hiradix's
+    ``l3_format``: the module docstring), ``--hicache-storage-prefetch-policy`` and
+    ``--radix-eviction-policy``.
 
     Single-threaded, like the scheduler that calls it.
     """
@@ -241,14 +281,21 @@ class HiRadixCache(BasePrefixCache):
         self.kv_cache = allocator.get_kvcache()
         self.device = torch.device(allocator.device)
         self._on_cpu = self.device.type == "cpu"
+        extra = parse_extra_config(getattr(server_args, "hicache_storage_backend_extra_config", None))
+        prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
+            extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
+        )
+        self.l3_format = _l3_format(extra)
         device_pool = device_pool_from_sglang(self.kv_cache)
         host_pool = host_pool_for(
             device_pool,
             ratio=float(getattr(server_args, "hicache_ratio", None) or 2.0),  # SGLang's default when unset
             size_gb=float(getattr(server_args, "hicache_size", 0) or 0),
             layout=server_args.hicache_mem_layout,
+            page_order="sglang" if self.l3_format == "sglang" else "hiradix",
         )
         self.token_to_kv_pool_host = host_pool
+        self.storage_config, chain_seed, key_suffix = self._l3_keys(params, server_args, host_pool)
 
         agreement = SGLangAgreement(
             params.tp_cache_group, params.attn_cp_cache_group, params.attn_tp_cache_group,
@@ -258,10 +305,6 @@ class HiRadixCache(BasePrefixCache):
         controller = SGLangCacheController(
             device_pool, host_pool, write_policy=write_policy,
             io_backend=server_args.hicache_io_backend, agreement=agreement,
-        )
-        extra = parse_extra_config(getattr(server_args, "hicache_storage_backend_extra_config", None))
-        prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
-            extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
         )
         backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
@@ -274,7 +317,10 @@ class HiRadixCache(BasePrefixCache):
             write_policy=write_policy,
             controller=controller,
             allocator=allocator,
-            tp_rank=int(getattr(server_args, "tp_rank", 0) or 0),
+            chain_seed=chain_seed,
+            namespace=self.storage_config.namespace,
+            tp_rank=self.storage_config.tp_rank,
+            key_suffix=key_suffix,
             prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
             # The scheduler calls check_hicache_events once per step: the backups a step's
             # inserts ask for start there, as one submission.
@@ -289,8 +335,40 @@ class HiRadixCache(BasePrefixCache):
         self.load_back_threshold = self.core.load_back_threshold
         self.enable_storage = False
         if backend is not None:
-            self._attach(backend, extra, prefetch, getattr(server_args, "served_model_name", None))
+            self._attach(backend, extra, prefetch)
         atexit.register(self.shutdown)
+
+    def _l3_keys(
+        self, params: Any, server_args: Any, host_pool: HostKVPool
+    ) -> tuple[StorageConfig, Callable[[str | None], str | None], str]:
+        """The storage config, the tree's chain seeds and the storage-key suffix of
+        :attr:`l3_format` (module docstring), from the same ranks and model name SGLang's
+        controller gives its storage backend: the rank in ``tp_cache_group`` (the TP
+        group, or the attention-TP group under DP attention), ``--served-model-name``."""
+        tp_rank, tp_size = _group_rank(params.tp_cache_group)
+        pp_rank, pp_size = int(params.pp_rank), int(params.pp_size)
+        cp_rank, cp_size = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "attn_cp_size", 1) or 1)
+        model = getattr(server_args, "served_model_name", None)
+        config = StorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                               model_name=model, is_mla_model=host_pool.is_mla)
+        if self.l3_format == "sglang":
+            suffix = sglang_key_suffix(model, tp_rank=tp_rank, tp_size=tp_size, is_mla=host_pool.is_mla,
+                                       pp_rank=pp_rank, pp_size=pp_size, cp_rank=cp_rank, cp_size=cp_size)
+            return config, lambda extra_key: None, suffix
+        split = tuple((name, f"{rank}/{size}") for name, rank, size in (("pp", pp_rank, pp_size),
+                                                                         ("cp", cp_rank, cp_size)) if size > 1)
+        namespace = KeyNamespace.for_pool(
+            model or getattr(server_args, "model_path", None) or "unnamed-model", host_pool, tp_size=tp_size,
+            weight_version=str(getattr(server_args, "weight_version", "") or ""), extra=split,
+        )
+        root_seed, prefix = namespace.seed(), namespace.extra_key() + "\x00"
+
+        def chain_seed(extra_key: str | None) -> str:
+            # The default root's chain starts at the namespace's seed; a request
+            # namespace's (extra_key, cache_salt) at a seed of both.
+            return root_seed if extra_key is None else str(hiradix.namespace_seed(prefix + extra_key))
+
+        return replace(config, namespace=namespace), chain_seed, ""
 
     # ------------------------------------------------------------------ nodes and keys
     def _node(self, handle: int) -> TreeNode:
@@ -532,9 +610,10 @@ class HiRadixCache(BasePrefixCache):
         self.core.check_hicache_events()
 
     # ------------------------------------------------------------------ storage (L3)
-    def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig, model: str | None) -> None:
+    def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig) -> None:
         try:
-            storage = create_backend(backend, extra_config=extra, mem_pool_host=self.token_to_kv_pool_host)
+            storage = create_backend(backend, self.storage_config, extra_config=extra,
+                                     mem_pool_host=self.token_to_kv_pool_host)
         except StorageConfigError as e:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
         ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch)
@@ -548,7 +627,9 @@ class HiRadixCache(BasePrefixCache):
                                served_model_name: str | None = None,
                                hicache_storage_prefetch_policy: str | None = None,
                                hicache_write_policy: str | None = None) -> tuple[bool, str]:
-        """Attach an L3 backend at runtime (SGLang's admin API); ``(ok, message)``."""
+        """Attach an L3 backend at runtime (SGLang's admin API); ``(ok, message)``. Its
+        ``l3_format`` must be the one the cache started with (the tree's hash chains
+        are that format's), and keys keep the start-up ``--served-model-name``."""
         if hicache_write_policy is not None and hicache_write_policy != self.cache_controller.write_policy:
             return False, "hiradix cannot change the write policy at runtime"
         try:
@@ -556,18 +637,27 @@ class HiRadixCache(BasePrefixCache):
             prefetch, self.hicache_storage_pass_prefix_keys = _prefetch_config(
                 extra, hicache_storage_prefetch_policy or "best_effort"
             )
+            fmt = _l3_format(extra)
+            if fmt != self.l3_format:
+                return False, f"l3_format {fmt!r}: this cache started with {self.l3_format!r} keys and pages"
             if self.enable_storage:
                 return False, f"storage backend {self.cache_controller.storage_backend_type!r} is attached"
-            self._attach(storage_backend, extra, prefetch, served_model_name)
+            self._attach(storage_backend, extra, prefetch)
         except ValueError as e:
             return False, str(e)
         return True, f"attached storage backend {storage_backend!r}"
 
     def detach_storage_backend(self) -> tuple[bool, str]:
+        """Detach the L3 backend (draining its I/O, as the core does) and close it: this
+        cache built it, and a file backend holds its directory's lock until closed (as
+        SGLang's detach closes its backend). ``(ok, message)``."""
+        l3 = self.core.l3
         ok, msg = self.core.detach_storage_backend()
         if ok:
             self.enable_storage = False
             self.cache_controller.storage_backend_type = None
+            assert l3 is not None
+            l3.backend.close()
         return ok, msg
 
     def clear_storage_backend(self) -> bool:
@@ -586,8 +676,7 @@ class HiRadixCache(BasePrefixCache):
         if not self.enable_storage:
             return False
         handle = self._handle(last_host_node)
-        ns = self._namespace_of(handle)
-        return self.core.prefetch_from_storage(req_id, handle, _as_tokens(new_input_tokens), last_hash, ns)
+        return self.core.prefetch_from_storage(req_id, handle, _as_tokens(new_input_tokens), last_hash)
 
     def check_prefetch_progress(self, req_id: str) -> bool:
         return self.core.check_prefetch_progress(req_id)
@@ -617,7 +706,7 @@ class HiRadixCache(BasePrefixCache):
         n = len(tokens) // self.page_size * self.page_size
         if n < l3.config.threshold_tokens or n == 0:
             return 0
-        prior = last_hash if last_hash is not None else self.core._prior_hash(handle, self._namespace_of(handle))
+        prior = last_hash if last_hash is not None else self.core.prior_hash(handle)
         try:
             _, hit = l3.hit_pages(tokens[:n], prior)
         except Exception:  # a storage failure is a miss, never an error in the scheduler

@@ -16,7 +16,9 @@ Each is a :class:`~sglang.srt.mem_cache.hicache_storage.HiCacheStorage` that SGL
         "class_name": "FileStorage", "interface_v1": 1, "path": "/data/kv"}'
 
 The extra config, less the loader's keys, configures the wrapped backend exactly as
-hiradix's own ``--hicache-storage-backend-extra-config`` does. ``"interface_v1": 1``
+hiradix's own ``--hicache-storage-backend-extra-config`` does; ``"l3_format"``, if
+given, must be ``"sglang"`` (what stock SGLang stores), so one extra config serves every
+node of a cluster that mixes stock SGLang and ``hiradix.sglang`` nodes. ``"interface_v1": 1``
 makes SGLang call :meth:`~_SGLangStorage.batch_get_v1` / ``batch_set_v1``, which move
 pages between the backend and SGLang's host pool without SGLang's per-page copies;
 without it SGLang uses ``batch_get``/``batch_set`` on its own page copies. Both work.
@@ -51,6 +53,7 @@ import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +63,7 @@ from sglang.srt.mem_cache.pool_host import HostKVCache
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from hiradix.storage.base import MAX_KEY_BYTES, SGLANG_LOADER_KEYS, StorageBackend, StorageConfig
+from hiradix.storage.keys import sglang_key_suffix
 
 __all__ = ["LOADER_KEYS", "FileStorage", "MemoryStorage", "PeerStorage", "key_suffix"]
 
@@ -70,23 +74,21 @@ _METRIC_BATCHES = 4096  # per-batch samples kept between two get_stats() calls
 
 
 def key_suffix(config: HiCacheStorageConfig | None) -> str:
-    """The suffix appended to SGLang's page keys: ``_{model}`` plus ``_{tp_rank}_{tp_size}``
-    unless MLA, ``_{pp_size}_{pp_rank}`` when PP splits layers and
-    ``_cp{rank}_{size}`` when attention context parallelism splits pages, as SGLang's
-    ``HiCacheFile`` names its files. ``O(1)``."""
+    """The suffix appended to SGLang's page keys, as SGLang's ``HiCacheFile`` names its
+    files (:func:`hiradix.storage.keys.sglang_key_suffix` of the config's model, ranks
+    and MLA flag); ``""`` without a config. ``O(1)``."""
     if config is None:
         return ""
-    model = "-".join(config.model_name.split("/")) if config.model_name else ""
-    out = f"_{model}"
-    if not config.is_mla_model:
-        out += f"_{config.tp_rank}_{config.tp_size}"
-    if config.pp_size > 1:
-        out += f"_{config.pp_size}_{config.pp_rank}"
-    cp_size = getattr(config, "attn_cp_size", 1) or 1
-    if cp_size > 1:
-        out += f"_cp{getattr(config, 'attn_cp_rank', 0)}_{cp_size}"
-    return out
-
+    return sglang_key_suffix(
+        config.model_name,
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        is_mla=config.is_mla_model,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        cp_rank=getattr(config, "attn_cp_rank", 0) or 0,
+        cp_size=getattr(config, "attn_cp_size", 1) or 1,
+    )
 
 
 class _SGLangStorage(HiCacheStorage):
@@ -126,9 +128,14 @@ class _SGLangStorage(HiCacheStorage):
             )
         if backend is not None and not isinstance(backend, StorageBackend):
             raise TypeError(f"backend must be a hiradix StorageBackend, got {type(backend).__name__}")
-        self.backend: StorageBackend = backend if backend is not None else type(self).open_backend(
-            StorageConfig.from_sglang(storage_config, kwargs)
-        )
+        config = StorageConfig.from_sglang(storage_config, kwargs)
+        # The extra config may be the one a hiradix.sglang node of a mixed cluster uses;
+        # stock SGLang only ever has SGLang's keys and pages.
+        fmt = config.extra_config.get("l3_format", "sglang")
+        if fmt != "sglang":
+            raise ValueError(f"l3_format {fmt!r}: stock SGLang stores SGLang's keys and pages; use 'sglang' or omit it")
+        config = replace(config, extra_config={k: v for k, v in config.extra_config.items() if k != "l3_format"})
+        self.backend: StorageBackend = backend if backend is not None else type(self).open_backend(config)
         self.mem_pool_host: HostKVCache | None = None
         self._page_dtype = torch.uint8
         self._page_numel = 0

@@ -20,7 +20,7 @@ from hiradix.storage.base import (
     StorageStats,
 )
 from hiradix.storage.file import FileStorage
-from hiradix.storage.keys import KeyNamespace, page_byte_order, page_keys, storage_keys
+from hiradix.storage.keys import KeyNamespace, page_byte_order, page_keys, sglang_key_suffix, storage_keys
 from hiradix.storage.memory import MemoryStorage
 from hiradix.storage.registry import (
     StorageConfigError,
@@ -52,5 +52,6 @@ __all__ = [
     "page_keys",
     "parse_extra_config",
     "register_backend",
+    "sglang_key_suffix",
     "storage_keys",
 ]

@@ -271,7 +271,7 @@ class StorageBackend(ABC):
         self.mem_pool_host: HostKVPool | None = None
         self._counters = _Counters()
         self._counter_lock = threading.Lock()
-        self._scratch = threading.local()  # per-thread page buffer for layer_first v1
+        self._scratch = threading.local()  # per-thread page buffer for v1 of gathered pages
 
     # ------------------------------------------------------------------ primitives
     @abstractmethod
@@ -566,8 +566,9 @@ class StorageBackend(ABC):
         """Read the pages of ``keys`` straight into the registered host pool.
 
         ``host_indices`` gives one page-start slot per key, or, as SGLang passes them,
-        ``page_size`` consecutive slots per key. Page-first layouts are filled in place
-        (zero copy); ``layer_first`` goes through a per-thread buffer. Returns one
+        ``page_size`` consecutive slots per key. Pages that are one run of the pool
+        (:attr:`HostKVPool.pages_in_place`) are filled in place (zero copy); others go
+        through a per-thread buffer. Returns one
         bool per key; where it is ``False`` the page's slots hold unspecified bytes and
         must not be used. Runtime complexity: ``O(total bytes)``.
         """
@@ -575,13 +576,13 @@ class StorageBackend(ABC):
         starts = self._page_starts(keys, host_indices)
         pool = self.mem_pool_host
         assert pool is not None
-        if pool.layout != "layer_first":  # each page is one row of the pool: read in place
+        if pool.pages_in_place:  # each page is one row of the pool: read in place
             rows = pool.pages_array()
             pages = pool.page_ids(starts)
             results = self._get_many_at_safe(keys, rows, pages)
             if results is None:
                 results = self._get_many_safe(keys, _row_views(rows, pages.tolist()))
-        else:  # gathered layout: read into a per-thread buffer, then scatter the good pages
+        else:  # gathered pages: read into a per-thread buffer, then scatter the good pages
             scratch = self._scratch_pages(len(keys), pool.page_bytes)
             results = self._get_many_safe(keys, _row_views(scratch.numpy(), range(len(keys))))
             good = [i for i, ok in enumerate(results) if ok]
@@ -595,14 +596,14 @@ class StorageBackend(ABC):
         self, keys: Sequence[str], host_indices: Any, extra_info: StorageExtraInfo | None = None
     ) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` (as in :meth:`batch_get_v1`)
-        under ``keys``; one bool per key. Page-first layouts are written from the pool
-        without a copy. Runtime complexity: ``O(total bytes)``.
+        under ``keys``; one bool per key. Pages that are one run of the pool are written
+        from it without a copy. Runtime complexity: ``O(total bytes)``.
         """
         keys = check_keys(keys)
         starts = self._page_starts(keys, host_indices)
         pool = self.mem_pool_host
         assert pool is not None
-        if pool.layout != "layer_first":  # written straight from the pool
+        if pool.pages_in_place:  # written straight from the pool
             rows = pool.pages_array()
             pages = pool.page_ids(starts)
             results = self._put_many_at_safe(keys, rows, pages)

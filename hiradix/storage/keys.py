@@ -29,6 +29,16 @@ of a sharded page (``tp_sharded=True``, the default; ``KeyNamespace.for_pool`` s
 from the pool: MHA sharded, MLA not) gets the suffix ``_r{rank}`` when ``tp_size > 1``,
 so ranks sharing one backend do not overwrite each other; replicated pages keep the bare
 hash and any rank may serve any rank.
+
+SGLang-compatible keys
+----------------------
+A stock SGLang 0.5.18 node keys a page by the bare ``get_hash_str`` chain of its tokens
+(no namespace: not the model, not ``extra_key``, not ``cache_salt``), and its storage
+backend appends a suffix naming the model and the rank (:func:`sglang_key_suffix`, as
+``HiCacheFile`` names its files). A hiradix node that is to share an L3 with stock SGLang
+nodes uses exactly those keys (``hiradix.sglang``'s ``"l3_format": "sglang"``); the
+namespaced keys above are the default because SGLang's keep nothing apart that its
+tree keeps apart.
 """
 
 from __future__ import annotations
@@ -43,25 +53,30 @@ import hiradix
 if TYPE_CHECKING:
     from hiradix.memory.pools import HostKVPool
 
-__all__ = ["KEY_HEX_CHARS", "KeyNamespace", "page_byte_order", "page_keys", "storage_keys"]
+__all__ = ["KEY_HEX_CHARS", "KeyNamespace", "page_byte_order", "page_keys", "sglang_key_suffix", "storage_keys"]
 
 KEY_HEX_CHARS = 64
 _ENCODING = "hiradix.kv-namespace/1:"
 
 
-def page_byte_order(layout: str) -> str:
+def page_byte_order(layout: str, page_order: str = "hiradix") -> str:
     """The byte order of a host page as :meth:`HostKVPool.get_page_bytes` gives it:
     ``layer_first`` pages are gathered in ``page_first_direct`` order, so the two are
-    interchangeable in L3; ``page_first`` is token-major and is not.
+    interchangeable in L3; ``page_first`` is token-major and is not. In SGLang's page
+    order (``page_order="sglang"``) the same holds, with names prefixed ``sglang:``.
 
-    >>> page_byte_order("layer_first")
-    'page_first_direct'
+    >>> page_byte_order("layer_first"), page_byte_order("page_first", "sglang")
+    ('page_first_direct', 'sglang:page_first')
     """
+    if page_order not in ("hiradix", "sglang"):
+        raise ValueError(f"unknown page order {page_order!r}")
     if layout in ("layer_first", "page_first_direct"):
-        return "page_first_direct"
-    if layout == "page_first":
-        return "page_first"
-    raise ValueError(f"unknown host layout {layout!r}")
+        name = "page_first_direct"
+    elif layout == "page_first":
+        name = "page_first"
+    else:
+        raise ValueError(f"unknown host layout {layout!r}")
+    return name if page_order == "hiradix" else f"sglang:{name}"
 
 
 def _check_str(**fields: Any) -> None:
@@ -124,7 +139,7 @@ class KeyNamespace:
             model=model,
             weight_version=weight_version,
             kv_dtype=str(pool.dtype).removeprefix("torch."),
-            layout=page_byte_order(pool.layout),
+            layout=page_byte_order(pool.layout, pool.page_order),
             tp_size=tp_size,
             tp_sharded=not pool.is_mla,
             tenant=tenant,
@@ -175,6 +190,39 @@ def page_keys(
     seed = prior_hash if prior_hash is not None else (namespace.seed() if namespace is not None else None)
     hashes = list(hiradix.page_hashes(tokens, page_size, seed))
     return storage_keys(hashes, namespace, tp_rank)
+
+
+def sglang_key_suffix(
+    model_name: str | None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    is_mla: bool = False,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> str:
+    """The suffix SGLang 0.5.18's storage backends append to a page hash (``HiCacheFile``'s
+    file names; :mod:`hiradix.sglang.storage` does the same): ``_{model}`` with ``/`` as
+    ``-``, then ``_{tp_rank}_{tp_size}`` unless MLA (MLA ranks hold the same bytes),
+    ``_{pp_size}_{pp_rank}`` when pipeline stages split the layers and
+    ``_cp{cp_rank}_{cp_size}`` when attention context parallelism splits the pages.
+    ``O(len(model_name))``.
+
+    >>> sglang_key_suffix("meta-llama/Llama-3.1-8B", tp_rank=1, tp_size=2)
+    '_meta-llama-Llama-3.1-8B_1_2'
+    >>> sglang_key_suffix(None, is_mla=True, pp_rank=1, pp_size=2)
+    '__2_1'
+    """
+    out = "_" + ("-".join(model_name.split("/")) if model_name else "")
+    if not is_mla:
+        out += f"_{tp_rank}_{tp_size}"
+    if pp_size > 1:
+        out += f"_{pp_size}_{pp_rank}"
+    if cp_size > 1:
+        out += f"_cp{cp_rank}_{cp_size}"
+    return out
 
 
 def storage_keys(hashes: Sequence[str], namespace: KeyNamespace | None = None, tp_rank: int = 0) -> list[str]:

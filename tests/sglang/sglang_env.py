@@ -2,16 +2,28 @@
 ``radix_cache_backend="hiradix"``, SGLang's own CPU ``MHATokenToKVPool`` /
 ``MLATokenToKVPool``, ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` and
 ``ReqToTokenPool``, and SGLang's ``create_tree_cache``. Skips, saying why, without a
-supported SGLang (the import itself skips the importing test module)."""
+supported SGLang (the import itself skips the importing test module).
+
+``build(impl="sglang")`` builds SGLang 0.5.18's *own* HiRadixCache the same way, on CPU.
+That needs the stand-ins of :func:`patch_sglang_for_cpu` (the ``sglang_cpu`` fixture),
+each for one thing SGLang only does on an accelerator or in a launched server; they are
+test support, and none of them touches hiradix's code paths. Shared-storage backends for
+the interop tests (:data:`SHARED`) are at the end."""
 
 from __future__ import annotations
 
 import atexit
 import importlib.util
 import logging
+import os
+import threading
 import warnings
 from array import array
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,12 +44,19 @@ with warnings.catch_warnings():
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
     import hiradix.sglang as hs
+    from hiradix.sglang import storage as hss
+
+from hiradix.peer.node import InProcessCluster
+from hiradix.peer.store import PeerCacheStore
+from hiradix.storage import MemoryStorage, StorageBackend, StorageConfig
+from hiradix.storage.registry import register_backend
 
 logging.getLogger("sglang").setLevel(logging.WARNING)
 hs.register()
@@ -68,6 +87,7 @@ class Env:
     worker: _Worker
     page_size: int
     mla: bool
+    impl: str = "hiradix"
     reqs: list[Any] = field(default_factory=list)
 
     def new_req(self, tokens: list[int], *, rid: str | None = None, extra_key: str | None = None,
@@ -89,23 +109,32 @@ class Env:
     def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """"Compute" KV: every slot gets bytes derived from (token, position) only, so a
         reused prefix must read back identical bytes wherever it was cached."""
-        for i, buf in enumerate(self.layers()):
-            val = (tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i).remainder(997)
-            buf[slots] = val.view(-1, *([1] * (buf.dim() - 1))).expand(-1, *buf.shape[1:]).to(buf.dtype)
+        for buf, val in zip(self.layers(), self.expected_kv(tokens, positions), strict=True):
+            buf[slots] = val
 
     def expected_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """The KV :meth:`write_kv` gives each token, per buffer of :meth:`layers`: distinct
+        in every layer, component, token and element, so a page read back in another byte
+        order (components and layers swapped, tokens transposed) never compares equal."""
         out = []
         for i, buf in enumerate(self.layers()):
-            val = (tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i).remainder(997)
-            out.append(val.view(-1, *([1] * (buf.dim() - 1))).expand(-1, *buf.shape[1:]).to(buf.dtype))
+            inner = buf.shape[1:]
+            elem = torch.arange(inner.numel(), dtype=torch.float32).view(1, *inner)
+            base = tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i * 101
+            out.append((base.view(-1, *([1] * len(inner))) + elem * 3).remainder(997).to(buf.dtype))
         return out
 
 
 def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
           eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
-          tp_group: Any = None) -> Env:
-    """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools."""
+          tp_group: Any = None, impl: str = "hiradix", model: str | None = None) -> Env:
+    """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
+    hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
+    SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
+    ``model`` is ``--served-model-name``, part of the L3 keys."""
+    if impl not in ("hiradix", "sglang"):
+        raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
     size = size // page_size * page_size
     if mla:
         kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
@@ -122,8 +151,11 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
-            model_path="dummy", device="cpu", enable_hierarchical_cache=True, radix_cache_backend="hiradix",
-            page_size=page_size, hicache_mem_layout=layout, hicache_io_backend="direct",
+            model_path="dummy", device="cpu", enable_hierarchical_cache=True,
+            radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
+            # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
+            page_size=page_size, hicache_mem_layout=layout,
+            hicache_io_backend="kernel" if layout == "page_first" else "direct",
             hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
             hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
             hicache_storage_prefetch_policy=prefetch_policy,
@@ -136,8 +168,198 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
         enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
         tp_worker=worker, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
     )
+    if impl == "sglang":
+        if not _PATCHED:
+            raise RuntimeError("SGLang's own HiRadixCache needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
+        for buf in (kv.kv_buffer if mla else [*kv.k_buffer, *kv.v_buffer]):
+            _DEVICE_BUFFERS[buf.data_ptr()] = buf
     cache = create_tree_cache(ctx)
     atexit.unregister(cache.shutdown)
-    return Env(cache, kv, alloc, req_to_token, worker, page_size, mla)
+    want = hs.HiRadixCache if impl == "hiradix" else HiRadixCache
+    assert type(cache) is want, f"create_tree_cache built {type(cache).__name__}, not {want.__name__}"
+    if impl == "sglang":
+        # SGLang's host pool is built with pin_memory=True (its default); on CPU nothing is
+        # pinned (cudaHostRegister is a no-op below), and SGLang's generic (non-v1) L3 get
+        # asks get_dummy_flat_data_page() for torch.zeros(..., pin_memory=True) pages,
+        # which fails without an accelerator: say what is true on CPU.
+        cache.token_to_kv_pool_host.pin_memory = False
+    return Env(cache, kv, alloc, req_to_token, worker, page_size, mla, impl)
+
+
+# ---------------------------------------------------------------------------- SGLang's own cache on CPU
+_DEVICE_BUFFERS: dict[int, torch.Tensor] = {}  # data_ptr -> device KV buffer of an impl="sglang" Env
+_PATCHED = False
+
+
+def _by_ptr(ptrs: torch.Tensor) -> list[torch.Tensor]:
+    return [_DEVICE_BUFFERS[int(p)] for p in ptrs.tolist()]
+
+
+def _copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
+    dst.index_copy_(0, dst_indices.long(), src.index_select(0, src_indices.long()))
+
+
+def _transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                        page_size: int) -> None:
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        _copy_rows(dst, dst_indices, src, src_indices)
+
+
+def _transfer_kv_per_layer_pf_lf(src_k: torch.Tensor, dst_k: torch.Tensor, src_v: torch.Tensor, dst_v: torch.Tensor,
+                                 src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
+                                 **_: Any) -> None:
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):  # host [slots, layers, heads, dim]
+        _copy_rows(dst, dst_indices, src[:, layer_id], src_indices)
+
+
+def _transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor, src_v_layers: torch.Tensor,
+                                 dst_v: torch.Tensor, src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                                 num_layers: int, **_: Any) -> None:
+    for ptrs, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+        for layer, src in enumerate(_by_ptr(ptrs)[:num_layers]):
+            _copy_rows(dst[:, layer], dst_indices, src, src_indices)
+
+
+def _transfer_kv_per_layer_mla_pf_lf(src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
+                                     dst_indices: torch.Tensor, layer_id: int, **_: Any) -> None:
+    _copy_rows(dst, dst_indices, src[:, layer_id], src_indices)  # host [slots, layers, 1, width]
+
+
+def _transfer_kv_all_layer_mla_lf_pf(src_layers: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
+                                     dst_indices: torch.Tensor, num_layers: int, **_: Any) -> None:
+    for layer, src in enumerate(_by_ptr(src_layers)[:num_layers]):
+        _copy_rows(dst[:, layer], dst_indices, src, src_indices)
+
+
+@contextmanager
+def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[None]:
+    """What SGLang 0.5.18's own HiRadixCache needs to run (with L3 storage) on CPU, each
+    undone on exit. Nothing here touches hiradix:
+
+    - ``pool_host.common._cuda_host_register`` / ``_unregister``: SGLang pins every host
+      pool with ``cudaHostRegister`` (``pin_memory=True`` is its default); without CUDA
+      that raises. No-ops here: CPU memory needs no pinning.
+    - ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`` = 0: SGLang refuses any host
+      pool, however small, unless 10 GiB more than it are available (a production
+      server's reserve); a CI machine running the suite in parallel often has less. The
+      test pools are kilobytes.
+    - ``transfer_kv_direct`` and, for ``page_first`` (kernel I/O), ``transfer_kv_per_layer_pf_lf``,
+      ``transfer_kv_all_layer_lf_pf`` and their MLA twins in ``pool_host.mha`` / ``.mla``:
+      ``sgl_kernel`` ops, imported only on CUDA/HIP. Here the same gathers and scatters
+      with ``index_select`` / ``index_copy_``; the all-layer ones get device buffers as
+      ``data_ptr`` tables, resolved through the buffers ``build(impl="sglang")`` recorded.
+    - ``get_parallel().override(tp/pp ranks and sizes, attn_dcp)``: SGLang's controller
+      asks its parallel state for the ranks that name storage keys
+      (``_generate_storage_config``) and the MLA host pool for its DCP shape; a launched
+      server initializes that state, a test does not. One rank, no DCP.
+    - ``override_server_args(hicache_ratio=...)``: HiRadixCache reads the host/device
+      ratio from the runtime config a launched server publishes (``get_memory()``).
+    - a one-rank gloo process group (a file store, ``GLOO_SOCKET_IFNAME=lo``):
+      HiRadixCache asks ``torch.distributed`` the TP group's world size.
+    """
+    global _PATCHED
+    import sglang.srt.mem_cache.pool_host.base as phb
+    import sglang.srt.mem_cache.pool_host.common as phc
+    import sglang.srt.mem_cache.pool_host.mha as phm
+    import sglang.srt.mem_cache.pool_host.mla as phmla
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    patches = [(phc, "_cuda_host_register", lambda buffer: None), (phc, "_cuda_host_unregister", lambda buffer: None),
+               (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
+               (phm, "transfer_kv_direct", _transfer_kv_direct),
+               (phm, "transfer_kv_per_layer_pf_lf", _transfer_kv_per_layer_pf_lf),
+               (phm, "transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf),
+               (phmla, "transfer_kv_direct", _transfer_kv_direct),
+               (phmla, "transfer_kv_per_layer_mla_pf_lf", _transfer_kv_per_layer_mla_pf_lf),
+               (phmla, "transfer_kv_all_layer_mla_lf_pf", _transfer_kv_all_layer_mla_lf_pf)]
+    missing = object()
+    saved = [(mod, name, getattr(mod, name, missing)) for mod, name, _ in patches]
+    own_group = not dist.is_initialized()
+    old_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    with ExitStack() as stack:
+        for mod, name, fn in patches:
+            setattr(mod, name, fn)
+        stack.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
+                                                    attn_dcp_rank=0))
+        server_args = get_context().override_server_args(hicache_ratio=hicache_ratio)
+        server_args.install()
+        stack.callback(server_args.restore)
+        if own_group:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            dist.init_process_group("gloo", init_method=f"file://{tmp_dir / 'pg'}", rank=0, world_size=1)
+        _PATCHED = True
+        try:
+            yield
+        finally:
+            _PATCHED = False
+            _DEVICE_BUFFERS.clear()
+            if own_group:
+                dist.destroy_process_group()
+                if old_ifname is None:
+                    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+                else:
+                    os.environ["GLOO_SOCKET_IFNAME"] = old_ifname
+            for mod, name, old in saved:
+                if old is missing:
+                    delattr(mod, name)
+                else:
+                    setattr(mod, name, old)
+
+
+class PageTransfers:
+    """Completion signals of SGLang's L3 prefetch I/O, per request: SGLang's controller
+    has none to wait on (its I/O thread bumps ``completed_tokens`` and moves on), so its
+    ``_page_transfer`` is wrapped, on this one controller, to set an event once it
+    returned for an operation. Behaviour is unchanged."""
+
+    def __init__(self, cache: Any) -> None:
+        self.done: defaultdict[str, threading.Event] = defaultdict(threading.Event)
+        controller = cache.cache_controller
+        inner = controller._page_transfer
+
+        def page_transfer(operation: Any) -> None:
+            try:
+                inner(operation)
+            finally:
+                self.done[operation.request_id].set()
+
+        controller._page_transfer = page_transfer
+
+
+def wait_queue(q: Any, n: int, timeout: float) -> None:
+    """Block until SGLang's ``queue.Queue`` ``q`` holds ``n`` items (its own ``not_empty``
+    condition, notified on every put); ``TimeoutError`` past ``timeout`` seconds."""
+    with q.not_empty:  # holds q.mutex: read the deque itself (qsize() would take it again)
+        if not q.not_empty.wait_for(lambda: len(q.queue) >= n, timeout):
+            raise TimeoutError(f"{len(q.queue)} of {n} items after {timeout} s")
+
+
+# ---------------------------------------------------------------------------- shared L3 for interop tests
+SHARED: dict[str, Any] = {}
+"""Storage shared by several caches of one test, by name: a hiradix ``MemoryStorage`` or an
+``InProcessCluster`` (the extra config names it, ``"shared"``, and for a cluster the
+``"node"`` a cache attaches to). The file backend needs none: one directory is shared."""
+
+
+def _shared_backend(config: StorageConfig) -> StorageBackend:
+    target = SHARED[config.extra_config["shared"]]
+    if isinstance(target, InProcessCluster):
+        return PeerCacheStore(node=target.nodes[int(config.extra_config["node"])])
+    assert isinstance(target, MemoryStorage)
+    return target
+
+
+# hiradix.sglang: --hicache-storage-backend shared (hiradix's registry)
+register_backend("shared", lambda config, **kw: _shared_backend(config), replace=True)
+
+
+class SharedStorage(hss.MemoryStorage):
+    """Stock SGLang's side of :data:`SHARED`: hiradix.sglang.storage's wrapper (the class
+    SGLang's dynamic loader builds) over the shared backend instead of a new one."""
+
+    @staticmethod
+    def open_backend(config: StorageConfig) -> StorageBackend:
+        return _shared_backend(config)
 
 

@@ -1,6 +1,8 @@
 """hiradix's backends as SGLang storage backends (``hiradix.sglang.storage``), through SGLang
 0.5.18's own interface: its host pools in every layout they build in on CPU, its dynamic
-loader (``StorageBackendFactory``), its ``StorageMetrics``, and its own HiRadixCache."""
+loader (``StorageBackendFactory``) and its ``StorageMetrics``; and hiradix's host pages in
+SGLang's page order, byte for byte SGLang's flat host pages. (SGLang's own HiRadixCache on
+these backends: ``test_sglang_l3_interop.py``.)"""
 
 from __future__ import annotations
 
@@ -23,15 +25,27 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from hiradix.memory.pools import HostKVPool
 from hiradix.peer.node import InProcessCluster
 from hiradix.peer.store import PeerCacheStore
 from hiradix.sglang import storage as hss
+from hiradix.sglang.pools import device_pool_from_sglang
 from hiradix.storage import MemoryStorage as InnerMemory
 
 PAGE = 4
 LAYOUTS = {False: ("layer_first", "page_first", "page_first_direct", "page_head"),
            True: ("layer_first", "page_first", "page_first_direct")}
 CASES = [(mla, layout) for mla in (False, True) for layout in LAYOUTS[mla]]
+
+
+@pytest.fixture(autouse=True)
+def _small_host_pools_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang refuses any host pool unless 10 GiB beyond it are available (a production
+    server's reserve); these pools are kilobytes, and a CI machine running the suite in
+    parallel often has less free."""
+    import sglang.srt.mem_cache.pool_host.base as phb
+
+    monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
 
 
 def sgl_config(extra: dict[str, Any] | None = None, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
@@ -237,3 +251,49 @@ def test_sglang_dynamic_loader_builds_each(cls: str, tmp_path: Path) -> None:
             assert s.backend.capacity_bytes == 1 << 20
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- one page format
+def sglang_token_kv(pool: Any, mla: bool, layer: int, comp: int, page: int, t: int) -> torch.Tensor:
+    """Token ``t`` of page ``page``, one layer and component, as SGLang's host pool holds it."""
+    slot = page * PAGE + t
+    buf = pool.kv_buffer if mla else pool.kv_buffer[comp]
+    if pool.layout == "layer_first":
+        return buf[layer, slot]
+    if pool.layout == "page_first":
+        return buf[slot, layer]
+    return buf[page, layer, t]  # page_first_direct
+
+
+@pytest.mark.parametrize(("mla", "layout"), [c for c in CASES if c[1] != "page_head"])
+def test_hiradix_pages_in_sglang_order_are_sglangs_flat_pages(mla: bool, layout: str) -> None:
+    """A hiradix host pool with ``page_order="sglang"`` (hiradix.sglang's ``l3_format``
+    ``"sglang"``) reads SGLang's flat page (``get_data_page(flat=True)``) into the right
+    layer, component, token and element, and hands out exactly SGLang's bytes."""
+    sgl = host_pool(mla, layout, torch.float32)
+    dev = device_pool_from_sglang(sgl.device_pool)
+    ours = HostKVPool(dev.shape, 8 * PAGE, PAGE, torch.float32, layout, page_order="sglang",  # type: ignore[arg-type]
+                      reserve_bytes=0)
+    native = HostKVPool(dev.shape, 8 * PAGE, PAGE, torch.float32, layout, reserve_bytes=0)  # type: ignore[arg-type]
+    for page in range(8):
+        flat = sgl.get_data_page(page * PAGE, flat=True)
+        ours.set_page_bytes(page * PAGE, flat)
+        native.set_page_bytes(page * PAGE, flat)
+        for layer in range(dev.layer_num):
+            for comp, view in enumerate(ours.get_page_layer_view(layer)):
+                for t in range(PAGE):
+                    assert torch.equal(view[page, t], sglang_token_kv(sgl, mla, layer, comp, page, t))
+        assert ours.get_page_bytes(page * PAGE).numpy().tobytes() == page_bytes(sgl, page)
+        # hiradix's own order is another one for MHA (K and V inside each layer), the same for MLA
+        same = all(torch.equal(native.get_page_layer_view(0)[c][page], ours.get_page_layer_view(0)[c][page])
+                   for c in range(len(dev.shape.components)))
+        assert same == mla
+
+
+def test_the_wrapper_takes_one_extra_config_for_a_mixed_cluster() -> None:
+    """``"l3_format": "sglang"`` is what a hiradix.sglang node of a mixed cluster sets; the
+    wrapper accepts it (stock SGLang only has that format) and refuses any other."""
+    s = hss.MemoryStorage(sgl_config({"l3_format": "sglang", "capacity_bytes": 1 << 20}))
+    assert s.backend.capacity_bytes == 1 << 20 and "l3_format" not in s.backend.config.extra_config
+    with pytest.raises(ValueError, match="stock SGLang stores SGLang's keys and pages"):
+        hss.MemoryStorage(sgl_config({"l3_format": "hiradix"}))
