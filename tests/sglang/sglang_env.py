@@ -1,14 +1,20 @@
 """hiradix.sglang caches built exactly as SGLang's scheduler builds them: ``ServerArgs`` with
 ``radix_cache_backend="hiradix"``, SGLang's own CPU ``MHATokenToKVPool`` /
 ``MLATokenToKVPool``, ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` and
-``ReqToTokenPool``, and SGLang's ``create_tree_cache``. Skips, saying why, without a
-supported SGLang (the import itself skips the importing test module)."""
+``ReqToTokenPool``, and SGLang's ``create_tree_cache``; and, for parity tests, SGLang's own
+``HiRadixCache`` on the same kind of pools (:func:`build_sglang`). Skips, saying why, without
+a supported SGLang (the import itself skips the importing test module)."""
 
 from __future__ import annotations
 
 import atexit
 import importlib.util
+import itertools
 import logging
+import os
+import tempfile
+import time
+import types
 import warnings
 from array import array
 from dataclasses import dataclass, field
@@ -104,8 +110,28 @@ class Env:
 def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
           eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
-          tp_group: Any = None) -> Env:
+          tp_group: Any = None, kv_events: bool = False, eagle: bool = False) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools."""
+    kv, alloc, req_to_token, server_args = _pools_and_args(
+        page_size, size, layout, write_policy, mla, storage, extra_config, eviction_policy, hicache_ratio,
+        prefetch_policy)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
+                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
+                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+    worker = _Worker()
+    ctx = TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
+        tp_worker=worker, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+    cache = create_tree_cache(ctx)
+    atexit.unregister(cache.shutdown)
+    return Env(cache, kv, alloc, req_to_token, worker, page_size, mla)
+
+
+def _pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool, storage: str | None,
+                    extra_config: str | None, eviction_policy: str, hicache_ratio: float,
+                    prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
     size = size // page_size * page_size
     if mla:
         kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
@@ -128,16 +154,76 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
             hicache_storage_prefetch_policy=prefetch_policy,
         )
+    return kv, alloc, req_to_token, server_args
+
+
+# ---------------------------------------------------------------------------- SGLang's own cache
+def _transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
+    """sgl_kernel's CUDA-only per-layer copy, in torch on the CPU."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+
+
+class TickClock:
+    """A ``time`` module stand-in for SGLang's cache modules whose ``monotonic`` ticks by
+    one per call: node access times are then distinct and ordered by call, so SGLang's
+    LRU order (ties broken by set iteration otherwise) is deterministic."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count(1)
+
+    def monotonic(self) -> float:
+        return float(next(self._ticks))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def patch_sglang_for_cpu(monkeypatch: pytest.MonkeyPatch, hicache_ratio: float = 2.0) -> None:
+    """What SGLang 0.5.18's own ``HiRadixCache`` needs to run on the CPU, as
+    ``bench/sglang_baselines.py`` does it: host pinning is a no-op, ``transfer_kv_direct`` is
+    torch, the host/device ratio comes from here (SGLang reads the server's published
+    runtime config), one-rank gloo for its TP group; plus no host-memory headroom check and
+    the :class:`TickClock`."""
+    import sglang.srt.mem_cache.hiradix_cache as hrc
+    import sglang.srt.mem_cache.pool_host.base as phb
+    import sglang.srt.mem_cache.pool_host.common as phc
+    import sglang.srt.mem_cache.pool_host.mha as phm
+    import sglang.srt.mem_cache.radix_cache as rc
+    import torch.distributed as dist
+
+    # The pools are a few KiB: SGLang's 10 GB host-memory headroom check would only make
+    # the tests depend on what else the machine is running.
+    monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
+    monkeypatch.setattr(phc, "_cuda_host_register", lambda buffer: None)
+    monkeypatch.setattr(phc, "_cuda_host_unregister", lambda buffer: None)
+    monkeypatch.setattr(phm, "transfer_kv_direct", _transfer_kv_direct, raising=False)
+    monkeypatch.setattr(hrc, "get_memory", lambda: types.SimpleNamespace(hicache_ratio=hicache_ratio))
+    clock = TickClock()
+    monkeypatch.setattr(hrc, "time", clock)
+    monkeypatch.setattr(rc, "time", clock)
+    if not dist.is_initialized():
+        fd, path = tempfile.mkstemp(prefix="hiradix_sglang_pg_")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+
+
+def build_sglang(page_size: int = 1, *, size: int = 512, write_policy: str = "write_through",
+                 eviction_policy: str = "lru", hicache_ratio: float = 2.0, kv_events: bool = False,
+                 eagle: bool = False) -> Env:
+    """SGLang's own ``HiRadixCache`` on SGLang's CPU pools (MHA, ``layer_first``, io backend
+    ``direct``): the reference of the parity tests. Needs :func:`patch_sglang_for_cpu`."""
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+    kv, alloc, req_to_token, server_args = _pools_and_args(
+        page_size, size, "layer_first", write_policy, False, None, None, eviction_policy, hicache_ratio,
+        "best_effort")
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group)
-    worker = _Worker()
-    ctx = TreeCacheBuildContext(
-        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
-        tp_worker=worker, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
-    )
-    cache = create_tree_cache(ctx)
+                             page_size=page_size, eviction_policy=eviction_policy,
+                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+    cache = HiRadixCache(params, server_args)
     atexit.unregister(cache.shutdown)
-    return Env(cache, kv, alloc, req_to_token, worker, page_size, mla)
+    return Env(cache, kv, alloc, req_to_token, _Worker(), page_size, False)
 
 
