@@ -345,13 +345,6 @@ class HiRadixCache(BasePrefixCache):
             return self._ns(key.extra_key, key.cache_salt), raw[:0], raw
         return self._ns(key.extra_key, key.cache_salt, int(raw[0])), raw[1:], raw
 
-    def _tree_key(self, key: Any) -> tuple[str | None, np.ndarray, np.ndarray]:
-        """``(namespace, tree tokens, raw tokens)`` of a key, plain or bigram."""
-        if self.is_eagle:
-            return self._bigram_key(key)
-        tokens = _key_tokens(key)
-        return self._ns(key.extra_key, key.cache_salt), tokens, tokens
-
     def namespace_roots(self) -> dict[str, int]:
         """``{namespace: root handle}`` of the namespaces in use. ``O(namespaces)``."""
         return dict(self._namespaces)
@@ -451,7 +444,12 @@ class HiRadixCache(BasePrefixCache):
         the caller's to free), in slots (bigrams with ``is_eagle``). ``O(len(key))``."""
         if self.disable:
             return InsertResult(prefix_len=0)
-        ns, tokens, raw = self._tree_key(params.key)
+        key = params.key
+        if self.is_eagle:
+            ns, tokens, raw = self._bigram_key(key)
+        else:
+            ns = self._ns(key.extra_key, key.cache_salt)
+            tokens = raw = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
             return InsertResult(prefix_len=0)
@@ -658,14 +656,19 @@ class HiRadixCache(BasePrefixCache):
 
     def _storage_tokens(self, mount: int, new_input_tokens: Sequence[int]) -> np.ndarray | None:
         """The tree tokens of what follows ``mount``: the tokens themselves, or with
-        ``is_eagle`` the bigrams that start at the first of them (their second tokens).
-        ``None`` where bigrams have no namespace to go to (below the global root)."""
+        ``is_eagle`` the bigrams that start at the first of them (their second tokens),
+        whose first token must be the one the mount ends with (the scheduler passes the
+        tokens from the end of the match on). ``None`` where bigrams cannot continue the
+        mount: another first token, or no namespace to go to (the global root)."""
         tokens = _as_tokens(new_input_tokens)
         if not self.is_eagle:
             return tokens
-        if mount == self.root_handle:
+        tree = self.tree
+        if mount == self.root_handle or not len(tokens):
             return None
-        return tokens[1:]
+        parent = tree.parent(mount)
+        boundary = self.namespace_parts(mount)[2] if parent == -1 else int(tree.key(mount)[-1])
+        return tokens[1:] if int(tokens[0]) == boundary else None
 
     def check_prefetch_progress(self, req_id: str) -> bool:
         done = self.core.check_prefetch_progress(req_id)
