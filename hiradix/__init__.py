@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hiradix import _native
-from hiradix._results import IOStatus, LockError
+from hiradix._results import Change, IOStatus, LockError
 from hiradix.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
 _impl: Any = _native.load("hiradix._core")
@@ -28,6 +28,7 @@ page_hashes = _impl.page_hashes
 __all__ = [
     "IMPLEMENTATION",
     "ROOT",
+    "Change",
     "EvictionPolicy",
     "HiRadixTree",
     "IOStatus",

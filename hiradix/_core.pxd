@@ -22,6 +22,15 @@ cdef enum:
     HOST_SET = 1              # victim heap of L2 eviction
     DIGEST = 32               # bytes of one SHA-256 digest
     NUM_FIELDS = 6            # policy key fields, see hiradix/policy.py
+    CHANGE_INSERTED = 1       # change-log kinds: hiradix._results.Change has the meanings
+    CHANGE_HOST_INSERTED = 2
+    CHANGE_SPLIT = 3
+    CHANGE_REFILLED = 4
+    CHANGE_LOADED = 5
+    CHANGE_BACKED_UP = 6
+    CHANGE_DEMOTED = 7
+    CHANGE_DELETED = 8
+    CHANGE_HOST_DELETED = 9
 
 cdef struct Node:
     int64_t uid               # creation sequence number, never reused; final tie-break
@@ -106,6 +115,12 @@ cdef class HiRadixTree:
     cdef int64_t* scratch
     cdef int64_t scratch_cap
 
+    # change log (track_changes): rows of (kind, node handle, other handle, tokens)
+    cdef bint _track
+    cdef int64_t* changes
+    cdef int64_t changes_n        # rows recorded since the last take_changes
+    cdef int64_t changes_cap      # rows allocated
+
     # namespaces
     cdef dict _namespaces         # extra_key -> root arena index
     cdef uint8_t* seeds           # DIGEST bytes per namespace (0: the default root's)
@@ -136,6 +151,8 @@ cdef class HiRadixTree:
     cdef void _release(self, node_t i) noexcept nogil
     cdef int _compact(self) except -1 nogil
     cdef node_t _new_root(self, int32_t ns) except -2 nogil
+    cdef int _record(self, int kind, node_t i, int64_t other, int64_t tokens) except -1 nogil
+    cdef void _reverse_changes(self, int64_t start) noexcept nogil
     cdef node_t _node(self, object handle) except -2
     cdef double _tick(self) except? -1
     cdef node_t _ns_root(self, object extra_key) except -2

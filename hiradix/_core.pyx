@@ -355,6 +355,7 @@ cdef class HiRadixTree:
         self.ht_cap = 0
         self.ns_cap = 0
         self.scratch_cap = 0
+        self.changes_cap = 0
         self._grow_nodes()
         self._grow_table()
         self._reserve_scratch(64)
@@ -375,6 +376,7 @@ cdef class HiRadixTree:
         free(self.seeds)
         free(self.seeded)
         free(self.scratch)
+        free(self.changes)
 
     def __init__(self, page_size=1, *, eviction_policy="lru", write_policy="write_through",
                  enable_hash=False, clock=None, chain_seed=None):
@@ -497,6 +499,40 @@ cdef class HiRadixTree:
         self.scratch = <int64_t*>p
         self.scratch_cap = cap
         return 0
+
+    cdef int _record(self, int kind, node_t i, int64_t other, int64_t tokens) except -1 nogil:
+        # One change-log row, naming node ``i`` by its handle (callers record a node before
+        # they free it). Only called while tracking is on.
+        cdef int64_t cap = self.changes_cap if self.changes_cap else 64
+        cdef void* p
+        cdef int64_t* row
+        if self.changes_n == self.changes_cap:
+            while cap <= self.changes_n:
+                cap *= 2
+            p = realloc(self.changes, cap * 4 * sizeof(int64_t))
+            if p == NULL:
+                with gil:
+                    raise MemoryError()
+            self.changes = <int64_t*>p
+            self.changes_cap = cap
+        row = self.changes + 4 * self.changes_n
+        row[0] = kind
+        row[1] = _handle(&self.nodes[i], i)
+        row[2] = other
+        row[3] = tokens
+        self.changes_n += 1
+        return 0
+
+    cdef void _reverse_changes(self, int64_t start) noexcept nogil:
+        # Rows recorded walking up a chain, put parents first.
+        cdef int64_t a = start, b = self.changes_n - 1, k, t
+        while a < b:
+            for k in range(4):
+                t = self.changes[4 * a + k]
+                self.changes[4 * a + k] = self.changes[4 * b + k]
+                self.changes[4 * b + k] = t
+            a += 1
+            b -= 1
 
     cdef node_t _alloc(self) except -2 nogil:
         cdef node_t i
@@ -710,6 +746,8 @@ cdef class HiRadixTree:
         self._table_put(child)
         self._refresh(new)
         self._refresh(child)
+        if self._track:
+            self._record(CHANGE_SPLIT, new, _handle(&self.nodes[child], child), split_len)
         return new
 
     cdef node_t _step(self, node_t node, const token_t* toks, int64_t remaining, double now,
@@ -1189,6 +1227,7 @@ cdef class HiRadixTree:
         self._protected = 0
         self._host_size = 0
         self._num_nodes = 0
+        self.changes_n = 0       # records of the dropped nodes name stale handles
 
     def match_prefix(self, key, extra_key=None):
         """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""
@@ -1253,6 +1292,8 @@ cdef class HiRadixTree:
                     self._set_device(child, 1)
                     self._size_delta(child, plen)
                     self._refresh(c.parent)
+                    if self._track:
+                        self._record(CHANGE_REFILLED, child, -1, plen)
                 else:
                     prefix_len += plen
                     if not chunked:
@@ -1272,6 +1313,8 @@ cdef class HiRadixTree:
                 self._evictable += n - pos
                 self._refresh(node)
                 self._refresh(parent)
+                if self._track:
+                    self._record(CHANGE_INSERTED, node, -1, n - pos)
         cdef InsertResult r = InsertResult.__new__(InsertResult)
         r.prefix_len = prefix_len
         r.last_node = _handle(&self.nodes[node], node)
@@ -1349,6 +1392,8 @@ cdef class HiRadixTree:
                 self._host_size += n - pos
                 self._refresh(child)
                 self._refresh(last)
+                if self._track:
+                    self._record(CHANGE_HOST_INSERTED, child, -1, n - pos)
                 r.inserted_length = n - pos
                 last = child
         r.matched_length = pos
@@ -1412,9 +1457,13 @@ cdef class HiRadixTree:
                 self.scratch[3 * k + 2] = v
                 if self.nodes[v].backed_up:
                     self._demote(v)
+                    if self._track:
+                        self._record(CHANGE_DEMOTED, v, -1, ln)
                 elif write_back:
                     self.scratch[3 * k + 1] = 0     # nothing freed yet: back up first
                 else:
+                    if self._track:
+                        self._record(CHANGE_DELETED, v, -1, ln)
                     self._evictable -= ln
                     self._delete_leaf(v)
                 k += 1
@@ -1449,6 +1498,8 @@ cdef class HiRadixTree:
         self._check_unpinned(i, "demote")
         out = self._gather(n.parent, i, False)
         self._demote(i)
+        if self._track:
+            self._record(CHANGE_DEMOTED, i, -1, self.nodes[i].key_len)
         return out
 
     def drop(self, node):
@@ -1462,6 +1513,8 @@ cdef class HiRadixTree:
             raise ValueError(f"drop: node {node} has children")
         self._check_unpinned(i, "drop")
         out = self._gather(n.parent, i, False)
+        if self._track:
+            self._record(CHANGE_DELETED, i, -1, n.key_len)
         self._evictable -= n.key_len
         self._delete_leaf(i)
         return out
@@ -1484,6 +1537,8 @@ cdef class HiRadixTree:
                 self.scratch[3 * k + 1] = ln
                 k += 1
                 self._host_size -= ln
+                if self._track:
+                    self._record(CHANGE_HOST_DELETED, v, -1, ln)
                 self._delete_leaf(v)
         cdef EvictHostResult r = EvictHostResult.__new__(EvictHostResult)
         r.num_evicted = evicted
@@ -1524,7 +1579,16 @@ cdef class HiRadixTree:
         cdef node_t i = self._node(node)
         cdef node_t top = self._io_group_top(i, IO_WRITING, "commit_backup")
         cdef bint success = bool(ok) and self.nodes[self.nodes[top].parent].backed_up
+        cdef int64_t start = self.changes_n
+        cdef node_t m = i
         self._io_finish(i, top, success)
+        if self._track and success:
+            while True:
+                self._record(CHANGE_BACKED_UP, m, -1, self.nodes[m].key_len)
+                if m == top:
+                    break
+                m = self.nodes[m].parent
+            self._reverse_changes(start)
         self.nodes[i].io_owner = 0
         self._lock(i, -1)
         return success
@@ -1564,10 +1628,15 @@ cdef class HiRadixTree:
             self._size_delta(m, self.nodes[m].key_len)
             m = self.nodes[m].parent
         m = i
+        cdef int64_t start = self.changes_n
         while m != top:
             self._refresh(m)
+            if self._track:
+                self._record(CHANGE_LOADED, m, -1, self.nodes[m].key_len)
             m = self.nodes[m].parent
         self._refresh(top)
+        if self._track:
+            self._reverse_changes(start)
         self.nodes[i].io_owner = 1
         self._lock(i, 1)
         return total
@@ -1581,6 +1650,28 @@ cdef class HiRadixTree:
         self._lock(i, -1)
 
     # ------------------------------------------------------------------ queries
+    @property
+    def track_changes(self):
+        """Whether the tree logs its changes for :meth:`take_changes` (off by default;
+        turning it off drops the records not yet taken)."""
+        return self._track
+
+    @track_changes.setter
+    def track_changes(self, on):
+        self._track = bool(on)
+        if not self._track:
+            self.changes_n = 0
+
+    def take_changes(self):
+        """The change records since the last call, oldest first, as an ``(n, 4)`` int64
+        array of ``(kind, node, other, tokens)`` rows (kinds: :class:`hiradix.Change`);
+        empties the log. ``O(n)``."""
+        cdef cnp.ndarray out = np.empty((self.changes_n, 4), dtype=np.int64)
+        if self.changes_n:
+            memcpy(cnp.PyArray_DATA(out), self.changes, self.changes_n * 4 * sizeof(int64_t))
+        self.changes_n = 0
+        return out
+
     @property
     def root(self):
         return _handle(&self.nodes[self.root_idx], self.root_idx)

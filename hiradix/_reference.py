@@ -42,6 +42,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from hiradix._results import (
+    Change,
     EvictHostResult,
     EvictResult,
     IndexArray,
@@ -285,6 +286,8 @@ class HiRadixTree:
         self.enable_hash = bool(enable_hash)
         self._clock = clock
         self._chain_seed = chain_seed
+        # Change log (track_changes): None while off, so recording costs one test.
+        self._changes: list[tuple[int, int, int, int]] | None = None
         self._init_state()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -305,6 +308,8 @@ class HiRadixTree:
         self._namespaces = {}
         self._sieve_hand = [0, 0]
         self._evictable = self._protected = self._host_size = 0
+        if self._changes is not None:
+            self._changes.clear()  # records of the dropped nodes name stale handles
 
     def _init_state(self) -> None:
         self._slots: list[_Node | None] = []
@@ -381,6 +386,42 @@ class HiRadixTree:
             return float(self._clock())
         self._time += 1
         return float(self._time)
+
+    # ------------------------------------------------------------------ change log
+    @property
+    def track_changes(self) -> bool:
+        """Whether the tree logs its changes for :meth:`take_changes` (off by default;
+        turning it off drops the records not yet taken)."""
+        return self._changes is not None
+
+    @track_changes.setter
+    def track_changes(self, on: bool) -> None:
+        if not on:
+            self._changes = None
+        elif self._changes is None:
+            self._changes = []
+
+    def take_changes(self) -> np.ndarray:
+        """The change records since the last call, oldest first, as an ``(n, 4)`` int64
+        array of ``(kind, node, other, tokens)`` rows (kinds: :class:`hiradix.Change`);
+        empties the log. Records name a node by its handle at the time; a deleted
+        node's handle is stale by the time it is read. ``O(n)``.
+
+        >>> t = HiRadixTree()
+        >>> t.track_changes = True
+        >>> r = t.insert([1, 2, 3], [7, 8, 9])
+        >>> [Change(k).name for k in t.take_changes()[:, 0]]
+        ['INSERTED']
+        """
+        rows = self._changes or []
+        out = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
+        if self._changes is not None:
+            self._changes = []
+        return out
+
+    def _record(self, kind: Change, node: _Node, other: int, tokens: int) -> None:
+        assert self._changes is not None
+        self._changes.append((int(kind), node.handle, other, tokens))
 
     def _touch(self, node: _Node, now: float) -> None:
         node.last_access_time = now
@@ -500,6 +541,8 @@ class HiRadixTree:
         child.parent = new
         self._refresh(new)
         self._refresh(child)
+        if self._changes is not None:
+            self._record(Change.SPLIT, new, child.handle, split_len)
         return new
 
     def _walk(
@@ -622,6 +665,8 @@ class HiRadixTree:
                 node.value = values[pos : pos + plen].copy()
                 self._size_delta(node, plen)
                 self._refresh(node.parent)  # type: ignore[arg-type]
+                if self._changes is not None:
+                    self._record(Change.REFILLED, node, -1, plen)
             else:
                 prefix_len += plen
                 if not chunked:
@@ -642,6 +687,8 @@ class HiRadixTree:
                     self._backup_chain(node, backup)
             self._refresh(node)
             self._refresh(parent)
+            if self._changes is not None:
+                self._record(Change.INSERTED, node, -1, n - pos)
         return InsertResult(prefix_len, node.handle, tuple(backup))
 
     def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult:
@@ -671,6 +718,8 @@ class HiRadixTree:
         self._host_size += len(tokens) - pos
         self._refresh(child)
         self._refresh(last)
+        if self._changes is not None:
+            self._record(Change.HOST_INSERTED, child, -1, len(tokens) - pos)
         return InsertHostResult(pos, len(tokens) - pos, child.handle)
 
     def _lock(self, walk: _Node, sign: int) -> int:
@@ -752,12 +801,16 @@ class HiRadixTree:
             evicted += len(victim.key)
             if victim.host_value is not None:
                 freed.append(self._demote(victim))
+                if self._changes is not None:
+                    self._record(Change.DEMOTED, victim, -1, len(victim.key))
             elif self.write_policy == "write_back":
                 skip.add(victim.index)
                 write_back.append(victim.handle)
                 self._backup_chain(victim, backup)
             else:
                 assert victim.value is not None and not victim.children
+                if self._changes is not None:
+                    self._record(Change.DELETED, victim, -1, len(victim.key))
                 freed.append(victim.value)
                 self._evictable -= len(victim.key)
                 self._delete_leaf(victim)
@@ -787,7 +840,10 @@ class HiRadixTree:
         if any(c.value is not None for c in target.children.values()):
             raise ValueError(f"demote: node {node} has device children")
         self._check_unpinned(target, "demote")
-        return self._demote(target)
+        value = self._demote(target)
+        if self._changes is not None:
+            self._record(Change.DEMOTED, target, -1, len(target.key))
+        return value
 
     def _check_unpinned(self, target: _Node, op: str) -> None:
         if target.lock_ref or target.io_status != IO_IDLE:
@@ -811,6 +867,8 @@ class HiRadixTree:
         if target.children:
             raise ValueError(f"drop: node {node} has children")
         self._check_unpinned(target, "drop")
+        if self._changes is not None:
+            self._record(Change.DELETED, target, -1, len(target.key))
         value = target.value
         self._evictable -= len(target.key)
         self._delete_leaf(target)
@@ -831,6 +889,8 @@ class HiRadixTree:
             evicted += len(victim.key)
             freed.append(victim.host_value)
             self._host_size -= len(victim.key)
+            if self._changes is not None:
+                self._record(Change.HOST_DELETED, victim, -1, len(victim.key))
             self._delete_leaf(victim)
         host = np.concatenate(freed) if freed else _EMPTY.copy()
         return EvictHostResult(evicted, host)
@@ -908,6 +968,8 @@ class HiRadixTree:
             if success:
                 member.host_value = member.pending_host
                 self._host_size += len(member.key)
+                if self._changes is not None:
+                    self._record(Change.BACKED_UP, member, -1, len(member.key))
             member.pending_host = None
             member.io_status = IO_IDLE
             member.io_ticket = 0
@@ -955,6 +1017,8 @@ class HiRadixTree:
             self._size_delta(member, len(member.key))
             self._refresh(member)
             self._refresh(member.parent)  # type: ignore[arg-type]
+            if self._changes is not None:
+                self._record(Change.LOADED, member, -1, len(member.key))
         target.io_owner = True
         self._lock(target, 1)
         return total

@@ -26,6 +26,25 @@ class IOStatus(enum.IntEnum):
     LOADING = 2  # host -> device load in flight (begin_load_back .. finish_load_back)
 
 
+class Change(enum.IntEnum):
+    """Kinds of the change records ``HiRadixTree.take_changes`` hands out while
+    ``track_changes`` is on: what the tree did to its nodes, for a caller that mirrors
+    per-node state of its own (SGLang's KV cache events). Each record is ``(kind, node,
+    other, tokens)``; ``other`` is -1 unless a kind says otherwise. The values are the
+    core's ``CHANGE_*`` constants.
+    """
+
+    INSERTED = 1  # insert made ``node``, on the device, of ``tokens`` tokens
+    HOST_INSERTED = 2  # insert_host made ``node``, host only
+    SPLIT = 3  # ``node`` (new) took the first ``tokens`` tokens of ``other``, now below it
+    REFILLED = 4  # insert gave the evicted ``node`` device slots again (recomputed KV)
+    LOADED = 5  # begin_load_back gave the evicted ``node`` device slots (chain parents first)
+    BACKED_UP = 6  # commit_backup made ``node`` backed up (group parents first)
+    DEMOTED = 7  # ``node`` lost its device copy and kept its host copy (evict, demote)
+    DELETED = 8  # ``node`` was deleted from the device, no host copy (evict, drop); stale now
+    HOST_DELETED = 9  # the host-only ``node`` was deleted (evict_host); stale now
+
+
 class LockError(RuntimeError):
     """A call that breaks the tree's locking or transfer protocol.
 

@@ -300,6 +300,66 @@ def assert_clean_teardown(tree: Any) -> None:
     assert list(tree.evictable_leaves()) == [] and list(tree.evictable_host_leaves()) == []
 
 
+# ----------------------------------------------------------------------- change log
+class ChangeMirror:
+    """A tree's nodes as its change log tells them: ``{handle: [key_len, on_device,
+    backed_up]}`` built from one snapshot and then only from ``take_changes`` records.
+
+    :meth:`apply` checks each record against the mirrored state (a node is deleted only
+    where it is, split only where it is long enough, ...) and :meth:`check` compares the
+    mirror with the tree, so a change the tree makes and does not report, or reports
+    wrongly, fails the test.
+    """
+
+    def __init__(self, tree: Any, extra_keys: Any = ()) -> None:
+        self.nodes = self.snapshot(tree, extra_keys)
+
+    @staticmethod
+    def snapshot(tree: Any, extra_keys: Any = ()) -> dict[int, list[Any]]:
+        return {
+            h: [tree.key_len(h), not tree.is_evicted(h), tree.is_backed_up(h)] for h in all_nodes(tree, extra_keys)
+        }
+
+    def apply(self, records: np.ndarray) -> None:
+        Change = _results.Change
+        assert records.dtype == np.int64 and records.ndim == 2 and records.shape[1] == 4, records
+        for kind, node, other, tokens in records.tolist():
+            state = self.nodes.get(node)
+            where = f"{Change(kind).name} of node {node}: mirrored {state}"
+            if kind in (Change.INSERTED, Change.HOST_INSERTED):
+                assert state is None and other == -1 and tokens > 0, where
+                self.nodes[node] = [tokens, kind == Change.INSERTED, kind == Change.HOST_INSERTED]
+                continue
+            if kind == Change.SPLIT:
+                old = self.nodes[other]
+                assert state is None and 0 < tokens < old[0], f"{where}, split of {other} {old}"
+                old[0] -= tokens
+                self.nodes[node] = [tokens, old[1], old[2]]
+                continue
+            assert state is not None and other == -1 and tokens == state[0], f"{where}, {tokens} tokens"
+            if kind in (Change.REFILLED, Change.LOADED):
+                assert not state[1] and state[2], where
+                state[1] = True
+            elif kind == Change.BACKED_UP:
+                assert state[1] and not state[2], where
+                state[2] = True
+            elif kind == Change.DEMOTED:
+                assert state[1] and state[2], where
+                state[1] = False
+            elif kind == Change.DELETED:
+                assert state[1] and not state[2], where
+                del self.nodes[node]
+            elif kind == Change.HOST_DELETED:
+                assert not state[1] and state[2], where
+                del self.nodes[node]
+            else:
+                raise AssertionError(f"unknown change kind {kind}")
+
+    def check(self, tree: Any, extra_keys: Any = ()) -> None:
+        actual = self.snapshot(tree, extra_keys)
+        assert self.nodes == actual, f"change log mirror\n mirror: {self.nodes}\n   tree: {actual}"
+
+
 # ----------------------------------------------------------------------- allocation
 class Allocator:
     """Hands out unique, increasing KV indices (never reused): enough for parity runs."""

@@ -8,6 +8,10 @@ transfer misuse, bad handles, out-of-range integers, wrong dtypes, shapes and le
 both trees must raise the exception type the table names, and any refused call made on
 a tree in a known state must leave both trees exactly in that state.
 
+Both trees log their changes (``track_changes``): after every step the two logs must be
+equal, and replaying them into a :class:`~support.ChangeMirror` must give the tree's
+nodes and tiers exactly; one rule runs an insert with the log off, which records nothing.
+
 The matrix page size (1, 4, 16) x eviction policy x write policy is one TestCase class
 per cell. Skipped, with the reason, when the core is not built or ``HIRADIX_PUREPYTHON``
 is set. ``HIRADIX_PARITY_MAX_EXAMPLES`` scales the run (default: fits CI's budget).
@@ -32,6 +36,7 @@ from support import (
     OPS,
     PUREPYTHON,
     Allocator,
+    ChangeMirror,
     CoarseClock,
     all_nodes,
     call_both,
@@ -202,6 +207,7 @@ class ParityMachine(RuleBasedStateMachine):
         if self.page_size == 4:
             kwargs["clock_factory"] = CoarseClock
         self.core, self.ref = make_pair(**kwargs)
+        self.core.track_changes = self.ref.track_changes = True
         self.dev = Allocator(0)
         self.host = Allocator(1 << 40)
         self.forget()
@@ -224,6 +230,7 @@ class ParityMachine(RuleBasedStateMachine):
         self.to_demote: list[int] = []
         self.used_ns: set[str] = set()
         self.known: Any = None  # the trees' state after the last step, while unchanged
+        self.mirror = ChangeMirror(self.ref)  # what the change logs say the tree is
 
     # -- helpers
     def both(self, name: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
@@ -325,6 +332,19 @@ class ParityMachine(RuleBasedStateMachine):
                         break
             else:
                 self.to_backup.extend(res.backup_nodes)
+
+    @rule(data=st.data(), ns=namespaces)
+    def insert_untracked(self, data: st.DataObject, ns: str | None) -> None:
+        """With the log off nothing is recorded (records not yet taken are dropped);
+        back on, the mirror starts again from the tree."""
+        key = data.draw(keys(self.page_size), label="key")
+        self.core.track_changes = self.ref.track_changes = False
+        self.both("insert", key, self.dev(len(key)), ns)
+        self.use_ns(ns)
+        for tree in (self.core, self.ref):
+            assert not tree.track_changes and tree.take_changes().shape == (0, 4)
+            tree.track_changes = True
+        self.mirror = ChangeMirror(self.ref, sorted(self.used_ns))
 
     @rule(data=st.data())
     def insert_host(self, data: st.DataObject) -> None:
@@ -474,6 +494,12 @@ class ParityMachine(RuleBasedStateMachine):
         core_state = self.state(self.core)
         if core_state != self.known:
             raise AssertionError(f"parity: tree state differs\n core: {core_state!r}\n  ref: {self.known!r}")
+        # the change logs: equal, and complete (the mirror they build is the tree)
+        changes = self.ref.take_changes()
+        core_changes = self.core.take_changes()
+        assert np.array_equal(core_changes, changes), f"change logs differ\n core: {core_changes}\n  ref: {changes}"
+        self.mirror.apply(changes)
+        self.mirror.check(self.ref, sorted(self.used_ns))
 
 
 # ----------------------------------------------------------------------------- misuses

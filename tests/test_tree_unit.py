@@ -11,10 +11,10 @@ import array
 
 import numpy as np
 import pytest
-from support import FakeClock, all_nodes, result_fields
+from support import ChangeMirror, FakeClock, all_nodes, result_fields
 
 from hiradix._reference import get_hash_str
-from hiradix._results import LockError
+from hiradix._results import Change, LockError
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -1260,3 +1260,110 @@ def test_a_deep_chain_of_splits_matches_token_by_token(tree_cls):
         tree.match_prefix(key[:cut] + [-1])
     assert tree.match_prefix(key).device_indices.tolist() == list(range(200))
     assert tree.num_nodes() > 20
+
+
+# ----------------------------------------------------------------------------- change log
+def changes(tree) -> list[tuple[str, int, int, int]]:
+    """The records since the last call, kinds by name."""
+    return [(Change(k).name, n, o, t) for k, n, o, t in tree.take_changes().tolist()]
+
+
+def test_change_log_is_off_by_default_and_records_nothing(tree_cls):
+    tree = tree_cls(1)
+    assert tree.track_changes is False
+    tree.insert([1, 2], idx(0, 2))
+    tree.evict(2)
+    out = tree.take_changes()
+    assert out.shape == (0, 4) and out.dtype == np.int64
+
+
+def test_insert_split_and_match_split_are_logged_with_their_lengths(tree_cls):
+    tree = tree_cls(2)
+    tree.track_changes = True
+    a = tree.insert(seq(0, 6), idx(0, 6)).last_node
+    assert changes(tree) == [("INSERTED", a, -1, 6)]
+    b = tree.insert(seq(0, 4) + [9, 9], idx(10, 6)).last_node
+    top = tree.parent(a)
+    assert changes(tree) == [("SPLIT", top, a, 4), ("INSERTED", b, -1, 2)]
+    tree.match_prefix(seq(0, 2))  # the match ends inside ``top``
+    assert changes(tree) == [("SPLIT", tree.parent(top), top, 2)]
+    assert changes(tree) == []  # taken: the log is empty
+
+
+def test_tier_moves_are_logged_parents_first(tree_cls):
+    tree = tree_cls(1)
+    tree.track_changes = True
+    res = tree.insert(seq(0, 4), idx(0, 4))
+    (a,) = res.backup_nodes
+    tree.begin_backup(a, idx(100, 4))
+    tree.match_prefix(seq(0, 2))  # split while the backup is in flight: both parts commit
+    top = tree.parent(a)
+    assert tree.commit_backup(a)
+    assert changes(tree)[-2:] == [("BACKED_UP", top, -1, 2), ("BACKED_UP", a, -1, 2)]
+    assert tree.evict(4).num_evicted == 4
+    assert changes(tree) == [("DEMOTED", a, -1, 2), ("DEMOTED", top, -1, 2)]
+    tree.begin_load_back(a, idx(50, 4))
+    assert changes(tree) == [("LOADED", top, -1, 2), ("LOADED", a, -1, 2)]
+    tree.finish_load_back(a)
+    tree.demote(a)
+    assert changes(tree) == [("DEMOTED", a, -1, 2)]
+    tree.insert(seq(0, 4), idx(60, 4))  # recomputed KV refills the evicted node
+    assert changes(tree) == [("REFILLED", a, -1, 2)]
+    tree.evict(4)
+    changes(tree)
+    assert tree.evict_host(4).num_evicted == 4
+    assert changes(tree) == [("HOST_DELETED", a, -1, 2), ("HOST_DELETED", top, -1, 2)]
+    assert not tree.is_alive(a)
+
+
+def test_failed_commit_logs_nothing(tree_cls):
+    tree = tree_cls(1)
+    tree.track_changes = True
+    a = tree.insert(seq(0, 3), idx(0, 3)).last_node
+    changes(tree)
+    tree.begin_backup(a, idx(100, 3))
+    assert not tree.commit_backup(a, ok=False)
+    assert changes(tree) == []
+
+
+def test_deletions_and_host_inserts_are_logged(tree_cls):
+    tree = tree_cls(1, write_policy="write_back")
+    tree.track_changes = True
+    a = tree.insert(seq(0, 3), idx(0, 3)).last_node
+    b = tree.insert_host(tree.root, seq(10, 2), idx(100, 2)).last_node
+    assert changes(tree) == [("INSERTED", a, -1, 3), ("HOST_INSERTED", b, -1, 2)]
+    res = tree.evict(3)
+    assert res.write_back_nodes == (a,) and changes(tree) == []  # nothing freed yet
+    tree.drop(a)
+    assert changes(tree) == [("DELETED", a, -1, 3)]
+
+
+def test_write_through_eviction_logs_a_deleted_leaf(tree_cls):
+    tree = tree_cls(1)
+    tree.track_changes = True
+    a = tree.insert(seq(0, 3), idx(0, 3)).last_node
+    changes(tree)
+    tree.evict(1)
+    assert changes(tree) == [("DELETED", a, -1, 3)]
+
+
+def test_turning_the_log_off_or_a_reset_drops_what_was_not_taken(tree_cls):
+    tree = tree_cls(1)
+    tree.track_changes = True
+    tree.insert(seq(0, 3), idx(0, 3))
+    tree.track_changes = False
+    tree.track_changes = True
+    assert changes(tree) == []
+    tree.insert(seq(5, 3), idx(5, 3))
+    tree.reset()
+    assert changes(tree) == []
+
+
+def test_a_long_change_log_grows_and_replays_to_the_tree(tree_cls):
+    tree = tree_cls(1)
+    tree.track_changes = True
+    mirror = ChangeMirror(tree)
+    for i in range(300):  # past any initial capacity of the log
+        tree.insert([i % 7, i], idx(2 * i, 2))
+    mirror.apply(tree.take_changes())
+    mirror.check(tree)

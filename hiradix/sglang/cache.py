@@ -13,7 +13,14 @@ runs on SGLang's own objects:
 - the layer-done counter has SGLang's contract, so the attention backends wait on it
   unchanged;
 - every count and allocation outcome is agreed over SGLang's TP / attention-CP / PP
-  groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`).
+  groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`);
+- with ``enable_kv_cache_events`` it emits SGLang's ``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared`` events with SGLang's block ids (:mod:`hiradix.sglang.events`);
+- with ``is_eagle`` keys are EAGLE bigrams, as SGLang's: bigram ``i`` of a key is
+  ``(t[i], t[i+1])``, so ``n + 1`` tokens make ``n`` bigrams and ``n`` device slots. The
+  tree stores bigram ``i`` as its second token ``t[i+1]`` in a namespace of the key's first
+  token: two keys share ``k`` bigrams exactly when they share ``t[0]`` and ``t[1..k]``, so
+  prefix lengths, splits, pages and device slots are SGLang's, on the tree's int32 tokens.
 
 L3 page format (``"l3_format"`` in ``--hicache-storage-backend-extra-config``):
 
@@ -71,6 +78,7 @@ from hiradix.controller import HiCacheController
 from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
+from hiradix.sglang.events import KVEventLog
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
 from hiradix.storage.base import StorageConfig
@@ -200,10 +208,6 @@ def check_supported(params: Any, server_args: Any) -> None:
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
 
-    if params.is_eagle:
-        refuse("EAGLE speculative decoding (bigram radix keys)", "use the built-in HiRadixCache for EAGLE models")
-    if params.enable_kv_cache_events:
-        refuse("--kv-events-config (KV cache events)", "hiradix does not emit BlockStored/BlockRemoved events yet")
     if getattr(params, "cache_ttl_seconds", None):
         refuse("cache TTL", "hiradix evicts by policy only")
     if getattr(params, "enable_session_radix_cache", False):
@@ -234,16 +238,20 @@ def _as_tokens(token_ids: Any) -> np.ndarray:
     return np.asarray(token_ids, dtype=np.int64)
 
 
-def _key_tokens(key: Any) -> np.ndarray:
+def _raw_tokens(key: Any) -> np.ndarray:
     """A ``RadixKey``'s tokens (its ``limit`` applied) as an int64 array, a view where it
-    can be: ``raw_token_ids()`` copies a capped key and costs a few calls per match.
-    Bigram (EAGLE) keys are refused at startup; one arriving anyway is an error, not a
-    silent mismatch."""
-    if key.is_bigram:
-        raise ValueError("bigram (EAGLE) keys are not supported by hiradix.sglang")
+    can be: ``raw_token_ids()`` copies a capped key and costs a few calls per match."""
     tokens = _as_tokens(key.token_ids)
     limit = key.limit
     return tokens if limit is None or limit >= len(tokens) else tokens[:limit]
+
+
+def _key_tokens(key: Any) -> np.ndarray:
+    """The tokens of a plain key (:func:`_raw_tokens`). A bigram key reaching a cache
+    built without ``is_eagle`` is an error, not a silent mismatch."""
+    if key.is_bigram:
+        raise ValueError("a bigram (EAGLE) key reached a cache built without is_eagle")
+    return _raw_tokens(key)
 
 
 class HiRadixCache(BasePrefixCache):
@@ -272,7 +280,7 @@ class HiRadixCache(BasePrefixCache):
         self.enable_kv_cache_events = params.enable_kv_cache_events
         self.disable_finished_insert = params.disable_finished_insert
         self.eviction_policy = str(params.eviction_policy).lower()
-        self.kv_event_queue: list[Any] = []
+        self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -332,10 +340,14 @@ class HiRadixCache(BasePrefixCache):
         self.root_node = TreeNode(self, self.root_handle)
         self._namespaces: dict[str, int] = {}  # namespace -> its root's handle
         self._ns_by_root: dict[int, str] = {}  # and back
+        # root handle -> (extra_key, cache_salt, first token of a bigram namespace)
+        self._ns_parts: dict[int, tuple[str | None, str | None, int | None]] = {}
         self.load_back_threshold = self.core.load_back_threshold
         self.enable_storage = False
         if backend is not None:
             self._attach(backend, extra, prefetch)
+        # KV events come from the tree's change log, which is on only with them.
+        self._events: KVEventLog | None = KVEventLog(self) if self.enable_kv_cache_events else None
         atexit.register(self.shutdown)
 
     def _l3_keys(
@@ -380,20 +392,39 @@ class HiRadixCache(BasePrefixCache):
         return node.id
 
     @staticmethod
-    def _namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+    def _namespace(extra_key: str | None, cache_salt: str | None, first: int | None = None) -> str | None:
         """The tree namespace of a request: SGLang keeps entries with different
-        ``extra_key`` or ``cache_salt`` disjoint, and so does this (one name for the pair)."""
+        ``extra_key`` or ``cache_salt`` disjoint, and so does this (one name for the pair).
+        Bigram keys add their first token (see the module docstring)."""
+        if first is not None:
+            return json.dumps([extra_key, cache_salt, first])
         if extra_key is None and cache_salt is None:
             return None
         return json.dumps([extra_key, cache_salt])
 
-    def _ns(self, extra_key: str | None, cache_salt: str | None) -> str | None:
-        ns = self._namespace(extra_key, cache_salt)
+    def _ns(self, extra_key: str | None, cache_salt: str | None, first: int | None = None) -> str | None:
+        ns = self._namespace(extra_key, cache_salt, first)
         if ns is not None and ns not in self._namespaces:
             root = int(self.tree.namespace_root(ns))
             self._namespaces[ns] = root
             self._ns_by_root[root] = ns
+            self._ns_parts[root] = (extra_key, cache_salt, first)
         return ns
+
+    def namespace_parts(self, root: int) -> tuple[str | None, str | None, int | None]:
+        """``(extra_key, cache_salt, first token)`` of the namespace whose root is
+        ``root`` (the first token only for bigram keys; all ``None`` for the global
+        root). ``O(1)``."""
+        return self._ns_parts.get(root, (None, None, None))
+
+    def _bigram_key(self, key: Any) -> tuple[str | None, np.ndarray, np.ndarray]:
+        """A key read as EAGLE bigrams: its tree namespace, the tree's tokens (bigram
+        ``i`` as ``t[i+1]``, not page aligned) and the raw tokens. A key of fewer than two
+        tokens has no bigram. ``O(1)`` (views) plus a namespace's creation."""
+        raw = _raw_tokens(key)
+        if len(raw) < 2:
+            return self._ns(key.extra_key, key.cache_salt), raw[:0], raw
+        return self._ns(key.extra_key, key.cache_salt, int(raw[0])), raw[1:], raw
 
     def namespace_roots(self) -> dict[str, int]:
         """``{namespace: root handle}`` of the namespaces in use. ``O(namespaces)``."""
@@ -407,11 +438,22 @@ class HiRadixCache(BasePrefixCache):
             root = parent
         return self._ns_by_root.get(root)
 
+    def _raw_key(self, handle: int) -> np.ndarray:
+        """A node's key tokens as SGLang holds them: with bigram keys, the token before
+        the node (its parent's last, or the namespace's first) comes first."""
+        tree = self.tree
+        key = tree.key(handle).astype(np.int64)
+        parent = tree.parent(handle)
+        if not self.is_eagle or parent == -1:
+            return key
+        prev = self.namespace_parts(parent)[2] if tree.parent(parent) == -1 else int(tree.key(parent)[-1])
+        return np.concatenate((np.array([prev], dtype=np.int64), key))
+
     def _radix_key(self, handle: int) -> Any:
         ns = self._namespace_of(handle)
-        extra_key, cache_salt = (None, None) if ns is None else json.loads(ns)
-        tokens = array("q", self.tree.key(handle).astype(np.int64).tobytes())
-        return RadixKey(tokens, extra_key, cache_salt=cache_salt)
+        extra_key, cache_salt = (None, None) if ns is None else json.loads(ns)[:2]
+        tokens = array("q", self._raw_key(handle).tobytes())
+        return RadixKey(tokens, extra_key, is_bigram=self.is_eagle and len(tokens) > 0, cache_salt=cache_salt)
 
     def is_root(self, node: Any) -> bool:
         return self.tree.parent(self._handle(node)) == -1
@@ -454,8 +496,11 @@ class HiRadixCache(BasePrefixCache):
         are the deepest backed-up matched node, from which ``init_load_back`` loads the
         host-only tail. ``O(len(key))``."""
         key = params.key
-        ns = self._ns(key.extra_key, key.cache_salt)
-        tokens = _key_tokens(key)
+        if self.is_eagle:
+            ns, tokens, _ = self._bigram_key(key)
+        else:
+            ns = self._ns(key.extra_key, key.cache_salt)
+            tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
@@ -477,21 +522,32 @@ class HiRadixCache(BasePrefixCache):
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write
         policy asks for start. Returns the length that was already cached (its slots are
-        the caller's to free). ``O(len(key))``."""
+        the caller's to free), in slots (bigrams with ``is_eagle``). ``O(len(key))``."""
         if self.disable:
             return InsertResult(prefix_len=0)
         key = params.key
-        ns = self._ns(key.extra_key, key.cache_salt)
-        tokens = _key_tokens(key)
+        if self.is_eagle:
+            ns, tokens, raw = self._bigram_key(key)
+        else:
+            ns = self._ns(key.extra_key, key.cache_salt)
+            tokens = raw = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
             return InsertResult(prefix_len=0)
         value = params.value
-        if value is None:  # SGLang's debug fallback: the tokens themselves as values
-            value = torch.as_tensor(tokens[:n], dtype=torch.int64)
+        if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
+            value = torch.as_tensor(raw[:n], dtype=torch.int64)
         prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
                                   chunked=params.chunked)
+        if self._events is not None:  # before anything can delete the new node
+            self._events.sync()
         return InsertResult(prefix_len=prefix, total_len=n)
+
+    def _aligned_len(self, n_tokens: int) -> int:
+        """Slots of a request's ``n_tokens`` tokens that the tree caches: whole pages of
+        tokens, or with ``is_eagle`` of the ``n_tokens - 1`` bigrams."""
+        slots = max(n_tokens - self._bigram, 0)
+        return slots // self.page_size * self.page_size
 
     def _free(self, indices: torch.Tensor) -> None:
         if len(indices):
@@ -511,9 +567,10 @@ class HiRadixCache(BasePrefixCache):
         if self.disable:
             self._free(kv[protected:])
             return
-        aligned = len(token_ids) // self.page_size * self.page_size
+        aligned = self._aligned_len(len(token_ids))
         if is_insert:
-            key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+            key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
+                           cache_salt=getattr(req, "cache_salt", None))
             values = kv[:aligned].to(dtype=torch.int64, copy=True)
             end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0)).prefix_len
         else:
@@ -531,8 +588,9 @@ class HiRadixCache(BasePrefixCache):
             return
         token_ids = req.get_fill_ids() if hasattr(req, "get_fill_ids") else req.fill_ids
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        aligned = len(token_ids) // self.page_size * self.page_size
-        key = RadixKey(token_ids[:aligned], req.extra_key, cache_salt=getattr(req, "cache_salt", None))
+        aligned = self._aligned_len(len(token_ids))
+        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
+                       cache_salt=getattr(req, "cache_salt", None))
         values = kv[:aligned].to(dtype=torch.int64, copy=True)
         result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
                                           priority=getattr(req, "priority", 0) or 0))
@@ -572,11 +630,15 @@ class HiRadixCache(BasePrefixCache):
             return EvictResult()
         start = time.perf_counter()
         freed = self.core.evict(int(params.num_tokens))
+        self._sync_events()
         self.update_eviction_metrics(freed, start)
         return EvictResult(num_tokens_evicted=freed)
 
     def evict_host(self, num_tokens: int) -> int:
-        return self.core.evict_host(num_tokens)
+        """Free at least ``num_tokens`` host-only tokens if possible. ``O(k log n)``."""
+        freed = self.core.evict_host(num_tokens)
+        self._sync_events()
+        return freed
 
     # ------------------------------------------------------------------ load back
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
@@ -585,6 +647,7 @@ class HiRadixCache(BasePrefixCache):
         is loaded: too short, over ``mem_quota`` or no room)."""
         handle = self._handle(params.best_match_node)
         loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
+        self._sync_events()
         return loaded.to(self.device), self._node(node)
 
     def ready_to_load_host_cache(self) -> int:
@@ -605,9 +668,11 @@ class HiRadixCache(BasePrefixCache):
 
     def writing_check(self, write_back: bool = False) -> None:
         self.core.writing_check(write_back=write_back)
+        self._sync_events()
 
     def check_hicache_events(self) -> None:
         self.core.check_hicache_events()
+        self._sync_events()
 
     # ------------------------------------------------------------------ storage (L3)
     def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig) -> None:
@@ -676,10 +741,31 @@ class HiRadixCache(BasePrefixCache):
         if not self.enable_storage:
             return False
         handle = self._handle(last_host_node)
-        return self.core.prefetch_from_storage(req_id, handle, _as_tokens(new_input_tokens), last_hash)
+        tokens = self._storage_tokens(handle, new_input_tokens)
+        if tokens is None:
+            return False
+        return self.core.prefetch_from_storage(req_id, handle, tokens, last_hash)
+
+    def _storage_tokens(self, mount: int, new_input_tokens: Sequence[int]) -> np.ndarray | None:
+        """The tree tokens of what follows ``mount``: the tokens themselves, or with
+        ``is_eagle`` the bigrams that start at the first of them (their second tokens),
+        whose first token must be the one the mount ends with (the scheduler passes the
+        tokens from the end of the match on). ``None`` where bigrams cannot continue the
+        mount: another first token, or no namespace to go to (the global root)."""
+        tokens = _as_tokens(new_input_tokens)
+        if not self.is_eagle:
+            return tokens
+        tree = self.tree
+        if mount == self.root_handle or not len(tokens):
+            return None
+        parent = tree.parent(mount)
+        boundary = self.namespace_parts(mount)[2] if parent == -1 else int(tree.key(mount)[-1])
+        return tokens[1:] if int(tokens[0]) == boundary else None
 
     def check_prefetch_progress(self, req_id: str) -> bool:
-        return self.core.check_prefetch_progress(req_id)
+        done = self.core.check_prefetch_progress(req_id)
+        self._sync_events()  # the pages that landed are new nodes
+        return done
 
     def pop_prefetch_loaded_tokens(self, req_id: str) -> int:
         return self.core.pop_prefetch_loaded_tokens(req_id)
@@ -702,7 +788,9 @@ class HiRadixCache(BasePrefixCache):
         l3 = self.core.l3
         assert l3 is not None
         handle = self._handle(last_host_node)
-        tokens = _as_tokens(new_input_tokens)
+        tokens = self._storage_tokens(handle, new_input_tokens)
+        if tokens is None:
+            return 0
         n = len(tokens) // self.page_size * self.page_size
         if n < l3.config.threshold_tokens or n == 0:
             return 0
@@ -716,13 +804,19 @@ class HiRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
-        """Empty the tree and both pools (the scheduler's flush): waits for copies first."""
+        """Empty the tree and both pools (the scheduler's flush): waits for copies first.
+        The events of what happened before stay queued; the copies acknowledged while
+        waiting make none (SGLang drops them unacknowledged), then ``AllBlocksCleared``."""
+        self._sync_events()
         self.core.reset()
         self.cache_controller.reset()
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)
         self._namespaces.clear()
         self._ns_by_root.clear()
+        self._ns_parts.clear()
+        if self._events is not None:
+            self._events.cleared()
 
     def shutdown(self) -> None:
         """Detach the storage backend at exit (best effort, as SGLang)."""
@@ -765,9 +859,25 @@ class HiRadixCache(BasePrefixCache):
             walk(root, 0)
         print(f"#tokens: {self.total_size()}")
 
+    # ------------------------------------------------------------------ KV events
+    def _sync_events(self) -> None:
+        if self._events is not None:
+            self._events.sync()
+
+    @property
+    def kv_event_queue(self) -> list[Any]:
+        """The KV events not yet taken (SGLang's attribute; empty without events)."""
+        if self._events is None:
+            return []
+        self._events.sync()
+        return self._events.queue
+
     def take_events(self) -> list[Any]:
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+        """The KV events since the last call, oldest first (``[]`` unless
+        ``enable_kv_cache_events``). ``O(events)``."""
+        if self._events is None:
+            return []
+        return self._events.take()
 
     def check_invariants(self, outstanding_device: int = 0) -> None:
         """The core's invariants and slot conservation on SGLang's allocator."""

@@ -11,6 +11,7 @@ Nothing here writes to the tree.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,13 +68,19 @@ class TreeNode:
     @property
     def children(self) -> dict[Any, TreeNode]:
         """``{child key: child view}``, keyed as SGLang keys children: the first token at
-        page size 1, the tuple of the first page's tokens otherwise. ``O(children)``."""
+        page size 1, the tuple of the first page's tokens otherwise (with bigram keys, the
+        first bigram, or the tuple of the first page's bigrams). ``O(children)``."""
         tree = self._tree
-        ps = self._cache.page_size
+        cache = self._cache
+        ps = cache.page_size
         out: dict[Any, TreeNode] = {}
         for c in tree.children(self.id):
-            first = tree.key(c)[:ps].tolist()
-            out[first[0] if ps == 1 else tuple(first)] = self._cache._node(c)
+            if cache.is_eagle:
+                raw = cache._raw_key(c)[: ps + 1].tolist()
+                first: list[Any] = list(pairwise(raw))
+            else:
+                first = tree.key(c)[:ps].tolist()
+            out[first[0] if ps == 1 else tuple(first)] = cache._node(c)
         if self.id == self._cache.root_handle:
             for name, handle in self._cache.namespace_roots().items():
                 out[("namespace", name)] = self._cache._node(handle)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hiradix.memory.pools import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape, PageOrder
+from hiradix.memory.pools import GB, HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape, PageOrder
 
 __all__ = ["device_pool_from_sglang", "host_pool_for"]
 
@@ -48,16 +48,24 @@ def host_pool_for(
     device_pool: DeviceKVPool, *, ratio: float, size_gb: float, layout: str, page_order: PageOrder = "hiradix"
 ) -> HostKVPool:
     """The host (L2) pool for ``device_pool`` as SGLang sizes it: ``--hicache-size`` GB when
-    it is above 0, else ``--hicache-ratio`` times the device pool, handing L3 pages in
-    ``page_order``. The pool must be larger than the device pool (SGLang's rule: the host
-    must hold everything the device does).
+    it is above 0, else ``--hicache-ratio`` times the device pool, in whole pages plus one
+    more (SGLang 0.5.18's ``page_num = size // page_size + 1``: with the same slots, host
+    evictions happen exactly when SGLang's do), handing L3 pages in ``page_order``. The pool
+    must be larger than the device pool (SGLang's rule: the host must hold everything the
+    device does).
     """
     if layout not in HOST_LAYOUTS:
         raise ValueError(f"--hicache-mem-layout {layout!r} is not supported by hiradix; use one of {HOST_LAYOUTS}")
     if size_gb and size_gb > 0:
-        pool = HostKVPool.for_device(device_pool, size_gb=size_gb, layout=layout, page_order=page_order)  # type: ignore[arg-type]
+        tokens = int(size_gb * GB) // device_pool.bytes_per_token
+    elif ratio > 0:
+        tokens = int(device_pool.size * ratio)
     else:
-        pool = HostKVPool.for_device(device_pool, ratio=ratio, layout=layout, page_order=page_order)  # type: ignore[arg-type]
+        raise ValueError(f"--hicache-ratio must be > 0, got {ratio}")
+    ps = device_pool.page_size
+    pool = HostKVPool(
+        device_pool.shape, (tokens // ps + 1) * ps, ps, device_pool.dtype, layout, page_order=page_order  # type: ignore[arg-type]
+    )
     if pool.size <= device_pool.size:
         raise ValueError(
             f"the host KV pool ({pool.size} tokens) must be larger than the device pool ({device_pool.size} tokens): "

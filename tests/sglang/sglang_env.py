@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import itertools
 import logging
 import os
+import tempfile
 import threading
+import time
+import types
 import warnings
 from array import array
 from collections import defaultdict
@@ -128,7 +132,8 @@ class Env:
 def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
           eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
-          tp_group: Any = None, impl: str = "hiradix", model: str | None = None) -> Env:
+          tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
+          kv_events: bool = False, eagle: bool = False) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
     hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
     SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
@@ -161,7 +166,8 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             hicache_storage_prefetch_policy=prefetch_policy,
         )
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group)
+                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
+                             enable_kv_cache_events=kv_events, is_eagle=eagle)
     worker = _Worker()
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
@@ -361,5 +367,106 @@ class SharedStorage(hss.MemoryStorage):
     @staticmethod
     def open_backend(config: StorageConfig) -> StorageBackend:
         return _shared_backend(config)
+
+
+# ---------------------------------------------------------------------------- parity with SGLang's own cache
+# SGLang's HiRadixCache beside hiradix.sglang's on MHA layer_first pools, io backend direct,
+# with a deterministic clock (tests/sglang/twin.py: KV events, EAGLE).
+def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool, storage: str | None,
+                    extra_config: str | None, eviction_policy: str, hicache_ratio: float,
+                    prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
+    size = size // page_size * page_size
+    if mla:
+        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
+                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    else:
+        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
+                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
+                                            kvcache=kv, need_sort=False)
+    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server_args = ServerArgs(
+            model_path="dummy", device="cpu", enable_hierarchical_cache=True, radix_cache_backend="hiradix",
+            page_size=page_size, hicache_mem_layout=layout, hicache_io_backend="direct",
+            hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
+            hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
+            hicache_storage_prefetch_policy=prefetch_policy,
+        )
+    return kv, alloc, req_to_token, server_args
+
+
+def _parity_transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any,
+                               page_size: int) -> None:
+    """sgl_kernel's CUDA-only per-layer copy, in torch on the CPU."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+
+
+class TickClock:
+    """A ``time`` module stand-in for SGLang's cache modules whose ``monotonic`` ticks by
+    one per call: node access times are then distinct and ordered by call, so SGLang's
+    LRU order (ties broken by set iteration otherwise) is deterministic."""
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count(1)
+
+    def monotonic(self) -> float:
+        return float(next(self._ticks))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: float = 2.0) -> None:
+    """What SGLang 0.5.18's own ``HiRadixCache`` needs to run on the CPU, as
+    ``bench/sglang_baselines.py`` does it: host pinning is a no-op, ``transfer_kv_direct`` is
+    torch, the host/device ratio comes from here (SGLang reads the server's published
+    runtime config), one-rank gloo for its TP group; plus no host-memory headroom check and
+    the :class:`TickClock`."""
+    import sglang.srt.mem_cache.hiradix_cache as hrc
+    import sglang.srt.mem_cache.pool_host.base as phb
+    import sglang.srt.mem_cache.pool_host.common as phc
+    import sglang.srt.mem_cache.pool_host.mha as phm
+    import sglang.srt.mem_cache.radix_cache as rc
+    import torch.distributed as dist
+
+    # The pools are a few KiB: SGLang's 10 GB host-memory headroom check would only make
+    # the tests depend on what else the machine is running.
+    monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
+    monkeypatch.setattr(phc, "_cuda_host_register", lambda buffer: None)
+    monkeypatch.setattr(phc, "_cuda_host_unregister", lambda buffer: None)
+    monkeypatch.setattr(phm, "transfer_kv_direct", _parity_transfer_kv_direct, raising=False)
+    monkeypatch.setattr(hrc, "get_memory", lambda: types.SimpleNamespace(hicache_ratio=hicache_ratio))
+    clock = TickClock()
+    monkeypatch.setattr(hrc, "time", clock)
+    monkeypatch.setattr(rc, "time", clock)
+    if not dist.is_initialized():
+        fd, path = tempfile.mkstemp(prefix="hiradix_sglang_pg_")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+
+
+def build_sglang(page_size: int = 1, *, size: int = 512, write_policy: str = "write_through",
+                 eviction_policy: str = "lru", hicache_ratio: float = 2.0, kv_events: bool = False,
+                 eagle: bool = False) -> Env:
+    """SGLang's own ``HiRadixCache`` on SGLang's CPU pools (MHA, ``layer_first``, io backend
+    ``direct``): the reference of the parity tests. Needs :func:`patch_sglang_for_parity`."""
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+    kv, alloc, req_to_token, server_args = _parity_pools_and_args(
+        page_size, size, "layer_first", write_policy, False, None, None, eviction_policy, hicache_ratio,
+        "best_effort")
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
+                             page_size=page_size, eviction_policy=eviction_policy,
+                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+    cache = HiRadixCache(params, server_args)
+    atexit.unregister(cache.shutdown)
+    return Env(cache, kv, alloc, req_to_token, _Worker(), page_size, False, "sglang")
 
 

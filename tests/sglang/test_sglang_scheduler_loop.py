@@ -181,20 +181,27 @@ class Loop:
 
 
 @pytest.mark.parametrize(
-    ("page_size", "layout", "write_policy", "mla", "seed"),
+    ("page_size", "layout", "write_policy", "mla", "seed", "eagle", "kv_events"),
     [
-        (1, "layer_first", "write_through", False, 1),
-        (4, "page_first", "write_through_selective", False, 2),
-        (4, "page_first_direct", "write_back", False, 3),
-        (2, "layer_first", "write_through", True, 4),
+        (1, "layer_first", "write_through", False, 1, False, False),
+        (4, "page_first", "write_through_selective", False, 2, False, False),
+        (4, "page_first_direct", "write_back", False, 3, False, True),
+        (2, "layer_first", "write_through", True, 4, False, False),
+        # EAGLE bigram keys: a reused prefix of n bigrams is the KV of the first n tokens
+        (1, "layer_first", "write_through", False, 5, True, True),
+        (4, "page_first", "write_back", False, 6, True, False),
     ],
 )
-def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed) -> None:
-    env = make_env(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla)
+def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events) -> None:
+    env = make_env(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla, eagle=eagle,
+                   kv_events=kv_events)
     loop = Loop(env, seed)
+    events = 0
     for _ in range(250):
         loop.step()
+        events += len(env.cache.take_events())  # the scheduler's per-step publish
     loop.drain()
     s = loop.stats
     assert s["finished"] > 20 and s["reused"] > 500 and s["verified"] >= s["reused"], s
     assert env.cache.protected_size() == 0
+    assert (events > 0) == kv_events
