@@ -330,9 +330,11 @@ class HiRadixCache(BasePrefixCache):
             tp_rank=self.storage_config.tp_rank,
             key_suffix=key_suffix,
             prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
-            # The scheduler calls check_hicache_events once per step: the backups a step's
-            # inserts ask for start there, as one submission.
-            batch_backups=True,
+            # Opt-in (HIRADIX_BATCH_BACKUPS=1): the backups a step's inserts ask for start
+            # at the step's check_hicache_events, as one submission. Off by default: until
+            # then those nodes count as evictable, where SGLang's write-through has them
+            # protected from the insert on, and the scheduler's memory checks read that.
+            batch_backups=os.environ.get("HIRADIX_BATCH_BACKUPS", "0") == "1",
         )
         self.tree = self.core.tree
         self.cache_controller = controller
