@@ -129,17 +129,8 @@ class Env:
         return out
 
 
-def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
-          mla: bool = False, storage: str | None = None, extra_config: str | None = None,
-          eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
-          tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
-          kv_events: bool = False, eagle: bool = False) -> Env:
-    """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
-    hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
-    SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
-    ``model`` is ``--served-model-name``, part of the L3 keys."""
-    if impl not in ("hiradix", "sglang"):
-        raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
+def _sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
+    """SGLang's CPU KV pool (MHA or MLA), its allocator and a ``ReqToTokenPool``."""
     size = size // page_size * page_size
     if mla:
         kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
@@ -153,6 +144,21 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
         alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
                                             kvcache=kv, need_sort=False)
     req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return kv, alloc, req_to_token
+
+
+def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
+          mla: bool = False, storage: str | None = None, extra_config: str | None = None,
+          eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
+          tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
+          kv_events: bool = False, eagle: bool = False) -> Env:
+    """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
+    hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
+    SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
+    ``model`` is ``--served-model-name``, part of the L3 keys."""
+    if impl not in ("hiradix", "sglang"):
+        raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
+    kv, alloc, req_to_token = _sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
@@ -372,22 +378,10 @@ class SharedStorage(hss.MemoryStorage):
 # ---------------------------------------------------------------------------- parity with SGLang's own cache
 # SGLang's HiRadixCache beside hiradix.sglang's on MHA layer_first pools, io backend direct,
 # with a deterministic clock (tests/sglang/twin.py: KV events, EAGLE).
-def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool, storage: str | None,
-                    extra_config: str | None, eviction_policy: str, hicache_ratio: float,
-                    prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
-    size = size // page_size * page_size
-    if mla:
-        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
-                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    else:
-        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
-                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    if page_size == 1:
-        alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
-                                            kvcache=kv, need_sort=False)
-    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool,
+                           storage: str | None, extra_config: str | None, eviction_policy: str, hicache_ratio: float,
+                           prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
+    kv, alloc, req_to_token = _sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
@@ -398,13 +392,6 @@ def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy:
             hicache_storage_prefetch_policy=prefetch_policy,
         )
     return kv, alloc, req_to_token, server_args
-
-
-def _parity_transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any,
-                               page_size: int) -> None:
-    """sgl_kernel's CUDA-only per-layer copy, in torch on the CPU."""
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
 
 
 class TickClock:
@@ -440,7 +427,7 @@ def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: floa
     monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
     monkeypatch.setattr(phc, "_cuda_host_register", lambda buffer: None)
     monkeypatch.setattr(phc, "_cuda_host_unregister", lambda buffer: None)
-    monkeypatch.setattr(phm, "transfer_kv_direct", _parity_transfer_kv_direct, raising=False)
+    monkeypatch.setattr(phm, "transfer_kv_direct", _transfer_kv_direct, raising=False)
     monkeypatch.setattr(hrc, "get_memory", lambda: types.SimpleNamespace(hicache_ratio=hicache_ratio))
     clock = TickClock()
     monkeypatch.setattr(hrc, "time", clock)
