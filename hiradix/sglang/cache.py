@@ -294,6 +294,14 @@ class HiRadixCache(BasePrefixCache):
             extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
         )
         self.l3_format = _l3_format(extra)
+        if self.l3_format == "sglang" and self.is_eagle:
+            # The tree keeps an EAGLE key's bigrams as their second tokens: token-only chains
+            # of those would name another request's pages in a shared L3 (a plain key of the
+            # same tokens without the first), so that pairing is refused, never served.
+            raise ValueError(
+                "--hicache-storage-backend-extra-config l3_format 'sglang' is not supported with EAGLE "
+                "(bigram keys); use the default l3_format 'hiradix'"
+            )
         device_pool = device_pool_from_sglang(self.kv_cache)
         host_pool = host_pool_for(
             device_pool,

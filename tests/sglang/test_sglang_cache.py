@@ -87,6 +87,8 @@ def test_device_buffers_are_sglangs_in_place(make_env, mla: bool) -> None:
         ({"storage": "nosuch"}, "hicache-storage-backend"),
         ({"storage": "memory", "extra_config": "{not json"}, "extra-config"),
         ({"storage": "memory", "extra_config": '{"prefetch_threshold": "many"}'}, "prefetch_threshold"),
+        # token-only L3 chains of an EAGLE tree's second tokens would name other requests' pages
+        ({"storage": "memory", "extra_config": '{"l3_format": "sglang"}', "eagle": True}, "l3_format 'sglang'"),
     ],
 )
 def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
