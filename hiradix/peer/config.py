@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WILDCARD_HOSTS", "ConfigError", "PeerConfig", "default_advertise_host", "parse_size"]
+__all__ = ["WILDCARD_HOSTS", "ConfigError", "PeerConfig", "default_advertise_host", "is_loopback", "parse_size"]
 
 GiB = 1 << 30
 _UNITS = {
@@ -92,7 +92,8 @@ def _is_ipv6(host: str) -> bool:
         return False
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback. ``O(1)``."""
     if host == "localhost":
         return True
     try:
@@ -310,7 +311,7 @@ class PeerConfig:
                 raise ConfigError(f"discovery_addr: expected 'host:port', got {self.discovery_addr!r}")
         if self.cluster_token is not None and (not isinstance(self.cluster_token, str) or not self.cluster_token):
             raise ConfigError("cluster_token: expected a non-empty string or null")
-        exposed = [h for h in (self.bind_host, self.metrics_host) if h is not None and not _is_loopback(h)]
+        exposed = [h for h in (self.bind_host, self.metrics_host) if h is not None and not is_loopback(h)]
         if exposed and self.cluster_token is None and not os.environ.get(TOKEN_ENV):
             raise ConfigError(
                 f"bind_host/metrics_host {exposed[0]!r} is not loopback and no cluster token is set: "

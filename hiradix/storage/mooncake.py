@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ipaddress
 import logging
 import os
 import socket
@@ -127,15 +126,6 @@ def _host_port(addr: str, what: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise StorageError(f"{what} must be 'host:port', got {addr!r}")
     return host.strip("[]"), int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Staging:
@@ -213,7 +203,7 @@ class MooncakeStorage(StorageBackend):
         force_remove: bool | None = None,
     ) -> None:
         super().__init__(config)
-        from hiradix.peer.config import ConfigError, default_advertise_host, parse_size
+        from hiradix.peer.config import ConfigError, default_advertise_host, is_loopback, parse_size
 
         c = self.config
         master = _option(c, master_server_addr, "master_server_addr", None)
@@ -241,7 +231,7 @@ class MooncakeStorage(StorageBackend):
             raise StorageError(f"protocol must be 'tcp' or 'rdma', got {proto!r}")
         hostname = _option(c, local_hostname, "local_hostname", None)
         if hostname is None:
-            hostname = "127.0.0.1" if _is_loopback(host) else default_advertise_host("0.0.0.0")
+            hostname = "127.0.0.1" if is_loopback(host) else default_advertise_host("0.0.0.0")
         why = mooncake_available()
         if why is not None:
             raise StorageError(f"the mooncake backend needs the Mooncake wheel ({why}); {MOONCAKE_INSTALL_HINT}")
@@ -283,14 +273,15 @@ class MooncakeStorage(StorageBackend):
 
     # ------------------------------------------------------------------ host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Attach the host pool; a page-first pool is registered with the Mooncake client
-        (the previous pool unregistered) so the v1 calls move its pages without a copy.
-        ``O(1)`` plus Mooncake's registration."""
+        """Attach the host pool; a pool whose pages are runs of it (page-first in
+        hiradix's byte order: :attr:`HostKVPool.pages_in_place`) is registered with the
+        Mooncake client (the previous pool unregistered) so the v1 calls move its pages
+        without a copy. ``O(1)`` plus Mooncake's registration."""
         super().register_mem_pool_host(mem_pool_host)
         if self._pool_region is not None:
             self.client.unregister_buffer(self._pool_region[0])
             self._pool_region = None
-        if mem_pool_host.layout != "layer_first":
+        if getattr(mem_pool_host, "pages_in_place", False):
             rows = mem_pool_host.pages_array()
             lo = int(rows.ctypes.data)
             rc = self.client.register_buffer(lo, int(rows.nbytes))
