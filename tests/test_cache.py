@@ -176,8 +176,8 @@ def test_batched_backups_start_at_the_step_parents_first() -> None:
         assert tree.host_size() == 0 and not cache.ongoing_write_through, "nothing started before the step"
         child, parent = cache._pending_backups[:2]
         assert tree.parent(child) == parent
-        cache.check_hicache_events()
-        assert not cache._pending_backups and len(cache.ongoing_write_through) == 3
+        cache.check_hicache_events()  # starts all three (it may also acknowledge copies already done)
+        assert not cache._pending_backups and cache.stats["backup_started_tokens"] == 48
         cache.flush()
         assert tree.host_size() == tree.device_size() == 48
         assert cache.evict(10**6) == 48
