@@ -595,16 +595,23 @@ class HiRadixCache:
         return [k + suffix for k in keys] if suffix else keys
 
     def attach_storage_backend(
-        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False
+        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False,
+        key_suffix: str | None = None,
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
         message)``; refuses while another backend is attached. ``inline`` runs the L3
-        operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`).
+        operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`);
+        ``key_suffix``, if given, replaces the storage-key suffix from this backend on
+        (one that appends its own, as SGLang's do, takes ``""``).
         ``O(1)`` plus starting the three L3 threads."""
         if self.l3 is not None:
             return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
         if not self.enable_hash:
             return False, "the tree was built with enable_hash=False: L3 keys are page hashes"
+        if key_suffix is not None:
+            if not isinstance(key_suffix, str):
+                raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
+            self.key_suffix = key_suffix
         kwargs: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}
         self.l3 = L3Controller(
             backend,

@@ -79,9 +79,10 @@ from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
 from hiradix.sglang.events import KVEventLog
+from hiradix.sglang.foreign import SGLangBackend, is_sglang_backend
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
-from hiradix.storage.base import StorageConfig
+from hiradix.storage.base import StorageBackend, StorageConfig
 from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
 
@@ -261,7 +262,8 @@ class HiRadixCache(BasePrefixCache):
     ``CacheInitParams`` and ``ServerArgs``. Reads the same options as SGLang 0.5.18:
     ``--hicache-ratio`` / ``--hicache-size``, ``--hicache-mem-layout``,
     ``--hicache-write-policy``, ``--hicache-io-backend``, ``--hicache-storage-backend``
-    (a hiradix backend: ``memory``, ``file``, ``peer`` or ``dynamic``) with
+    (hiradix's ``memory``, ``file``, ``peer``, ``mooncake``; SGLang's own by name or as
+    ``sglang:NAME``, see :mod:`hiradix.sglang.foreign`; or ``dynamic``) with
     ``--hicache-storage-backend-extra-config`` (JSON or ``@file``; ``prefetch_threshold``,
     ``prefetch_timeout_*``, ``hicache_storage_pass_prefix_keys``, and hiradix's
     ``l3_format``: the module docstring), ``--hicache-storage-prefetch-policy`` and
@@ -312,6 +314,8 @@ class HiRadixCache(BasePrefixCache):
         )
         self.token_to_kv_pool_host = host_pool
         self.storage_config, chain_seed, key_suffix = self._l3_keys(params, server_args, host_pool)
+        self._key_suffix = key_suffix  # what hiradix's own backends get appended to each key
+        self._cp = (int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "attn_cp_size", 1) or 1))
 
         agreement = SGLangAgreement(
             params.tp_cache_group, params.attn_cp_cache_group, params.attn_tp_cache_group,
@@ -686,12 +690,22 @@ class HiRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ storage (L3)
     def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig) -> None:
+        """Build ``backend`` (hiradix's, or SGLang's through :mod:`hiradix.sglang.foreign`)
+        and attach it. SGLang's backends append their own key suffix, so they get bare
+        page keys; hiradix's get :attr:`_key_suffix`."""
+        storage: StorageBackend
         try:
-            storage = create_backend(backend, self.storage_config, extra_config=extra,
-                                     mem_pool_host=self.token_to_kv_pool_host)
+            if is_sglang_backend(backend, extra):
+                storage = SGLangBackend.create(backend, self.storage_config, extra, self.token_to_kv_pool_host,
+                                               cp=self._cp)
+                suffix = ""
+            else:
+                storage = create_backend(backend, self.storage_config, extra_config=extra,
+                                         mem_pool_host=self.token_to_kv_pool_host)
+                suffix = self._key_suffix
         except StorageConfigError as e:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
-        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch)
+        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch, key_suffix=suffix)
         if not ok:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
         self.cache_controller.storage_backend_type = backend

@@ -29,6 +29,7 @@ __all__ = [
     "StorageConfigError",
     "backend_names",
     "create_backend",
+    "import_class",
     "load_backend_class",
     "parse_extra_config",
     "register_backend",
@@ -103,6 +104,16 @@ def parse_extra_config(source: str | os.PathLike[str] | Mapping[str, Any] | None
 def load_backend_class(module_path: str, class_name: str) -> type[StorageBackend]:
     """Import ``module_path`` and return its ``class_name``, which must be a
     :class:`StorageBackend` subclass. ``StorageConfigError`` on each way this can fail."""
+    cls = import_class(module_path, class_name)
+    if not isinstance(cls, type) or not issubclass(cls, StorageBackend):
+        raise StorageConfigError(f"{module_path}.{class_name} is not a subclass of hiradix.storage.StorageBackend")
+    return cls
+
+
+def import_class(module_path: str, class_name: str) -> Any:
+    """Import ``module_path`` and return its attribute ``class_name`` (any kind: the
+    caller checks it). ``StorageConfigError`` when either is not a non-empty string, the
+    import fails or the name is missing."""
     if not isinstance(module_path, str) or not module_path:
         raise StorageConfigError(f"dynamic backend needs a 'module_path' string, got {module_path!r}")
     if not isinstance(class_name, str) or not class_name:
@@ -114,8 +125,6 @@ def load_backend_class(module_path: str, class_name: str) -> type[StorageBackend
     cls = getattr(module, class_name, None)
     if cls is None:
         raise StorageConfigError(f"module {module_path!r} has no class {class_name!r}")
-    if not isinstance(cls, type) or not issubclass(cls, StorageBackend):
-        raise StorageConfigError(f"{module_path}.{class_name} is not a subclass of hiradix.storage.StorageBackend")
     return cls
 
 
