@@ -299,6 +299,7 @@ class HiRadixCache:
         self.namespace = namespace
         self.tp_rank = tp_rank
         self.key_suffix = key_suffix
+        self.pass_prefix_keys = False  # set per attached backend (attach_storage_backend)
         self.prefetch_agreement = prefetch_agreement
         self.l3: L3Controller | None = None
         self.ongoing_prefetch: dict[Any, OngoingPrefetch] = {}
@@ -596,14 +597,16 @@ class HiRadixCache:
 
     def attach_storage_backend(
         self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False,
-        key_suffix: str | None = None,
+        key_suffix: str | None = None, pass_prefix_keys: bool = False,
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
         message)``; refuses while another backend is attached. ``inline`` runs the L3
         operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`);
         ``key_suffix``, if given, replaces the storage-key suffix from this backend on
-        (one that appends its own, as SGLang's do, takes ``""``).
-        ``O(1)`` plus starting the three L3 threads."""
+        (one that appends its own, as SGLang's do, takes ``""``); ``pass_prefix_keys``
+        hands the backend, with each call, the keys of the pages before those of the
+        call (SGLang's ``hicache_storage_pass_prefix_keys``, for backends that place pages
+        by prefix). ``O(1)`` plus starting the three L3 threads."""
         if self.l3 is not None:
             return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
         if not self.enable_hash:
@@ -612,6 +615,7 @@ class HiRadixCache:
             if not isinstance(key_suffix, str):
                 raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
             self.key_suffix = key_suffix
+        self.pass_prefix_keys = bool(pass_prefix_keys)
         kwargs: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}
         self.l3 = L3Controller(
             backend,
@@ -651,6 +655,15 @@ class HiRadixCache:
         assert hashes, f"node {node} has no page hashes"
         return str(hashes[-1])
 
+    def prefix_hashes(self, node: int) -> list[str]:
+        """The page hashes from ``node``'s (namespace) root down to ``node`` inclusive,
+        in order: the prefix keys of what follows it. ``O(depth + pages)``."""
+        parts: list[list[str]] = []
+        while self.tree.parent(node) != -1:
+            parts.append(self.tree.hash_value(node) or [])
+            node = self.tree.parent(node)
+        return [h for part in reversed(parts) for h in part]
+
     def prefetch_from_storage(
         self,
         req_id: Any,
@@ -688,7 +701,8 @@ class HiRadixCache:
             return False
         prior = last_hash if last_hash is not None else self.prior_hash(last_host_node)
         self.tree.inc_host_ref(last_host_node)
-        op = l3.prefetch(req_id, host, tokens[:n], prior)
+        prefix = self.prefix_hashes(last_host_node) if self.pass_prefix_keys else None
+        op = l3.prefetch(req_id, host, tokens[:n], prior, prefix)
         self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)
         self.stats["prefetch_started_tokens"] += n
         return True
@@ -782,7 +796,8 @@ class HiRadixCache:
         if hashes is None or host is None:
             raise ValueError(f"write_backup_storage: node {node} has no host copy or no page hashes")
         self.tree.inc_host_ref(node)
-        self.ongoing_backup.append(self.l3.backup(node, hashes, torch.from_numpy(host)))
+        prefix = self.prefix_hashes(self.tree.parent(node)) if self.pass_prefix_keys else None
+        self.ongoing_backup.append(self.l3.backup(node, hashes, torch.from_numpy(host), prefix))
         self.stats["storage_backup_tokens"] += len(host)
 
     def check_backup_progress(self) -> None:

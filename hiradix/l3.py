@@ -54,7 +54,7 @@ import torch
 import hiradix
 from hiradix.distributed import LocalAgreement, RankAgreement
 from hiradix.memory.pools import HostKVPool
-from hiradix.storage.base import StorageBackend
+from hiradix.storage.base import StorageBackend, StorageExtraInfo
 
 __all__ = ["PREFETCH_POLICIES", "BackupOperation", "L3Controller", "PrefetchConfig", "PrefetchOperation"]
 
@@ -117,6 +117,7 @@ class PrefetchOperation:
     tokens: np.ndarray
     prior_hash: str | None
     start_time: float
+    prefix_keys: list[str] | None = None  # storage keys of the pages before ``tokens``, for the backend
     keys: list[str] = field(default_factory=list)
     hit_pages: int = 0
     completed_pages: int = 0
@@ -138,6 +139,7 @@ class BackupOperation:
     node: int
     keys: list[str]
     host_indices: torch.Tensor
+    prefix_keys: list[str] | None = None  # storage keys of the node's ancestors' pages
     done: threading.Event = field(default_factory=threading.Event)
     stored_pages: int = 0
 
@@ -256,16 +258,21 @@ class L3Controller:
 
     # ------------------------------------------------------------------ scheduler side
     def prefetch(
-        self, request_id: Any, host_indices: torch.Tensor, tokens: np.ndarray, prior_hash: str | None
+        self, request_id: Any, host_indices: torch.Tensor, tokens: np.ndarray, prior_hash: str | None,
+        prefix_hashes: Sequence[str] | None = None,
     ) -> PrefetchOperation:
         """Queue a prefetch of the page-aligned ``tokens`` into ``host_indices`` (one slot
         per token, allocated by the caller). ``prior_hash`` is the hash of the page before
-        ``tokens`` (or the namespace seed, or ``None``). ``O(1)``."""
+        ``tokens`` (or the namespace seed, or ``None``). ``prefix_hashes``, the page hashes
+        before ``tokens``, are handed to the backend as keys in each call's
+        :class:`~hiradix.storage.base.StorageExtraInfo` (SGLang's
+        ``hicache_storage_pass_prefix_keys``). ``O(1)`` plus ``O(prefix)``."""
         if self._stopped:
             raise RuntimeError("L3 controller is stopped")
         if len(tokens) % self.page_size or len(host_indices) != len(tokens):
             raise ValueError(f"prefetch of {len(tokens)} tokens into {len(host_indices)} slots (page {self.page_size})")
-        op = PrefetchOperation(request_id, host_indices, np.asarray(tokens), prior_hash, self.clock())
+        op = PrefetchOperation(request_id, host_indices, np.asarray(tokens), prior_hash, self.clock(),
+                               prefix_keys=self.prefix_keys_of(prefix_hashes))
         self._count(prefetch_ops=1)
         if self.inline:
             if self._query_and_decide(op):
@@ -294,16 +301,20 @@ class L3Controller:
             op.terminated = True
             return op.completed_pages
 
-    def backup(self, node: int, hashes: Sequence[str], host_indices: torch.Tensor) -> BackupOperation:
+    def backup(
+        self, node: int, hashes: Sequence[str], host_indices: torch.Tensor, prefix_hashes: Sequence[str] | None = None
+    ) -> BackupOperation:
         """Queue an L2 -> L3 write of a node's pages (``hashes``: its chained page
-        hashes, one per page of ``host_indices``). The caller protects the node's host
-        copy until :meth:`BackupOperation.done`. ``O(pages)``."""
+        hashes, one per page of ``host_indices``; ``prefix_hashes``: its ancestors', for
+        the backend, as in :meth:`prefetch`). The caller protects the node's host copy
+        until :meth:`BackupOperation.done`. ``O(pages + prefix)``."""
         if self._stopped:
             raise RuntimeError("L3 controller is stopped")
         if len(hashes) * self.page_size != len(host_indices):
             raise ValueError(f"{len(hashes)} page hashes for {len(host_indices)} host slots (page {self.page_size})")
         self._backup_ids += 1
-        op = BackupOperation(self._backup_ids, node, self.key_fn(hashes), host_indices)
+        op = BackupOperation(self._backup_ids, node, self.key_fn(hashes), host_indices,
+                             prefix_keys=self.prefix_keys_of(prefix_hashes))
         self._count(backup_ops=1)
         if self.inline:
             self._backup_one(op)
@@ -326,20 +337,36 @@ class L3Controller:
             t.join()
 
     # ------------------------------------------------------------------ threads
+    def prefix_keys_of(self, prefix_hashes: Sequence[str] | None) -> list[str] | None:
+        """The storage keys of the page hashes ``prefix_hashes`` (``None`` stays ``None``).
+        ``O(prefix)``."""
+        return None if prefix_hashes is None else self.key_fn(list(prefix_hashes))
+
+    @staticmethod
+    def _info(prefix: list[str] | None, keys: list[str], first: int) -> StorageExtraInfo | None:
+        """The extra info of a call on ``keys[first:...]``: the keys of every page before
+        it (SGLang grows its prefix batch by batch the same way). ``O(prefix)``."""
+        if prefix is None:
+            return None
+        return StorageExtraInfo(prefix_keys=(*prefix, *keys[:first]))
+
     def _page_starts(self, host_indices: torch.Tensor, first: int, n: int) -> torch.Tensor:
         ps = self.page_size
         return host_indices[first * ps : (first + n) * ps : ps]
 
-    def hit_pages(self, tokens: Any, prior_hash: str | None) -> tuple[list[str], int]:
+    def hit_pages(
+        self, tokens: Any, prior_hash: str | None, prefix_keys: list[str] | None = None
+    ) -> tuple[list[str], int]:
         """The L3 keys of the whole pages of ``tokens`` (chained from ``prior_hash``) and
-        how many leading ones L3 holds, asked ``batch_pages`` at a time. Rank-local, in the
-        caller's thread; a backend error propagates. ``O(pages)``."""
+        how many leading ones L3 holds, asked ``batch_pages`` at a time (``prefix_keys``:
+        the storage keys before them, passed on). Rank-local, in the caller's thread; a
+        backend error propagates. ``O(pages)``."""
         keys = self.key_fn(list(hiradix.page_hashes(tokens, self.page_size, prior_hash)))
         hits = 0
         step = self.config.batch_pages
         for start in range(0, len(keys), step):
             batch = keys[start : start + step]
-            got = self.backend.batch_exists(batch)  # errors inside are misses already
+            got = self.backend.batch_exists(batch, self._info(prefix_keys, keys, start))  # errors: misses already
             hits += got
             if got < len(batch):
                 break
@@ -347,7 +374,7 @@ class L3Controller:
 
     def _query(self, op: PrefetchOperation) -> int:
         """Hash the tokens and count the leading pages L3 holds."""
-        op.keys, hits = self.hit_pages(op.tokens, op.prior_hash)
+        op.keys, hits = self.hit_pages(op.tokens, op.prior_hash, op.prefix_keys)
         return hits
 
     def _query_and_decide(self, op: PrefetchOperation) -> bool:
@@ -415,7 +442,7 @@ class L3Controller:
             n = min(step, op.hit_pages - first)
             keys = op.keys[first : first + n]
             starts = self._page_starts(op.host_indices, first, n)
-            results = self._read(keys, starts)
+            results = self._read(keys, starts, self._info(op.prefix_keys, op.keys, first))
             good = 0
             for ok in results:
                 if not ok:
@@ -427,9 +454,9 @@ class L3Controller:
             if good < n:
                 return  # longest prefix: pages after a failed one are useless
 
-    def _read(self, keys: list[str], starts: torch.Tensor) -> list[bool]:
+    def _read(self, keys: list[str], starts: torch.Tensor, info: StorageExtraInfo | None) -> list[bool]:
         if self.use_v1:
-            return self.backend.batch_get_v1(keys, starts)
+            return self.backend.batch_get_v1(keys, starts, info)
         # generic backend: read into one [n, page_bytes] buffer, scatter the good pages at once
         pool = self.host_pool
         buf = torch.empty((len(keys), pool.page_bytes), dtype=torch.uint8)
@@ -451,7 +478,7 @@ class L3Controller:
         try:
             starts = self._page_starts(op.host_indices, 0, len(op.keys))
             if self.use_v1:
-                results = self.backend.batch_set_v1(op.keys, starts)
+                results = self.backend.batch_set_v1(op.keys, starts, self._info(op.prefix_keys, op.keys, 0))
                 stored = sum(results)
             else:
                 pages = torch.empty((len(op.keys), self.host_pool.page_bytes), dtype=torch.uint8)

@@ -377,3 +377,57 @@ def test_round_trip_through_a_generic_backend(layout: str) -> None:
         compute(cache, t)
         evict_l1_l2(cache)
         assert fetch(cache, t) == (128, 128)
+
+
+class RecordingStorage(MemoryStorage):
+    """Records what each lookup, v1 read and v1 write hands the backend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[str], Any]] = []
+
+    def batch_exists(self, keys: Any, extra_info: Any = None) -> int:
+        self.calls.append(("exists", list(keys), extra_info))
+        return super().batch_exists(keys, extra_info)
+
+    def batch_get_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> list[bool]:
+        self.calls.append(("get", list(keys), extra_info))
+        return super().batch_get_v1(keys, host_indices, extra_info)
+
+    def batch_set_v1(self, keys: Any, host_indices: Any, extra_info: Any = None) -> list[bool]:
+        self.calls.append(("set", list(keys), extra_info))
+        return super().batch_set_v1(keys, host_indices, extra_info)
+
+
+def test_prefix_keys_reach_the_backend_only_when_asked() -> None:
+    """SGLang's ``hicache_storage_pass_prefix_keys``: every call gets the storage keys of
+    all the pages before its own (a backup its node's ancestors', a batched lookup or
+    read the pages before its batch); without it, no extra info at all."""
+    rec = RecordingStorage()
+    t = np.arange(256)  # 16 pages of 16: a node of 4 pages, then one of 12 below it
+    with make(rec) as cache:
+        compute(cache, t[:64])
+        evict_l1_l2(cache)
+        assert rec.calls and all(info is None for _, _, info in rec.calls)
+        assert cache.detach_storage_backend()[0]
+        ok, msg = cache.attach_storage_backend(
+            rec, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4),
+            pass_prefix_keys=True,
+        )
+        assert ok, msg
+        rec.calls.clear()
+        compute(cache, t[:64])
+        compute(cache, t)
+        evict_l1_l2(cache)
+        sets = [(keys, info) for kind, keys, info in rec.calls if kind == "set"]
+        assert [len(keys) for keys, _ in sets] == [4, 12]
+        all_keys = sets[0][0] + sets[1][0]
+        assert sets[0][1].prefix_keys == () and sets[1][1].prefix_keys == tuple(sets[0][0])
+        rec.calls.clear()
+        assert fetch(cache, t) == (256, 256)
+        reads = [(kind, keys, info) for kind, keys, info in rec.calls if kind in ("exists", "get")]
+        assert sum(kind == "get" for kind, _, _ in reads) == 4  # batches of 4 pages
+        for kind, keys, info in reads:
+            first = all_keys.index(keys[0])
+            assert keys == all_keys[first : first + len(keys)]
+            assert info.prefix_keys == tuple(all_keys[:first]), f"{kind} at page {first}"

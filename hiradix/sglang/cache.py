@@ -705,7 +705,8 @@ class HiRadixCache(BasePrefixCache):
                 suffix = self._key_suffix
         except StorageConfigError as e:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
-        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch, key_suffix=suffix)
+        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch, key_suffix=suffix,
+                                                   pass_prefix_keys=self.hicache_storage_pass_prefix_keys)
         if not ok:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
         self.cache_controller.storage_backend_type = backend
@@ -761,7 +762,9 @@ class HiRadixCache(BasePrefixCache):
 
     def prefetch_from_storage(self, req_id: str, last_host_node: Any, new_input_tokens: Sequence[int],
                               last_hash: str | None = None, prefix_keys: list[str] | None = None) -> bool:
-        """Start fetching from L3 the pages that follow ``last_host_node``."""
+        """Start fetching from L3 the pages that follow ``last_host_node``. With
+        ``hicache_storage_pass_prefix_keys`` the backend gets the tree's own prefix keys
+        (``prefix_keys`` from the scheduler are the same hashes, recomputed)."""
         if not self.enable_storage:
             return False
         handle = self._handle(last_host_node)
@@ -820,7 +823,8 @@ class HiRadixCache(BasePrefixCache):
             return 0
         prior = last_hash if last_hash is not None else self.core.prior_hash(handle)
         try:
-            _, hit = l3.hit_pages(tokens[:n], prior)
+            prefix = l3.prefix_keys_of(self.core.prefix_hashes(handle)) if self.core.pass_prefix_keys else None
+            _, hit = l3.hit_pages(tokens[:n], prior, prefix)
         except Exception:  # a storage failure is a miss, never an error in the scheduler
             logger.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
             hit = 0

@@ -141,8 +141,4 @@ class TreeNode:
 
     def get_prefix_hash_values(self, node: TreeNode | None) -> list[str]:
         """Page hashes from the root down to ``node`` (inclusive), in root-to-node order."""
-        out: list[list[str]] = []
-        while node is not None and not self._cache.is_root(node):
-            out.append(list(node.hash_value or ()))
-            node = node.parent
-        return [h for hashes in reversed(out) for h in hashes]
+        return [] if node is None else self._cache.core.prefix_hashes(node.id)
