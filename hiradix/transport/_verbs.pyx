@@ -684,12 +684,12 @@ cdef class QueuePair:
                 done = idx + 1
             if got:
                 spins = 0
-                continue
-            spins += 1
-            if spins >= SPINS_BEFORE_YIELD:
-                spins = 0
-                sched_yield()
-            if _now() > deadline:
+            else:
+                spins += 1
+                if spins >= SPINS_BEFORE_YIELD:
+                    spins = 0
+                    sched_yield()
+            if (done < posted or posted < n and not stopped) and _now() > deadline:
                 if cause[0] == C_TIMEOUT or cause[0] != C_NONE and stopped:
                     break  # the flushes never came back: the caller resets or destroys the QP
                 # Move the QP to ERR so the NIC stops writing into our destinations, then

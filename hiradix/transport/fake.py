@@ -604,9 +604,9 @@ class FakeQp:
                 elif first_bad == n:
                     first_bad, cause, stopped = done, CAUSE_CHANNEL, True
                 done = idx + 1
-            if got:
-                continue
-            if clock() > deadline:
+            if not got:
+                os.sched_yield()  # a stalled fake HCA: give the core away while waiting
+            if (done < posted or (posted < n and not stopped)) and clock() > deadline:
                 if cause != CAUSE_NONE and stopped:
                     break
                 # Move to ERR so nothing lands after we return; the rest comes back flushed.
@@ -615,8 +615,6 @@ class FakeQp:
                 status[done:] = Status.TIMEOUT
                 first_bad, cause, stopped = min(first_bad, done), CAUSE_TIMEOUT, True
                 deadline = clock() + 2.0
-            else:
-                os.sched_yield()  # a stalled fake HCA: give the core away while waiting
         if cause != CAUSE_NONE:
             self.state = QPS_ERR
         return first_bad, cause
