@@ -9,6 +9,10 @@ Environment switches:
   is on the ``PATH`` (or in ``$CUDA_HOME/bin``), skip it quietly otherwise.
 - ``HIRADIX_CUDA_ARCHS``: the GPU architectures to compile for (default ``80;90;100``,
   plus PTX of the last for newer GPUs).
+- ``HIRADIX_VERBS=0``: do not build the libibverbs binding (``hiradix.transport._verbs``)
+  even where ``infiniband/verbs.h`` is found; ``HIRADIX_VERBS=1``: fail the build if the
+  header is missing. Unset: build it when the header is found (Debian: ``libibverbs-dev``),
+  skip it quietly otherwise; the RDMA transport then reports why it is unavailable.
 """
 
 import os
@@ -28,6 +32,27 @@ EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix.peer._hash", ["hiradix/peer/_hash.pyx"]),
     ("hiradix.transport._tcpio", ["hiradix/transport/_tcpio.pyx"]),
 ]
+
+
+# The libibverbs binding, built only where the verbs headers are installed.
+VERBS_EXTENSION = ("hiradix.transport._verbs", ["hiradix/transport/_verbs.pyx"])
+VERBS_HEADER = "infiniband/verbs.h"
+
+
+def _verbs_header() -> bool:
+    """Whether ``infiniband/verbs.h`` is on the compiler's usual include path."""
+    dirs = ["/usr/include", "/usr/local/include", *os.environ.get("CPATH", "").split(os.pathsep)]
+    return any(d and Path(d, VERBS_HEADER).exists() for d in dirs)
+
+
+def _want_verbs() -> bool:
+    wanted = os.environ.get("HIRADIX_VERBS", "")
+    if wanted == "0":
+        return False
+    found = _verbs_header()
+    if wanted and not found:
+        raise RuntimeError(f"HIRADIX_VERBS=1 but {VERBS_HEADER} was not found (apt-get install libibverbs-dev)")
+    return found
 
 
 def _flag(name: str) -> bool:
@@ -54,6 +79,7 @@ def extensions() -> list:
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     if debug:
         macros.append(("CYTHON_TRACE_NOGIL", "1"))
+    wanted = EXTENSIONS + ([VERBS_EXTENSION] if _want_verbs() else [])
     exts = [
         Extension(
             name,
@@ -61,8 +87,9 @@ def extensions() -> list:
             include_dirs=[numpy.get_include(), "hiradix", "hiradix/memory"],
             define_macros=macros,
             extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
+            libraries=["ibverbs"] if name == VERBS_EXTENSION[0] else [],
         )
-        for name, sources in EXTENSIONS
+        for name, sources in wanted
     ]
     return cythonize(exts, compiler_directives=directives, annotate=_flag("HIRADIX_ANNOTATE"))
 

@@ -59,6 +59,7 @@ __all__ = [
     "TransportError",
     "TransportStats",
     "buffer_span",
+    "check_remote",
     "parse_peer",
     "view_at",
 ]
@@ -275,6 +276,30 @@ def _pin(entries: list[_Entry], which: np.ndarray) -> Pins:
     return Pins(held)
 
 
+def check_remote(
+    rkeys: np.ndarray, bases: np.ndarray, lengths: np.ndarray, addr: np.ndarray, length: np.ndarray, rkey: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check a batch against a table of servable regions (``rkeys`` ascending ``uint32``,
+    their ``bases`` and ``lengths`` as ``uint64``, at least one): a ``uint8``
+    :class:`Status` per item and the table position each item's rkey maps to. Used by the
+    responder's table and by RDMA readers against a peer's published table.
+
+    Runtime complexity: ``O(k log n)`` for ``k`` items and ``n`` regions, vectorized.
+    """
+    j = np.minimum(np.searchsorted(rkeys, rkey), rkeys.size - 1)
+    found = rkeys[j] == rkey
+    base = bases[j]
+    size = lengths[j]
+    with np.errstate(over="ignore"):
+        inside = (addr >= base) & (length <= size) & (addr - base <= size - length)
+    status = np.where(
+        found,
+        np.where(length > MAX_ITEM_BYTES, Status.INVALID, np.where(inside, Status.OK, Status.OUT_OF_BOUNDS)),
+        Status.BAD_RKEY,
+    ).astype(np.uint8)
+    return status, j
+
+
 class RegionTable:
     """The regions one transport has registered: rkey lookup for the responder, address
     lookup for local destinations, and in-flight counts for ``deregister``.
@@ -291,8 +316,9 @@ class RegionTable:
         self._by_start: dict[int, _Entry] = {}
         self._index: _Index | None = None
 
-    def add(self, addr: int, view: memoryview, remote: bool = True) -> Region:
-        """Register ``view`` (which starts at ``addr``) under a fresh random 32-bit rkey.
+    def add(self, addr: int, view: memoryview, remote: bool = True, rkey: int | None = None) -> Region:
+        """Register ``view`` (which starts at ``addr``) under a fresh random 32-bit rkey, or
+        under ``rkey`` when given (a NIC's memory region key; ``ValueError`` if taken).
         ``remote=False`` makes it a local receive region: a destination for reads only,
         whose rkey (a handle for :meth:`remove`) the responder never serves.
 
@@ -307,9 +333,13 @@ class RegionTable:
                     raise ValueError("buffer overlaps a region that is already registered")
             if i < len(self._starts) and addr + n > self._starts[i]:
                 raise ValueError("buffer overlaps a region that is already registered")
-            rkey = 0
-            while rkey == 0 or rkey in self._by_rkey:
-                rkey = secrets.randbits(32)
+            if rkey is not None:
+                if not 0 <= rkey < 1 << 32 or rkey in self._by_rkey:
+                    raise ValueError(f"rkey {rkey!r} is out of range or already registered")
+            else:
+                rkey = 0
+                while rkey == 0 or rkey in self._by_rkey:
+                    rkey = secrets.randbits(32)
             entry = _Entry(Region(addr, rkey, n), view)
             entry.remote = remote
             self._by_rkey[rkey] = entry
@@ -370,17 +400,7 @@ class RegionTable:
             n = len(addr)
             if not ix.rkeys.size:
                 return np.full(n, Status.BAD_RKEY, dtype=np.uint8), Pins()
-            j = np.minimum(np.searchsorted(ix.rkeys, rkey), ix.rkeys.size - 1)
-            found = ix.rkeys[j] == rkey
-            base = ix.bases[j]
-            size = ix.lengths[j]
-            with np.errstate(over="ignore"):
-                inside = (addr >= base) & (length <= size) & (addr - base <= size - length)
-            status = np.where(
-                found,
-                np.where(length > MAX_ITEM_BYTES, Status.INVALID, np.where(inside, Status.OK, Status.OUT_OF_BOUNDS)),
-                Status.BAD_RKEY,
-            ).astype(np.uint8)
+            status, j = check_remote(ix.rkeys, ix.bases, ix.lengths, addr, length, rkey)
             return status, _pin(ix.by_rkey, j[status == Status.OK])
 
     def acquire_local(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, Pins]:
