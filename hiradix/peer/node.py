@@ -88,7 +88,7 @@ from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInf
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, PublishedPool
 from hiradix.peer.producer import Producer, size_class
-from hiradix.peer.reader import Reader
+from hiradix.peer.reader import Reader, _ReceiveRegion
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
 from hiradix.transport.auth import load_token
@@ -880,7 +880,7 @@ class PeerNode:
         return self.reader.stale_reads
 
     @property
-    def recv(self) -> Any:
+    def recv(self) -> _ReceiveRegion:
         """The receive region remote READs land in (lanes leased one per read)."""
         return self.reader.recv
 
@@ -966,7 +966,7 @@ class PeerNode:
             if disk is None
             else {"pages": len(disk), "used_bytes": disk.used_bytes, "capacity_bytes": disk.capacity_bytes},
             "directory_entries": len(self.shard),
-            "published": len(self.producer.published()),
+            "published": len(self.producer),
             "hit_rate": self.metrics.hit_rate(),
             "stale_reads": self.stale_reads,
             "background_errors": dict(self.background_errors),

@@ -166,6 +166,10 @@ class Producer:
         with self._lock:
             return dict(self._entries)
 
+    def __len__(self) -> int:
+        """Pages this node has published (resident or on disk). ``O(1)``."""
+        return len(self._entries)
+
     def entry(self, key: str) -> DirEntry | None:
         """The entry this node published for ``key``, if any. ``O(1)``."""
         with self._lock:
