@@ -1,5 +1,5 @@
 """Which transport a peer node runs: ``PeerConfig.transport``, the one factory
-(:func:`hiradix.transport.select.make_transport`), injection into ``PeerNode`` and the
+(:func:`hiradix.transport.factory.make_transport`), injection into ``PeerNode`` and the
 ``--transport`` flag of ``hiradix peer serve``."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-import hiradix.transport.select as select
+import hiradix.transport.factory as factory
 from hiradix.peer.cli import _config, build_parser, main
 from hiradix.peer.config import ConfigError, PeerConfig
 from hiradix.peer.node import PeerNode
 from hiradix.transport import FakeFabric, FakeTransport, TcpTransport, Transport, TransportError, TransportUnavailable
-from hiradix.transport.select import make_transport, rdma_unavailable
+from hiradix.transport.factory import make_transport, rdma_unavailable
 
 TOKEN = secrets.token_hex(16)
 NO_RDMA = rdma_unavailable()
@@ -33,7 +33,7 @@ def cfg(**kw: Any) -> PeerConfig:
 @pytest.fixture
 def no_rdma(monkeypatch: pytest.MonkeyPatch) -> str:
     why = "no RDMA device with an ACTIVE port (test)"
-    monkeypatch.setattr(select, "rdma_unavailable", lambda: why)
+    monkeypatch.setattr(factory, "rdma_unavailable", lambda: why)
     return why
 
 
@@ -158,14 +158,14 @@ def test_the_node_takes_a_transport_instance_or_a_factory() -> None:
     fabric = FakeFabric()
     made: list[str] = []
 
-    def factory(node_id: str) -> Transport:
+    def build(node_id: str) -> Transport:
         made.append(node_id)
         return FakeTransport(fabric, node_id)
 
     given = FakeTransport(fabric, "given")
     with (
         PeerNode(cfg(), transport=given, start=False) as a,
-        PeerNode(cfg(discovery_addr=a.address), transport=factory, start=False) as b,
+        PeerNode(cfg(discovery_addr=a.address), transport=build, start=False) as b,
     ):
         assert a.transport is given and a.data_address == "given"
         assert made == [b.node_id] and b.data_address == b.node_id

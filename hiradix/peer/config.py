@@ -62,7 +62,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # binds that listen on every interface
-#: The data-plane transports a node can run (see :func:`hiradix.transport.select.make_transport`).
+#: The data-plane transports a node can run (see :func:`hiradix.transport.factory.make_transport`).
 TRANSPORTS = ("auto", "tcp", "rdma", "fake")
 # Where route lookups aim: TEST-NET addresses (RFC 5737 / RFC 3849). Connecting a UDP socket
 # sends nothing; the kernel only picks the route and with it the source address.

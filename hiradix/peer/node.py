@@ -49,7 +49,7 @@ the RPC server and client are its own; the pages it publishes are a
 read path is a :class:`~hiradix.peer.reader.Reader`'s (local, promoted and remote pages,
 READ in place into a local receive region or staged through the receive region, verified).
 Both are described there. The transport is injected (``transport=``, an instance or a
-factory), else built by :func:`~hiradix.transport.select.make_transport` from
+factory), else built by :func:`~hiradix.transport.factory.make_transport` from
 ``config.transport``.
 
 :class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
@@ -93,8 +93,8 @@ from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
 from hiradix.transport.auth import load_token
 from hiradix.transport.base import MAX_ITEM_BYTES, Transport, with_host
+from hiradix.transport.factory import make_transport
 from hiradix.transport.fake import FakeFabric
-from hiradix.transport.select import make_transport
 
 __all__ = ["InProcessCluster", "PeerNode", "PortInUseError", "TransportFactory", "size_class"]
 
@@ -172,7 +172,7 @@ class PeerNode:
     transport:
         The data-plane transport, injected: a :class:`Transport` (the node owns it from
         then on and closes it) or a factory called with the node id. ``None``:
-        :func:`~hiradix.transport.select.make_transport` of ``config.transport``.
+        :func:`~hiradix.transport.factory.make_transport` of ``config.transport``.
     heartbeat_s, ttl_s:
         Heartbeat period of the background thread, and how long a silent member lives
         (default ``3 * heartbeat_s``). Remembered peers that are not members are probed

@@ -17,8 +17,8 @@ from hiradix.transport.base import (
     TransportError,
     TransportStats,
 )
+from hiradix.transport.factory import TransportUnavailable, make_transport
 from hiradix.transport.fake import FakeClock, FakeFabric, FakeTransport
-from hiradix.transport.select import TransportUnavailable, make_transport
 from hiradix.transport.tcp import TcpTransport
 
 __all__ = [
