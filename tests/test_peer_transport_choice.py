@@ -179,6 +179,16 @@ def test_the_node_takes_a_transport_instance_or_a_factory() -> None:
     assert given._closed  # the node owns what it was given
 
 
+def test_fabric_and_transport_together_or_a_bad_transport_are_refused() -> None:
+    fabric = FakeFabric()
+    given = FakeTransport(fabric, "x")
+    with pytest.raises(ValueError, match=r"fabric= .* or transport=, not both"):
+        PeerNode(cfg(), fabric=fabric, transport=given, start=False)
+    given.close()
+    with pytest.raises(TypeError, match="transport must be a Transport or a factory of one, got str"):
+        PeerNode(cfg(), transport="tcp", start=False)  # type: ignore[arg-type]
+
+
 def test_a_node_whose_transport_cannot_run_fails_to_start_cleanly(no_rdma: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

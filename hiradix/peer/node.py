@@ -168,7 +168,7 @@ class PeerNode:
         without it the first seed is the head).
     fabric:
         Put the node on this in-process fake NIC (``config.transport`` ``"auto"`` or
-        ``"fake"``); ignored when ``transport`` is given.
+        ``"fake"``); not with ``transport``.
     transport:
         The data-plane transport, injected: a :class:`Transport` (the node owns it from
         then on and closes it) or a factory called with the node id. ``None``:
@@ -215,6 +215,10 @@ class PeerNode:
         recv_lanes: int = 4,
     ) -> None:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
+        if transport is not None and fabric is not None:
+            raise ValueError("PeerNode takes fabric= (the fake NIC) or transport=, not both")
+        if transport is not None and not (isinstance(transport, Transport) or callable(transport)):
+            raise TypeError(f"transport must be a Transport or a factory of one, got {type(transport).__name__}")
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
         # How long a sync round waits for its calls to members (see _call_members): a
