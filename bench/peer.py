@@ -19,6 +19,7 @@ namespace of its own).
 
     python bench/peer.py                          # 16 KiB .. 1 MiB pages, 64 MiB per run
     python bench/peer.py --json out.json
+    python bench/peer.py --no-others --repeats 11   # hiradix against the raw socket only
 """
 
 from __future__ import annotations
@@ -199,11 +200,12 @@ def main() -> None:
     )
     ap.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", "/work/venvs/mooncake/bin/python"))
     ap.add_argument("--others-timeout", type=float, default=600.0)
+    ap.add_argument("--no-others", action="store_true", help="hiradix only (no PeerCache / Mooncake runs)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     print(f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, load {os.getloadavg()}")
     result = run(args)
-    result["others"] = others(args)
+    result["others"] = {} if args.no_others else others(args)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

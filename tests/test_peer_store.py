@@ -428,7 +428,7 @@ def _chunk(pages: list[bytes], keys: list[str], gens: list[int]) -> tuple[np.nda
 def test_verify_copy_accepts_good_and_rejects_stale_torn_and_foreign(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hiradix.peer.node as node_mod
+    import hiradix.peer.reader as node_mod
     from hiradix.peer.pool import key_digest
 
     if compiled:
@@ -462,7 +462,7 @@ def test_verify_copy_accepts_good_and_rejects_stale_torn_and_foreign(
 def test_verify_inplace_accepts_good_and_rejects_stale_torn_and_foreign(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hiradix.peer.node as node_mod
+    import hiradix.peer.reader as node_mod
     from hiradix.peer.pool import key_digest, pack_header
 
     if compiled:

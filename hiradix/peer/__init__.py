@@ -2,6 +2,9 @@
 
 - :mod:`~hiradix.peer.node`: :class:`~hiradix.peer.node.PeerNode`, one node with all of the
   below wired together, and :class:`~hiradix.peer.node.InProcessCluster` for tests;
+- :mod:`~hiradix.peer.producer`: the pages a node publishes (pools, evictions, disk tier,
+  promote); :mod:`~hiradix.peer.reader`: every read path (local, promoted, remote READ in
+  place or staged, verified);
 - :mod:`~hiradix.peer.store`: :class:`~hiradix.peer.store.PeerCacheStore`, the node as a
   storage backend (``"peer"``), loadable by SGLang;
 - :mod:`~hiradix.peer.pool`: the published pool, self-verifying slots peers READ;

@@ -63,6 +63,12 @@ def _add_serve(commands: Any) -> None:
     )
     p.add_argument("--rpc-port", type=int, help="control-plane port (0: any)")
     p.add_argument("--data-port", type=int, help="TCP data-plane port (0: any)")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "rdma"),
+        help="data plane: rdma (fails without an ACTIVE RDMA port), tcp, or auto: rdma where it can run, "
+        "else tcp (the default; the log says which and why)",
+    )
     p.add_argument("--discovery-addr", help="host:port of the head master (default: this node is the head)")
     p.add_argument(
         "--join", action="append", default=[], metavar="HOST:PORT", help="another master to join through (repeat)"
@@ -144,6 +150,7 @@ def _config(args: argparse.Namespace) -> Any:
         "join_timeout_s",
         "rpc_port",
         "data_port",
+        "transport",
         "discovery_addr",
         "pool_size",
         "page_size",

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WILDCARD_HOSTS", "ConfigError", "PeerConfig", "default_advertise_host", "is_loopback", "parse_size"]
+__all__ = [
+    "TRANSPORTS",
+    "WILDCARD_HOSTS",
+    "ConfigError",
+    "PeerConfig",
+    "default_advertise_host",
+    "is_loopback",
+    "parse_size",
+]
 
 GiB = 1 << 30
 _UNITS = {
@@ -54,6 +62,8 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # binds that listen on every interface
+#: The data-plane transports a node can run (see :func:`hiradix.transport.factory.make_transport`).
+TRANSPORTS = ("auto", "tcp", "rdma", "fake")
 # Where route lookups aim: TEST-NET addresses (RFC 5737 / RFC 3849). Connecting a UDP socket
 # sends nothing; the kernel only picks the route and with it the source address.
 _ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
@@ -180,6 +190,10 @@ class PeerConfig:
         Owners that hold each directory entry.
     max_channels_per_peer:
         Channel (QP + CQ, or socket) cap per remote peer.
+    transport:
+        The data plane: ``"tcp"``, ``"rdma"`` (libibverbs; fails to start without an ACTIVE
+        RDMA port), ``"fake"`` (the in-process fake NIC; tests) or ``"auto"``: RDMA where
+        an ACTIVE port exists, else TCP (one INFO line says why).
     pool_size:
         Bytes of the published pool region.
     page_size:
@@ -212,6 +226,7 @@ class PeerConfig:
     virtual_nodes: int = 160
     directory_replicas: int = 2
     max_channels_per_peer: int = 16
+    transport: str = "auto"
     pool_size: int = 1 * GiB
     page_size: int | None = None
     pool_policy: str = "lru"
@@ -292,6 +307,10 @@ class PeerConfig:
             )
         need_str("metrics_host", optional=True)
         need_str("disk_path")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(
+                f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {self.transport!r}"
+            )
         if self.pool_policy not in ("lru",):
             raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
         for name in (

@@ -5,7 +5,7 @@ A :class:`PeerNode` runs
 - an :class:`~hiradix.peer.rpc.RpcServer` serving its directory shard (``dir_*``), the
   embedded discovery service (``disc_*``), ``data_promote`` (bring disk-resident pages back
   into the pool and return their fresh locations) and ``node_status``;
-- a transport (TCP, or the fake NIC in-process) whose responder serves only the
+- a transport (TCP, RDMA, or the fake NIC in-process) whose responder serves only the
   published pools. The receive region and the caller's host KV pool (L2, through
   :meth:`PeerNode.register_receive`) are registered as local receive regions: reads land
   in them, no peer can read them;
@@ -43,19 +43,14 @@ Addresses. Listeners bind ``bind_host``; other nodes are told ``advertise_addr``
 the bound address, or for a wildcard bind the address of the default route's interface,
 :meth:`~hiradix.peer.config.PeerConfig.advertised_host`), which also names the node.
 
-Writes: :meth:`PeerNode.publish_many` copies each page into a pool slot (one memcpy) and
-PUTs ``(node, addr, rkey, length, generation)`` to the key's owners. Republishing a key
-never makes a reader miss: identical bytes are a touch; other bytes are written to a fresh
-slot, the directory entry is switched to it, and only then is the old slot freed (its bytes
-intact until reuse, so a reader that looked it up earlier still verifies or misses safely).
-Generations increase across all of a node's pools, so the directory's "newer wins" holds. Reads:
-:meth:`PeerNode.read_pages` looks the keys up (one RPC per owner). A destination inside
-a local receive region gets its slot as two READ items, the header into the receive
-region and the payload straight into the page, verified there (magic, key digest,
-generation, CRC; :func:`~hiradix.peer.pool.verify_parts`). Other destinations get the whole
-slot in the receive region, verified, then copied out. A read that fails in any way is a
-miss, never a hit with wrong bytes. Pages this node publishes itself are
-served by a local memcpy.
+The node is the wiring: membership, the directory (shard, view, hand-offs, re-publish) and
+the RPC server and client are its own; the pages it publishes are a
+:class:`~hiradix.peer.producer.Producer`'s (pools, evictions, disk tier, promote), and every
+read path is a :class:`~hiradix.peer.reader.Reader`'s (local, promoted and remote pages,
+READ in place into a local receive region or staged through the receive region, verified).
+Both are described there. The transport is injected (``transport=``, an instance or a
+factory), else built by :func:`~hiradix.transport.factory.make_transport` from
+``config.transport``.
 
 :class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
 the fake NIC) for tests, examples and the simulator.
@@ -64,29 +59,23 @@ the fake NIC) for tests, examples and the simulator.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
-import itertools
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from hiradix._native import load
 from hiradix.peer.config import WILDCARD_HOSTS, PeerConfig
 from hiradix.peer.directory import (
     DIR_METHODS,
     MISS,
-    NO_PRODUCER,
     ON_DISK,
     DirectoryShard,
     DirectoryView,
@@ -95,100 +84,27 @@ from hiradix.peer.directory import (
     put_items_from_wire,
 )
 from hiradix.peer.disk import DiskTier
-from hiradix.peer.keyhash import key_digests
 from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
-from hiradix.peer.pool import SLOT_HEADER_SIZE, EvictedPage, PublishedPool, verify_parts
+from hiradix.peer.pool import SLOT_HEADER_SIZE, PublishedPool
+from hiradix.peer.producer import Producer, size_class
+from hiradix.peer.reader import Reader, _ReceiveRegion
 from hiradix.peer.ring import HashRing
 from hiradix.peer.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
 from hiradix.transport.auth import load_token
-from hiradix.transport.base import MAX_ITEM_BYTES, Status, Transport, parse_peer, view_at
-from hiradix.transport.fake import FakeFabric, FakeTransport
-from hiradix.transport.tcp import TcpTransport
+from hiradix.transport.base import MAX_ITEM_BYTES, Transport, with_host
+from hiradix.transport.factory import make_transport
+from hiradix.transport.fake import FakeFabric
 
-__all__ = ["InProcessCluster", "PeerNode", "PortInUseError"]
+__all__ = ["InProcessCluster", "PeerNode", "PortInUseError", "TransportFactory", "size_class"]
 
 log = logging.getLogger(__name__)
 
-MIN_CLASS = 64
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 HANDOFF_BATCH = 50_000  # directory entries per dir_handoff answer (a frame stays far below 16 MiB)
-
-_verify: Any = load("hiradix.peer._verify")
-
-
-def _chunk_bounds(ends: list[int], half: int) -> list[int]:
-    """Cut slots with cumulative end offsets ``ends`` into runs of at most ``half`` bytes:
-    the start index of every run, then ``len(ends)``. Every slot fits ``half`` on its own.
-
-    >>> _chunk_bounds([10, 20, 30, 40, 45], 20)
-    [0, 2, 4, 5]
-    """
-    bounds = [0]
-    base = 0
-    for j, end in enumerate(ends):
-        if end - base > half:
-            bounds.append(j)
-            base = ends[j - 1]
-    bounds.append(len(ends))
-    return bounds
-
-
-def _verify_copy(
-    chunk: np.ndarray,
-    offs: np.ndarray,
-    lens: np.ndarray,
-    gens: np.ndarray,
-    digests: np.ndarray,
-    dsts: np.ndarray,
-    good: np.ndarray,
-    keys: list[str],
-) -> int:
-    """Verify every slot of a fetched chunk and copy the good payloads out; ``good`` is
-    updated in place, the count of stale slots returned. Compiled: one GIL-free call
-    (:func:`hiradix.peer._verify.verify_copy`); pure Python: :func:`verify_parts` per slot."""
-    if _verify is not None:
-        return int(_verify.verify_copy(chunk, offs, lens, gens, digests, dsts, good))
-    stale = 0
-    for j in range(len(offs)):
-        if not good[j]:
-            continue
-        o, n = int(offs[j]), int(lens[j])
-        head = chunk[o : o + SLOT_HEADER_SIZE]
-        body = chunk[o + SLOT_HEADER_SIZE : o + SLOT_HEADER_SIZE + n]
-        if verify_parts(head, body, keys[j], int(gens[j]), n):
-            ctypes.memmove(int(dsts[j]), body.ctypes.data, n)
-        else:
-            good[j] = 0
-            stale += 1
-    return stale
-
-
-def _verify_inplace(
-    heads: np.ndarray,
-    lens: np.ndarray,
-    gens: np.ndarray,
-    digests: np.ndarray,
-    dsts: np.ndarray,
-    good: np.ndarray,
-    keys: list[str],
-) -> int:
-    """Verify slots whose headers were READ into ``heads`` (64 bytes each, in order) and
-    whose payloads already lie at ``dsts``; ``good`` is updated in place, the count of
-    stale slots returned. Compiled: :func:`hiradix.peer._verify.verify_inplace`."""
-    if _verify is not None:
-        return int(_verify.verify_inplace(heads, lens, gens, digests, dsts, good))
-    stale = 0
-    for j in range(len(lens)):
-        if not good[j]:
-            continue
-        n = int(lens[j])
-        head = heads[j * SLOT_HEADER_SIZE : (j + 1) * SLOT_HEADER_SIZE]
-        if not verify_parts(head, view_at(int(dsts[j]), n), keys[j], int(gens[j]), n):
-            good[j] = 0
-            stale += 1
-    return stale
+#: Builds a node's transport from its node id (known only once its RPC listener is bound).
+TransportFactory = Callable[[str], Transport]
 
 
 class PortInUseError(OSError):
@@ -240,64 +156,6 @@ def _closed_on_failure(init: Callable[Concatenate[PeerNode, _P], None]) -> Calla
     return wrapper
 
 
-def _with_host(addr: str, host: str) -> str:
-    """``addr`` (``host:port``) with its host replaced: what peers are told to dial.
-
-    >>> _with_host("0.0.0.0:7000", "10.0.0.5"), _with_host("0.0.0.0:7000", "fe80::1")
-    ('10.0.0.5:7000', '[fe80::1]:7000')
-    """
-    _, port = parse_peer(addr)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def size_class(n: int, page_size: int | None) -> int:
-    """The slot payload size a page of ``n`` bytes goes to: the configured page size when
-    it fits, else the next power of two (at least 64).
-
-    >>> size_class(4096, None), size_class(5000, None), size_class(100, 4096)
-    (4096, 8192, 4096)
-    """
-    if page_size is not None and n <= page_size:
-        return page_size
-    return max(MIN_CLASS, 1 << (max(n, 1) - 1).bit_length())
-
-
-class _ReceiveRegion:
-    """The registered buffer remote READs land in, cut into lanes leased one per read.
-
-    Registered as a *local receive* region (``remote=False``): it is a destination for this
-    node's READs only, and a peer presenting its rkey gets ``BAD_RKEY``. Only the published
-    pools are remotely readable.
-    """
-
-    def __init__(self, transport: Transport, nbytes: int, lanes: int) -> None:
-        self.lane_bytes = max(nbytes // lanes, 1 << 16)
-        raw = np.empty(self.lane_bytes * lanes + 4096, dtype=np.uint8)
-        # Touch every page now: a first-touch page fault per 4 KiB in the middle of a READ
-        # costs more than the copy itself (measured: 0.3-0.6 GB/s on a cold lane).
-        raw.fill(0)
-        start = (-raw.ctypes.data) % 4096
-        self._raw = raw
-        self.buf = raw[start : start + self.lane_bytes * lanes]
-        self.region = transport.register(self.buf, remote=False)
-        self._cond = threading.Condition()
-        self._free = list(range(lanes - 1, -1, -1))  # a stack: the hottest lane is reused first
-
-    @contextlib.contextmanager
-    def lease(self, timeout: float) -> Any:
-        with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                raise queue.Empty  # no lane within the timeout: the caller misses
-            lane = self._free.pop()
-        try:
-            off = lane * self.lane_bytes
-            yield self.region.addr + off, memoryview(self.buf[off : off + self.lane_bytes])  # type: ignore[arg-type]
-        finally:
-            with self._cond:
-                self._free.append(lane)
-                self._cond.notify()
-
-
 class PeerNode:
     """One node of the peer cache (see the module docstring).
 
@@ -309,7 +167,12 @@ class PeerNode:
         Extra RPC addresses of masters to join through (besides ``config.discovery_addr``;
         without it the first seed is the head).
     fabric:
-        Use the in-process fake NIC on this fabric instead of TCP.
+        Put the node on this in-process fake NIC (``config.transport`` ``"auto"`` or
+        ``"fake"``); not with ``transport``.
+    transport:
+        The data-plane transport, injected: a :class:`Transport` (the node owns it from
+        then on and closes it) or a factory called with the node id. ``None``:
+        :func:`~hiradix.transport.factory.make_transport` of ``config.transport``.
     heartbeat_s, ttl_s:
         Heartbeat period of the background thread, and how long a silent member lives
         (default ``3 * heartbeat_s``). Remembered peers that are not members are probed
@@ -342,6 +205,7 @@ class PeerNode:
         *,
         seeds: Sequence[str] = (),
         fabric: FakeFabric | None = None,
+        transport: Transport | TransportFactory | None = None,
         heartbeat_s: float = 1.0,
         ttl_s: float | None = None,
         start: bool = True,
@@ -351,6 +215,10 @@ class PeerNode:
         recv_lanes: int = 4,
     ) -> None:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
+        if transport is not None and fabric is not None:
+            raise ValueError("PeerNode takes fabric= (the fake NIC) or transport=, not both")
+        if transport is not None and not (isinstance(transport, Transport) or callable(transport)):
+            raise TypeError(f"transport must be a Transport or a factory of one, got {type(transport).__name__}")
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
         # How long a sync round waits for its calls to members (see _call_members): a
@@ -369,7 +237,7 @@ class PeerNode:
             )
         self._undo.callback(self.rpc.close)
         #: This node's RPC address as other nodes dial it (what ``--join`` names).
-        self.address = _with_host(self.rpc.address, advertised)
+        self.address = with_host(self.rpc.address, advertised)
         self.node_id = cfg.node_id or self.address
         # Every method this node calls is safe to run twice: directory writes and deletes
         # carry (node, generation) and apply only if newer, membership calls re-register,
@@ -382,56 +250,20 @@ class PeerNode:
         )
         self._undo.callback(self.client.close)
         self.transport: Transport
-        if fabric is not None:
-            self.transport = FakeTransport(
-                fabric, self.node_id, max_channels_per_peer=cfg.max_channels_per_peer, timeout=cfg.read_timeout_s
-            )
+        if isinstance(transport, Transport):
+            self.transport = transport
         else:
+            build = transport or functools.partial(make_transport, cfg, fabric=fabric, token=self._token)
             with _binding("data", cfg.bind_host, cfg.data_port):
-                self.transport = TcpTransport(
-                    self._token,
-                    host=cfg.bind_host,
-                    port=cfg.data_port,
-                    max_channels_per_peer=cfg.max_channels_per_peer,
-                    timeout=cfg.read_timeout_s,
-                    handshake_timeout=cfg.connect_timeout_s,
-                    max_connections=cfg.max_connections,
-                    idle_timeout=cfg.idle_timeout_s,
-                )
+                self.transport = build(self.node_id)
         self._undo.callback(self.transport.close)
+        #: The data-plane address peers READ from (the fake NIC's is the node's name).
+        self.data_address = self.transport.advertised_address(advertised)
         self._lock = threading.Lock()
-        self._entries: dict[str, DirEntry] = {}  # what this node published, as it told the directory
-        self._pools: dict[int, PublishedPool] = {}
-        # One increasing generation source for every pool of this node (and empty pages),
-        # so the directory's "newer generation wins" holds across size classes.
-        self._generation_lock = threading.Lock()
-        self._generations = itertools.count(1)
         #: Failures of background work (heartbeat, probe and sync rounds, re-publishes,
         #: warm-ups, disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
         self.background_errors: dict[str, int] = {}
-        self._evicted: list[EvictedPage] = []
-        self._evict_lock = threading.Lock()
-        self.evictions = 0
-        self.stale_reads = 0  # remote slots fetched that failed verification
-        self.on_evictions: Callable[[int], None] | None = None
-        self.recv = _ReceiveRegion(self.transport, recv_bytes, recv_lanes)
-        #: Local receive regions (the caller's host KV pool): ``(start, end, handle)``.
-        #: Payloads are READ straight into them; they are never served to peers.
-        self._receive_spans: list[tuple[int, int, int]] = []
         self.metrics = PeerMetrics()
-        self.metrics.track("pool", lambda: (self.pool_used_bytes, self.config.pool_size, self.pool_pages))
-        self.disk: DiskTier | None = None
-        if cfg.disk_enabled:
-            disk = DiskTier(
-                cfg.disk_path,
-                cfg.disk_size,
-                queue_depth=cfg.disk_queue_depth,
-                on_evict=functools.partial(self._guard, "disk_evict", self._on_disk_evict),
-            )
-            self._undo.callback(disk.close)
-            if disk.enabled:
-                self.disk = disk
-                self.metrics.track("disk", lambda: (disk.used_bytes, disk.capacity_bytes, len(disk)))
         self.metrics_server: MetricsServer | None = None
         if cfg.metrics_enabled:
             self.metrics_server = MetricsServer(
@@ -440,17 +272,13 @@ class PeerNode:
             with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
                 self.metrics_server.start()
             self._undo.callback(self.metrics_server.stop)
-        #: The data-plane address peers READ from (the fake NIC's is the node's name).
-        self.data_address = (
-            self.transport.address if fabric is not None else _with_host(self.transport.address, advertised)
-        )
         self.metrics_url: str | None = None
         if self.metrics_server is not None:
             # Its own bind address unless that is the nodes' one or a wildcard.
             mhost = cfg.metrics_host
             if mhost is None or mhost in WILDCARD_HOSTS:
                 mhost = advertised
-            self.metrics_url = "http://" + _with_host(f"{mhost}:{self.metrics_server.port}", mhost)
+            self.metrics_url = "http://" + with_host(f"{mhost}:{self.metrics_server.port}", mhost)
         me = NodeInfo(self.node_id, self.address, self.data_address, self.metrics_url, self.incarnation)
         seeds = [s for s in seeds if s != self.address]
         head = cfg.discovery_addr or (seeds[0] if seeds else self.address)
@@ -475,6 +303,24 @@ class PeerNode:
             local_shard=self.shard,
             begin=self._dir_begin,
         )
+        #: This node's published pages (pools, evictions, disk tier, promote).
+        self.producer = Producer(
+            self.node_id, self.incarnation, cfg, self.transport, self.directory, self.metrics, self._guard
+        )
+        self._undo.callback(self.producer.close)
+        #: Every read path (local, promoted, remote in place or staged).
+        self.reader = Reader(
+            self.node_id,
+            cfg,
+            self.transport,
+            self.directory,
+            self.membership,
+            self.client,
+            self.producer,
+            self.metrics,
+            recv_bytes,
+            recv_lanes,
+        )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._undo.callback(self._bg.shutdown, wait=False, cancel_futures=True)
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
@@ -482,7 +328,7 @@ class PeerNode:
             self.rpc.register(m, self._dir_handler(m))
         for m in DISC_METHODS:
             self.rpc.register(m, self._disc_handler(m))
-        self.rpc.register("data_promote", self._handle_promote)
+        self.rpc.register("data_promote", self.producer.handle_promote)
         self.rpc.register("dir_handoff", self._handle_handoff)
         self.rpc.register("node_status", self.status)
         self._stop = threading.Event()
@@ -822,8 +668,7 @@ class PeerNode:
             raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
         if not all(isinstance(m, str) and m for m in members) or not (after is None or isinstance(after, str)):
             raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
-        with self._lock:
-            entries = dict(self._entries)
+        entries = self.producer.published()
         keys = sorted(k for k in entries if after is None or k > after)
         if not keys:
             return [[], False]
@@ -883,8 +728,7 @@ class PeerNode:
             # every key it owns, so the plan re-sends it all of them.
             self.shard.retire(n, new[n].incarnation)
             old_ring.remove_node(n)
-        with self._lock:
-            entries = dict(self._entries)
+        entries = self.producer.published()
         done = self.directory.republish(
             entries, old_ring, new_ring, call_owners=lambda put, owners: self._answered("republish", put, owners)
         )
@@ -906,28 +750,28 @@ class PeerNode:
                 # (A new or restarted member has none: one empty answer.)
                 self._background("handoff", self._pull_from, nid)
 
-    # ------------------------------------------------------------------ pools
+    # ------------------------------------------------------------------ published pages
     def _pool_for(self, n: int) -> PublishedPool:
-        c = size_class(n, self.config.page_size)
-        with self._lock:
-            pool = self._pools.get(c)
-            if pool is None:
-                pool = PublishedPool(
-                    self.config.pool_size,
-                    c,
-                    registrar=self.transport,
-                    on_evict=self._on_pool_evict,
-                    generations=self._next_generation,
-                )
-                self._pools[c] = pool
-            return pool
+        return self.producer.pool_for(n)
 
-    def _next_generation(self) -> int:
-        with self._generation_lock:
-            return next(self._generations)
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier under the published pools (``None`` when off or unusable)."""
+        return self.producer.disk
 
-    def _pool_holding(self, entry: DirEntry) -> PublishedPool | None:
-        return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
+    @property
+    def evictions(self) -> int:
+        """Pages evicted from the published pools so far."""
+        return self.producer.evictions
+
+    @property
+    def on_evictions(self) -> Callable[[int], None] | None:
+        """Called with the count of pages each write evicted from the pools."""
+        return self.producer.on_evictions
+
+    @on_evictions.setter
+    def on_evictions(self, fn: Callable[[int], None] | None) -> None:
+        self.producer.on_evictions = fn
 
     @property
     def max_page_bytes(self) -> int:
@@ -937,194 +781,39 @@ class PeerNode:
     @property
     def pool_used_bytes(self) -> int:
         """Payload bytes held by the published pools."""
-        return sum(p.used_bytes for p in list(self._pools.values()))
+        return self.producer.used_bytes
 
     @property
     def pool_pages(self) -> int:
         """Pages held by the published pools."""
-        return sum(len(p) for p in list(self._pools.values()))
+        return self.producer.pages
 
     def published(self) -> dict[str, DirEntry]:
-        """A copy of every entry this node has published (resident or on disk)."""
-        with self._lock:
-            return dict(self._entries)
-
-    def _on_pool_evict(self, page: EvictedPage) -> None:
-        with self._evict_lock:
-            self._evicted.append(page)
-
-    def _drain_evictions(self) -> None:
-        with self._evict_lock:
-            pages, self._evicted = self._evicted, []
-        if not pages:
-            return
-        gone: list[tuple[str, str | None, int | None]] = []
-        to_disk: list[tuple[str, int]] = []
-        with self._lock:
-            for p in pages:
-                cur = self._entries.get(p.key)
-                if cur is None or cur.generation != p.generation:
-                    continue  # already replaced or deleted
-                if self.disk is not None and self.disk.exists(p.key):
-                    self._entries[p.key] = replace(cur, resident=False)
-                    to_disk.append((p.key, p.generation))
-                else:
-                    del self._entries[p.key]
-                    gone.append((p.key, self.node_id, p.generation))
-            self.evictions += len(pages)
-        self.metrics.record_eviction("pool", len(pages))
-        if self.on_evictions is not None:
-            self.on_evictions(len(pages))
-        if gone:
-            self.directory.batch_delete(gone)
-        for key, gen in to_disk:
-            self.directory.set_resident(key, False, self.node_id, gen)
-
-    def _on_disk_evict(self, key: str) -> None:
-        self.metrics.record_eviction("disk")
-        with self._lock:
-            cur = self._entries.get(key)
-            if cur is None or cur.resident:
-                return  # still in the pool: the entry stays
-            del self._entries[key]
-        self.directory.delete(key, self.node_id, cur.generation)
-
-    # ------------------------------------------------------------------ writes
-    def _store_local(self, key: str, data: Any, after: list[Callable[[], None]] | None = None) -> DirEntry | None:
-        """Copy one page into a pool slot, replacing an older page of ``key``.
-
-        The older page stays readable until the new one is written *and* the directory
-        names it: freeing its slot is appended to ``after``, which the caller runs once the
-        directory entry has switched (``None``: run at once, for callers that do not PUT).
-        Identical bytes are only a touch (same slot, same generation).
-        """
-        n = memoryview(data).nbytes
-        with self._lock:
-            old = self._entries.get(key)
-        cleanup: list[Callable[[], None]] = []
-        try:
-            entry = self._write_page(key, data, n, old, cleanup)
-        finally:
-            if after is None:
-                for fn in cleanup:
-                    fn()
-            else:
-                after.extend(cleanup)
-        return entry
-
-    def _write_page(
-        self, key: str, data: Any, n: int, old: DirEntry | None, cleanup: list[Callable[[], None]]
-    ) -> DirEntry | None:
-        old_pool = self._pool_holding(old) if old is not None else None
-        if n == 0:
-            entry = DirEntry(self.node_id, 0, 0, 0, self._next_generation(), incarnation=self.incarnation)
-            pool = None
-        else:
-            try:
-                pool = self._pool_for(n)
-            except ValueError:
-                return None  # larger than the pool can ever hold
-            loc = pool.set(key, data, hold_replaced=True)
-            if loc is None:
-                return None
-            if loc.replaced is not None:
-                cleanup.append(functools.partial(pool.release, loc.replaced))
-            entry = DirEntry(self.node_id, loc.addr, loc.rkey, loc.length, loc.generation, incarnation=self.incarnation)
-        if old_pool is not None and old_pool is not pool:
-            # The old page lives in another size class: unpublish it after the switch.
-            cleanup.append(functools.partial(self._drop_older, old_pool, key, entry.generation))
-        with self._lock:
-            cur = self._entries.get(key)
-            if cur is None or cur.generation <= entry.generation:  # a concurrent newer write wins
-                self._entries[key] = entry
-        if self.disk is not None and n:
-            self.disk.write_async(key, data)
-        return entry
-
-    @staticmethod
-    def _drop_older(pool: PublishedPool, key: str, generation: int) -> None:
-        loc = pool.location(key, touch=False)
-        if loc is not None and loc.generation < generation:
-            pool.delete(key)
+        """A copy of every entry this node has published (resident or on disk).
+        Runtime complexity: ``O(pages)``."""
+        return self.producer.published()
 
     def publish_many(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        """Store each page in the published pool and PUT its location to the key's owners.
+        """Store each page in the published pool and PUT its location to the key's owners
+        (:meth:`Producer.publish_many <hiradix.peer.producer.Producer.publish_many>`).
 
         A page counts as stored when it is in the pool and at least one owner took its
         entry. Runtime complexity: ``O(total bytes)`` plus one RPC per owner.
         """
-        t0 = time.perf_counter()
-        stored: list[tuple[int, str, DirEntry]] = []
-        ok = [False] * len(keys)
-        after: list[Callable[[], None]] = []  # frees replaced slots once the directory switched
-        try:
-            for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
-                entry = self._store_local(key, page, after)
-                if entry is not None:
-                    stored.append((i, key, entry))
-            if stored:
-                acks = self.directory.batch_put([(k, e) for _, k, e in stored])
-                for (i, _, _), a in zip(stored, acks, strict=True):
-                    ok[i] = a > 0
-        finally:
-            for fn in after:
-                fn()
-        self._drain_evictions()
-        nbytes = sum(e.length for _, _, e in stored)
-        self.metrics.record_write(len(stored), nbytes, time.perf_counter() - t0)
-        return ok
+        return self.producer.publish_many(keys, pages)
 
     def delete_all(self) -> int:
-        """Unpublish every page of this node (pools, disk and directory). Returns the count."""
-        with self._lock:
-            entries, self._entries = self._entries, {}
-            pools = list(self._pools.values())
-        for key in entries:
-            for pool in pools:
-                pool.delete(key)
-            if self.disk is not None:
-                self.disk.delete(key)
-        self.directory.batch_delete([(k, self.node_id, e.generation) for k, e in entries.items()])
-        return len(entries)
-
-    # ------------------------------------------------------------------ promote
-    def _promote_local(self, key: str) -> DirEntry | None:
-        if self.disk is None:
-            return None
-        after: list[Callable[[], None]] = []
-        try:
-            entry = self.disk.promote(key, lambda k, d: self._store_local(k, d, after))
-            if entry is None:
-                return None
-            self.metrics.record_promote()
-            self.directory.put(key, entry)
-        finally:
-            for fn in after:
-                fn()
-        self._drain_evictions()
-        return entry
-
-    def _handle_promote(self, keys: list[Any]) -> list[Any]:
-        out: list[Any] = []
-        for key in keys:
-            if not isinstance(key, str):
-                raise ValueError("data_promote takes a list of keys")
-            with self._lock:
-                cur = self._entries.get(key)
-            if cur is not None and cur.resident:
-                out.append(cur.to_wire())
-                continue
-            e = self._promote_local(key)
-            out.append(None if e is None else e.to_wire())
-        return out
+        """Unpublish every page of this node (pools, disk and directory). Returns the count.
+        Runtime complexity: ``O(pages)`` plus one RPC per owner."""
+        return self.producer.delete_all()
 
     def _warm(self, entries: list[tuple[str, DirEntry]]) -> None:
-        """Best-effort promotes of disk-resident pages an ``exists`` just reported."""
+        """Best-effort promotes of disk-resident pages an ``exists`` just reported: this
+        node's own from its disk tier, the others' by a ``data_promote`` to their producer."""
         by_node: dict[str, list[str]] = defaultdict(list)
         for key, e in entries:
             if e.node == self.node_id:
-                if self.disk is not None:
-                    self.disk.warm(key, functools.partial(self._guard, "disk_warm", self._store_local))
+                self.producer.warm_local(key)
             else:
                 by_node[e.node].append(key)
         for node, keys in by_node.items():
@@ -1189,321 +878,45 @@ class PeerNode:
             self._warm([(k, e) for k, e in zip(cold, entries, strict=True) if e is not None and not e.resident])
         return n
 
+    @property
+    def stale_reads(self) -> int:
+        """Remote slots fetched that failed verification (each one a miss)."""
+        return self.reader.stale_reads
+
+    @property
+    def recv(self) -> _ReceiveRegion:
+        """The receive region remote READs land in (lanes leased one per read)."""
+        return self.reader.recv
+
     def register_receive(self, buffer: Any) -> int:
         """Register ``buffer`` (the host KV pool) as a *local receive* region: remote
         payloads are READ straight into it, then verified in place. It is never published:
         the transport refuses any peer read of it, and no directory entry names it.
         Returns a handle for :meth:`deregister_receive`. Runtime complexity: ``O(regions)``.
         """
-        region = self.transport.register(buffer, remote=False)
-        with self._lock:
-            self._receive_spans.append((region.addr, region.addr + region.length, region.rkey))
-        return region.rkey
+        return self.reader.register_receive(buffer)
 
     def deregister_receive(self, handle: int, timeout: float | None = None) -> None:
         """Undo :meth:`register_receive` (waits for reads landing in it)."""
-        with self._lock:
-            self._receive_spans = [s for s in self._receive_spans if s[2] != handle]
-        self.transport.deregister(handle, timeout)
-
-    def _direct_mask(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Which destinations lie inside a local receive region."""
-        mask = np.zeros(len(addrs), dtype=bool)
-        ends = addrs + lens.astype(np.uint64)
-        for lo, hi, _ in self._receive_spans:
-            mask |= (addrs >= np.uint64(lo)) & (ends <= np.uint64(hi))
-        return mask
+        self.reader.deregister_receive(handle, timeout)
 
     def read_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[bool]:
-        """Fill each of ``outs`` (writable flat bytes) with its key's verified page.
-
-        ``False`` for a miss: no entry, another length, owner or producer unreachable,
-        promote failed, READ failed or the fetched slot did not verify (stale or torn).
-        Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch READ
-        per producer.
+        """Fill each of ``outs`` (writable flat bytes) with its key's verified page
+        (:meth:`Reader.read_into <hiradix.peer.reader.Reader.read_into>`); ``False`` for a
+        miss. Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch
+        READ per producer.
         """
-        arrays = [np.frombuffer(o, dtype=np.uint8) for o in outs]
-        for a in arrays:
-            if a.size and not a.flags.writeable:
-                raise ValueError("read_into needs writable destinations")
-        addrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
-        lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-        return self.read_pages(keys, addrs, lens, hold=arrays).tolist()
+        return self.reader.read_into(keys, outs)
 
     def read_pages(self, keys: Sequence[str], addrs: np.ndarray, lengths: np.ndarray, hold: Any = None) -> np.ndarray:
         """:meth:`read_into` for raw destinations: page ``i`` (exactly ``lengths[i]`` bytes)
         goes to the address ``addrs[i]``, which the caller keeps writable and alive (``hold``
-        is kept referenced for the call). Returns a boolean array, one per key.
-
-        This is the batch path of ``batch_get_v1``: no per-page Python objects besides the
-        directory's wire lists; verification and copy run per READ chunk in one GIL-free
-        call (:mod:`hiradix.peer._verify`), overlapped with the next chunk's READ.
+        is kept referenced for the call); one boolean per key
+        (:meth:`Reader.read_pages <hiradix.peer.reader.Reader.read_pages>`).
         Runtime complexity: ``O(total bytes)`` plus one RPC per owner and one batch READ
         per producer.
         """
-        t0 = time.perf_counter()
-        n = len(keys)
-        addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
-        lens = np.ascontiguousarray(lengths, dtype=np.int64)
-        if addrs.shape != (n,) or lens.shape != (n,):
-            raise ValueError(f"{n} keys need {n} addresses and lengths")
-        ok = np.zeros(n, dtype=bool)
-        cols = self.directory.batch_get_columns(keys)
-        rec = cols.records
-        node = rec["node"].astype(np.int64)
-        hit = (node != NO_PRODUCER) & (rec["length"] == lens.astype(np.uint64))
-        ok[hit & (lens == 0)] = True
-        live = hit & (lens > 0)
-        me = cols.node_index(self.node_id)
-        for i in np.flatnonzero(live & (node == me)).tolist():
-            entry = cols.entry(i)
-            assert entry is not None
-            ok[i] = self._read_local(keys[i], entry, view_at(int(addrs[i]), int(lens[i])))
-        away = live & (node != me)
-        cold = away & (rec["resident"] == 0)
-        for j in np.unique(node[cold]).tolist():
-            self._promote_for_read(cols.nodes[j], j, np.flatnonzero(cold & (node == j)), keys, rec)
-        remote = away & (rec["resident"] != 0)  # promoted pages are resident now
-        direct = self._direct_mask(addrs, lens) if remote.any() and self._receive_spans else np.zeros(n, dtype=bool)
-        for j in np.unique(node[remote]).tolist():
-            on = remote & (node == j)
-            if (on & direct).any():
-                self._fetch_direct(cols.nodes[j], np.flatnonzero(on & direct), rec, keys, addrs, lens, ok)
-            if (on & ~direct).any():
-                self._fetch(cols.nodes[j], np.flatnonzero(on & ~direct), rec, keys, addrs, lens, ok)
-        hits = int(ok.sum())
-        self.metrics.record_read(n, hits, int(lens[ok].sum()), time.perf_counter() - t0)
-        del hold
-        return ok
-
-    def _promote_for_read(self, node: str, j: int, idx: np.ndarray, keys: Sequence[str], rec: np.ndarray) -> None:
-        """Ask ``node`` to bring the disk-resident pages ``idx`` back into its pool; the rows
-        of ``rec`` that it promoted (same node, same length) are updated in place."""
-        info = self.membership.info(node)
-        if info is None:
-            return
-        try:
-            fresh = self.client.call(
-                info.rpc, "data_promote", [keys[i] for i in idx.tolist()], timeout=self.config.promote_timeout_s
-            )
-        except Exception as exc:  # an unreachable owner: its pages are misses
-            log.debug("promote on %s failed: %r", node, exc)
-            return
-        if not isinstance(fresh, list) or len(fresh) != len(idx):
-            return
-        for i, w in zip(idx.tolist(), fresh, strict=True):
-            with contextlib.suppress(ValueError):
-                if w is not None:
-                    e = DirEntry.from_wire(w)
-                    if e.length == int(rec["length"][i]) and e.node == node:
-                        rec[i] = (j, True, 0, e.rkey, e.addr, e.length, e.generation)
-
-    def _read_local(self, key: str, entry: DirEntry, out: memoryview) -> bool:
-        if not entry.resident:
-            promoted = self._promote_local(key)
-            if promoted is None:
-                return False
-            entry = promoted
-        pool = self._pool_holding(entry)
-        if pool is None:
-            return False
-        # exact: an entry whose length is not the page's is this key's miss, never the batch's
-        return pool.read_into(key, out, exact=True) == len(out)
-
-    def _fetch(
-        self,
-        node: str,
-        idx: np.ndarray,
-        rec: np.ndarray,
-        keys: Sequence[str],
-        addrs: np.ndarray,
-        lens: np.ndarray,
-        ok: np.ndarray,
-    ) -> None:
-        """READ the slots of ``idx`` (rows of ``rec``) from ``node`` whole into a receive
-        lane, then verify each and copy its payload out as it lands.
-
-        Slots go back to back into the lane, in rounds of at most a lane; a slot larger
-        than the lane can never be read (a miss).
-        """
-        info = self.membership.info(node)
-        if info is None:
-            return  # not a live member: its pages are misses
-        timeout = self.config.read_timeout_s
-        need = lens[idx] + SLOT_HEADER_SIZE
-        try:
-            with self.recv.lease(timeout) as (base, lane):
-                fits = need <= len(lane)
-                idx, need = idx[fits], need[fits]
-                if not idx.size:
-                    return
-                gens = rec["generation"][idx]
-                digests = key_digests([keys[i] for i in idx.tolist()])
-                ends = np.cumsum(need)
-                offs = ends - need
-                bounds = _chunk_bounds(ends.tolist(), len(lane))
-                lane_arr = np.frombuffer(lane, dtype=np.uint8)
-                stale = 0
-                for r0, r1 in itertools.pairwise(bounds):
-                    part, rel = idx[r0:r1], offs[r0:r1] - offs[r0]
-
-                    def check(
-                        ready: np.ndarray,
-                        good: np.ndarray,
-                        part: np.ndarray = part,
-                        rel: np.ndarray = rel,
-                        r0: int = r0,
-                    ) -> int:
-                        at = part[ready]
-                        return _verify_copy(
-                            lane_arr,
-                            rel[ready],
-                            lens[at],
-                            gens[r0 + ready],
-                            digests[r0 + ready],
-                            addrs[at],
-                            good,
-                            [keys[i] for i in at.tolist()],
-                        )
-
-                    stale += self._read_verified(
-                        info.data,
-                        timeout,
-                        part,
-                        1,
-                        rec["addr"][part],
-                        rec["rkey"][part],
-                        need[r0:r1],
-                        rel + base,
-                        check,
-                        ok,
-                    )
-                if stale:
-                    with self._lock:
-                        self.stale_reads += stale
-        except queue.Empty:
-            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
-
-    def _fetch_direct(
-        self,
-        node: str,
-        idx: np.ndarray,
-        rec: np.ndarray,
-        keys: Sequence[str],
-        addrs: np.ndarray,
-        lens: np.ndarray,
-        ok: np.ndarray,
-    ) -> None:
-        """READ each slot of ``idx`` (rows of ``rec``) from ``node`` as two items, the header
-        into a receive lane and the payload straight into its destination page (inside a
-        local receive region), then verify header + CRC over the payload in place. No copy.
-
-        A slot that fails is a miss and its page holds unspecified bytes. Whatever order
-        the two items land in, a rewrite of the slot is caught: the header is zeroed
-        first and generations never repeat, and a header read before the rewrite with a
-        payload read during it fails the CRC.
-
-        Every header has its own place in the lane, so a batch is one READ (in rounds when
-        it has more slots than the lane has places).
-        """
-        info = self.membership.info(node)
-        if info is None:
-            return
-        timeout = self.config.read_timeout_s
-        plens = lens[idx]
-        hsize = SLOT_HEADER_SIZE
-        try:
-            with self.recv.lease(timeout) as (base, lane):
-                gens = rec["generation"][idx]
-                digests = key_digests([keys[i] for i in idx.tolist()])
-                dsts = addrs[idx]
-                raddr = rec["addr"][idx]
-                # Each slot is two items: its header into the lane, its payload in place.
-                pair_raddr = np.stack([raddr, raddr + np.uint64(hsize)], axis=1).ravel()
-                pair_rkey = np.repeat(rec["rkey"][idx], 2)
-                heads_len = np.full(len(idx), hsize, dtype=np.uint64)
-                pair_len = np.stack([heads_len, plens.astype(np.uint64)], axis=1).ravel()
-                per_round = len(lane) // hsize  # slots whose headers fit the lane together
-                heads = np.frombuffer(lane, dtype=np.uint8)[: per_round * hsize].reshape(per_round, hsize)
-                head_at = np.arange(per_round, dtype=np.uint64) * np.uint64(hsize) + np.uint64(base)
-                stale = 0
-                for r0 in range(0, len(idx), per_round):
-                    r1 = min(len(idx), r0 + per_round)
-                    laddr = np.stack([head_at[: r1 - r0], dsts[r0:r1]], axis=1).ravel()
-
-                    def check(ready: np.ndarray, good: np.ndarray, r0: int = r0) -> int:
-                        at = r0 + ready
-                        return _verify_inplace(
-                            heads[ready].ravel(),
-                            plens[at],
-                            gens[at],
-                            digests[at],
-                            dsts[at],
-                            good,
-                            [keys[i] for i in idx[at].tolist()],
-                        )
-
-                    two = slice(2 * r0, 2 * r1)
-                    stale += self._read_verified(
-                        info.data,
-                        timeout,
-                        idx[r0:r1],
-                        2,
-                        pair_raddr[two],
-                        pair_rkey[two],
-                        pair_len[two],
-                        laddr,
-                        check,
-                        ok,
-                    )
-                if stale:
-                    with self._lock:
-                        self.stale_reads += stale
-        except queue.Empty:
-            log.debug("no receive lane free within %ss: %d reads from %s are misses", timeout, len(idx), node)
-
-    def _read_verified(
-        self,
-        peer: str,
-        timeout: float,
-        idx: np.ndarray,
-        per_slot: int,
-        raddr: np.ndarray,
-        rkey: np.ndarray,
-        length: np.ndarray,
-        laddr: np.ndarray,
-        check: Callable[[np.ndarray, np.ndarray], int],
-        ok: np.ndarray,
-    ) -> int:
-        """One READ of ``len(idx)`` slots of ``per_slot`` consecutive items each. A slot is
-        checked as soon as all of its items have landed OK (the transport's ``on_landed``:
-        on TCP once per frame, from the reader thread, while later frames are still on the
-        wire and the bytes in cache): ``check(slots, good)`` gets the slot positions, sets
-        ``good`` (all ones on entry) and returns how many did not verify. Sets ``ok[idx]``
-        and returns the count of slots read that did not verify."""
-        m = len(idx)
-        lock = threading.Lock()
-        landed = np.zeros(m, dtype=np.uint8)  # items of each slot that landed OK
-        good = np.zeros(m, dtype=np.uint8)
-        stale = [0]
-
-        def on_landed(items: np.ndarray, statuses: np.ndarray) -> None:
-            slots = items[statuses == Status.OK] // per_slot
-            with lock:
-                np.add.at(landed, slots, 1)
-                ready = np.unique(slots[landed[slots] == per_slot])
-                landed[ready] = per_slot + 1  # taken: checked once
-            if not ready.size:
-                return
-            g = np.ones(ready.size, dtype=np.uint8)
-            bad = check(ready, g)
-            with lock:
-                good[ready] = g
-                stale[0] += bad
-
-        self.transport.read_batch_arrays(peer, raddr, rkey, length, laddr, timeout=timeout, on_landed=on_landed)
-        ok[idx] = good.view(bool)
-        return stale[0]
+        return self.reader.read_pages(keys, addrs, lengths, hold)
 
     # ------------------------------------------------------------------ data over RPC
     def enable_data_rpc(self) -> None:
@@ -1550,14 +963,14 @@ class PeerNode:
                 "pages": self.pool_pages,
                 "used_bytes": self.pool_used_bytes,
                 "capacity_bytes": self.config.pool_size,
-                "classes": sorted(self._pools),
+                "classes": self.producer.size_classes(),
                 "evictions": self.evictions,
             },
             "disk": None
             if disk is None
             else {"pages": len(disk), "used_bytes": disk.used_bytes, "capacity_bytes": disk.capacity_bytes},
             "directory_entries": len(self.shard),
-            "published": len(self._entries),
+            "published": len(self.producer),
             "hit_rate": self.metrics.hit_rate(),
             "stale_reads": self.stale_reads,
             "background_errors": dict(self.background_errors),
@@ -1585,8 +998,7 @@ class PeerNode:
             self.metrics_server.stop()
         self.rpc.close()
         self.client.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.producer.close()
         self.transport.close()
 
     def __enter__(self) -> PeerNode:
@@ -1612,6 +1024,7 @@ class InProcessCluster:
         if transport not in ("tcp", "fake"):
             raise ValueError(f"transport must be 'tcp' or 'fake', got {transport!r}")
         self.fabric = FakeFabric() if transport == "fake" else None
+        config.setdefault("transport", transport)
         config.setdefault("metrics_enabled", False)
         config.setdefault("cluster_token", secrets.token_hex(16))
         self.config = config

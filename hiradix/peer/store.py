@@ -17,8 +17,9 @@ configures the embedded node; besides those:
 ``recv_bytes``      size of the receive region (default 64 MiB)
 ``inprocess_nodes`` start that many nodes in this process (loopback) and attach to the
                     first: a self-contained cluster for tests and the simulator
-``transport``       ``"tcp"`` (default) or ``"fake"`` (the in-process fake NIC; only with
-                    ``inprocess_nodes``)
+``transport``       the node's transport (``PeerConfig.transport``: ``"auto"`` by default,
+                    ``"tcp"``, ``"rdma"``); with ``inprocess_nodes``, ``"tcp"`` (default)
+                    or ``"fake"`` (the in-process fake NIC)
 ``path``            the disk tier's directory when ``disk_enabled`` (``disk_path`` wins)
 
 Semantics, on top of :class:`~hiradix.storage.base.StorageBackend`:
@@ -113,6 +114,8 @@ class PeerCacheStore(StorageBackend):
         settings.setdefault("metrics_enabled", False)
         n = int(extra.get("inprocess_nodes") or 0)
         if n:
+            # In-process nodes run TCP on loopback unless told "fake" (InProcessCluster's own choice).
+            settings.pop("transport", None)
             self._cluster = InProcessCluster(n, transport=str(extra.get("transport", "tcp")), **settings)
             return self._cluster.nodes[0]
         return PeerNode(

@@ -1,7 +1,8 @@
 """Transports: register host memory, read peers' registered memory in batches.
 
 :class:`~hiradix.transport.base.Transport` is the seam; :class:`TcpTransport` runs
-everywhere, :class:`FakeTransport` is an in-process fake NIC for tests.
+everywhere, :class:`FakeTransport` is an in-process fake NIC for tests;
+:func:`make_transport` builds the one a peer node's config names.
 """
 
 from hiradix.transport.auth import AuthError, load_token
@@ -16,6 +17,7 @@ from hiradix.transport.base import (
     TransportError,
     TransportStats,
 )
+from hiradix.transport.factory import TransportUnavailable, make_transport
 from hiradix.transport.fake import FakeClock, FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
@@ -34,5 +36,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportStats",
+    "TransportUnavailable",
     "load_token",
+    "make_transport",
 ]

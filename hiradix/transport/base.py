@@ -62,6 +62,7 @@ __all__ = [
     "check_remote",
     "parse_peer",
     "view_at",
+    "with_host",
 ]
 
 #: Largest single read item, in bytes. Bigger reads must be split by the caller.
@@ -178,6 +179,16 @@ def parse_peer(peer: str | tuple[str, int]) -> tuple[str, int]:
     if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"bad peer address {peer!r}")
     return host, port
+
+
+def with_host(addr: str, host: str) -> str:
+    """``addr`` (``host:port``) with its host replaced: what peers are told to dial.
+
+    >>> with_host("0.0.0.0:7000", "10.0.0.5"), with_host("0.0.0.0:7000", "fe80::1")
+    ('10.0.0.5:7000', '[fe80::1]:7000')
+    """
+    _, port = parse_peer(addr)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def buffer_span(buffer: Any) -> tuple[int, memoryview]:
@@ -613,6 +624,12 @@ class Transport(ABC):
     @abstractmethod
     def address(self) -> str:
         """This node's peer address, as other nodes name it in ``read_batch``."""
+
+    def advertised_address(self, host: str) -> str:
+        """:attr:`address` as other nodes dial it when this node is reached at ``host``
+        (a listener bound to a wildcard is never dialled at it): the same port at
+        ``host``. Runtime complexity: ``O(1)``."""
+        return with_host(self.address, host)
 
     # -- regions --------------------------------------------------------------------------
     def register(self, buffer: Any, *, remote: bool = True) -> Region:

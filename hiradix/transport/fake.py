@@ -186,6 +186,10 @@ class FakeTransport(Transport):
     def address(self) -> str:
         return self._name
 
+    def advertised_address(self, host: str) -> str:
+        """Its name on the fabric, wherever the node's listeners are: no socket."""
+        return self._name
+
     def fail_nth_read(self, n: int) -> None:
         """Make the ``n``-th item posted from now on (1-based) fail with a channel error."""
         if not isinstance(n, int) or n < 1:
