@@ -118,7 +118,7 @@ def test_auto_takes_rdma_where_it_can_run(monkeypatch: pytest.MonkeyPatch, caplo
     class Rdma(FakeTransport):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             built.append((args, kwargs))
-            super().__init__(FakeFabric(), args[0])
+            super().__init__(FakeFabric(), "node-r")
 
     module = types.ModuleType("hiradix.transport.rdma")
     module.RdmaTransport = Rdma  # type: ignore[attr-defined]
@@ -132,9 +132,8 @@ def test_auto_takes_rdma_where_it_can_run(monkeypatch: pytest.MonkeyPatch, caplo
     assert isinstance(t, Rdma) and not caplog.records
     assert built == [
         (
-            ("node-r",),
+            (b"t" * 16,),
             {
-                "token": b"t" * 16,
                 "host": "127.0.0.1",
                 "port": 0,
                 "max_channels_per_peer": 5,
@@ -227,3 +226,14 @@ def test_serve_rdma_without_a_port_exits_1_saying_why(
     assert status == 1
     assert "cannot start: transport 'rdma' cannot run here" in err and no_rdma in err
     assert "Traceback" not in err
+
+
+def test_the_real_rdma_transport_takes_the_settings_the_factory_passes() -> None:
+    """The mocked module above pins the call; this pins that the real class accepts it
+    (binding only: no RDMA device here to build one)."""
+    import inspect
+
+    from hiradix.transport.factory import _settings
+    from hiradix.transport.rdma import RdmaTransport
+
+    inspect.signature(RdmaTransport).bind(b"t" * 16, **_settings(cfg()))

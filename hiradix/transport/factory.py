@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hiradix.peer.config import TRANSPORTS
 from hiradix.transport.auth import load_token
@@ -55,17 +55,21 @@ def rdma_unavailable() -> str | None:
     return rdma_unavailable_reason()
 
 
+def _settings(cfg: PeerConfig) -> dict[str, Any]:
+    # TCP's and RDMA's alike: the RDMA bootstrap (QP exchange) is an authenticated TCP listener.
+    return {
+        "host": cfg.bind_host,
+        "port": cfg.data_port,
+        "max_channels_per_peer": cfg.max_channels_per_peer,
+        "timeout": cfg.read_timeout_s,
+        "handshake_timeout": cfg.connect_timeout_s,
+        "max_connections": cfg.max_connections,
+        "idle_timeout": cfg.idle_timeout_s,
+    }
+
+
 def _tcp(cfg: PeerConfig, node_id: str, token: bytes | str | None) -> Transport:
-    return TcpTransport(
-        token,
-        host=cfg.bind_host,
-        port=cfg.data_port,
-        max_channels_per_peer=cfg.max_channels_per_peer,
-        timeout=cfg.read_timeout_s,
-        handshake_timeout=cfg.connect_timeout_s,
-        max_connections=cfg.max_connections,
-        idle_timeout=cfg.idle_timeout_s,
-    )
+    return TcpTransport(token, **_settings(cfg))
 
 
 def _rdma(cfg: PeerConfig, node_id: str, token: bytes | str | None) -> Transport:
@@ -74,18 +78,7 @@ def _rdma(cfg: PeerConfig, node_id: str, token: bytes | str | None) -> Transport
         raise TransportUnavailable(f"transport 'rdma' cannot run here: {why}; use transport 'tcp' or 'auto'")
     from hiradix.transport.rdma import RdmaTransport
 
-    # The same settings as TCP: its bootstrap (QP exchange) is an authenticated TCP listener.
-    transport: Transport = RdmaTransport(
-        node_id,
-        token=token,
-        host=cfg.bind_host,
-        port=cfg.data_port,
-        max_channels_per_peer=cfg.max_channels_per_peer,
-        timeout=cfg.read_timeout_s,
-        handshake_timeout=cfg.connect_timeout_s,
-        max_connections=cfg.max_connections,
-        idle_timeout=cfg.idle_timeout_s,
-    )
+    transport: Transport = RdmaTransport(token, **_settings(cfg))
     return transport
 
 
