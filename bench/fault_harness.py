@@ -54,7 +54,6 @@ import random
 import secrets
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +68,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hiradix._ports import reusable_port
 from hiradix.peer.rpc import RpcClient
 
 SCENARIOS = ("baseline", "kill9", "restart", "sigstop", "pool_pressure")
@@ -85,10 +85,6 @@ def page_bytes(key: str, n: int) -> bytes:
     return hashlib.shake_128(key.encode()).digest(n)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- node processes
@@ -318,7 +314,7 @@ class Harness:
         for i in range(p.nodes):
             cmd = [
                 sys.executable, "-m", "hiradix.cli", "peer", "serve", "--config", str(cfg), "--data-rpc",
-                "--rpc-port", str(free_port()), "--data-port", str(free_port()), "--metrics-port", "0",
+                "--rpc-port", str(reusable_port()), "--data-port", str(reusable_port()), "--metrics-port", "0",
                 "--pool-size", str(p.pool), "--page-size", str(p.page), "--heartbeat", str(p.heartbeat),
                 "--lifetime", str(lifetime), "--log-level", "INFO",
             ]  # fmt: skip

@@ -54,12 +54,12 @@ class KeyedFaultStorage(MemoryStorage):
         return super().batch_set(keys, values)
 
 
-def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=config["collective_timeout_s"])
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout
     )
     prefetch_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
     shape = MHAShape(2, 2, 4)

@@ -116,26 +116,22 @@ class CoarseClock:
 HUNG_UP = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: dict[str, Any],
               timeout_s: float) -> list[dict[str, Any]]:
-    """Run ``target(rank, world, port, out_dir, config)`` in ``world`` spawned processes
-    and return what each wrote to ``out_dir/rank{r}.json``. A rank still running after
-    ``timeout_s`` (the run takes seconds: it hung in a collective) is killed and fails
-    the test, as does a nonzero exit."""
+    """Run ``target(rank, world, rendezvous, out_dir, config)`` in ``world`` spawned
+    processes and return what each wrote to ``out_dir/rank{r}.json``. ``rendezvous`` is
+    the process group's ``init_method``: a file in ``out_dir``, not a TCP port (a port
+    found free beforehand can be taken by another process before rank 0 binds it, which
+    failed a CI run with two suites at once). A rank still running after ``timeout_s``
+    (the run takes seconds: it hung in a collective) is killed and fails the test, as does
+    a nonzero exit."""
     import json
     import multiprocessing as mp
     import time
 
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir), config), daemon=True)
+    rendezvous = f"file://{out_dir / 'rendezvous'}"
+    procs = [ctx.Process(target=target, args=(r, world, rendezvous, str(out_dir), config), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

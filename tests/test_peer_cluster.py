@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hiradix._ports import reusable_port
 from hiradix.peer.rpc import RpcClient
 
 PAGE = 16 << 10
@@ -44,10 +44,6 @@ def serve_cmd(*args: str) -> list[str]:
     return cmd + ["--heartbeat", str(HEARTBEAT), "--lifetime", str(LIFETIME), "--pool-size", "16MiB", *args]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:
@@ -241,9 +237,9 @@ def test_nodes_restarted_with_their_own_commands_rejoin(tmp_path: Path) -> None:
     with ``kill -9`` and restarted with the very command it was started with."""
     c = Cluster()
     try:
-        head_cmd = ("--rpc-port", str(free_port()))
+        head_cmd = ("--rpc-port", str(reusable_port()))
         head_addr = f"127.0.0.1:{head_cmd[1]}"
-        b_cmd = ("--rpc-port", str(free_port()), "--join", head_addr)
+        b_cmd = ("--rpc-port", str(reusable_port()), "--join", head_addr)
         c.start("a", *head_cmd, log=tmp_path / "a.log")
         c.start("b", *b_cmd, log=tmp_path / "b.log")
         ids = {p.info["node_id"] for p in c.procs.values()}
@@ -286,7 +282,7 @@ def _serve(token: str, *args: str, timeout: float = 30.0) -> subprocess.Complete
 
 
 def test_a_node_that_cannot_join_fails_and_says_why(tmp_path: Path) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{reusable_port()}"
     out = _serve("t" * 32, "--join", dead, "--join-timeout", "1")
     assert out.returncode == 1 and not out.stdout
     assert "cannot join the cluster" in out.stderr and dead in out.stderr and "Traceback" not in out.stderr
@@ -304,7 +300,7 @@ def test_a_node_that_cannot_join_fails_and_says_why(tmp_path: Path) -> None:
 
 
 def test_a_node_allowed_to_run_alone_says_so() -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{reusable_port()}"
     out = _serve("t" * 32, "--join", dead, "--join-timeout", "0.5", "--allow-alone", "--lifetime", "0.5")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[0])["ready"] is False

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hiradix._ports import reusable_port
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.membership import JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.node import InProcessCluster, PeerNode
@@ -35,11 +36,6 @@ def page(i: int, n: int = PAGE) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def free_port() -> int:
-    """A port nothing listens on (connects to it are refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- membership, fake clock
@@ -239,7 +235,7 @@ def test_join_through_a_silent_seed_retries_and_says_it_timed_out(caplog: pytest
 
 # ---------------------------------------------------------------------- nodes over real RPC
 def test_join_fails_clearly_when_no_seed_answers() -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{reusable_port()}"
     cfg = PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16), join_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(JoinError, match=f"cannot join the cluster through {dead}: {dead}: .*refused"):
@@ -260,7 +256,7 @@ def test_join_fails_at_once_on_a_wrong_token(caplog: pytest.LogCaptureFixture) -
 
 
 def test_allow_alone_starts_alone_loudly_and_not_ready(caplog: pytest.LogCaptureFixture) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{reusable_port()}"
     cfg = PeerConfig(metrics_enabled=False, cluster_token=secrets.token_hex(16), join_timeout_s=0.3)
     caplog.set_level(logging.WARNING)
     with PeerNode(cfg, seeds=[dead], heartbeat_s=0.1, allow_alone=True) as node:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hiradix._ports import reusable_port
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import InProcessCluster, PeerNode, PortInUseError
 from hiradix.peer.store import PeerCacheStore
@@ -183,9 +184,6 @@ def test_one_bad_entry_is_one_miss(cluster: InProcessCluster) -> None:
 
 
 # ---------------------------------------------------------------------- start-up
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return int(s.getsockname()[1])
 
 
 def _bindable(port: int) -> bool:
@@ -201,7 +199,7 @@ def test_failed_start_names_the_port_and_closes_everything(tmp_path: Path, taken
     """Occupy one port: the start fails with an error naming that listener and port, and
     every listener and thread the node had opened is gone (its ports bind again)."""
     for _attempt in range(5):  # another process may grab a port we just saw free: retry
-        ports = {"rpc": _free_port(), "data": _free_port(), "metrics": _free_port()}
+        ports = {"rpc": reusable_port(), "data": reusable_port(), "metrics": reusable_port()}
         blocker = socket.create_server(("127.0.0.1", ports[taken]))
         try:
             cfg = PeerConfig(

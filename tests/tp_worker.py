@@ -36,14 +36,14 @@ class FaultyHostPool(HostKVPool):
         return super().alloc(n_tokens)
 
 
-def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
     """Run the scheduler loop on one rank and write what the test compares to a JSON file."""
     torch.set_num_threads(1)
     agreement: RankAgreement
     if config["agree"]:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+            "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timedelta(seconds=60)
         )
         agreement = TorchDistAgreement()
     else:
@@ -106,13 +106,13 @@ class PartialStorage(MemoryStorage):
         return next((i for i, k in enumerate(keys[:n]) if k in self.missing), n)
 
 
-def l3_rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+def l3_rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
     """Prefetch from L3 on two ranks whose storage differs: the hit length is agreed by
     MIN on the prefetch thread's own process group, so both trees end up the same."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     prefetch_group = torch.distributed.new_group(backend="gloo")
     page = 16

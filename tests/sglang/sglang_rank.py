@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stubs"))
 
 
-def rank_main(rank: int, world: int, port: int, out_dir: str, config: dict[str, Any]) -> None:
+def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     from scheduler_loop import tree_fingerprint
     from sglang_env import build
