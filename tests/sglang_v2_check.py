@@ -10,7 +10,6 @@ import hashlib
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 
 def key(i: int) -> str:
@@ -20,6 +19,9 @@ def key(i: int) -> str:
 def check_pool_pages_round_trip(storage: Any, pool: Any, *, mla: bool) -> None:
     """``storage``: a fresh hiradix.sglang.storage wrapper for model ``org/model``, TP rank
     0 of 1; ``pool``: SGLang's host pool, at least 8 pages, filled with distinct bytes."""
+    # Imported here: the suite imports this module (doctests) where SGLang may be missing.
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
     ps = int(pool.page_size)
 
     def slots(pages: list[int]) -> torch.Tensor:

@@ -83,3 +83,15 @@ def test_get_stats_is_sglang23s_storage_metrics(sglang_cpu, make_storage: Any) -
     assert isinstance(stats, StorageMetrics)
     assert stats.backup_pgs == [2] and stats.prefetch_pgs == [1]
     assert storage.get_stats().backup_pgs == []  # drained per call
+
+
+def test_the_storage_module_imports_where_the_cache_is_unsupported() -> None:
+    """hiradix.sglang.storage needs only SGLang's storage interface; the cache itself is
+    not supported on 0.5.23, and importing it says so, naming the versions."""
+    import hiradix.sglang as hs
+
+    assert issubclass(hss.PeerStorage, hss.HiCacheStorage) and "0.5.23" in hss.TESTED_SGLANG_VERSIONS
+    with pytest.raises(hs.UnsupportedSGLang, match=r"0\.5\.18.*0\.5\.23 is installed"):
+        from hiradix.sglang import HiRadixCache  # noqa: F401
+    with pytest.raises(AttributeError):
+        _ = hs.no_such_name
