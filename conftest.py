@@ -3,8 +3,10 @@
 SGLang imports ``torchvision`` at import time, and the PyPI torchvision wheel cannot load
 with the CPU torch, so an import-only stub (``tests/stubs``) is put on ``sys.path`` when no
 torchvision imports. Without a supported SGLang, ``hiradix/sglang`` is left out of doctest
-collection (``import hiradix.sglang`` raises, by design, naming the versions it needs), and
-``tests/sglang`` skips saying why.
+collection (its cache's names raise, by design, naming the versions they need), and
+``tests/sglang`` skips saying why. ``tests/sglang23`` (stock SGLang 0.5.23's own cache on
+hiradix's L3 backends) is collected only where the installed SGLang's hierarchical cache is
+the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in ``.venv-sglang23``.
 """
 
 from __future__ import annotations
@@ -34,5 +36,15 @@ def _sglang_supported() -> bool:
     return True
 
 
+def _sglang_has_unified_hicache() -> bool:
+    # Where the files say so, without importing SGLang (seconds) at collection.
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    mem_cache = Path(next(iter(spec.submodule_search_locations))) / "srt" / "mem_cache"
+    return (mem_cache / "unified_radix_cache.py").exists() and not (mem_cache / "hiradix_cache.py").exists()
+
+
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
-collect_ignore = ["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
+collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
+                  + ([] if _sglang_has_unified_hicache() else ["tests/sglang23"]))

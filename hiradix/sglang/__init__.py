@@ -11,19 +11,40 @@ Two ways in:
   ``sglang.srt.mem_cache.hiradix_cache.HiRadixCache``; the constructor is the same
   ``(params: CacheInitParams, server_args: ServerArgs)``.
 
-Importing this module needs a supported SGLang (:data:`SUPPORTED_VERSIONS`); plain
+The cache needs a supported SGLang (:data:`SUPPORTED_VERSIONS`): with a missing or
+unsupported one, importing any of its names (``from hiradix.sglang import HiRadixCache``)
+raises :class:`UnsupportedSGLang` naming the versions. :mod:`hiradix.sglang.storage`
+(hiradix's L3 backends for SGLang's own HiCache) only needs SGLang's storage interface,
+so this package itself imports with any SGLang, for that module's sake. Plain
 ``import hiradix`` never imports SGLang.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from hiradix._sglang_plugin import SUPPORTED_VERSIONS, TESTED_VERSIONS, UnsupportedSGLang, check_sglang_version
 
-SGLANG_VERSION = check_sglang_version()
+_CACHE_NAMES = ("BACKEND_NAME", "SGLANG_VERSION", "HiRadixCache", "SGLangCacheController", "TreeNode",
+                "create_cache", "register")
 
-from hiradix.sglang.cache import HiRadixCache, SGLangCacheController  # noqa: E402
-from hiradix.sglang.nodes import TreeNode  # noqa: E402
-from hiradix.sglang.plugin import BACKEND_NAME, create_cache, register  # noqa: E402
+try:
+    SGLANG_VERSION = check_sglang_version()
+except UnsupportedSGLang as e:
+    _UNSUPPORTED: UnsupportedSGLang | None = e
+else:
+    _UNSUPPORTED = None
+    from hiradix.sglang.cache import HiRadixCache, SGLangCacheController
+    from hiradix.sglang.nodes import TreeNode
+    from hiradix.sglang.plugin import BACKEND_NAME, create_cache, register
+
+
+def __getattr__(name: str) -> Any:
+    # Only reached for names not set above: the cache's, when this SGLang is unsupported.
+    if name in _CACHE_NAMES and _UNSUPPORTED is not None:
+        raise UnsupportedSGLang(str(_UNSUPPORTED))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BACKEND_NAME",
@@ -34,6 +55,7 @@ __all__ = [
     "SGLangCacheController",
     "TreeNode",
     "UnsupportedSGLang",
+    "check_sglang_version",
     "create_cache",
     "register",
 ]

@@ -40,6 +40,18 @@ What crosses the boundary, and how:
 - **Metrics**: :meth:`~_SGLangStorage.get_stats` returns SGLang's ``StorageMetrics``
   (pages and GB/s per get/set batch since the last call), as SGLang's metrics collector
   asserts; hiradix's own counters are ``storage.backend.get_stats()``.
+- **Per-pool (v2) calls**: hybrid models (SWA, Mamba, DSA, draft pools) add host pools
+  beside the KV one (``register_mem_host_pool_v2``) and move them with
+  :meth:`~_SGLangStorage.batch_exists_v2` / ``batch_get_v2`` / ``batch_set_v2``. Each pool's
+  pages are its flat pages under ``{key}.{pool}`` (``{key}`` for the KV pool) and the rank
+  suffix, the names SGLang's ``HiCacheFile`` gives them (Mamba state is TP-sharded, so it
+  keeps the TP rank in its suffix even for MLA models); hit policies ``all_pages`` and
+  ``trailing_pages``.
+
+SGLang versions: tested with 0.5.18 (``HiRadixCache``) and 0.5.23 (``UnifiedRadixCache``
+with its ``HybridCacheController``), :data:`TESTED_SGLANG_VERSIONS`. The interface is the
+same in both; where 0.5.23 adds to it (``PoolTransferResult.restorable_prefix_pages``)
+this module uses what the installed SGLang has.
 
 Known limit: :class:`FileStorage` gives each TP rank its own directory, so with an MLA
 model and ``tp_size > 1`` (where SGLang backs up from rank 0 only) only rank 0 hits; use
@@ -58,32 +70,46 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 from sglang.srt.mem_cache.pool_host import HostKVCache
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from hiradix.storage.base import MAX_KEY_BYTES, SGLANG_LOADER_KEYS, StorageBackend, StorageConfig
 from hiradix.storage.keys import sglang_key_suffix
 
-__all__ = ["LOADER_KEYS", "FileStorage", "MemoryStorage", "PeerStorage", "key_suffix"]
+__all__ = ["LOADER_KEYS", "TESTED_SGLANG_VERSIONS", "FileStorage", "MemoryStorage", "PeerStorage", "key_suffix"]
+
+#: SGLang versions whose own HiCache CI runs on these classes end to end
+#: (``tests/sglang/test_sglang_l3_interop.py``, ``tests/sglang23/``).
+TESTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.23")
 
 #: Keys of the extra config that SGLang's loader reads; not passed to the backend.
 LOADER_KEYS = SGLANG_LOADER_KEYS
 _SGLANG_KEY_BYTES = 64  # SGLang's page keys are SHA-256 hex digests
 _METRIC_BATCHES = 4096  # per-batch samples kept between two get_stats() calls
+# SGLang 0.5.23's batch_exists_v2 result also lists every restorable prefix length.
+_RESTORABLE = "restorable_prefix_pages" in getattr(PoolTransferResult, "__dataclass_fields__", {})
 
 
-def key_suffix(config: HiCacheStorageConfig | None) -> str:
+def key_suffix(config: HiCacheStorageConfig | None, *, rank_sharded: bool = False) -> str:
     """The suffix appended to SGLang's page keys, as SGLang's ``HiCacheFile`` names its
     files (:func:`hiradix.storage.keys.sglang_key_suffix` of the config's model, ranks
-    and MLA flag); ``""`` without a config. ``O(1)``."""
+    and MLA flag); ``""`` without a config. ``rank_sharded``: a pool every TP rank holds
+    its own part of even in an MLA model (Mamba state), so the TP rank stays in. ``O(1)``."""
     if config is None:
         return ""
     return sglang_key_suffix(
         config.model_name,
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
-        is_mla=config.is_mla_model,
+        is_mla=config.is_mla_model and not rank_sharded,
         pp_rank=config.pp_rank,
         pp_size=config.pp_size,
         cp_rank=getattr(config, "attn_cp_rank", 0) or 0,
@@ -121,6 +147,7 @@ class _SGLangStorage(HiCacheStorage):
     ) -> None:
         self.storage_config = storage_config
         self.suffix = key_suffix(storage_config)
+        self._sharded_suffix = key_suffix(storage_config, rank_sharded=True)
         if _SGLANG_KEY_BYTES + len(self.suffix.encode()) > MAX_KEY_BYTES:
             raise ValueError(
                 f"model name too long for storage keys: the key suffix {self.suffix!r} leaves fewer than "
@@ -294,6 +321,110 @@ class _SGLangStorage(HiCacheStorage):
         n = sum(oks)
         self._record(self._backup_pgs, self._backup_bw, n, n * self._page_numel * self._page_dtype.itemsize, t0)
         return oks
+
+    # ------------------------------------------------------------------ per-pool (v2) calls
+    def _pool_keys(self, keys: Sequence[str], pool: Any) -> list[str]:
+        name = str(getattr(pool, "value", pool))
+        if name == PoolName.KV.value:
+            return self._keys(keys)
+        suffix = self._sharded_suffix if name == PoolName.MAMBA.value else self.suffix
+        return [f"{k}.{name}{suffix}" for k in keys]
+
+    def _host_pool(self, name: Any) -> Any:
+        pools = getattr(self, "registered_pools", {})
+        if name in pools:
+            return pools[name]
+        if name == PoolName.KV and self.mem_pool_host is not None:
+            return self.mem_pool_host
+        raise KeyError(f"{type(self).__name__}: no host pool registered as {name!r} (register_mem_host_pool_v2)")
+
+    def _transfer_starts(self, transfer: PoolTransfer) -> tuple[Any, list[int]] | None:
+        pool = self._host_pool(transfer.name)
+        keys = transfer.keys or []
+        ps = int(getattr(pool, "page_size", 1) or 1)
+        idx = transfer.host_indices
+        if idx is None or idx.numel() != len(keys) * ps:
+            return None  # SGLang's own backends answer a short transfer with misses too
+        return pool, [int(s) for s in idx.reshape(-1)[::ps].tolist()]
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages and every transfer's pool pages
+        are stored, each pool by its hit policy (``all_pages``: every page of the prefix;
+        ``trailing_pages``: the last ``len(transfer.keys)`` pages before its end); per-pool
+        hit pages in ``extra_pool_hit_pages``. A lookup failure is a miss.
+        ``O(pages x pools)`` lookups."""
+        kv_pages = self.batch_exists(keys)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            pkeys = self._pool_keys(keys[:kv_pages], transfer.name)
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self.backend.batch_exists(pkeys)
+                ok = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                present = [self.backend.batch_exists([k]) == 1 for k in pkeys]
+                window = max(1, len(transfer.keys or ()))
+                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"{type(self).__name__}: hit policy {transfer.hit_policy!r} is not supported")
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable &= ok
+        final = max(restorable, default=0)
+        if _RESTORABLE:
+            return PoolTransferResult(final, hits, sorted(restorable))  # type: ignore[call-arg]
+        return PoolTransferResult(final, hits)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages (its ``keys``) into its pool at ``host_indices``
+        (``page_size`` slots per key); one bool per key, per pool name. A transfer whose
+        indices do not cover its keys gets all ``False``. ``O(total bytes)``."""
+        out: dict[str, list[bool]] = {}
+        t0 = self._clock()
+        nbytes = 0
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._transfer_starts(transfer)
+            if found is None:
+                out[transfer.name] = [False] * len(keys)
+                continue
+            pool, starts = found
+            targets = [torch.empty_like(pool.get_data_page(s, flat=True)) for s in starts]
+            got = self.backend.batch_get(self._pool_keys(keys, transfer.name), targets)
+            oks = []
+            for s, page in zip(starts, got, strict=True):
+                if page is not None:
+                    pool.set_from_flat_data_page(s, page)
+                    nbytes += int(page.nbytes)
+                oks.append(page is not None)
+            out[transfer.name] = oks
+        self._record(self._prefetch_pgs, self._prefetch_bw, sum(sum(v) for v in out.values()), nbytes, t0)
+        return out
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Store each transfer's pool pages at ``host_indices`` under its ``keys``; one
+        bool per key, per pool name (as :meth:`batch_get_v2`). ``O(total bytes)``."""
+        out: dict[str, list[bool]] = {}
+        t0 = self._clock()
+        nbytes = 0
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            found = self._transfer_starts(transfer)
+            if found is None:
+                out[transfer.name] = [False] * len(keys)
+                continue
+            pool, starts = found
+            values = [pool.get_data_page(s, flat=True).contiguous() for s in starts]
+            oks = self.backend.batch_set_each(self._pool_keys(keys, transfer.name), values)
+            nbytes += sum(int(v.nbytes) for v, ok in zip(values, oks, strict=True) if ok)
+            out[transfer.name] = list(oks)
+        self._record(self._backup_pgs, self._backup_bw, sum(sum(v) for v in out.values()), nbytes, t0)
+        return out
 
     def clear(self) -> bool:
         """Drop every page; ``False`` (logged by the caller's check) if the backend could

@@ -297,3 +297,11 @@ def test_the_wrapper_takes_one_extra_config_for_a_mixed_cluster() -> None:
     assert s.backend.capacity_bytes == 1 << 20 and "l3_format" not in s.backend.config.extra_config
     with pytest.raises(ValueError, match="stock SGLang stores SGLang's keys and pages"):
         hss.MemoryStorage(sgl_config({"l3_format": "hiradix"}))
+
+
+@pytest.mark.parametrize(("mla", "layout"), [(False, "layer_first"), (True, "page_first"), (False, "page_head")])
+def test_per_pool_v2_calls_on_sglangs_host_pool(make_storage: Any, mla: bool, layout: str) -> None:
+    """SGLang's v2 calls (hybrid models' sidecar pools): tests/sglang_v2_check.py."""
+    from sglang_v2_check import check_pool_pages_round_trip
+
+    check_pool_pages_round_trip(make_storage(mla=mla), host_pool(mla, layout), mla=mla)

@@ -1,0 +1,22 @@
+"""Fixtures for the SGLang 0.5.23 storage tests (see :mod:`sglang23_env`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture
+def sglang_cpu():
+    """SGLang's own hierarchical cache runs on CPU for the test (:func:`patch_sglang_for_cpu`);
+    the caches built meanwhile are shut down at teardown."""
+    # Imported here, not above: without SGLang 0.5.23 the import skips the test module
+    # that asked (saying why), where in a conftest it would be a collection error.
+    from sglang23_env import patch_sglang_for_cpu
+
+    with patch_sglang_for_cpu():
+        yield
