@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -59,7 +59,6 @@ from hiradix.storage.base import (
     StorageBackend,
     StorageConfig,
     StorageExtraInfo,
-    check_keys,
 )
 from hiradix.storage.registry import StorageConfigError, backend_names, import_class
 
@@ -228,24 +227,15 @@ class SGLangBackend(StorageBackend):
         return HiCacheStorageExtraInfo(prefix_keys=prefix, extra_info=dict(extra_info.extra_info or {}) or None)
 
     # ------------------------------------------------------------------ primitives
-    def batch_exists(self, keys: Sequence[str], extra_info: StorageExtraInfo | None = None) -> int:
-        """SGLang's ``batch_exists`` (longest stored prefix), with the prefix keys passed
-        on; a failure is a miss of the first key. ``O(backend)``."""
-        keys = check_keys(keys)
-        n = 0
-        if keys:
-            try:
-                n = max(0, min(int(self.inner.batch_exists(keys, self._info(extra_info))), len(keys)))
-            except Exception as exc:  # a backend failure is a miss (module docstring)
-                self._failed("exists", keys[0], exc)
-        self._count(exists_queries=len(keys))
-        return n
-
     def _exists(self, key: str) -> bool:
         return bool(self.inner.exists(key))
 
+    def _exists_many_with(self, keys: list[str], extra_info: StorageExtraInfo | None) -> int:
+        # SGLang's batch_exists answers the longest stored prefix, with the prefix keys passed on.
+        return int(self.inner.batch_exists(keys, self._info(extra_info)))
+
     def _exists_many(self, keys: list[str]) -> int:
-        return int(self.inner.batch_exists(keys))
+        return self._exists_many_with(keys, None)
 
     def _size(self, key: str) -> int | None:
         # SGLang's interface has no size query: a stored page is a whole page of this pool.

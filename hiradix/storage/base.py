@@ -346,12 +346,17 @@ class StorageBackend(ABC):
         n = 0
         if keys:
             try:
-                n = max(0, min(int(self._exists_many(keys)), len(keys)))
+                n = max(0, min(int(self._exists_many_with(keys, extra_info)), len(keys)))
             except Exception as exc:  # a failing batch override: the first key misses
                 self._failed("exists", keys[0], exc)
                 n = 0
         self._count(exists_queries=len(keys))
         return n
+
+    def _exists_many_with(self, keys: list[str], extra_info: StorageExtraInfo | None) -> int:
+        """:meth:`_exists_many` for a backend that reads the call's ``extra_info`` (prefix
+        keys); the default ignores it."""
+        return self._exists_many(keys)
 
     def _exists_many(self, keys: list[str]) -> int:
         """How many leading ``keys`` are stored (see :meth:`batch_exists`). The default
