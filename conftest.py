@@ -11,9 +11,13 @@ the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in ``.venv-s
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 _STUBS = Path(__file__).resolve().parent / "tests" / "stubs"
 
@@ -48,3 +52,32 @@ def _sglang_has_unified_hicache() -> bool:
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
 collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
                   + ([] if _sglang_has_unified_hicache() else ["tests/sglang23"]))
+
+
+# The suite's memory, bounded. Trees (the twin's nodes link to their parents) and peer nodes
+# (components hold the node's bound methods) are reference cycles, which only the cyclic
+# collector frees, and its full passes grow rarer as the heap grows: in the pure-Python
+# suite, replays of the whole trace piled up to 9 GB and the kernel's OOM killer ended it.
+# So a test after which the process has grown by half a GiB since the last collection is
+# followed by one (otherwise the cost is one statm read per test).
+_GROWTH = 512 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_rss_base: list[int] = []  # RSS after the last collection
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:  # no procfs: never collect here
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    rss = _rss()
+    if not _rss_base:
+        _rss_base.append(rss)
+    elif rss - _rss_base[0] >= _GROWTH:
+        gc.collect()
+        _rss_base[0] = _rss()

@@ -1,10 +1,13 @@
 """The reader's one fetch routine in both of its plans, across rounds: a batch larger than
 one receive lane is READ in several rounds (staged: by bytes; in place: by header places),
-and every page lands whole, with a torn slot in a later round a miss of its own."""
+and every page lands whole, with a torn slot in a later round a miss of its own; and the
+receive region's release on close."""
 
 from __future__ import annotations
 
+import queue
 import secrets
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +16,9 @@ import pytest
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import PeerNode
 from hiradix.peer.pool import SLOT_HEADER_SIZE
+from hiradix.peer.reader import _ReceiveRegion
 from hiradix.transport import FakeFabric
+from hiradix.transport.fake import FakeTransport
 
 LANE = 1 << 16  # the smallest lane a receive region has
 
@@ -93,3 +98,33 @@ def test_in_place_reads_span_rounds_next_to_staged_ones(pair: tuple[PeerNode, Pe
     got += [outside[i * size : (i + 1) * size].tobytes() for i in range(10)]
     assert all(got[i] == data[i] for i in range(n) if i != n - 20)
     assert b.stale_reads == 1
+
+
+def test_a_receive_region_closes_only_once_its_leased_lanes_are_back() -> None:
+    """``close`` waits for a read still writing into a lane, and leases no new lane
+    meanwhile; with the lane back, the memory goes."""
+    transport = FakeTransport(FakeFabric(), "a")
+    try:
+        region = _ReceiveRegion(transport, 4 << 16, 4)
+        leased, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+        def reader() -> None:
+            with region.lease(timeout=1.0) as (_addr, view):
+                leased.set()
+                release.wait(10.0)
+                view[:4] = b"done"  # the lane's memory is still there
+
+        t = threading.Thread(target=reader)
+        t.start()
+        assert leased.wait(10.0)
+        closer = threading.Thread(target=lambda: (region.close(timeout=10.0), closed.set()))
+        closer.start()
+        with pytest.raises(queue.Empty), region.lease(timeout=0.0):
+            pass
+        assert not closed.is_set() and region.buf.nbytes == 4 << 16
+        release.set()
+        t.join(10.0)
+        closer.join(10.0)
+        assert closed.is_set() and region.buf.nbytes == 0
+    finally:
+        transport.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import queue
 import socket
 import threading
 import urllib.request
@@ -57,6 +58,21 @@ def test_receive_region_is_not_remotely_readable(cluster: InProcessCluster) -> N
     assert entry is not None
     ok = [(entry.addr, entry.rkey, 64, sink.ctypes.data)]
     assert b.transport.read_batch(a.transport.address, ok) == [Status.OK]
+
+
+def test_closing_a_node_releases_its_receive_region_at_once() -> None:
+    """The node object graph is a web of bound-method cycles, so the receive region (touched
+    on purpose, 64 MiB by default) used to live on after ``close`` until the cyclic
+    collector ran: a test suite opening many nodes reached 9 GB. ``close`` now deregisters
+    it and drops its memory; a read after that misses."""
+    c = InProcessCluster(1, transport="fake", pool_size=64 * (PAGE + 64), page_size=PAGE)
+    node = c.nodes[0]
+    region = node.recv
+    assert region.buf.nbytes >= 1 << 16
+    c.close()
+    assert region.buf.nbytes == 0
+    with pytest.raises(queue.Empty), region.lease(timeout=0.0):
+        pass
 
 
 # ---------------------------------------------------------------------- republish

@@ -998,6 +998,7 @@ class PeerNode:
             self.metrics_server.stop()
         self.rpc.close()
         self.client.close()
+        self.reader.close()
         self.producer.close()
         self.transport.close()
 

@@ -149,15 +149,36 @@ class _ReceiveRegion:
         start = (-raw.ctypes.data) % 4096
         self._raw = raw
         self.buf = raw[start : start + self.lane_bytes * lanes]
+        self._transport = transport
         self.region = transport.register(self.buf, remote=False)
         self._cond = threading.Condition()
+        self._lanes = lanes
         self._free = list(range(lanes - 1, -1, -1))  # a stack: the hottest lane is reused first
+        self._closed = False
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Lease no more lanes, wait up to ``timeout`` seconds for the leased ones, then
+        deregister the region and let its memory go at once. The node object graph is
+        full of bound-method cycles, so without this the region (touched on purpose,
+        64 MiB by default) would live on until the cyclic garbage collector ran.
+        Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            drained = self._cond.wait_for(lambda: len(self._free) == self._lanes, timeout)
+        if not drained:
+            return  # a read still writes into a lane: keep the memory alive for it
+        with contextlib.suppress(Exception):  # the transport may be closed already
+            self._transport.deregister(self.region.rkey, timeout)
+        self.buf = self._raw = np.empty(0, dtype=np.uint8)
 
     @contextlib.contextmanager
     def lease(self, timeout: float) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                raise queue.Empty  # no lane within the timeout: the caller misses
+            if not self._cond.wait_for(lambda: bool(self._free) or self._closed, timeout) or self._closed:
+                raise queue.Empty  # no lane within the timeout, or closing: the caller misses
             lane = self._free.pop()
         try:
             off = lane * self.lane_bytes
@@ -165,7 +186,10 @@ class _ReceiveRegion:
         finally:
             with self._cond:
                 self._free.append(lane)
-                self._cond.notify()
+                if self._closed:
+                    self._cond.notify_all()  # close() waits for the last lane
+                else:
+                    self._cond.notify()
 
 
 class _Plan:
@@ -370,6 +394,10 @@ class Reader:
         with self._lock:
             self._receive_spans.append((region.addr, region.addr + region.length, region.rkey))
         return region.rkey
+
+    def close(self) -> None:
+        """Release the receive region (reads from now on miss). Idempotent."""
+        self.recv.close()
 
     def deregister_receive(self, handle: int, timeout: float | None = None) -> None:
         """Undo :meth:`register_receive` (waits for reads landing in it).
