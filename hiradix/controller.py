@@ -13,6 +13,12 @@ touches the tree (the cache does). Its parts:
   :class:`LayerDoneCounter` the model waits on (``wait_until(layer)``).
 - **Two engines.** Writes and loads run on separate engines (SGLang's write and load
   streams), so a load the forward pass is waiting for never queues behind a large backup.
+- **Companion pools.** :meth:`HiCacheController.add_companion` adds a pair of pools whose
+  KV follows the main pair slot for slot (SGLang's separate draft model for speculative
+  decoding keeps its own KV at the target's token slots). Every backup and load also moves
+  the companions' KV, submitted first on the same engine: engines complete in submission
+  order, so a load's layer events (which the forward pass waits on) imply the companions'
+  KV is in place, and an ack covers every pool.
 - **Agreement.** With several ranks, the acks are consumed only as far as every rank has
   finished (:meth:`ack_writes` / :meth:`ack_loads`: MIN over the finished counts, then
   AND over the copy outcomes), and host allocations are kept only if every rank got
@@ -70,20 +76,30 @@ class CacheOperation:
 
 @dataclass(slots=True)
 class TransferAck:
-    """One merged transfer on the ack queue: its nodes (in queue order) and its handle."""
+    """One merged transfer on the ack queue: its nodes (in queue order), its handle, and
+    the handles of the same transfer on the companion pools (submitted before it)."""
 
     ack_id: int
     ops: tuple[CacheOperation, ...]
     handle: CopyHandle
+    companions: tuple[CopyHandle, ...] = ()
 
     def done(self) -> bool:
-        """Whether the copy finished, successfully or not. Never blocks. ``O(1)``."""
-        return self.handle.done()
+        """Whether the copy finished, successfully or not, in every pool. Never blocks.
+        ``O(companions)``."""
+        return self.handle.done() and all(h.done() for h in self.companions)
 
     @property
     def ok(self) -> bool:
-        """Whether the copy landed completely (only meaningful once :meth:`done`)."""
-        return self.handle.done() and self.handle.error is None
+        """Whether the copy landed completely in every pool (only meaningful once
+        :meth:`done`)."""
+        return self.done() and self.handle.error is None and all(h.error is None for h in self.companions)
+
+    def wait(self) -> None:
+        """Block until the copy has finished in every pool (a failure is read from
+        :attr:`ok`, not raised)."""
+        for h in (*self.companions, self.handle):
+            _wait_finished(h)
 
     @property
     def tokens(self) -> int:
@@ -259,7 +275,33 @@ class HiCacheController:
         self._writes = _Queue()
         self._loads = _Queue()
         self._ack_ids = itertools.count()
+        self._companions: list[tuple[DeviceKVPool, HostKVPool]] = []
         self.stats = {"backup_tokens": 0, "load_tokens": 0, "backup_failed_tokens": 0, "load_failed_tokens": 0}
+
+    def add_companion(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+        """Move the KV of ``device_pool`` / ``host_pool`` along with every later backup and
+        load, at the same device and host indices (see the module docstring). Both must
+        have the main pools' page size and at least their slots, and match each other in
+        shape and dtype; ``ValueError`` names what differs. ``O(1)``."""
+        ps = self.device_pool.page_size
+        if (device_pool.shape, device_pool.dtype) != (host_pool.shape, host_pool.dtype):
+            raise ValueError(
+                f"companion device and host pools differ: {device_pool.shape}/{device_pool.dtype} "
+                f"vs {host_pool.shape}/{host_pool.dtype}"
+            )
+        if device_pool.page_size != ps or host_pool.page_size != ps:
+            raise ValueError(f"companion pools have page size {device_pool.page_size}/{host_pool.page_size}, not {ps}")
+        if device_pool.size < self.device_pool.size or host_pool.size < self.host_pool.size:
+            raise ValueError(
+                f"companion pools hold {device_pool.size}/{host_pool.size} slots, fewer than the main pools' "
+                f"{self.device_pool.size}/{self.host_pool.size}: the indices are shared"
+            )
+        self._companions.append((device_pool, host_pool))
+
+    @property
+    def companions(self) -> tuple[tuple[DeviceKVPool, HostKVPool], ...]:
+        """The ``(device, host)`` companion pairs, in the order they were added."""
+        return tuple(self._companions)
 
     # ------------------------------------------------------------------ allocation
     def alloc_host(self, sizes: Sequence[int]) -> list[torch.Tensor | None]:
@@ -299,8 +341,9 @@ class HiCacheController:
             return None
         self._writes.pending.clear()
         dev, host = _merged(ops)
+        extra = tuple(self.write_engine.backup(d, h, dev, host) for d, h in self._companions)
         handle = self.write_engine.backup(self.device_pool, self.host_pool, dev, host)
-        ack = TransferAck(next(self._ack_ids), ops, handle)
+        ack = TransferAck(next(self._ack_ids), ops, handle, extra)
         self._writes.acks.append(ack)
         return ack
 
@@ -329,8 +372,10 @@ class HiCacheController:
             return -1
         self._loads.pending.clear()
         dev, host = _merged(ops)
+        # Companions first: the engine is FIFO, so the layer events below imply them.
+        extra = tuple(self.load_engine.load(h, d, host, dev) for d, h in self._companions)
         handle = self.load_engine.load(self.host_pool, self.device_pool, host, dev)
-        self._loads.acks.append(TransferAck(next(self._ack_ids), ops, handle))
+        self._loads.acks.append(TransferAck(next(self._ack_ids), ops, handle, extra))
         return self.layer_done_counter.update_producer(handle)
 
     def ack_loads(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:
@@ -346,7 +391,7 @@ class HiCacheController:
     def _ack(self, q: _Queue, wait_all: bool, kind: str) -> list[tuple[TransferAck, bool]]:
         if wait_all:
             for ack in q.acks:
-                _wait_finished(ack.handle)
+                ack.wait()
             local = len(q.acks)
         else:
             local = 0
@@ -367,7 +412,7 @@ class HiCacheController:
         """Wait for every submitted copy to finish (their acks stay queued)."""
         for q in (self._writes, self._loads):
             for ack in q.acks:
-                _wait_finished(ack.handle)
+                ack.wait()
 
     def close(self) -> None:
         """Finish submitted copies and stop the engines this controller created."""

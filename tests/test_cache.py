@@ -423,6 +423,82 @@ def test_controller_rejects_mismatched_pools() -> None:
         HiCacheController(dev, host)
 
 
+def _companion_setup() -> tuple[HiCacheController, DeviceKVPool, DeviceKVPool]:
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    # A draft model's pool: another shape, the same token slots.
+    draft = DeviceKVPool(MLAShape(1, 8, 4), size=32, page_size=4, dtype=torch.float32)
+    ctrl = HiCacheController(dev, host)
+    ctrl.add_companion(draft, HostKVPool(draft.shape, host.size, 4, torch.float32, "page_first", reserve_bytes=0))
+    return ctrl, dev, draft
+
+
+def test_companion_pools_follow_every_backup_and_load() -> None:
+    """A companion pair (SGLang's draft model KV) is backed up and loaded at the same
+    indices as the main pair, bytes intact in both, and one ack covers both."""
+    ctrl, dev, draft = _companion_setup()
+    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
+    seeds = prefix_seeds(np.arange(100, 112))
+    try:
+        for pool in (dev, draft):
+            fill(pool, slots, seeds)
+        ctrl.write(slots, host_slots)
+        ack = ctrl.start_writing()
+        assert ack is not None and len(ack.companions) == 1
+        ((got, ok),) = ctrl.ack_writes(wait_all=True)
+        assert got is ack and ok and ack.done()
+        for pool in (dev, draft):
+            scribble(pool, slots)
+        ctrl.load(host_slots, slots)
+        ctrl.start_loading()
+        ((_, ok),) = ctrl.ack_loads(wait_all=True)
+        assert ok and mismatches(dev, slots, seeds) == 0 and mismatches(draft, slots, seeds) == 0
+    finally:
+        ctrl.close()
+
+
+def test_companion_loads_finish_before_the_main_loads_first_layer() -> None:
+    """The forward pass waits on the main load's layer events only, so the companion's
+    load is submitted first on the same FIFO engine: once layer 0 is usable, it is done."""
+    ctrl, _, _ = _companion_setup()
+    try:
+        ctrl.write(np.arange(8), np.arange(8))
+        ctrl.start_writing()
+        ctrl.ack_writes(wait_all=True)
+        ctrl.load(np.arange(8), np.arange(8, 16))
+        producer = ctrl.start_loading()
+        ctrl.layer_done_counter.set_consumer(producer)
+        ctrl.layer_done_counter.wait_until(0, timeout=30.0)
+        (ack,) = ctrl._loads.acks
+        assert all(h.done() for h in ack.companions)
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize(
+    ("draft", "host_slots", "match"),
+    [
+        (dict(size=32, page_size=8), None, "page size"),
+        (dict(size=16, page_size=4), None, "fewer"),
+        (dict(size=32, page_size=4), 8, "fewer"),
+    ],
+    ids=["page-size", "device-slots", "host-slots"],
+)
+def test_companion_pools_must_share_the_main_pools_slots(draft: dict[str, int], host_slots: int | None,
+                                                         match: str) -> None:
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    ctrl = HiCacheController(dev, host)
+    try:
+        cdev = DeviceKVPool(SHAPES["mha"], dtype=torch.float32, **draft)
+        chost = HostKVPool(cdev.shape, host_slots or host.size, cdev.page_size, torch.float32, reserve_bytes=0)
+        with pytest.raises(ValueError, match=match):
+            ctrl.add_companion(cdev, chost)
+        assert ctrl.companions == ()
+    finally:
+        ctrl.close()
+
+
 def test_alloc_host_all_or_nothing_across_ranks() -> None:
     """The controller keeps a host allocation only where every rank got one."""
 

@@ -575,6 +575,12 @@ class HostKVPool(_KVPoolBase):
         changing nothing. See :meth:`PagedSlotAllocator.free`."""
         self.allocator.free(indices)
 
+    @property
+    def logical_size(self) -> int:
+        """Slots the tree indexes: :attr:`size` (SGLang's name, read when it sizes a draft
+        model's host pool to match). ``O(1)``."""
+        return self.size
+
     def available_size(self) -> int:
         """Free host slots. ``O(1)``."""
         return self.allocator.available_size()

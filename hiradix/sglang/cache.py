@@ -119,8 +119,34 @@ class SGLangCacheController(HiCacheController):
     def mem_pool_device(self) -> DeviceKVPool:
         return self.device_pool
 
-    def set_draft_kv_pool(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("hiradix.sglang does not support speculative decoding draft KV pools yet")
+    @property
+    def has_draft(self) -> bool:
+        """Whether a draft model's KV pool follows the target's (:meth:`set_draft_kv_pool`)."""
+        return bool(self.companions)
+
+    def set_draft_kv_pool(self, draft_device_pool: Any, draft_host_pool: Any = None) -> None:
+        """SGLang's hook for speculative decoding with a separate draft model, whose KV
+        pool is indexed by the target's token slots: from now on every backup and load
+        also moves the draft's KV at the same slots (:meth:`add_companion`).
+
+        The draft's device pool is used in place; its L2 copy is a hiradix host pool with
+        the target host pool's slots and layout. SGLang's own ``draft_host_pool`` is not
+        kept (hiradix's engines copy between hiradix pools; it is freed when SGLang drops
+        it). L3 carries the target's KV only, as SGLang 0.5.18 does for every storage
+        backend but Mooncake: a page loaded from L3 leaves the draft's KV of its slots
+        stale, which can lower the draft's acceptance rate but never changes the target's
+        output (it verifies every drafted token). ``ValueError`` for a draft pool kind
+        hiradix cannot wrap. ``O(draft host pool)`` to allocate.
+        """
+        device = device_pool_from_sglang(draft_device_pool)
+        host = HostKVPool(device.shape, self.host_pool.size, device.page_size, device.dtype,  # type: ignore[arg-type]
+                          self.host_pool.layout)
+        self.add_companion(device, host)
+        logger.info("hiradix: draft KV pool registered (%s, %d host slots)",
+                    type(draft_device_pool).__name__, host.size)
+        if self.storage_backend_type is not None:
+            logger.warning("hiradix: L3 (%s) stores the target's KV only; the draft's KV of pages loaded from L3 "
+                           "is stale (draft acceptance may drop, outputs do not change)", self.storage_backend_type)
 
     def reset(self) -> None:
         """Forget the layer-done indices (the cache's reset has already drained copies)."""

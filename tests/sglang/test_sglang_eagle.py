@@ -12,7 +12,7 @@ from array import array
 
 import pytest
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import LAYERS, build, build_sglang, patch_sglang_for_parity
 from twin import Twin, run
@@ -197,3 +197,50 @@ def test_sglang_itself_agrees_on_the_pinned_lengths(monkeypatch) -> None:
     assert len(match(env, [1, 2, 3, 4, 5], limit=3).device_indices) == 2
     assert insert(env, [1, 2, 3, 4, 5, 6]) == 4
     env.cache.release_host_resources()
+
+
+# ---------------------------------------------------------------------------- draft model KV
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_draft_models_kv_follows_the_targets_through_host_and_back(make_env, sglang_cpu, layout: str) -> None:
+    """Speculative decoding with a separate draft model: SGLang's own start-up code
+    (``kv_cache_builder._register_legacy_hicache_draft``) registers the draft's KV pool with
+    ``tree_cache.cache_controller``. Evicted to host and loaded back, the draft's KV
+    returns byte for byte at the target's new slots, together with the target's."""
+    from sglang.srt.mem_cache.kv_cache_builder import _register_legacy_hicache_draft
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    env = make_env(4, layout=layout, eagle=True)
+    draft = MHATokenToKVPool(size=env.kv.size, page_size=4, dtype=torch.float32, head_num=1, head_dim=8,
+                             layer_num=1, device="cpu", enable_memory_saver=False)
+    server_args = type("Args", (), {"hicache_mem_layout": layout, "hicache_storage_backend": None})()
+    _register_legacy_hicache_draft(tree_cache=env.cache, draft_pool=draft, server_args=server_args, page_size=4)
+    controller = env.cache.cache_controller
+    assert controller.has_draft and len(controller.companions) == 1
+
+    def draft_kv(tokens: torch.Tensor) -> torch.Tensor:  # bytes from the token only
+        return (tokens.to(torch.float32).view(-1, 1, 1) * 5 + torch.arange(8.0).view(1, 1, 8)).remainder(991)
+
+    tokens = list(range(500, 541))  # 40 bigrams
+    n = 40
+    slots = env.allocator.alloc(n)
+    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
+    for buf in (draft.k_buffer[0], draft.v_buffer[0]):
+        buf[slots] = draft_kv(torch.tensor(tokens[:n]))
+    env.cache.insert(InsertParams(key=key(tokens), value=slots))
+    env.cache.core.flush()
+    env.cache.check_hicache_events()
+    assert env.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
+    for buf in (*env.layers(), draft.k_buffer[0], draft.v_buffer[0]):
+        buf.zero_()  # the bytes must come from the host
+    m = match(env, tokens)
+    assert len(m.device_indices) == 0 and m.host_hit_length == n
+    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                            host_hit_length=m.host_hit_length))
+    counter = controller.layer_done_counter
+    counter.set_consumer(env.cache.ready_to_load_host_cache())
+    counter.wait_until(LAYERS - 1)
+    want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
+    assert all(torch.equal(buf[loaded], w) for buf, w in zip(env.layers(), want, strict=True))
+    for buf in (draft.k_buffer[0], draft.v_buffer[0]):
+        assert torch.equal(buf[loaded], draft_kv(torch.tensor(tokens[:n])))
+    env.cache.check_invariants()
