@@ -278,6 +278,11 @@ def _key_tokens(key: Any) -> np.ndarray:
     built without ``is_eagle`` is an error, not a silent mismatch."""
     if key.is_bigram:
         raise ValueError("a bigram (EAGLE) key reached a cache built without is_eagle")
+    ids = key.token_ids
+    if type(ids) is array and ids.typecode == "q":  # the scheduler's keys: no call chain
+        tokens = np.frombuffer(ids, np.int64)
+        limit = key.limit
+        return tokens if limit is None or limit >= len(tokens) else tokens[:limit]
     return _raw_tokens(key)
 
 
@@ -539,15 +544,17 @@ class HiRadixCache(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, _ = self._bigram_key(key)
         else:
-            ns = self._ns(key.extra_key, key.cache_salt)
+            # The scheduler's hottest call: a key without a namespace skips _ns.
+            ek, salt = key.extra_key, key.cache_salt
+            ns = None if ek is None and salt is None else self._ns(ek, salt)
             tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
-        # The compiled tree directly, not the core cache's wrapper: this is the
-        # scheduler's hottest call, and every Python layer costs microseconds here.
+        # The compiled tree directly, not the core cache's wrapper: every Python layer
+        # costs microseconds here.
         tree = self.tree
-        m = tree.match_prefix(tokens[:n], ns)
+        m = tree.match_prefix(tokens if n == len(tokens) else tokens[:n], ns)
         host = m.last_node if m.host_hit_length else m.last_device_node
         while not (tree.is_backed_up(host) or tree.is_root(host)):
             host = tree.parent(host)
@@ -569,7 +576,8 @@ class HiRadixCache(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, raw = self._bigram_key(key)
         else:
-            ns = self._ns(key.extra_key, key.cache_salt)
+            ek, salt = key.extra_key, key.cache_salt
+            ns = None if ek is None and salt is None else self._ns(ek, salt)
             tokens = raw = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
