@@ -46,5 +46,7 @@ def _sglang_has_unified_hicache() -> bool:
 
 
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
+# hiradix.sglang's request API for the other SGLang generation does not import here.
 collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
-                  + ([] if _sglang_has_unified_hicache() else ["tests/sglang23"]))
+                  + (["hiradix/sglang/api_v18.py"] if _sglang_has_unified_hicache()
+                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
