@@ -80,13 +80,30 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
             refuse(f"--{option.replace('_', '-')}", "it selects another tree cache than --radix-cache-backend hiradix")
 
 
+class _ResolvedArgs:
+    """A ``ServerArgs`` read as SGLang 0.5.20+ reads it: its startup fields with the values
+    SGLang's resolution hooks and runtime overrides settled (``resolved_dict()``, e.g. the
+    defaulted ``--hicache-ratio``), which the struct's own attributes do not carry."""
+
+    def __init__(self, server_args: Any) -> None:
+        self._args = server_args
+        resolved = getattr(server_args, "resolved_dict", None)
+        self._resolved: dict[str, Any] = resolved() if callable(resolved) else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._resolved:
+            return self._resolved[name]
+        return getattr(self._args, name)
+
+
 class HiRadixCache(HiRadixCacheBase):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.20 to 0.5.23 (module docstring): a
     registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
 
     def __init__(self, params: Any, server_args: Any) -> None:
-        check_supported_v23(params, server_args)
-        super().__init__(params, server_args)
+        args = _ResolvedArgs(server_args)
+        check_supported_v23(params, args)
+        super().__init__(params, args)
 
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:

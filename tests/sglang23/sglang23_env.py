@@ -20,6 +20,7 @@ the ``UnifiedRadixCache`` (0.5.18 and older ship ``HiRadixCache``: ``tests/sglan
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import threading
@@ -42,7 +43,7 @@ if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -56,6 +57,7 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
 
 from hiradix.peer.node import InProcessCluster
@@ -63,6 +65,7 @@ from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import MemoryStorage, StorageBackend, StorageConfig
 
 logging.getLogger("sglang").setLevel(logging.ERROR)
+hs.register()  # what SGLang's plugin loader does at start-up (--radix-cache-backend hiradix)
 
 LAYERS = 3
 HEADS = 2
@@ -92,6 +95,23 @@ class Env:
     allocator: Any
     req_to_token: Any
     mla: bool
+    page_size: int = PAGE
+    worker: Any = None
+    reqs: int = 0
+
+    def new_req(self, tokens: list[int], *, extra_key: str | None = None, cache_salt: str | None = None,
+                max_new_tokens: int = 8) -> Any:
+        """A real SGLang ``Req`` (no ``req_to_token`` row yet: the scheduler gives it one
+        when it allocates the request's KV)."""
+        self.reqs += 1
+        return Req(f"r{self.reqs}", "", array("q", tokens), SamplingParams(max_new_tokens=max_new_tokens),
+                   extra_key=extra_key, cache_salt=cache_salt)
+
+    def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """"Compute" KV: every slot gets bytes derived from (token, position) only
+        (:meth:`expected_kv`), so a reused prefix must read back identical bytes."""
+        for buf, val in zip(self.layers(), self.expected_kv(tokens, positions), strict=True):
+            buf[slots.long()] = val
 
     def layers(self) -> list[torch.Tensor]:
         """Every device KV buffer, per layer and component."""
@@ -122,24 +142,10 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
     if _ACTIVE is None:
         raise RuntimeError("build() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
     _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config)
-    size = size // PAGE * PAGE
-    if mla:
-        kv = MLATokenToKVPool(size=size, page_size=PAGE, dtype=torch.float32, kv_lora_rank=8, qk_rope_head_dim=4,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    else:
-        kv = MHATokenToKVPool(size=size, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=HEAD_DIM,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    alloc = PagedTokenToKVPoolAllocator(size=size, page_size=PAGE, dtype=torch.float32, device="cpu", kvcache=kv,
-                                        need_sort=False)
-    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    kv, alloc, req_to_token = _pools(PAGE, size, mla)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=PAGE)
-    ctx = TreeCacheBuildContext(
-        server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_Worker(), model_config=None,
-        tp_size=1, tp_rank=0, tp_group=None,
-    )
-    cache = create_tree_cache(ctx)
+    cache = create_tree_cache(_context(params))
     _ACTIVE.caches.append(cache)
     assert type(cache) is UnifiedRadixCache, f"create_tree_cache built {type(cache).__name__}"
     # SGLang's host pool asks for pinned memory (its default); on CPU nothing is pinned,
@@ -147,6 +153,59 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
     # fails without an accelerator: say what is true here.
     cache.cache_controller.storage_host_pool.pin_memory = False
     return Env(cache, kv, alloc, req_to_token, mla)
+
+
+def _pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
+    """SGLang's CPU KV pool (MHA or MLA), its allocator and a ``ReqToTokenPool``."""
+    size = size // page_size * page_size
+    if mla:
+        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
+                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    else:
+        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
+                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
+                                            kvcache=kv, need_sort=False)
+    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return kv, alloc, req_to_token
+
+
+def _context(params: Any, *, hierarchical: bool = True, worker: _Worker | None = None) -> Any:
+    """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
+    assert _ACTIVE is not None
+    return TreeCacheBuildContext(
+        server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=hierarchical, disable_radix_cache=False, tp_worker=worker or _Worker(),
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+
+
+def build_hiradix(page_size: int = PAGE, *, size: int = 512, mla: bool = False, layout: str = "layer_first",
+                  write_policy: str = "write_through", storage: str | None = None, extra_config: str | None = None,
+                  eviction_policy: str = "lru", eagle: bool = False, hierarchical: bool = True,
+                  params: dict[str, Any] | None = None, **flags: Any) -> Env:
+    """hiradix's cache as SGLang 0.5.23's scheduler builds it with ``--radix-cache-backend
+    hiradix``: the flags published (``get_memory()`` is what ``create_tree_cache`` reads the
+    backend's name from), SGLang's CPU pools, ``create_tree_cache``. ``flags`` are more
+    server flags, ``params`` more ``CacheInitParams`` fields. Needs
+    :func:`patch_sglang_for_cpu` (the ``sglang_cpu`` fixture), whose exit shuts it down."""
+    if _ACTIVE is None:
+        raise RuntimeError("build_hiradix() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
+    _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size,
+                    radix_cache_backend=hs.BACKEND_NAME, hicache_write_policy=write_policy,
+                    radix_eviction_policy=eviction_policy, enable_hierarchical_cache=hierarchical, **flags)
+    kv, alloc, req_to_token = _pools(page_size, size, mla)
+    init = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
+                           page_size=page_size, eviction_policy=eviction_policy, is_eagle=eagle, **(params or {}))
+    worker = _Worker()
+    cache = create_tree_cache(_context(init, hierarchical=hierarchical, worker=worker))
+    atexit.unregister(cache.shutdown)
+    _ACTIVE.caches.append(cache)
+    assert type(cache) is hs.HiRadixCache, f"create_tree_cache built {type(cache).__name__}"
+    return Env(cache, kv, alloc, req_to_token, mla, page_size, worker)
 
 
 # ---------------------------------------------------------------------------- SGLang's cache on CPU
@@ -193,15 +252,17 @@ class _Published:
         self.server_args: Any = None
         self.caches: list[Any] = []
 
-    def publish(self, *, layout: str, storage: str | None, extra_config: str | None) -> None:
+    def publish(self, *, layout: str, storage: str | None, extra_config: str | None, **more: Any) -> None:
         from sglang.srt.runtime_context import get_context
 
-        override = get_context().override_server_args(
+        flags: dict[str, Any] = dict(
             device="cpu", enable_hierarchical_cache=True, page_size=PAGE, served_model_name=MODEL,
             hicache_mem_layout=layout, hicache_io_backend="direct", hicache_write_policy="write_through",
             hicache_ratio=2.0, hicache_storage_backend=storage, hicache_storage_backend_extra_config=extra_config,
             hicache_storage_prefetch_policy="wait_complete",
         )
+        flags.update(more)
+        override = get_context().override_server_args(**flags)
         self.server_args = override.install()
         self.stack.callback(override.restore)  # LIFO: every publish undone, the last first
 
@@ -268,6 +329,8 @@ def patch_sglang_for_cpu() -> Iterator[None]:
             for cache in published.caches:  # while their flags are still published
                 cache.shutdown()  # stops the storage threads, closes the backend
                 cache.release_host_resources()
+                if isinstance(cache, hs.HiRadixCache):
+                    cache.core.close()  # and hiradix's copy engines
 
 
 # ---------------------------------------------------------------------------- the round trip
