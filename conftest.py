@@ -4,9 +4,12 @@ SGLang imports ``torchvision`` at import time, and the PyPI torchvision wheel ca
 with the CPU torch, so an import-only stub (``tests/stubs``) is put on ``sys.path`` when no
 torchvision imports. Without a supported SGLang, ``hiradix/sglang`` is left out of doctest
 collection (its cache's names raise, by design, naming the versions they need), and
-``tests/sglang`` skips saying why. ``tests/sglang23`` (stock SGLang 0.5.23's own cache on
-hiradix's L3 backends) is collected only where the installed SGLang's hierarchical cache is
-the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in ``.venv-sglang23``.
+``tests/sglang`` skips saying why. ``tests/sglang23`` (hiradix's cache on SGLang 0.5.23, and
+0.5.23's own cache on hiradix's L3 backends) is collected only where the installed SGLang's
+hierarchical cache is the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in
+``.venv-sglang23``.
+The request-API module of hiradix.sglang for the other SGLang generation is left out of
+doctest collection (it does not import there).
 """
 
 from __future__ import annotations

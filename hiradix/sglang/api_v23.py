@@ -1,7 +1,7 @@
-"""The request API of SGLang 0.5.20 to 0.5.23 on :class:`~hiradix.sglang.cache.HiRadixCacheBase`.
+"""The request API of SGLang 0.5.23 on :class:`~hiradix.sglang.cache.HiRadixCacheBase`.
 
-From 0.5.20 on SGLang ships no ``HiRadixCache``, and the scheduler talks to a registered cache
-differently:
+SGLang 0.5.23 ships no ``HiRadixCache``, and its scheduler talks to a registered cache
+differently from 0.5.18's:
 
 - a match returns the *length* of the device prefix (``MatchResult.device_prefix_len``);
   the scheduler reads the slots off the locked match node when it fills the request's row
@@ -16,7 +16,7 @@ differently:
 - L3 prefetches are named by ``CacheRequestHandle`` (rid and attempt), and an aborted
   attempt ends with ``finish(handle, ABORT)`` -> :meth:`release_aborted_request`.
 
-Options 0.5.20 added that this cache does not honour are refused at start-up, naming the
+Options added since 0.5.18 that this cache does not honour are refused at start-up, naming the
 option (:func:`check_supported_v23`).
 """
 
@@ -46,14 +46,14 @@ _RETRY_DEFAULT = 8
 
 
 def check_supported_v23(params: Any, server_args: Any) -> None:
-    """Refuse, naming the option, what SGLang 0.5.20+ can ask for and this cache does
+    """Refuse, naming the option, what SGLang 0.5.23 can ask for and this cache does
     not do: each would otherwise be ignored without a word."""
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
 
     if getattr(params, "enable_kv_cache_events", False):
-        refuse("--kv-events-config (KV cache events) on SGLang >= 0.5.20",
+        refuse("--kv-events-config (KV cache events) on SGLang 0.5.23",
                "hiradix emits SGLang 0.5.18's event format only")
     if getattr(params, "eviction_policy_config", None):
         refuse("--radix-eviction-policy-config", "hiradix's eviction policies take no tuning parameters")
@@ -81,7 +81,7 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
 
 
 class _ResolvedArgs:
-    """A ``ServerArgs`` read as SGLang 0.5.20+ reads it: its startup fields with the values
+    """A ``ServerArgs`` read as SGLang 0.5.23 reads it: its startup fields with the values
     SGLang's resolution hooks and runtime overrides settled (``resolved_dict()``, e.g. the
     defaulted ``--hicache-ratio``), which the struct's own attributes do not carry."""
 
@@ -97,7 +97,7 @@ class _ResolvedArgs:
 
 
 class HiRadixCache(HiRadixCacheBase):
-    """hiradix's ``HiRadixCache`` for SGLang 0.5.20 to 0.5.23 (module docstring): a
+    """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
     registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
 
     def __init__(self, params: Any, server_args: Any) -> None:
@@ -188,7 +188,7 @@ class HiRadixCache(HiRadixCacheBase):
     def prefetch_from_storage(self, req_id: Any, last_host_node: Any, new_input_tokens: Sequence[int],
                               last_hash: str | None = None, prefix_keys: list[str] | None = None,
                               **kwargs: Any) -> bool:
-        """SGLang 0.5.20's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
+        """SGLang 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
         the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
         ``cache_salt`` are what the tree already knows from ``last_host_node``. A
         ``storage_hit_end`` comes only with SGLang's re-issues, which hiradix never asks

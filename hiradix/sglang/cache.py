@@ -263,7 +263,7 @@ class HiRadixCacheBase(BasePrefixCache):
     :data:`hiradix.sglang.HiRadixCache`, this base's subclass for the installed SGLang
     (:mod:`hiradix.sglang.api`): ``cache_finished_req`` / ``cache_unfinished_req`` up to
     0.5.18 (:mod:`hiradix.sglang.api_v18`), ``checkpoint`` / ``lock`` /
-    ``path_device_indices`` from 0.5.20 on (:mod:`hiradix.sglang.api_v23`).
+    ``path_device_indices`` on 0.5.23 (:mod:`hiradix.sglang.api_v23`).
 
     Built as SGLang's scheduler builds its own: ``HiRadixCache(params, server_args)`` with
     ``CacheInitParams`` and ``ServerArgs``. Reads the same options as SGLang 0.5.18:
@@ -287,7 +287,7 @@ class HiRadixCacheBase(BasePrefixCache):
         self.page_size = params.page_size
         self.is_eagle = params.is_eagle
         self.enable_kv_cache_events = params.enable_kv_cache_events
-        # SGLang 0.5.20 dropped the option (and with it the field).
+        # SGLang 0.5.23 has dropped the option (and with it the field).
         self.disable_finished_insert = bool(getattr(params, "disable_finished_insert", False))
         self.eviction_policy = str(params.eviction_policy).lower()
         self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
@@ -502,7 +502,7 @@ class HiRadixCacheBase(BasePrefixCache):
 
     def get_prefix_hash_values(self, node: Any) -> list[str]:
         """Page hashes from the root down to ``node``'s parent (SGLang 0.5.18 base's
-        definition; 0.5.20's scheduler calls it without the base defining it). ``O(depth)``."""
+        definition; 0.5.23's scheduler calls it without the base defining it). ``O(depth)``."""
         return node.get_prefix_hash_values(node.parent)
 
     # SGLang's scheduler reads these to tell whether the cache is idle (before a flush or
@@ -587,7 +587,7 @@ class HiRadixCacheBase(BasePrefixCache):
         value = params.value
         if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
             value = torch.as_tensor(raw[:n], dtype=torch.int64)
-        # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.20 has no such flag.
+        # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.
         prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
                                   chunked=bool(getattr(params, "chunked", False)))
         if self._events is not None:  # before anything can delete the new node

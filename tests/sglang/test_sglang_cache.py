@@ -22,7 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import LAYERS, build
+from sglang_env import build
+from sglang_pools import LAYERS
 
 import hiradix.sglang as hs
 
