@@ -4,9 +4,12 @@ SGLang imports ``torchvision`` at import time, and the PyPI torchvision wheel ca
 with the CPU torch, so an import-only stub (``tests/stubs``) is put on ``sys.path`` when no
 torchvision imports. Without a supported SGLang, ``hiradix/sglang`` is left out of doctest
 collection (its cache's names raise, by design, naming the versions they need), and
-``tests/sglang`` skips saying why. ``tests/sglang23`` (stock SGLang 0.5.23's own cache on
-hiradix's L3 backends) is collected only where the installed SGLang's hierarchical cache is
-the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in ``.venv-sglang23``.
+``tests/sglang`` skips saying why. ``tests/sglang23`` (hiradix's cache on SGLang 0.5.23, and
+0.5.23's own cache on hiradix's L3 backends) is collected only where the installed SGLang's
+hierarchical cache is the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in
+``.venv-sglang23``.
+The request-API module of hiradix.sglang for the other SGLang generation is left out of
+doctest collection (it does not import there).
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ def _sglang_has_unified_hicache() -> bool:
 
 
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
+# hiradix.sglang's request API for the other SGLang generation does not import here, nor
+# (on 0.5.23) its KV events, which are 0.5.18's.
 collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
-                  + ([] if _sglang_has_unified_hicache() else ["tests/sglang23"]))
+                  + (["hiradix/sglang/api_v18.py", "hiradix/sglang/events.py"] if _sglang_has_unified_hicache()
+                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
 
 
 # The suite's memory, bounded. Trees (the twin's nodes link to their parents) and peer nodes

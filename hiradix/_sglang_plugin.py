@@ -19,10 +19,12 @@ logger = logging.getLogger(__name__)
 
 #: Versions whose scheduler, pools and ``register_radix_cache_backend`` the adapter is
 #: written against (0.5.15 added the radix-cache registry; 0.5.18 is the last release that
-#: ships its own HiRadixCache).
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.15", "0.5.16", "0.5.17", "0.5.18")
-#: Versions CI runs the ported SGLang tests and the scheduler loop on.
-TESTED_VERSIONS: tuple[str, ...] = ("0.5.18",)
+#: ships its own HiRadixCache; 0.5.23 has none, and a new request API:
+#: :mod:`hiradix.sglang.api`).
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.23")
+#: Versions CI runs the ported SGLang tests and the scheduler loop on (0.5.18 in
+#: ``tests/sglang``, 0.5.23 in ``tests/sglang23``).
+TESTED_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.23")
 
 _OVERRIDE = "HIRADIX_SGLANG_ANY_VERSION"
 

@@ -34,7 +34,8 @@ except UnsupportedSGLang as e:
     _UNSUPPORTED: UnsupportedSGLang | None = e
 else:
     _UNSUPPORTED = None
-    from hiradix.sglang.cache import HiRadixCache, SGLangCacheController
+    from hiradix.sglang.api import HiRadixCache
+    from hiradix.sglang.cache import SGLangCacheController
     from hiradix.sglang.nodes import TreeNode
     from hiradix.sglang.plugin import BACKEND_NAME, create_cache, register
 

@@ -53,7 +53,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,7 +64,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
-    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -78,7 +77,6 @@ from hiradix.controller import HiCacheController
 from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
-from hiradix.sglang.events import KVEventLog
 from hiradix.sglang.foreign import SGLangBackend, is_sglang_backend
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
@@ -86,7 +84,10 @@ from hiradix.storage.base import StorageBackend, StorageConfig
 from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
 
-__all__ = ["L3_FORMATS", "HiRadixCache", "SGLangCacheController", "check_supported", "parse_extra_config"]
+if TYPE_CHECKING:
+    from hiradix.sglang.events import KVEventLog
+
+__all__ = ["L3_FORMATS", "HiRadixCacheBase", "SGLangCacheController", "check_supported", "parse_extra_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 L3_FORMATS = ("hiradix", "sglang")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "sieve")
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_EMPTY_NP = np.empty(0, dtype=np.int64)
 
 
 class SGLangCacheController(HiCacheController):
@@ -286,8 +288,13 @@ def _key_tokens(key: Any) -> np.ndarray:
     return _raw_tokens(key)
 
 
-class HiRadixCache(BasePrefixCache):
-    """SGLang's ``HiRadixCache``, on hiradix's compiled tree and tiers.
+class HiRadixCacheBase(BasePrefixCache):
+    """SGLang's ``HiRadixCache``, on hiradix's compiled tree and tiers: everything but the
+    request API, which changed between SGLang releases. The class to build is
+    :data:`hiradix.sglang.HiRadixCache`, this base's subclass for the installed SGLang
+    (:mod:`hiradix.sglang.api`): ``cache_finished_req`` / ``cache_unfinished_req`` up to
+    0.5.18 (:mod:`hiradix.sglang.api_v18`), ``checkpoint`` / ``lock`` /
+    ``path_device_indices`` on 0.5.23 (:mod:`hiradix.sglang.api_v23`).
 
     Built as SGLang's scheduler builds its own: ``HiRadixCache(params, server_args)`` with
     ``CacheInitParams`` and ``ServerArgs``. Reads the same options as SGLang 0.5.18:
@@ -311,7 +318,8 @@ class HiRadixCache(BasePrefixCache):
         self.page_size = params.page_size
         self.is_eagle = params.is_eagle
         self.enable_kv_cache_events = params.enable_kv_cache_events
-        self.disable_finished_insert = params.disable_finished_insert
+        # SGLang 0.5.23 has dropped the option (and with it the field).
+        self.disable_finished_insert = bool(getattr(params, "disable_finished_insert", False))
         self.eviction_policy = str(params.eviction_policy).lower()
         self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
@@ -391,8 +399,13 @@ class HiRadixCache(BasePrefixCache):
         self.enable_storage = False
         if backend is not None:
             self._attach(backend, extra, prefetch)
-        # KV events come from the tree's change log, which is on only with them.
-        self._events: KVEventLog | None = KVEventLog(self) if self.enable_kv_cache_events else None
+        # KV events come from the tree's change log, which is on only with them. Imported
+        # here: the event classes are 0.5.18's, and later SGLang refuses events at start-up.
+        self._events: KVEventLog | None = None
+        if self.enable_kv_cache_events:
+            from hiradix.sglang.events import KVEventLog
+
+            self._events = KVEventLog(self)
         atexit.register(self.shutdown)
 
     def _l3_keys(
@@ -518,6 +531,29 @@ class HiRadixCache(BasePrefixCache):
     def get_last_hash_value(self, node: Any) -> str | None:
         return node.get_last_hash_value()
 
+    def get_prefix_hash_values(self, node: Any) -> list[str]:
+        """Page hashes from the root down to ``node``'s parent (SGLang 0.5.18 base's
+        definition; 0.5.23's scheduler calls it without the base defining it). ``O(depth)``."""
+        return node.get_prefix_hash_values(node.parent)
+
+    # SGLang's scheduler reads these to tell whether the cache is idle (before a flush or
+    # a storage attach / detach): the core's in-flight operations.
+    @property
+    def ongoing_write_through(self) -> dict[int, Any]:
+        return self.core.ongoing_write_through
+
+    @property
+    def ongoing_load_back(self) -> dict[int, Any]:
+        return self.core.ongoing_load_back
+
+    @property
+    def ongoing_prefetch(self) -> dict[Any, Any]:
+        return self.core.ongoing_prefetch
+
+    @property
+    def ongoing_backup(self) -> list[Any]:
+        return self.core.ongoing_backup
+
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
         return int(self.tree.evictable_size())
@@ -532,8 +568,13 @@ class HiRadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ match / insert
     def _empty(self, root: int) -> MatchResult:
         r = self._node(root)
-        return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=r, last_host_node=r,
-                           best_match_node=r)
+        return self._match_result(_EMPTY_NP, r, r, 0)
+
+    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
+                      host_hit_length: int) -> MatchResult:
+        """SGLang's ``MatchResult`` of a match (its first field changed between
+        releases): the subclass for the installed SGLang builds it."""
+        raise NotImplementedError
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached page-aligned prefix of ``params.key`` (its ``limit``
@@ -558,13 +599,8 @@ class HiRadixCache(BasePrefixCache):
         host = m.last_node if m.host_hit_length else m.last_device_node
         while not (tree.is_backed_up(host) or tree.is_root(host)):
             host = tree.parent(host)
-        indices = torch.from_numpy(m.device_indices)
-        if not self._on_cpu:
-            indices = indices.to(self.device)
-        host_node = TreeNode(self, host)
-        # Positional: (device_indices, last_device_node, last_host_node, best_match_node,
-        # host_hit_length), SGLang's field order.
-        return MatchResult(indices, TreeNode(self, m.last_device_node), host_node, host_node, int(m.host_hit_length))
+        return self._match_result(m.device_indices, TreeNode(self, m.last_device_node), TreeNode(self, host),
+                                  int(m.host_hit_length))
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write
@@ -585,8 +621,9 @@ class HiRadixCache(BasePrefixCache):
         value = params.value
         if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
             value = torch.as_tensor(raw[:n], dtype=torch.int64)
+        # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.
         prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
-                                  chunked=params.chunked)
+                                  chunked=bool(getattr(params, "chunked", False)))
         if self._events is not None:  # before anything can delete the new node
             self._events.sync()
         return InsertResult(prefix_len=prefix, total_len=n)
@@ -600,64 +637,6 @@ class HiRadixCache(BasePrefixCache):
     def _free(self, indices: torch.Tensor) -> None:
         if len(indices):
             self.token_to_kv_pool_allocator.free(indices)
-
-    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None,
-                           **kwargs: Any) -> None:
-        """Insert a finished request's KV (unless ``is_insert`` is false), free its
-        duplicate and unaligned slots and release its lock. ``O(len)``."""
-        if self.disable_finished_insert:
-            is_insert = False
-        token_ids = req.origin_input_ids + req.output_ids
-        if kv_len_to_handle is not None:
-            token_ids = token_ids[:kv_len_to_handle]
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        protected = int(req.cache_protected_len)
-        if self.disable:
-            self._free(kv[protected:])
-            return
-        aligned = self._aligned_len(len(token_ids))
-        if is_insert:
-            key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
-                           cache_salt=getattr(req, "cache_salt", None))
-            values = kv[:aligned].to(dtype=torch.int64, copy=True)
-            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0)).prefix_len
-        else:
-            end = aligned
-        self._free(kv[protected:max(protected, end)])
-        self._free(kv[aligned:])
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-
-    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
-        """Insert a running request's KV so far and move its lock to the new prefix: the
-        request's ``req_to_token`` row takes the tree's slots for the page-aligned part,
-        ``cache_protected_len`` becomes that part's length. ``O(len)``."""
-        if self.disable:
-            return
-        token_ids = req.get_fill_ids() if hasattr(req, "get_fill_ids") else req.fill_ids
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        aligned = self._aligned_len(len(token_ids))
-        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
-                       cache_salt=getattr(req, "cache_salt", None))
-        values = kv[:aligned].to(dtype=torch.int64, copy=True)
-        result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
-                                          priority=getattr(req, "priority", 0) or 0))
-        protected = int(req.cache_protected_len)
-        self._free(kv[protected:max(protected, result.prefix_len)])
-        m = self.match_prefix(MatchPrefixParams(key=key))
-        new_indices = m.device_indices
-        if len(new_indices) != aligned:
-            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
-        self.req_to_token_pool.write(
-            (req.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
-        )
-        req.cache_protected_len = len(new_indices)
-        self.inc_lock_ref(m.last_device_node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat([new_indices, kv[len(new_indices):]]) if len(new_indices) < len(kv) \
-            else new_indices
-        req.last_node = m.last_device_node
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -689,15 +668,6 @@ class HiRadixCache(BasePrefixCache):
         return freed
 
     # ------------------------------------------------------------------ load back
-    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
-        """Start loading the host-only tail of a match into fresh device slots: returns
-        them and the node the request should lock (the deepest device node when nothing
-        is loaded: too short, over ``mem_quota`` or no room)."""
-        handle = self._handle(params.best_match_node)
-        loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
-        self._sync_events()
-        return loaded.to(self.device), self._node(node)
-
     def ready_to_load_host_cache(self) -> int:
         """Start the queued loads as one layer-wise load; the layer-done counter's slot
         index for the batch (``-1``: nothing to load)."""

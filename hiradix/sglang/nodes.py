@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from hiradix.sglang.cache import HiRadixCache
+    from hiradix.sglang.cache import HiRadixCacheBase as HiRadixCache
 
 __all__ = ["TreeNode"]
 

@@ -17,7 +17,7 @@ def create_cache(ctx: Any) -> Any:
     """SGLang's ``RadixCacheFactory`` for hiradix: what SGLang's built-in hierarchical
     branch does, with hiradix's cache. Needs ``--enable-hierarchical-cache``; refuses
     hybrid (SWA, Mamba) and DSA models, which hiradix does not cache."""
-    from hiradix.sglang.cache import HiRadixCache
+    from hiradix.sglang.api import HiRadixCache
 
     if not ctx.enable_hierarchical_cache:
         raise ValueError("--radix-cache-backend hiradix needs --enable-hierarchical-cache")

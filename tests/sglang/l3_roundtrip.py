@@ -11,7 +11,8 @@ from array import array
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import LAYERS, Env, PageTransfers, wait_queue
+from sglang_env import Env, PageTransfers
+from sglang_pools import LAYERS, wait_queue
 
 PAGE = 4
 N = 32  # tokens per test: 8 pages

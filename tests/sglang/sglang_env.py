@@ -46,16 +46,16 @@ except UnsupportedSGLang as e:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
     import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
+
+from sglang_pools import KVBuffers, Worker, copy_rows, sglang_pools, transfer_kv_direct
 
 from hiradix.peer.node import InProcessCluster
 from hiradix.peer.store import PeerCacheStore
@@ -65,30 +65,15 @@ from hiradix.storage.registry import register_backend
 logging.getLogger("sglang").setLevel(logging.WARNING)
 hs.register()
 
-LAYERS = 3
-HEADS = 2
-HEAD_DIM = 4
-
-
-class _Worker:
-    """The part of SGLang's TP worker the cache factory calls."""
-
-    def __init__(self) -> None:
-        self.counter: Any = None
-
-    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
-        self.counter = counter
-
-
 @dataclass
-class Env:
+class Env(KVBuffers):
     """One cache and the SGLang objects it runs on."""
 
     cache: Any
     kv: Any
     allocator: Any
     req_to_token: Any
-    worker: _Worker
+    worker: Worker
     page_size: int
     mla: bool
     impl: str = "hiradix"
@@ -104,48 +89,6 @@ class Env:
         self.reqs.append(req)
         return req
 
-    def layers(self) -> list[torch.Tensor]:
-        """Every device KV buffer, per layer and component."""
-        if self.mla:
-            return list(self.kv.kv_buffer)
-        return [*self.kv.k_buffer, *self.kv.v_buffer]
-
-    def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """"Compute" KV: every slot gets bytes derived from (token, position) only, so a
-        reused prefix must read back identical bytes wherever it was cached."""
-        for buf, val in zip(self.layers(), self.expected_kv(tokens, positions), strict=True):
-            buf[slots] = val
-
-    def expected_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """The KV :meth:`write_kv` gives each token, per buffer of :meth:`layers`: distinct
-        in every layer, component, token and element, so a page read back in another byte
-        order (components and layers swapped, tokens transposed) never compares equal."""
-        out = []
-        for i, buf in enumerate(self.layers()):
-            inner = buf.shape[1:]
-            elem = torch.arange(inner.numel(), dtype=torch.float32).view(1, *inner)
-            base = tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i * 101
-            out.append((base.view(-1, *([1] * len(inner))) + elem * 3).remainder(997).to(buf.dtype))
-        return out
-
-
-def _sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
-    """SGLang's CPU KV pool (MHA or MLA), its allocator and a ``ReqToTokenPool``."""
-    size = size // page_size * page_size
-    if mla:
-        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
-                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    else:
-        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
-                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    if page_size == 1:
-        alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
-                                            kvcache=kv, need_sort=False)
-    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
-    return kv, alloc, req_to_token
-
 
 def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
@@ -158,7 +101,7 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
     ``model`` is ``--served-model-name``, part of the L3 keys."""
     if impl not in ("hiradix", "sglang"):
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
-    kv, alloc, req_to_token = _sglang_pools(page_size, size, mla)
+    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
@@ -174,7 +117,7 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
                              enable_kv_cache_events=kv_events, is_eagle=eagle)
-    worker = _Worker()
+    worker = Worker()
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
         enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
@@ -207,21 +150,11 @@ def _by_ptr(ptrs: torch.Tensor) -> list[torch.Tensor]:
     return [_DEVICE_BUFFERS[int(p)] for p in ptrs.tolist()]
 
 
-def _copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
-    dst.index_copy_(0, dst_indices.long(), src.index_select(0, src_indices.long()))
-
-
-def _transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                        page_size: int) -> None:
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        _copy_rows(dst, dst_indices, src, src_indices)
-
-
 def _transfer_kv_per_layer_pf_lf(src_k: torch.Tensor, dst_k: torch.Tensor, src_v: torch.Tensor, dst_v: torch.Tensor,
                                  src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
                                  **_: Any) -> None:
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):  # host [slots, layers, heads, dim]
-        _copy_rows(dst, dst_indices, src[:, layer_id], src_indices)
+        copy_rows(dst, dst_indices, src[:, layer_id], src_indices)
 
 
 def _transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor, src_v_layers: torch.Tensor,
@@ -229,18 +162,18 @@ def _transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor
                                  num_layers: int, **_: Any) -> None:
     for ptrs, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
         for layer, src in enumerate(_by_ptr(ptrs)[:num_layers]):
-            _copy_rows(dst[:, layer], dst_indices, src, src_indices)
+            copy_rows(dst[:, layer], dst_indices, src, src_indices)
 
 
 def _transfer_kv_per_layer_mla_pf_lf(src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
                                      dst_indices: torch.Tensor, layer_id: int, **_: Any) -> None:
-    _copy_rows(dst, dst_indices, src[:, layer_id], src_indices)  # host [slots, layers, 1, width]
+    copy_rows(dst, dst_indices, src[:, layer_id], src_indices)  # host [slots, layers, 1, width]
 
 
 def _transfer_kv_all_layer_mla_lf_pf(src_layers: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
                                      dst_indices: torch.Tensor, num_layers: int, **_: Any) -> None:
     for layer, src in enumerate(_by_ptr(src_layers)[:num_layers]):
-        _copy_rows(dst[:, layer], dst_indices, src, src_indices)
+        copy_rows(dst[:, layer], dst_indices, src, src_indices)
 
 
 @contextmanager
@@ -279,10 +212,10 @@ def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[
 
     patches = [(phc, "_cuda_host_register", lambda buffer: None), (phc, "_cuda_host_unregister", lambda buffer: None),
                (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
-               (phm, "transfer_kv_direct", _transfer_kv_direct),
+               (phm, "transfer_kv_direct", transfer_kv_direct),
                (phm, "transfer_kv_per_layer_pf_lf", _transfer_kv_per_layer_pf_lf),
                (phm, "transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf),
-               (phmla, "transfer_kv_direct", _transfer_kv_direct),
+               (phmla, "transfer_kv_direct", transfer_kv_direct),
                (phmla, "transfer_kv_per_layer_mla_pf_lf", _transfer_kv_per_layer_mla_pf_lf),
                (phmla, "transfer_kv_all_layer_mla_lf_pf", _transfer_kv_all_layer_mla_lf_pf)]
     missing = object()
@@ -339,14 +272,6 @@ class PageTransfers:
         controller._page_transfer = page_transfer
 
 
-def wait_queue(q: Any, n: int, timeout: float) -> None:
-    """Block until SGLang's ``queue.Queue`` ``q`` holds ``n`` items (its own ``not_empty``
-    condition, notified on every put); ``TimeoutError`` past ``timeout`` seconds."""
-    with q.not_empty:  # holds q.mutex: read the deque itself (qsize() would take it again)
-        if not q.not_empty.wait_for(lambda: len(q.queue) >= n, timeout):
-            raise TimeoutError(f"{len(q.queue)} of {n} items after {timeout} s")
-
-
 # ---------------------------------------------------------------------------- shared L3 for interop tests
 SHARED: dict[str, Any] = {}
 """Storage shared by several caches of one test, by name: a hiradix ``MemoryStorage`` or an
@@ -381,7 +306,7 @@ class SharedStorage(hss.MemoryStorage):
 def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool,
                            storage: str | None, extra_config: str | None, eviction_policy: str, hicache_ratio: float,
                            prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
-    kv, alloc, req_to_token = _sglang_pools(page_size, size, mla)
+    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         server_args = ServerArgs(
@@ -427,7 +352,7 @@ def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: floa
     monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
     monkeypatch.setattr(phc, "_cuda_host_register", lambda buffer: None)
     monkeypatch.setattr(phc, "_cuda_host_unregister", lambda buffer: None)
-    monkeypatch.setattr(phm, "transfer_kv_direct", _transfer_kv_direct, raising=False)
+    monkeypatch.setattr(phm, "transfer_kv_direct", transfer_kv_direct, raising=False)
     monkeypatch.setattr(hrc, "get_memory", lambda: types.SimpleNamespace(hicache_ratio=hicache_ratio))
     clock = TickClock()
     monkeypatch.setattr(hrc, "time", clock)
@@ -454,6 +379,6 @@ def build_sglang(page_size: int = 1, *, size: int = 512, write_policy: str = "wr
                              enable_kv_cache_events=kv_events, is_eagle=eagle)
     cache = HiRadixCache(params, server_args)
     atexit.unregister(cache.shutdown)
-    return Env(cache, kv, alloc, req_to_token, _Worker(), page_size, False, "sglang")
+    return Env(cache, kv, alloc, req_to_token, Worker(), page_size, False, "sglang")
 
 

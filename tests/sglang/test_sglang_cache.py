@@ -22,7 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import LAYERS, build
+from sglang_env import build
+from sglang_pools import LAYERS
 
 import hiradix.sglang as hs
 
@@ -356,17 +357,17 @@ def test_plugin_respects_sglang_plugins_filter(monkeypatch) -> None:
 
 
 def test_unsupported_sglang_version_is_a_warning_for_the_plugin_and_an_error_on_import(monkeypatch, caplog) -> None:
-    """On an SGLang the adapter does not support (0.5.23 dropped HiRadixCache), SGLang still
-    starts: the plugin logs why it does not register; importing the adapter says which
+    """On an SGLang the adapter does not support (0.5.14 has no radix-cache registry), SGLang
+    still starts: the plugin logs why it does not register; importing the adapter says which
     versions it needs."""
     import hiradix._sglang_plugin as plugin
 
-    monkeypatch.setattr(plugin.metadata, "version", lambda name: "0.5.23")
+    monkeypatch.setattr(plugin.metadata, "version", lambda name: "0.5.14")
     monkeypatch.delenv("HIRADIX_SGLANG_ANY_VERSION", raising=False)
-    with pytest.raises(plugin.UnsupportedSGLang, match=r"0\.5\.18.*0\.5\.23 is installed"):
+    with pytest.raises(plugin.UnsupportedSGLang, match=r"0\.5\.18, 0\.5\.23 .*0\.5\.14 is installed"):
         plugin.check_sglang_version()
     calls = []
     monkeypatch.setattr("hiradix.sglang.plugin.register", lambda: calls.append(1))
     with caplog.at_level("WARNING", logger="hiradix._sglang_plugin"):
         plugin.register()
-    assert calls == [] and "not registered" in caplog.text and "0.5.23" in caplog.text
+    assert calls == [] and "not registered" in caplog.text and "0.5.14" in caplog.text

@@ -14,7 +14,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import LAYERS, build, build_sglang, patch_sglang_for_parity
+from sglang_env import build, build_sglang, patch_sglang_for_parity
+from sglang_pools import LAYERS
 from twin import Twin, run
 
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
-from sglang_env import LAYERS, Env
+from sglang_env import Env
+from sglang_pools import LAYERS
 
 
 class Loop:

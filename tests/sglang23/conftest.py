@@ -1,4 +1,5 @@
-"""Fixtures for the SGLang 0.5.23 storage tests (see :mod:`sglang23_env`)."""
+"""Fixtures for the SGLang 0.5.23 tests: its own cache on hiradix's L3 backends, and
+hiradix's cache on 0.5.23 (see :mod:`sglang23_env`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 @pytest.fixture
 def sglang_cpu():
-    """SGLang's own hierarchical cache runs on CPU for the test (:func:`patch_sglang_for_cpu`);
-    the caches built meanwhile are shut down at teardown."""
+    """SGLang's caches run on CPU for the test (:func:`patch_sglang_for_cpu`); the caches
+    built meanwhile are shut down at teardown."""
     # Imported here, not above: without SGLang 0.5.23 the import skips the test module
     # that asked (saying why), where in a conftest it would be a collection error.
     from sglang23_env import patch_sglang_for_cpu

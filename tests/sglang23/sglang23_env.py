@@ -9,6 +9,10 @@ and a ``HybridCacheController`` and attaches the ``--hicache-storage-backend`` t
 ``ReqToTokenPool``, with the server flags published the way a launched scheduler reads
 them (``get_memory()`` / ``get_serving()``, SGLang's runtime context).
 
+:func:`build_hiradix` builds hiradix's cache through the same ``create_tree_cache``, as
+the scheduler does with ``--radix-cache-backend hiradix`` (the plugin registered), on the
+same pools (:mod:`sglang_pools`, shared with ``tests/sglang``).
+
 That needs the stand-ins of :func:`patch_sglang_for_cpu`, each for one thing SGLang only
 does on an accelerator or in a launched server; they are test support and touch none of
 hiradix's code. :func:`write` and :func:`read` drive a prefix through L3 as the
@@ -20,6 +24,7 @@ the ``UnifiedRadixCache`` (0.5.18 and older ship ``HiRadixCache``: ``tests/sglan
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import threading
@@ -42,7 +47,6 @@ if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -50,41 +54,31 @@ with warnings.catch_warnings():
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
+
+from sglang_pools import LAYERS, KVBuffers, Worker, sglang_pools, transfer_kv_direct, wait_queue
 
 from hiradix.peer.node import InProcessCluster
 from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import MemoryStorage, StorageBackend, StorageConfig
 
 logging.getLogger("sglang").setLevel(logging.ERROR)
+hs.register()  # what SGLang's plugin loader does at start-up (--radix-cache-backend hiradix)
 
-LAYERS = 3
-HEADS = 2
-HEAD_DIM = 4
 PAGE = 4
 N = 32  # tokens per test: 8 pages
 TIMEOUT = 60.0  # seconds; each wait ends on its signal in milliseconds
 MODEL = "org/model-7b"
 
 
-class _Worker:
-    """The part of SGLang's TP worker the cache factory calls."""
-
-    def __init__(self) -> None:
-        self.counter: Any = None
-
-    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
-        self.counter = counter
-
-
 @dataclass
-class Env:
+class Env(KVBuffers):
     """One SGLang cache and the SGLang objects it runs on."""
 
     cache: Any
@@ -92,24 +86,17 @@ class Env:
     allocator: Any
     req_to_token: Any
     mla: bool
+    page_size: int = PAGE
+    worker: Any = None
+    reqs: int = 0
 
-    def layers(self) -> list[torch.Tensor]:
-        """Every device KV buffer, per layer and component."""
-        if self.mla:
-            return list(self.kv.kv_buffer)
-        return [*self.kv.k_buffer, *self.kv.v_buffer]
-
-    def expected_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """The KV each token gets, per buffer of :meth:`layers`: distinct in every layer,
-        component, token and element, so a page read back in another byte order never
-        compares equal."""
-        out = []
-        for i, buf in enumerate(self.layers()):
-            inner = buf.shape[1:]
-            elem = torch.arange(inner.numel(), dtype=torch.float32).view(1, *inner)
-            base = tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i * 101
-            out.append((base.view(-1, *([1] * len(inner))) + elem * 3).remainder(997).to(buf.dtype))
-        return out
+    def new_req(self, tokens: list[int], *, extra_key: str | None = None, cache_salt: str | None = None,
+                max_new_tokens: int = 8) -> Any:
+        """A real SGLang ``Req`` (no ``req_to_token`` row yet: the scheduler gives it one
+        when it allocates the request's KV)."""
+        self.reqs += 1
+        return Req(f"r{self.reqs}", "", array("q", tokens), SamplingParams(max_new_tokens=max_new_tokens),
+                   extra_key=extra_key, cache_salt=cache_salt)
 
 
 def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None = None,
@@ -122,24 +109,10 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
     if _ACTIVE is None:
         raise RuntimeError("build() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
     _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config)
-    size = size // PAGE * PAGE
-    if mla:
-        kv = MLATokenToKVPool(size=size, page_size=PAGE, dtype=torch.float32, kv_lora_rank=8, qk_rope_head_dim=4,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    else:
-        kv = MHATokenToKVPool(size=size, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=HEAD_DIM,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    alloc = PagedTokenToKVPoolAllocator(size=size, page_size=PAGE, dtype=torch.float32, device="cpu", kvcache=kv,
-                                        need_sort=False)
-    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    kv, alloc, req_to_token = sglang_pools(PAGE, size, mla)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=PAGE)
-    ctx = TreeCacheBuildContext(
-        server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_Worker(), model_config=None,
-        tp_size=1, tp_rank=0, tp_group=None,
-    )
-    cache = create_tree_cache(ctx)
+    cache = create_tree_cache(_context(params))
     _ACTIVE.caches.append(cache)
     assert type(cache) is UnifiedRadixCache, f"create_tree_cache built {type(cache).__name__}"
     # SGLang's host pool asks for pinned memory (its default); on CPU nothing is pinned,
@@ -149,17 +122,42 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
     return Env(cache, kv, alloc, req_to_token, mla)
 
 
+def _context(params: Any, *, hierarchical: bool = True, worker: Worker | None = None) -> Any:
+    """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
+    assert _ACTIVE is not None
+    return TreeCacheBuildContext(
+        server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=hierarchical, disable_radix_cache=False, tp_worker=worker or Worker(),
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+
+
+def build_hiradix(page_size: int = PAGE, *, size: int = 512, mla: bool = False, layout: str = "layer_first",
+                  write_policy: str = "write_through", storage: str | None = None, extra_config: str | None = None,
+                  eviction_policy: str = "lru", eagle: bool = False, hierarchical: bool = True,
+                  params: dict[str, Any] | None = None, **flags: Any) -> Env:
+    """hiradix's cache as SGLang 0.5.23's scheduler builds it with ``--radix-cache-backend
+    hiradix``: the flags published (``get_memory()`` is what ``create_tree_cache`` reads the
+    backend's name from), SGLang's CPU pools, ``create_tree_cache``. ``flags`` are more
+    server flags, ``params`` more ``CacheInitParams`` fields. Needs
+    :func:`patch_sglang_for_cpu` (the ``sglang_cpu`` fixture), whose exit shuts it down."""
+    if _ACTIVE is None:
+        raise RuntimeError("build_hiradix() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
+    _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size,
+                    radix_cache_backend=hs.BACKEND_NAME, hicache_write_policy=write_policy,
+                    radix_eviction_policy=eviction_policy, enable_hierarchical_cache=hierarchical, **flags)
+    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
+    init = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
+                           page_size=page_size, eviction_policy=eviction_policy, is_eagle=eagle, **(params or {}))
+    worker = Worker()
+    cache = create_tree_cache(_context(init, hierarchical=hierarchical, worker=worker))
+    atexit.unregister(cache.shutdown)
+    _ACTIVE.caches.append(cache)
+    assert type(cache) is hs.HiRadixCache, f"create_tree_cache built {type(cache).__name__}"
+    return Env(cache, kv, alloc, req_to_token, mla, page_size, worker)
+
+
 # ---------------------------------------------------------------------------- SGLang's cache on CPU
-def _copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
-    dst.index_copy_(0, dst_indices.long(), src.index_select(0, src_indices.long()))
-
-
-def _transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                        page_size: int) -> None:
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        _copy_rows(dst, dst_indices, src, src_indices)
-
-
 def _page_slot(indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = indices.long()
     return idx // page_size, idx % page_size
@@ -193,15 +191,17 @@ class _Published:
         self.server_args: Any = None
         self.caches: list[Any] = []
 
-    def publish(self, *, layout: str, storage: str | None, extra_config: str | None) -> None:
+    def publish(self, *, layout: str, storage: str | None, extra_config: str | None, **more: Any) -> None:
         from sglang.srt.runtime_context import get_context
 
-        override = get_context().override_server_args(
+        flags: dict[str, Any] = dict(
             device="cpu", enable_hierarchical_cache=True, page_size=PAGE, served_model_name=MODEL,
             hicache_mem_layout=layout, hicache_io_backend="direct", hicache_write_policy="write_through",
             hicache_ratio=2.0, hicache_storage_backend=storage, hicache_storage_backend_extra_config=extra_config,
             hicache_storage_prefetch_policy="wait_complete",
         )
+        flags.update(more)
+        override = get_context().override_server_args(**flags)
         self.server_args = override.install()
         self.stack.callback(override.restore)  # LIFO: every publish undone, the last first
 
@@ -241,7 +241,7 @@ def patch_sglang_for_cpu() -> Iterator[None]:
         (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
     ]
     for mod in (phm, phmla):
-        patches += [(mod, "transfer_kv_direct", _transfer_kv_direct),
+        patches += [(mod, "transfer_kv_direct", transfer_kv_direct),
                     (mod, "transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
                     (mod, "transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf)]
     missing = object()
@@ -268,6 +268,8 @@ def patch_sglang_for_cpu() -> Iterator[None]:
             for cache in published.caches:  # while their flags are still published
                 cache.shutdown()  # stops the storage threads, closes the backend
                 cache.release_host_resources()
+                if isinstance(cache, hs.HiRadixCache):
+                    cache.core.close()  # and hiradix's copy engines
 
 
 # ---------------------------------------------------------------------------- the round trip
@@ -277,14 +279,6 @@ def tokens_of(seed: int) -> list[int]:
 
 def _key(tokens: list[int]) -> RadixKey:
     return RadixKey(array("q", tokens))
-
-
-def wait_queue(q: Any, n: int, timeout: float) -> None:
-    """Block until SGLang's ``queue.Queue`` ``q`` holds ``n`` items (its own ``not_empty``
-    condition, notified on every put); ``TimeoutError`` past ``timeout`` seconds."""
-    with q.not_empty:  # holds q.mutex: read the deque itself (qsize() would take it again)
-        if not q.not_empty.wait_for(lambda: len(q.queue) >= n, timeout):
-            raise TimeoutError(f"{len(q.queue)} of {n} items after {timeout} s")
 
 
 class PrefetchIO:

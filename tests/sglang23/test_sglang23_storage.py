@@ -85,13 +85,14 @@ def test_get_stats_is_sglang23s_storage_metrics(sglang_cpu, make_storage: Any) -
     assert storage.get_stats().backup_pgs == []  # drained per call
 
 
-def test_the_storage_module_imports_where_the_cache_is_unsupported() -> None:
-    """hiradix.sglang.storage needs only SGLang's storage interface; the cache itself is
-    not supported on 0.5.23, and importing it says so, naming the versions."""
+def test_the_storage_module_and_the_cache_both_import_on_0_5_23() -> None:
+    """hiradix.sglang.storage needs only SGLang's storage interface; the cache needs the
+    request API, which on 0.5.23 is the ``checkpoint`` one (:mod:`hiradix.sglang.api`)."""
     import hiradix.sglang as hs
+    from hiradix.sglang.api import REQUEST_API
 
     assert issubclass(hss.PeerStorage, hss.HiCacheStorage) and "0.5.23" in hss.TESTED_SGLANG_VERSIONS
-    with pytest.raises(hs.UnsupportedSGLang, match=r"0\.5\.18.*0\.5\.23 is installed"):
-        from hiradix.sglang import HiRadixCache  # noqa: F401
+    assert "0.5.23" in hs.SUPPORTED_VERSIONS and "0.5.23" in hs.TESTED_VERSIONS
+    assert REQUEST_API == "checkpoint" and hs.HiRadixCache.__module__ == "hiradix.sglang.api_v23"
     with pytest.raises(AttributeError):
         _ = hs.no_such_name

@@ -1,0 +1,102 @@
+"""The request API of SGLang 0.5.15 to 0.5.18 on :class:`~hiradix.sglang.cache.HiRadixCacheBase`.
+
+In those releases the scheduler hands a request to the cache twice: ``cache_unfinished_req``
+after each chunk of a chunked prefill (insert what is computed, move the request's lock,
+point its row at the tree's slots) and ``cache_finished_req`` at the end (insert, free the
+duplicates and the unaligned tail, release the lock). A match returns the prefix's device
+slots, and ``init_load_back`` the slots it loads into.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from hiradix.sglang.cache import HiRadixCacheBase
+from hiradix.sglang.nodes import TreeNode
+
+__all__ = ["HiRadixCache"]
+
+
+class HiRadixCache(HiRadixCacheBase):
+    """hiradix's ``HiRadixCache`` for SGLang 0.5.15 to 0.5.18 (:class:`HiRadixCacheBase`)."""
+
+    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
+                      host_hit_length: int) -> MatchResult:
+        indices = torch.from_numpy(device_indices)
+        if not self._on_cpu:
+            indices = indices.to(self.device)
+        # Positional: (device_indices, last_device_node, last_host_node, best_match_node,
+        # host_hit_length), SGLang's field order.
+        return MatchResult(indices, last_device_node, host_node, host_node, host_hit_length)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None,
+                           **kwargs: Any) -> None:
+        """Insert a finished request's KV (unless ``is_insert`` is false), free its
+        duplicate and unaligned slots and release its lock. ``O(len)``."""
+        if self.disable_finished_insert:
+            is_insert = False
+        token_ids = req.origin_input_ids + req.output_ids
+        if kv_len_to_handle is not None:
+            token_ids = token_ids[:kv_len_to_handle]
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        protected = int(req.cache_protected_len)
+        if self.disable:
+            self._free(kv[protected:])
+            return
+        aligned = self._aligned_len(len(token_ids))
+        if is_insert:
+            key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
+                           cache_salt=getattr(req, "cache_salt", None))
+            values = kv[:aligned].to(dtype=torch.int64, copy=True)
+            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0)).prefix_len
+        else:
+            end = aligned
+        self._free(kv[protected:max(protected, end)])
+        self._free(kv[aligned:])
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
+        """Insert a running request's KV so far and move its lock to the new prefix: the
+        request's ``req_to_token`` row takes the tree's slots for the page-aligned part,
+        ``cache_protected_len`` becomes that part's length. ``O(len)``."""
+        if self.disable:
+            return
+        token_ids = req.get_fill_ids() if hasattr(req, "get_fill_ids") else req.fill_ids
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        aligned = self._aligned_len(len(token_ids))
+        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
+                       cache_salt=getattr(req, "cache_salt", None))
+        values = kv[:aligned].to(dtype=torch.int64, copy=True)
+        result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
+                                          priority=getattr(req, "priority", 0) or 0))
+        protected = int(req.cache_protected_len)
+        self._free(kv[protected:max(protected, result.prefix_len)])
+        m = self.match_prefix(MatchPrefixParams(key=key))
+        new_indices = m.device_indices
+        if len(new_indices) != aligned:
+            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
+        self.req_to_token_pool.write(
+            (req.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
+        )
+        req.cache_protected_len = len(new_indices)
+        self.inc_lock_ref(m.last_device_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat([new_indices, kv[len(new_indices):]]) if len(new_indices) < len(kv) \
+            else new_indices
+        req.last_node = m.last_device_node
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
+        """Start loading the host-only tail of a match into fresh device slots: returns
+        them and the node the request should lock (the deepest device node when nothing
+        is loaded: too short, over ``mem_quota`` or no room)."""
+        handle = self._handle(params.best_match_node)
+        loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
+        self._sync_events()
+        return loaded.to(self.device), self._node(node)

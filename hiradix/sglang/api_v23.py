@@ -1,0 +1,198 @@
+"""The request API of SGLang 0.5.23 on :class:`~hiradix.sglang.cache.HiRadixCacheBase`.
+
+SGLang 0.5.23 ships no ``HiRadixCache``, and its scheduler talks to a registered cache
+differently from 0.5.18's:
+
+- a match returns the *length* of the device prefix (``MatchResult.device_prefix_len``);
+  the scheduler reads the slots off the locked match node when it fills the request's row
+  (``prefix_device_indices`` -> :meth:`HiRadixCache.path_device_indices`);
+- a request holds its lock as a ``TreeLock`` (``req.lock``, from :meth:`lock`);
+- ``checkpoint(req, up_to=)`` inserts a running or finished request's KV, points its row at
+  the tree's slots, moves its lock and advances ``req.kv.cache_protected_len``; it frees
+  only the duplicates the insert exposed: SGLang's ``release_kv_cache`` frees the rest of
+  the row and drops the lock (``free_kv_row``, ``unlock``, ``on_release``);
+- ``init_load_back`` returns the number of tokens it loads (all of the host hit or none)
+  and the node to lock; the loaded slots belong to the tree (``load_back_is_cache_owned``);
+- L3 prefetches are named by ``CacheRequestHandle`` (rid and attempt), and an aborted
+  attempt ends with ``finish(handle, ABORT)`` -> :meth:`release_aborted_request`.
+
+Options added since 0.5.18 that this cache does not honour are refused at start-up, naming the
+option (:func:`check_supported_v23`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from hiradix.sglang.cache import HiRadixCacheBase
+from hiradix.sglang.nodes import TreeNode
+
+__all__ = ["HiRadixCache", "check_supported_v23"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+# SGLang's defaults for its L3 re-issue options; hiradix never re-issues (0 is the same).
+_RETRY_DEFAULT = 8
+
+
+def check_supported_v23(params: Any, server_args: Any) -> None:
+    """Refuse, naming the option, what SGLang 0.5.23 can ask for and this cache does
+    not do: each would otherwise be ignored without a word."""
+
+    def refuse(option: str, why: str) -> None:
+        raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
+
+    if getattr(params, "enable_kv_cache_events", False):
+        refuse("--kv-events-config (KV cache events) on SGLang 0.5.23",
+               "hiradix emits SGLang 0.5.18's event format only")
+    if getattr(params, "eviction_policy_config", None):
+        refuse("--radix-eviction-policy-config", "hiradix's eviction policies take no tuning parameters")
+    if getattr(params, "tree_core_backend", None) is not None:
+        refuse(f"tree core backend {params.tree_core_backend!r}", "hiradix's tree is its own compiled core")
+    for field in ("mtp_draft_device_pools", "sidecar_draft_device_pools", "mtp_draft_mamba_pools"):
+        if getattr(params, field, ()):
+            refuse("speculative decoding draft KV pools", f"{field} is set; hiradix caches the target model's KV only")
+    mode = getattr(server_args, "hicache_host_memory_mode", "cache")
+    if mode != "cache":
+        refuse(f"--hicache-host-memory-mode {mode!r}", "hiradix's host pool is a cache tier ('cache')")
+    for option in ("hicache_storage_prefetch_retry_poll_interval", "hicache_storage_prefetch_retry_max_attempts"):
+        value = getattr(server_args, option, _RETRY_DEFAULT)
+        if value not in (0, _RETRY_DEFAULT):
+            refuse(f"--{option.replace('_', '-')} {value}",
+                   "hiradix never re-issues an L3 lookup (SGLang's default and 0 are accepted)")
+    if (getattr(server_args, "hicache_ratio", None) is None and not getattr(server_args, "hicache_size", 0)
+            and getattr(server_args, "hicache_host_memory_fraction", None) is not None):
+        refuse("--hicache-host-memory-fraction", "hiradix sizes its host pool from --hicache-ratio or --hicache-size")
+    if getattr(server_args, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        refuse("--disaggregation-decode-retraction-backup host_pool", "it needs UnifiedRadixCache's backups")
+    for option in ("enable_lmcache", "enable_flexkv", "enable_unified_cache_external_linker"):
+        if getattr(server_args, option, False):
+            refuse(f"--{option.replace('_', '-')}", "it selects another tree cache than --radix-cache-backend hiradix")
+
+
+class _ResolvedArgs:
+    """A ``ServerArgs`` read as SGLang 0.5.23 reads it: its startup fields with the values
+    SGLang's resolution hooks and runtime overrides settled (``resolved_dict()``, e.g. the
+    defaulted ``--hicache-ratio``), which the struct's own attributes do not carry."""
+
+    def __init__(self, server_args: Any) -> None:
+        self._args = server_args
+        resolved = getattr(server_args, "resolved_dict", None)
+        self._resolved: dict[str, Any] = resolved() if callable(resolved) else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._resolved:
+            return self._resolved[name]
+        return getattr(self._args, name)
+
+
+class HiRadixCache(HiRadixCacheBase):
+    """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
+    registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
+
+    def __init__(self, params: Any, server_args: Any) -> None:
+        args = _ResolvedArgs(server_args)
+        check_supported_v23(params, args)
+        super().__init__(params, args)
+
+    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
+                      host_hit_length: int) -> MatchResult:
+        # Positional: (device_prefix_len, last_device_node, last_host_node, best_match_node,
+        # host_hit_length), SGLang's field order.
+        return MatchResult(len(device_indices), last_device_node, host_node, host_node, host_hit_length)
+
+    # ------------------------------------------------------------------ prefixes
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        """The device slots from the root down to ``node`` (a device node), in key order:
+        the request's prefix after a match on ``node``. ``O(depth + tokens)``."""
+        tree = self.tree
+        h = self._handle(node)
+        parts: list[np.ndarray] = []
+        while tree.parent(h) != -1:
+            v = tree.value(h)
+            if v is None:
+                raise ValueError(f"path_device_indices: node {h} is not on the device")
+            parts.append(v)
+            h = tree.parent(h)
+        if not parts:
+            return _EMPTY.to(self.device)
+        parts.reverse()
+        out = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        return out if self._on_cpu else out.to(self.device)
+
+    def touch_prefix(self, key: Any) -> None:
+        """Refresh the eviction order along ``key``'s cached path, as a match does (it
+        loads nothing and starts no L3 work). ``O(len(key))``."""
+        self.match_prefix(MatchPrefixParams(key=key))
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    # ------------------------------------------------------------------ requests
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert the request's KV up to row position ``up_to`` (its page-aligned part),
+        free the row's copies of what the tree already held, point the row at the tree's
+        slots, move ``req.lock`` / ``req.last_node`` to the new prefix and advance
+        ``req.kv.cache_protected_len``. The rest of the row stays the request's (SGLang's
+        ``release_kv_cache`` frees it). ``O(up_to)``."""
+        if self.disable:
+            return
+        kv = req.kv
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : len(token_ids)]
+        aligned = self._aligned_len(len(token_ids))
+        protected = int(kv.cache_protected_len)
+        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key, cache_salt=req.cache_salt)
+        values = row[:aligned].to(dtype=torch.int64, copy=True)
+        end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0)).prefix_len
+        kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
+        # [protected, end): the tree held these before the insert; the row's copies are
+        # duplicates (page-aligned both ends, so whole pages).
+        if end > protected:
+            self.token_to_kv_pool_allocator.free_segment(row[protected:end], start_pos=protected)
+        m = self.match_prefix(MatchPrefixParams(key=key))
+        node = m.last_device_node
+        new_indices = self.path_device_indices(node)
+        if len(new_indices) != aligned:
+            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
+        if aligned > protected:
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)), new_indices[protected:])
+        kv.cache_protected_len = aligned
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
+        """Start loading the host-only tail of a match into fresh device slots, all of it
+        or none (too short, or no room): ``(tokens loaded, node to lock)``, the node the
+        deepest device node when nothing is loaded. ``O(tokens)``."""
+        handle = self._handle(params.best_match_node)
+        loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
+        self._sync_events()
+        return len(loaded), self._node(node)
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ storage (L3)
+    def prefetch_from_storage(self, req_id: Any, last_host_node: Any, new_input_tokens: Sequence[int],
+                              last_hash: str | None = None, prefix_keys: list[str] | None = None,
+                              **kwargs: Any) -> bool:
+        """SGLang 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
+        the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
+        ``cache_salt`` are what the tree already knows from ``last_host_node``. A
+        ``storage_hit_end`` comes only with SGLang's re-issues, which hiradix never asks
+        for (its ``storage_prefetch_retries`` is ``None``)."""
+        if kwargs.get("storage_hit_end") is not None:
+            raise ValueError("hiradix.sglang: storage_hit_end (an L3 re-issue) is not supported")
+        return super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash, prefix_keys)

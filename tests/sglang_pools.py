@@ -1,0 +1,108 @@
+"""What ``tests/sglang`` (SGLang 0.5.18, main venv) and ``tests/sglang23`` (SGLang 0.5.23,
+``.venv-sglang23``) share: SGLang's CPU pools of one shape, the KV bytes a test "computes"
+and checks, the TP worker stub the cache factories call, the torch stand-ins for SGLang's
+direct host <-> device copy kernel, and a bounded wait on SGLang's queues. Only SGLang names
+that both versions have are used here. ``tests/conftest.py`` puts this folder on
+``sys.path``, so both suites import it by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed", allow_module_level=True)
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+
+__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "Worker", "sglang_pools", "transfer_kv_direct", "wait_queue"]
+
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 4
+
+
+class Worker:
+    """The part of SGLang's TP worker the cache factories call."""
+
+    def __init__(self) -> None:
+        self.counter: Any = None
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        self.counter = counter
+
+
+def sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
+    """SGLang's CPU KV pool (MHA or MLA) of :data:`LAYERS` layers, its allocator (paged
+    unless ``page_size`` is 1) and a ``ReqToTokenPool`` of 64 rows."""
+    size = size // page_size * page_size
+    if mla:
+        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
+                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    else:
+        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
+                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
+                                            kvcache=kv, need_sort=False)
+    req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return kv, alloc, req_to_token
+
+
+class KVBuffers:
+    """The device KV of a test environment (``kv`` an SGLang pool, ``mla`` its kind)."""
+
+    kv: Any
+    mla: bool
+
+    def layers(self) -> list[torch.Tensor]:
+        """Every device KV buffer, per layer and component (K layers, then V layers)."""
+        if self.mla:
+            return list(self.kv.kv_buffer)
+        return [*self.kv.k_buffer, *self.kv.v_buffer]
+
+    def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """"Compute" KV: every slot gets bytes derived from (token, position) only
+        (:meth:`expected_kv`), so a reused prefix must read back identical bytes wherever
+        it was cached."""
+        for buf, val in zip(self.layers(), self.expected_kv(tokens, positions), strict=True):
+            buf[slots.long()] = val
+
+    def expected_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """The KV :meth:`write_kv` gives each token, per buffer of :meth:`layers`: distinct
+        in every layer, component, token and element, so a page read back in another byte
+        order (components and layers swapped, tokens transposed) never compares equal."""
+        out = []
+        for i, buf in enumerate(self.layers()):
+            inner = buf.shape[1:]
+            elem = torch.arange(inner.numel(), dtype=torch.float32).view(1, *inner)
+            base = tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i * 101
+            out.append((base.view(-1, *([1] * len(inner))) + elem * 3).remainder(997).to(buf.dtype))
+        return out
+
+
+def copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:
+    dst.index_copy_(0, dst_indices.long(), src.index_select(0, src_indices.long()))
+
+
+def transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                       page_size: int) -> None:
+    """SGLang's ``transfer_kv_direct`` (an ``sgl_kernel`` op, imported only on an
+    accelerator) in torch: the same row gathers and scatters, layer by layer."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        copy_rows(dst, dst_indices, src, src_indices)
+
+
+def wait_queue(q: Any, n: int, timeout: float) -> None:
+    """Block until SGLang's ``queue.Queue`` ``q`` holds ``n`` items (its own ``not_empty``
+    condition, notified on every put); ``TimeoutError`` past ``timeout`` seconds."""
+    with q.not_empty:  # holds q.mutex: read the deque itself (qsize() would take it again)
+        if not q.not_empty.wait_for(lambda: len(q.queue) >= n, timeout):
+            raise TimeoutError(f"{len(q.queue)} of {n} items after {timeout} s")
