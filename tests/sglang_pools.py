@@ -1,7 +1,8 @@
 """What ``tests/sglang`` (SGLang 0.5.18, main venv) and ``tests/sglang23`` (SGLang 0.5.23,
 ``.venv-sglang23``) share: SGLang's CPU pools of one shape, the KV bytes a test "computes"
 and checks, the TP worker stub the cache factories call, the torch stand-ins for SGLang's
-direct host <-> device copy kernel, and a bounded wait on SGLang's queues. Only SGLang names
+direct host <-> device copy kernel, a bounded wait on SGLang's queues, and the few cache calls
+the unit tests of both make (``key``, ``insert``, ``match``, ``settle``). Only SGLang names
 that both versions have are used here. ``tests/conftest.py`` puts this folder on
 ``sys.path``, so both suites import it by name.
 """
@@ -9,6 +10,7 @@ that both versions have are used here. ``tests/conftest.py`` puts this folder on
 from __future__ import annotations
 
 import importlib.util
+from array import array
 from typing import Any
 
 import pytest
@@ -18,9 +20,12 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
 
-__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "Worker", "sglang_pools", "transfer_kv_direct", "wait_queue"]
+__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "Worker", "insert", "key", "match", "settle", "sglang_pools",
+           "transfer_kv_direct", "wait_queue"]
 
 LAYERS = 3
 HEADS = 2
@@ -106,3 +111,31 @@ def wait_queue(q: Any, n: int, timeout: float) -> None:
     with q.not_empty:  # holds q.mutex: read the deque itself (qsize() would take it again)
         if not q.not_empty.wait_for(lambda: len(q.queue) >= n, timeout):
             raise TimeoutError(f"{len(q.queue)} of {n} items after {timeout} s")
+
+
+# ---------------------------------------------------------------------------- cache calls
+def key(tokens: Any, **kw: Any) -> RadixKey:
+    return RadixKey(array("q", tokens), **kw)
+
+
+def insert(env: Any, tokens: Any, **kw: Any) -> int:
+    """Insert ``tokens`` (page aligned) with freshly allocated slots holding their KV; free
+    the duplicate prefix as the scheduler does. Returns the length that was already cached."""
+    n = len(tokens) // env.page_size * env.page_size
+    slots = env.allocator.alloc(n)
+    assert slots is not None
+    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
+    res = env.cache.insert(InsertParams(key=key(tokens[:n], **kw), value=slots))
+    if res.prefix_len:
+        env.allocator.free(slots[: res.prefix_len])
+    return int(res.prefix_len)
+
+
+def match(env: Any, tokens: Any, **kw: Any) -> MatchResult:
+    return env.cache.match_prefix(MatchPrefixParams(key=key(tokens, **kw)))
+
+
+def settle(env: Any) -> None:
+    """Acknowledge every copy in flight (the scheduler's check_hicache_events, drained)."""
+    env.cache.core.flush()
+    env.cache.check_hicache_events()

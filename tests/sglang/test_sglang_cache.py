@@ -7,7 +7,6 @@ paths), written anew for the adapter, on SGLang's real CPU pools, allocator, ``R
 from __future__ import annotations
 
 import io
-from array import array
 from contextlib import redirect_stdout
 
 import pytest
@@ -17,42 +16,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     IncLockRefResult,
     InitLoadBackParams,
-    InsertParams,
-    MatchPrefixParams,
-    MatchResult,
 )
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import build
-from sglang_pools import LAYERS
+from sglang_pools import LAYERS, insert, match, settle
 
 import hiradix.sglang as hs
-
-
-def key(tokens, **kw) -> RadixKey:
-    return RadixKey(array("q", tokens), **kw)
-
-
-def insert(env, tokens, **kw) -> int:
-    """Insert ``tokens`` with freshly allocated slots; free the duplicate prefix as the
-    scheduler does. Returns the prefix length that was already cached."""
-    n = len(tokens) // env.page_size * env.page_size
-    slots = env.allocator.alloc(n)
-    assert slots is not None
-    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
-    res = env.cache.insert(InsertParams(key=key(tokens[:n], **kw), value=slots))
-    if res.prefix_len:
-        env.allocator.free(slots[: res.prefix_len])
-    return res.prefix_len
-
-
-def match(env, tokens, **kw) -> MatchResult:
-    return env.cache.match_prefix(MatchPrefixParams(key=key(tokens, **kw)))
-
-
-def settle(env) -> None:
-    """Acknowledge every copy in flight (the scheduler's check_hicache_events, drained)."""
-    env.cache.core.flush()
-    env.cache.check_hicache_events()
 
 
 # ---------------------------------------------------------------------------- construction

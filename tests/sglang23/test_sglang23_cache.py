@@ -24,47 +24,16 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     CacheRequestOutcome,
     EvictParams,
     InitLoadBackParams,
-    InsertParams,
-    MatchPrefixParams,
-    MatchResult,
     TreeLock,
 )
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
 from sglang23_env import build_hiradix
-from sglang_pools import LAYERS
+from sglang_pools import LAYERS, insert, key, match, settle
 
 import hiradix.sglang as hs
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
-
-
-def key(tokens, **kw) -> RadixKey:
-    return RadixKey(array("q", tokens), **kw)
-
-
-def insert(env, tokens, **kw) -> int:
-    """Insert ``tokens`` with freshly allocated slots; free the duplicate prefix as SGLang's
-    ``checkpoint`` does. Returns the prefix length that was already cached."""
-    n = len(tokens) // env.page_size * env.page_size
-    slots = env.allocator.alloc(n)
-    assert slots is not None
-    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
-    res = env.cache.insert(InsertParams(key=key(tokens[:n], **kw), value=slots))
-    if res.prefix_len:
-        env.allocator.free(slots[: res.prefix_len])
-    return res.prefix_len
-
-
-def match(env, tokens, **kw) -> MatchResult:
-    return env.cache.match_prefix(MatchPrefixParams(key=key(tokens, **kw)))
-
-
-def settle(env) -> None:
-    """Acknowledge every copy in flight (the scheduler's check_hicache_events, drained)."""
-    env.cache.core.flush()
-    env.cache.check_hicache_events()
 
 
 def admit(env, req) -> int:
