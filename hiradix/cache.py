@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix._results import IOStatus
 from hiradix.controller import HiCacheController
 from hiradix.distributed import RankAgreement
 from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
@@ -46,6 +45,7 @@ from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend, check_keys
 from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
+from hiradix.tree._results import IOStatus
 
 __all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 

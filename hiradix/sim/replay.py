@@ -302,7 +302,7 @@ class Replayer:
         workload's prompts hold when :meth:`replay` sees the whole workload first, else
         2**24). Host ``0``: no host tier (an L3 backend is then an error).
     eviction_policy, write_policy:
-        Passed to the cache (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
+        Passed to the cache (``hiradix.policy_names()``, ``hiradix.tree.policy.WRITE_POLICIES``).
     check_every:
         Every this many requests, run ``cache.check_invariants()`` (0: never;
         :meth:`replay` always checks at the end).

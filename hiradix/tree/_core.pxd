@@ -21,8 +21,8 @@ cdef enum:
     DEVICE_SET = 0            # victim heap of L1 eviction
     HOST_SET = 1              # victim heap of L2 eviction
     DIGEST = 32               # bytes of one SHA-256 digest
-    NUM_FIELDS = 6            # policy key fields, see hiradix/policy.py
-    CHANGE_INSERTED = 1       # change-log kinds: hiradix._results.Change has the meanings
+    NUM_FIELDS = 6            # policy key fields, see hiradix/tree/policy.py
+    CHANGE_INSERTED = 1       # change-log kinds: hiradix.tree._results.Change has the meanings
     CHANGE_HOST_INSERTED = 2
     CHANGE_SPLIT = 3
     CHANGE_REFILLED = 4

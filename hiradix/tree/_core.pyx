@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The compiled HiRadixTree: a triple-state radix tree over token ids.
 
-Same API and semantics as the pure-Python twin :mod:`hiradix._reference`, which
+Same API and semantics as the pure-Python twin :mod:`hiradix.tree._reference`, which
 documents every operation in prose; this module is about speed. Nodes are C structs in
 an arena (see ``_core.pxd``), token and KV-index spans sit in parallel buffers, children
 are found through one hash table, and both victim sets are indexed binary heaps, so a
@@ -32,8 +32,8 @@ import hashlib
 
 import numpy as np
 
-from hiradix._results import IOStatus, LockError
-from hiradix.policy import FIELDS, check_tree_args, get_policy, seed_digest, write_through_threshold
+from hiradix.tree._results import IOStatus, LockError
+from hiradix.tree.policy import FIELDS, check_tree_args, get_policy, seed_digest, write_through_threshold
 
 cnp.import_array()
 
@@ -244,7 +244,7 @@ cdef str _record_repr(obj, tuple fields):
 @cython.final
 @cython.freelist(16)
 cdef class MatchResult:
-    """See :class:`hiradix._results.MatchResult`."""
+    """See :class:`hiradix.tree._results.MatchResult`."""
 
     cdef readonly object device_indices
     cdef readonly int64_t last_device_node
@@ -263,7 +263,7 @@ cdef class MatchResult:
 @cython.final
 @cython.freelist(16)
 cdef class InsertResult:
-    """See :class:`hiradix._results.InsertResult`."""
+    """See :class:`hiradix.tree._results.InsertResult`."""
 
     cdef readonly int64_t prefix_len
     cdef readonly int64_t last_node
@@ -279,7 +279,7 @@ cdef class InsertResult:
 @cython.final
 @cython.freelist(16)
 cdef class InsertHostResult:
-    """See :class:`hiradix._results.InsertHostResult`."""
+    """See :class:`hiradix.tree._results.InsertHostResult`."""
 
     cdef readonly int64_t matched_length
     cdef readonly int64_t inserted_length
@@ -295,7 +295,7 @@ cdef class InsertHostResult:
 @cython.final
 @cython.freelist(16)
 cdef class EvictResult:
-    """See :class:`hiradix._results.EvictResult`."""
+    """See :class:`hiradix.tree._results.EvictResult`."""
 
     cdef readonly int64_t num_evicted
     cdef readonly object device_indices
@@ -312,7 +312,7 @@ cdef class EvictResult:
 @cython.final
 @cython.freelist(16)
 cdef class EvictHostResult:
-    """See :class:`hiradix._results.EvictHostResult`."""
+    """See :class:`hiradix.tree._results.EvictHostResult`."""
 
     cdef readonly int64_t num_evicted
     cdef readonly object host_indices
@@ -346,7 +346,7 @@ cdef int _cmp_first(const void* a, const void* b) noexcept nogil:
 cdef class HiRadixTree:
     """Triple-state radix tree over token ids (compiled core).
 
-    Parameters and semantics: see :class:`hiradix._reference.HiRadixTree`.
+    Parameters and semantics: see :class:`hiradix.tree._reference.HiRadixTree`.
     """
 
     def __cinit__(self, *args, **kwargs):
