@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 import hiradix
-from hiradix.l3 import PREFETCH_POLICIES
+from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.sim import TraceError
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens

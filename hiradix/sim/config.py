@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from hiradix.l3 import PREFETCH_POLICIES
+from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, TimingModel
 from hiradix.tree.policy import WRITE_POLICIES
 

@@ -75,8 +75,8 @@ import torch
 
 import hiradix
 from hiradix.cache import CacheObserver, HiRadixCache, Req
-from hiradix.controller import HiCacheController
-from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from hiradix.storage.base import StorageBackend
@@ -323,7 +323,7 @@ class Replayer:
         Write token-derived KV at "compute" and check every reused prefix against it
         (module docstring, step 4). ``O(prompt tokens)`` more per request.
     prefetch_policy, prefetch_threshold, prefetch_wait:
-        The L3 prefetch policy (:data:`hiradix.l3.PREFETCH_POLICIES`), the fewest tokens
+        The L3 prefetch policy (:data:`hiradix.cache.l3.PREFETCH_POLICIES`), the fewest tokens
         worth prefetching, and whether to wait for a prefetch's I/O before checking its
         progress (the deterministic default, module docstring).
     load_back_threshold:
@@ -442,7 +442,7 @@ class Replayer:
             storage=storage,
             prefetch=self.prefetch if storage is not None else None,
             # Waiting for every L3 operation anyway: run them inline, without the thread
-            # hand-offs (the same L3 code; see hiradix.l3.L3Controller).
+            # hand-offs (the same L3 code; see hiradix.cache.l3.L3Controller).
             l3_inline=storage is not None and self.prefetch_wait,
         )
         ledger = _EvictionLedger(device.total_slots)

@@ -2,7 +2,7 @@
 
 The tree (:class:`hiradix.HiRadixTree`) decides: which prefix matches, which nodes to back
 up, which leaves to evict. This class acts on those decisions: it allocates and frees
-device and host slots, queues copies on the :class:`~hiradix.controller.HiCacheController`,
+device and host slots, queues copies on the :class:`~hiradix.cache.controller.HiCacheController`,
 and completes the tree's two-phase transfers when the copies are acknowledged.
 
 Method names and semantics follow SGLang 0.5.18's ``HiRadixCache`` so that an adapter stays
@@ -18,7 +18,7 @@ thin: ``match_prefix``, ``insert``, ``cache_finished_req`` / ``cache_unfinished_
   tree's two-phase ``begin_backup``/``commit_backup``): no gap in the backed-up chain and
   no lock left behind.
 - With several ranks, every allocation outcome and every completion count goes through
-  the controller's :class:`~hiradix.distributed.RankAgreement` before the tree changes,
+  the controller's :class:`~hiradix.cache.distributed.RankAgreement` before the tree changes,
   so the ranks' trees stay identical and they make the same collectives.
 - ``evict`` returns the number of device tokens freed.
 - Observers (:class:`CacheObserver`, :meth:`HiRadixCache.add_observer`) are told of every
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.controller import HiCacheController
-from hiradix.distributed import RankAgreement
-from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.distributed import RankAgreement
+from hiradix.cache.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend, check_keys
@@ -211,7 +211,7 @@ class HiRadixCache:
         thread uses (a process group of its own).
     l3_inline:
         Run the L3 operations in the caller's thread (simulators; see
-        :class:`~hiradix.l3.L3Controller`).
+        :class:`~hiradix.cache.l3.L3Controller`).
     batch_backups:
         Start the backups that inserts ask for together, once per scheduler step (at the
         next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
@@ -601,7 +601,7 @@ class HiRadixCache:
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
         message)``; refuses while another backend is attached. ``inline`` runs the L3
-        operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`);
+        operations in the caller's thread (see :class:`~hiradix.cache.l3.L3Controller`);
         ``key_suffix``, if given, replaces the storage-key suffix from this backend on
         (one that appends its own, as SGLang's do, takes ``""``); ``pass_prefix_keys``
         hands the backend, with each call, the keys of the pages before those of the

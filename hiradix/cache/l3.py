@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.distributed import LocalAgreement, RankAgreement
 from hiradix.memory.pools import HostKVPool
 from hiradix.storage.base import StorageBackend, StorageExtraInfo
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.distributed import LocalAgreement, RankAgreement
 from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
@@ -201,7 +201,7 @@ class HiCacheController:
     device_pool, host_pool:
         The L1 and L2 pools (same shape, page size and dtype).
     agreement:
-        Cross-rank agreement (:class:`~hiradix.distributed.LocalAgreement` for one rank).
+        Cross-rank agreement (:class:`~hiradix.cache.distributed.LocalAgreement` for one rank).
     write_engine, load_engine:
         Copy engines for backups and loads; by default one each from
         :func:`~hiradix.memory.copy.make_copy_engine` for the device pool's device.
