@@ -12,23 +12,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hiradix import _native
 from hiradix.tree._results import Change, IOStatus, LockError
 from hiradix.tree.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
-_impl: Any = _native.load("hiradix.tree._core")
-if _impl is None:
-    from hiradix.tree import _reference as _impl
+if TYPE_CHECKING:
+    # The type checker sees the compiled tree through its stub (``_core.pyi``); the twin
+    # has the same API (tests/test_tree_errors.py compares the two with the stub).
+    from hiradix.tree._core import ROOT, HiRadixTree, get_hash_str, namespace_seed, page_digests, page_hashes
 
-IMPLEMENTATION = "cython" if _impl.__name__ == "hiradix.tree._core" else "python"
-ROOT: int = _impl.ROOT
-HiRadixTree = _impl.HiRadixTree
-get_hash_str = _impl.get_hash_str
-namespace_seed = _impl.namespace_seed
-page_digests = _impl.page_digests
-page_hashes = _impl.page_hashes
+    IMPLEMENTATION: str
+else:
+    _impl = _native.load("hiradix.tree._core")
+    if _impl is None:
+        from hiradix.tree import _reference as _impl
+
+    IMPLEMENTATION = "cython" if _impl.__name__ == "hiradix.tree._core" else "python"
+    ROOT = _impl.ROOT
+    HiRadixTree = _impl.HiRadixTree
+    get_hash_str = _impl.get_hash_str
+    namespace_seed = _impl.namespace_seed
+    page_digests = _impl.page_digests
+    page_hashes = _impl.page_hashes
 
 __all__ = [
     "IMPLEMENTATION",
