@@ -7,7 +7,9 @@
 - :mod:`~hiradix.cache.l3`: :class:`L3Controller`, the L3 <-> L2 prefetch, IO and backup
   threads;
 - :mod:`~hiradix.cache.distributed`: :class:`RankAgreement`, how a rank-local fact reaches
-  every rank before the trees change.
+  every rank before the trees change;
+- :mod:`~hiradix.cache.stats`: the frozen snapshots of their counters (:class:`CacheStats`,
+  :class:`ControllerStats`, :class:`L3Stats`).
 
 ``hiradix.cache.HiRadixCache`` is the public path (the names below are re-exported here and
 report this package as their module).
@@ -17,15 +19,19 @@ from hiradix.cache.cache import CacheMatchResult, CacheObserver, DeviceAllocator
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement, MinReduceAgreement, RankAgreement, TorchDistAgreement
 from hiradix.cache.l3 import PREFETCH_POLICIES, L3Controller, PrefetchConfig
+from hiradix.cache.stats import CacheStats, ControllerStats, L3Stats
 
 __all__ = [
     "PREFETCH_POLICIES",
     "CacheMatchResult",
     "CacheObserver",
+    "CacheStats",
+    "ControllerStats",
     "DeviceAllocator",
     "HiCacheController",
     "HiRadixCache",
     "L3Controller",
+    "L3Stats",
     "LocalAgreement",
     "MinReduceAgreement",
     "OngoingPrefetch",

@@ -672,15 +672,15 @@ class Replayer:
         """Copy the cache's own counters into :attr:`stats`."""
         cache, ledger, stats = self.cache, self._ledger, self.stats
         assert ledger is not None
-        cs = cache.stats
+        cs = cache.get_stats()
         stats.device_demoted_tokens = ledger.demoted
         stats.device_deleted_tokens = ledger.deleted
-        stats.host_evicted_tokens = cs["host_evicted_tokens"]
-        stats.backup_tokens = cs["backup_done_tokens"]
+        stats.host_evicted_tokens = cs.host_evicted_tokens
+        stats.backup_tokens = cs.backup_done_tokens
         stats.backup_nodes = ledger.backup_nodes
-        stats.backup_skipped_tokens = cs["host_alloc_failed_tokens"] + cs["backup_failed_tokens"]
-        stats.write_back_failed_tokens = cs["write_back_dropped_tokens"]
-        stats.l3_write_tokens = cs["storage_backup_tokens"]
+        stats.backup_skipped_tokens = cs.host_alloc_failed_tokens + cs.backup_failed_tokens
+        stats.write_back_failed_tokens = cs.write_back_dropped_tokens
+        stats.l3_write_tokens = cs.storage_backup_tokens
 
     def _ideal_hit(self, hash_ids: tuple[int, ...], prompt: int) -> int:
         """Prompt tokens an infinite cache would hit: the blocks up to the first one never
