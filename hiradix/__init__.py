@@ -12,37 +12,8 @@ pure-Python twin :mod:`hiradix.tree._reference` (same API) is used.
 
 from __future__ import annotations
 
-from hiradix.tree import (
-    IMPLEMENTATION,
-    ROOT,
-    Change,
-    EvictionPolicy,
-    HiRadixTree,
-    IOStatus,
-    LockError,
-    get_hash_str,
-    get_policy,
-    namespace_seed,
-    page_digests,
-    page_hashes,
-    policy_names,
-    register_policy,
-)
+# The tree layer's public names are the package's (hiradix.tree.__all__ lists them).
+from hiradix.tree import *  # noqa: F403
+from hiradix.tree import __all__ as __all__
 
-__all__ = [
-    "IMPLEMENTATION",
-    "ROOT",
-    "Change",
-    "EvictionPolicy",
-    "HiRadixTree",
-    "IOStatus",
-    "LockError",
-    "get_hash_str",
-    "get_policy",
-    "namespace_seed",
-    "page_digests",
-    "page_hashes",
-    "policy_names",
-    "register_policy",
-]
 __version__ = "0.1.0"
