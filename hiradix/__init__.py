@@ -1,8 +1,11 @@
 """hiradix: a multi-tier (GPU / host / storage) radix KV cache for LLM serving.
 
-The layers are folders: :mod:`hiradix.tree` (the radix tree, compiled and its pure-Python
-twin), :mod:`hiradix.memory`, :mod:`hiradix.storage`, :mod:`hiradix.peer`,
-:mod:`hiradix.transport`, :mod:`hiradix.sglang` and :mod:`hiradix.sim`.
+The layers are folders: :mod:`hiradix.tree` (the radix tree, compiled, and its pure-Python
+twin), :mod:`hiradix.cache` (the cache over it: controller, L3 pipeline, rank agreement),
+:mod:`hiradix.memory` (KV pools and copies), :mod:`hiradix.storage` (L3 backends),
+:mod:`hiradix.net` (authenticated connections and the RPC), :mod:`hiradix.transport`,
+:mod:`hiradix.peer` (the peer cache), :mod:`hiradix.sglang` (the adapter) and
+:mod:`hiradix.sim` (the simulator). Every compiled module and its twin: ``hiradix._native``.
 
 The tree comes from the compiled core :mod:`hiradix.tree._core` unless
 ``HIRADIX_PUREPYTHON=1`` is set or the extension was not built, in which case the
