@@ -1,13 +1,12 @@
 # Included by _core.pyx (one module: these are its module-level definitions).
 # Child table.
-
+#
 # Children: a global open-addressing table keyed by (parent, first page of the child),
 # plus an intrusive sibling list per node for enumeration.
 #
 # A lookup costs one hash of page_size tokens and, usually, one probe: a system prompt
 # with hundreds of continuations is as cheap to descend as one with a single child.
 # Linear probing with backward-shift deletion keeps the table free of tombstones.
-
 
 cdef uint64_t _page_hash(HiRadixTree self, node_t parent, const token_t* page) noexcept nogil:
     cdef uint64_t h = (<uint64_t>parent + 1) * <uint64_t>0x9E3779B97F4A7C15
