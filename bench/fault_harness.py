@@ -69,7 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hiradix._ports import reusable_port
-from hiradix.peer.rpc import RpcClient
+from hiradix.net.rpc import RpcClient
 
 SCENARIOS = ("baseline", "kill9", "restart", "sigstop", "pool_pressure")
 POLL_S = 0.05  # period of the recovery polls (remote status, not event ordering)

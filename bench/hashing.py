@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from hiradix import _core
+from hiradix.tree import _core
 
 
 def hashlib_chain(tokens: np.ndarray, page_size: int) -> bytes:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hiradix.cache import HiRadixCache, Req
-from hiradix.l3 import PrefetchConfig
+from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import MemoryStorage
 

@@ -296,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "tree_ops.json")
     args = ap.parse_args(argv)
 
-    from hiradix import _reference
+    from hiradix.tree import _reference
 
     try:
-        from hiradix import _core
+        from hiradix.tree import _core
     except ImportError:
-        log("hiradix._core is not built: pip install -e . first")
+        log("hiradix.tree._core is not built: pip install -e . first")
         return 2
 
     n_prompts = max(1, round(200 * args.scale))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hiradix.cache import HiRadixCache, Req
-from hiradix.l3 import PrefetchConfig
+from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.storage.file import FileStorage
 

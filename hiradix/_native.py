@@ -1,14 +1,52 @@
-"""Which compiled extensions to use: all of them, unless ``HIRADIX_PUREPYTHON=1`` is set or
-the package was installed without a compiler. Every compiled module has a pure-Python twin
-giving the same results; the callers pick between them with :func:`load`."""
+"""The one convention for compiled modules and their pure-Python twins.
+
+Every compiled module is ``hiradix/<layer>/_<name>.pyx``, built under the dotted name
+``hiradix.<layer>._<name>``, listed in :data:`TWINS` with the pure-Python code that gives
+the same results in its place (its *twin*) and the test that runs both and compares them;
+the README's table "Compiled modules and their twins" is this table. Its callers get it
+only through :func:`load`, which answers ``None`` (the twin serves) when
+``HIRADIX_PUREPYTHON=1`` is set or the module was not built (installed without a compiler):
+one switch, one place, for all of them.
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["load", "pure_python"]
+__all__ = ["TWINS", "Twin", "load", "pure_python"]
+
+
+@dataclass(frozen=True)
+class Twin:
+    """One compiled module, its pure-Python twin and their parity test."""
+
+    compiled: str  # dotted name of the compiled module
+    twin: str | None  # dotted name of the module or function that serves in its place
+    parity_test: str  # test file (repository-relative) that runs both and compares them
+    note: str = ""  # how the twin is chosen where it is not a drop-in module
+
+
+TWINS: tuple[Twin, ...] = (
+    Twin("hiradix.tree._core", "hiradix.tree._reference", "tests/test_parity_stateful.py",
+         "same API, module for module; every tree_cls test runs both"),
+    Twin("hiradix.memory._gather", "hiradix.memory.copy._backup_layer", "tests/test_gather.py",
+         "the torch row copies of the copy engine and the pools"),
+    Twin("hiradix.memory._kvcopy_emu", "hiradix.memory.copy._backup_layer", "tests/test_copy_kernel.py",
+         "CPU emulation of the CUDA kernel, checked against the torch path it replaces"),
+    Twin("hiradix.peer._hash", "hiradix.peer.keyhash._key_digests_py", "tests/test_peer_keyhash.py",
+         "hashlib per key"),
+    Twin("hiradix.peer._verify", "hiradix.peer.pool.verify_parts", "tests/test_peer_store.py",
+         "per-slot loop in hiradix.peer.reader"),
+    Twin("hiradix.transport._tcpio", "hiradix.transport.tcp.read_frames_py", "tests/test_transport_specific.py",
+         "TcpTransport(native=False): the same bytes through socket calls"),
+    Twin("hiradix.transport._verbs", None, "tests/test_transport_rdma.py",
+         "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable"),
+)
+
+_NAMES = frozenset(t.compiled for t in TWINS)
 
 
 def pure_python() -> bool:
@@ -18,10 +56,14 @@ def pure_python() -> bool:
 
 def load(name: str) -> ModuleType | None:
     """The compiled module ``name`` (e.g. ``"hiradix.peer._hash"``), or ``None`` when the
-    pure-Python twin must serve: ``HIRADIX_PUREPYTHON`` is set or it was not built."""
+    pure-Python twin must serve: ``HIRADIX_PUREPYTHON`` is set or it was not built.
+    ``ValueError`` for a name :data:`TWINS` does not list (a compiled module has a twin
+    and a parity test, or it is not loaded)."""
+    if name not in _NAMES:
+        raise ValueError(f"{name} is not a compiled module listed in hiradix._native.TWINS")
     if pure_python():
         return None
     try:
         return importlib.import_module(name)
-    except ImportError:  # no compiler at install time: the msgpack-style fallback
+    except ImportError:  # no compiler at install time: the twin serves
         return None

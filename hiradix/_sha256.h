@@ -84,9 +84,9 @@ static inline void hr_sha256_store_be(uint8_t *p, uint32_t v) {
  * arguments (8x unrolled), which keeps everything in registers. */
 #define HR_ROUND(a, b, c, d, e, f, g, h, i)                                         \
     do {                                                                            \
-        uint32_t t1_ = h + HR_S1(e) + (g ^ (e & (f ^ g))) + HR_SHA256_K[i] + w[(i) & 15]; \
-        d += t1_;                                                                   \
-        h = t1_ + HR_S0(a) + ((a & b) | (c & (a | b)));                             \
+        uint32_t t1_ = (h) + HR_S1(e) + ((g) ^ ((e) & ((f) ^ (g)))) + HR_SHA256_K[i] + w[(i) & 15]; \
+        (d) += t1_;                                                                 \
+        (h) = t1_ + HR_S0(a) + (((a) & (b)) | ((c) & ((a) | (b))));                 \
     } while (0)
 
 static inline void hr_sha256_compress_portable(uint32_t st[8], const uint32_t in[16]) {
@@ -128,7 +128,7 @@ static inline void hr_sha256_compress_portable(uint32_t st[8], const uint32_t in
  * W[t-4..] (d): msg1 adds sigma0, alignr supplies W[t-7..t-4], msg2 adds
  * sigma1 (including the in-vector dependency). Result replaces a. */
 #define HR_NI_SCHED(a, b, c, d) \
-    a = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32(a, b), _mm_alignr_epi8(d, c, 4)), d)
+    (a) = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32((a), (b)), _mm_alignr_epi8((d), (c), 4)), (d))
 
 /* One block: 64 rounds on state {abef, cdgh} with message vectors m0..m3
  * (m0 = W0..W3 in lanes 0..3, etc.), plus the final feed-forward addition. */
@@ -151,11 +151,11 @@ static inline void hr_sha256_ni_block(__m128i *pabef, __m128i *pcdgh,
 /* SHA-NI keeps the state as {F,E,B,A} and {H,G,D,C} (lane 0 first); these
  * convert from/to the natural {A,B,C,D} {E,F,G,H} word order. */
 #define HR_NI_TO_ABEF(abcd, efgh, abef, cdgh)                           \
-    (abef = _mm_shuffle_epi32(_mm_unpacklo_epi64(efgh, abcd), 0xB1), \
-     cdgh = _mm_shuffle_epi32(_mm_unpackhi_epi64(efgh, abcd), 0xB1))
+    ((abef) = _mm_shuffle_epi32(_mm_unpacklo_epi64((efgh), (abcd)), 0xB1), \
+     (cdgh) = _mm_shuffle_epi32(_mm_unpackhi_epi64((efgh), (abcd)), 0xB1))
 #define HR_NI_FROM_ABEF(abef, cdgh, abcd, efgh)                        \
-    (abef = _mm_shuffle_epi32(abef, 0xB1), cdgh = _mm_shuffle_epi32(cdgh, 0xB1), \
-     abcd = _mm_unpackhi_epi64(abef, cdgh), efgh = _mm_unpacklo_epi64(abef, cdgh))
+    ((abef) = _mm_shuffle_epi32((abef), 0xB1), (cdgh) = _mm_shuffle_epi32((cdgh), 0xB1), \
+     (abcd) = _mm_unpackhi_epi64((abef), (cdgh)), (efgh) = _mm_unpacklo_epi64((abef), (cdgh)))
 
 HR_SHANI_TARGET
 static inline void hr_sha256_compress_shani(uint32_t st[8], const uint32_t in[16]) {

@@ -29,9 +29,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 import hiradix
-from hiradix.l3 import PREFETCH_POLICIES
+from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
-from hiradix.policy import WRITE_POLICIES
 from hiradix.sim import TraceError
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
@@ -39,6 +38,7 @@ from hiradix.sim.report import render_plots, source_name, summary, to_json, writ
 from hiradix.sim.run import simulate
 from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
 from hiradix.storage.base import StorageError
+from hiradix.tree.policy import WRITE_POLICIES
 
 __all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "main"]
 

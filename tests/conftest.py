@@ -2,7 +2,7 @@
 ``AIOTestCase``, msgpack's pure-Python run).
 
 ``tree_cls`` runs a test once per available implementation: ``"reference"`` always, and
-``"core"`` when ``hiradix._core`` imports and ``HIRADIX_PUREPYTHON`` is unset or ``0``.
+``"core"`` when ``hiradix.tree._core`` imports and ``HIRADIX_PUREPYTHON`` is unset or ``0``.
 Every tree built through it is checked at teardown (invariants, node counters, no locks
 left after ``reset()``). ``make_pair`` gives a ``(core, reference)`` pair for parity tests
 and skips, saying why, when the core is unavailable or disabled.
@@ -62,7 +62,7 @@ def tree_cls(request: pytest.FixtureRequest) -> Iterator[TreeFactory]:
 
 @pytest.fixture
 def impl_module(tree_cls: TreeFactory) -> Any:
-    """The module (``hiradix._reference`` or ``hiradix._core``) behind ``tree_cls``."""
+    """The module (``hiradix.tree._reference`` or ``hiradix.tree._core``) behind ``tree_cls``."""
     return tree_cls.module
 
 

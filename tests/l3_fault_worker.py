@@ -18,8 +18,8 @@ from scheduler_loop import prefetch_back, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
-from hiradix.distributed import TorchDistAgreement
-from hiradix.l3 import PrefetchConfig
+from hiradix.cache.distributed import TorchDistAgreement
+from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import Capabilities, MemoryStorage
 

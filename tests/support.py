@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import hiradix._reference as reference
-from hiradix import _results
+import hiradix.tree._reference as reference
+from hiradix.tree import _results
 
 # ----------------------------------------------------------------------- implementations
 PUREPYTHON = os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0")
@@ -31,7 +31,7 @@ PUREPYTHON = os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0")
 PARITY_SELFTEST = os.environ.get("HIRADIX_PARITY_SELFTEST", "") not in ("", "0")
 
 try:
-    core: Any = importlib.import_module("hiradix._core")
+    core: Any = importlib.import_module("hiradix.tree._core")
     CORE_IMPORT_ERROR: BaseException | None = None
 except ImportError as exc:  # not built (yet): the reference alone is tested
     core = None
@@ -44,7 +44,7 @@ CORE_ENABLED = core is not None and not PUREPYTHON
 if PUREPYTHON:
     CORE_SKIP_REASON: str | None = "HIRADIX_PUREPYTHON is set: the compiled core is disabled"
 elif core is None:
-    CORE_SKIP_REASON = f"hiradix._core is not importable ({CORE_IMPORT_ERROR}); run `pip install -e .`"
+    CORE_SKIP_REASON = f"hiradix.tree._core is not importable ({CORE_IMPORT_ERROR}); run `pip install -e .`"
 else:
     CORE_SKIP_REASON = None
 
@@ -60,7 +60,7 @@ def require_core() -> Any:
     if PARITY_SELFTEST and not PUREPYTHON:
         return reference
     if CORE_BUILT and not PUREPYTHON:
-        pytest.fail(f"hiradix._core is built but does not import: {CORE_IMPORT_ERROR!r}")
+        pytest.fail(f"hiradix.tree._core is built but does not import: {CORE_IMPORT_ERROR!r}")
     pytest.skip(CORE_SKIP_REASON or "core unavailable")
 
 

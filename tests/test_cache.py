@@ -13,8 +13,8 @@ from kvdata import fill, mismatches, prefix_seeds, scribble
 from support import tree_snapshot
 
 from hiradix.cache import HiRadixCache, Req
-from hiradix.controller import HiCacheController
-from hiradix.distributed import LocalAgreement
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
 

@@ -16,7 +16,7 @@ from kvdata import fill, mismatches, prefix_seeds, scribble
 from support import FakeClock
 
 from hiradix.cache import HiRadixCache, Req
-from hiradix.l3 import PrefetchConfig
+from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.storage import Capabilities, FileStorage, KeyNamespace, MemoryStorage, StorageBackend
 

@@ -31,7 +31,7 @@ def oracle_chain(tokens: list[int], page_size: int, prior_hash: str | None = Non
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 def impl(request):
-    """``hiradix._reference`` and, when available, ``hiradix._core``."""
+    """``hiradix.tree._reference`` and, when available, ``hiradix.tree._core``."""
     return IMPLEMENTATIONS[request.param]
 
 
@@ -102,7 +102,7 @@ def test_namespace_seed_is_deterministic_and_differs_per_key(impl):
 
 
 def test_namespace_seed_agrees_across_implementations(impl):
-    from hiradix import _reference
+    from hiradix.tree import _reference
 
     for key in ("tenant-a", "", "ünïcode"):
         assert impl.namespace_seed(key) == _reference.namespace_seed(key)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from support import run_ranks
 
 import hiradix
-from hiradix.distributed import LocalAgreement
-from hiradix.l3 import L3Controller, PrefetchConfig
+from hiradix.cache.distributed import LocalAgreement
+from hiradix.cache.l3 import L3Controller, PrefetchConfig
 from hiradix.memory import HostKVPool, MHAShape
 from hiradix.storage import Capabilities, MemoryStorage
 
@@ -93,7 +93,7 @@ def _setup(v1: bool, inline: bool) -> tuple[L3Controller, RaisingStorage, FlakyA
 def test_backend_exceptions_are_misses_and_every_op_reaches_done(
     v1: bool, inline: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="hiradix.l3")
+    caplog.set_level(logging.WARNING, logger="hiradix.cache.l3")
     l3, backend, agreement, pool = _setup(v1, inline)
     tokens = np.arange(4 * PAGE)
     hashes = [str(h) for h in hiradix.page_hashes(tokens, PAGE)]
@@ -149,13 +149,13 @@ def test_backend_exceptions_are_misses_and_every_op_reaches_done(
     )
     assert s["backup_failed_pages"] == 4 and s["backup_pages"] == 4
     assert s["prefetch_failed_pages"] == 4 and s["prefetch_loaded_pages"] == 4
-    warned = [r for r in caplog.records if r.name == "hiradix.l3"]
+    warned = [r for r in caplog.records if r.name == "hiradix.cache.l3"]
     assert len(warned) == 4 and all("RaisingStorage" in r.getMessage() for r in warned)
     assert all(r.exc_info for r in warned)  # the first of each kind comes with its traceback
 
 
 def test_only_the_first_failure_of_a_kind_logs_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="hiradix.l3")
+    caplog.set_level(logging.WARNING, logger="hiradix.cache.l3")
     l3, backend, _, pool = _setup(True, False)
     tokens = np.arange(2 * PAGE)
     backend.fail = {"exists"}
@@ -167,7 +167,7 @@ def test_only_the_first_failure_of_a_kind_logs_a_traceback(caplog: pytest.LogCap
     finally:
         l3.stop()
     assert l3.stats["prefetch_query_errors"] == 3
-    assert [bool(r.exc_info) for r in caplog.records if r.name == "hiradix.l3"] == [True, False, False]
+    assert [bool(r.exc_info) for r in caplog.records if r.name == "hiradix.cache.l3"] == [True, False, False]
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")

@@ -48,8 +48,8 @@ from support import (
     tree_snapshot,
 )
 
-from hiradix._results import LockError
-from hiradix.policy import WRITE_POLICIES, policy_names
+from hiradix.tree._results import LockError
+from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 PAGE_SIZES = (1, 4, 16)
 NAMESPACES = (None, "tenant-a", "tenant-b")
@@ -670,5 +670,5 @@ def test_a_built_core_imports():
     if PUREPYTHON:
         pytest.skip("HIRADIX_PUREPYTHON is set: the compiled core is disabled")
     if not CORE_BUILT:
-        pytest.skip("hiradix._core is not built (pip install -e . compiles it)")
-    assert CORE_IMPORT_ERROR is None, f"hiradix._core is built but does not import: {CORE_IMPORT_ERROR!r}"
+        pytest.skip("hiradix.tree._core is not built (pip install -e . compiles it)")
+    assert CORE_IMPORT_ERROR is None, f"hiradix.tree._core is built but does not import: {CORE_IMPORT_ERROR!r}"

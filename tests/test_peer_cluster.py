@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hiradix._ports import reusable_port
-from hiradix.peer.rpc import RpcClient
+from hiradix.net.rpc import RpcClient
 
 PAGE = 16 << 10
 LIFETIME = 90  # seconds a node process may live at most, whatever happens to the test

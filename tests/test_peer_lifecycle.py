@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from hiradix._ports import reusable_port
+from hiradix.net.rpc import RpcClient, RpcServer
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.membership import JoinError, Membership, NodeInfo, describe_failure
 from hiradix.peer.node import InProcessCluster, PeerNode
 from hiradix.peer.ring import HashRing
-from hiradix.peer.rpc import RpcClient, RpcServer
 from hiradix.transport.fake import FakeClock
 
 PAGE = 4096

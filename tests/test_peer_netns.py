@@ -82,7 +82,7 @@ def _first_line(p: subprocess.Popen[str]) -> dict[str, object]:
 _CHECK = textwrap.dedent(
     """
     import json, sys, time
-    from hiradix.peer.rpc import RpcClient
+    from hiradix.net.rpc import RpcClient
     a, b, ids = sys.argv[1], sys.argv[2], set(sys.argv[3:])
     c = RpcClient(timeout=5.0)
     deadline = time.monotonic() + 20

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from support import all_nodes, result_fields
 
-import hiradix.policy as policy_module
-from hiradix.policy import EvictionPolicy, get_policy, policy_names, register_policy
+import hiradix.tree.policy as policy_module
+from hiradix.tree.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
 
 # ----------------------------------------------------------------------------- helpers

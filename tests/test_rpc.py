@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import send_then_drain
 
-from hiradix.peer.rpc import (
+from hiradix.net.auth import AuthError, client_handshake, server_handshake
+from hiradix.net.rpc import (
     FrameError,
     RpcClient,
     RpcConnectionError,
@@ -30,7 +31,6 @@ from hiradix.peer.rpc import (
     encode_frame,
     split_frames,
 )
-from hiradix.transport.auth import AuthError, client_handshake, server_handshake
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -409,7 +409,7 @@ def test_the_first_call_after_a_peer_restart_reconnects(monkeypatch: pytest.Monk
     The pooled connection is found dead before the send, so any method goes through."""
     # A restart takes far longer than the idle time after which a pooled connection is
     # checked; here it may not, so every reuse is checked.
-    monkeypatch.setattr("hiradix.peer.rpc._IDLE_CHECK", 0.0)
+    monkeypatch.setattr("hiradix.net.rpc._IDLE_CHECK", 0.0)
     calls: list[int] = []
     old = RpcServer(TOKEN)
     old.register("append", lambda x: calls.append(x) or len(calls))  # not idempotent

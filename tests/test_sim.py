@@ -23,7 +23,6 @@ import pytest
 from support import require_core
 
 import hiradix
-from hiradix import _reference
 from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
 from hiradix.sim import (
     BLOCK_TOKENS,
@@ -34,6 +33,7 @@ from hiradix.sim import (
     TraceRequest,
 )
 from hiradix.sim.config import Size
+from hiradix.tree import _reference
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hiradix.cache import CacheObserver, HiRadixCache, Req
-from hiradix.controller import HiCacheController
+from hiradix.cache.controller import HiCacheController
 from hiradix.memory.copy import CopyError, ThreadCopyEngine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.sim import Replayer

@@ -40,7 +40,7 @@ from support import (
     reference,
 )
 
-from hiradix.policy import WRITE_POLICIES, policy_names
+from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 SCALE = float(os.environ.get("HIRADIX_STRESS_SCALE", "1"))
 STEPS = {"reference": 1200, "lockstep": 400, "core": 2000}

@@ -1,5 +1,5 @@
 """The accept loop shared by the RPC server and the TCP responder
-(:class:`hiradix.transport.listener.AuthListener`): it survives every accept error with a
+(:class:`hiradix.net.listener.AuthListener`): it survives every accept error with a
 bounded back-off (out of file descriptors for real, in a subprocess with a lowered
 ``RLIMIT_NOFILE``; scripted errors with an injected wait and clock), refuses connections
 beyond its cap, and closes idle ones.
@@ -22,10 +22,10 @@ from collections.abc import Callable
 import pytest
 from support import FakeClock
 
-from hiradix.peer.rpc import RpcClient, RpcServer
+from hiradix.net.auth import AuthError
+from hiradix.net.listener import AuthListener, Backoff, dial
+from hiradix.net.rpc import RpcClient, RpcServer
 from hiradix.transport import Status, TcpTransport
-from hiradix.transport.auth import AuthError
-from hiradix.transport.listener import AuthListener, Backoff, dial
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,7 @@ def test_accept_errors_back_off_log_once_per_episode_and_keep_serving(caplog: py
         with waited:
             assert waited.wait_for(lambda: len(delays) >= n, WAIT), f"only {len(delays)} back-offs"
 
-    caplog.set_level(logging.INFO, logger="hiradix.transport.listener")
+    caplog.set_level(logging.INFO, logger="hiradix.net.listener")
     lst = AuthListener(_echo_once, TOKEN, b"test", wait=wait, clock=clock)
     try:
         first = [
@@ -146,7 +146,7 @@ def test_close_cuts_a_back_off_short() -> None:
 _CHILD = r"""
 import dataclasses, logging, os, resource, sys
 logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-from hiradix.peer.rpc import RpcServer
+from hiradix.net.rpc import RpcServer
 from hiradix.transport import TcpTransport
 
 token, victim, spare = sys.argv[1].encode(), sys.argv[2], int(sys.argv[3])
@@ -297,7 +297,7 @@ def test_refused_handshakes_are_logged_and_counted(caplog: pytest.LogCaptureFixt
     """A client with the wrong token is refused, counted, and named in one WARNING line."""
     server = RpcServer(TOKEN, host="127.0.0.1", port=0)
     try:
-        with caplog.at_level(logging.WARNING, logger="hiradix.transport.listener"):
+        with caplog.at_level(logging.WARNING, logger="hiradix.net.listener"):
             with pytest.raises((AuthError, OSError)):
                 host, port = server.address.rsplit(":", 1)
                 dial(host, int(port), b"another-token-0123456789abcdef!!", b"rpc", 5.0)

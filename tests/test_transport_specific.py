@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from support import send_then_drain
 
 import hiradix.transport.tcp as tcpmod
+from hiradix.net.auth import AuthError, client_handshake, load_token, server_handshake
 from hiradix.transport import FakeClock, FakeFabric, FakeTransport, ReadOp, Status, TcpTransport
-from hiradix.transport.auth import AuthError, client_handshake, load_token, server_handshake
 from hiradix.transport.tcp import MAGIC, OP_READ
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """The tree's error contract and its typed node accessors, against every implementation.
 
-Errors (``hiradix._reference`` module docstring): ``KeyError`` for a handle naming no live
+Errors (``hiradix.tree._reference`` module docstring): ``KeyError`` for a handle naming no live
 node, ``TypeError`` for non-integers (never truncated) and non-integer dtypes,
 ``OverflowError`` for integers the tree cannot store, ``ValueError`` for bad shapes,
 lengths and node states, :class:`hiradix.LockError` for a broken locking or transfer
@@ -19,7 +19,7 @@ from support import IMPLEMENTATIONS, FakeClock
 from test_tree_unit import backup, idx, whole_state
 
 import hiradix
-from hiradix._results import IOStatus, LockError
+from hiradix.tree._results import IOStatus, LockError
 
 
 def refused(tree, error, call, *args, **kwargs):
@@ -53,7 +53,7 @@ def _public_methods(names) -> set[str]:
 
 def test_core_twin_and_stub_declare_the_same_tree_api():
     """A method added to one implementation only (or missing from the stub) fails here."""
-    stub = ast.parse((Path(hiradix.__file__).parent / "_core.pyi").read_text())
+    stub = ast.parse((Path(hiradix.__file__).parent / "tree" / "_core.pyi").read_text())
     (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "HiRadixTree"]
     declared = _public_methods(n.name for n in cls.body if isinstance(n, ast.FunctionDef))
     declared |= _public_methods(

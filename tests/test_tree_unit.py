@@ -1,6 +1,6 @@
 """Unit tests of the tree's semantics, run against every implementation (``tree_cls``).
 
-``hiradix/_reference.py`` is the specification; the seed document (``shared/seeds/000_*``,
+``hiradix/tree/_reference.py`` is the specification; the seed document (``shared/seeds/000_*``,
 sections HiRadixTree / Prefix Match / Insert / Eviction / State Transition) is quoted where
 a test pins one of its examples.
 """
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from support import ChangeMirror, FakeClock, all_nodes, result_fields
 
-from hiradix._reference import get_hash_str
-from hiradix._results import Change, LockError
+from hiradix.tree._reference import get_hash_str
+from hiradix.tree._results import Change, LockError
 
 
 # ----------------------------------------------------------------------------- helpers

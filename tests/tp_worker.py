@@ -16,8 +16,8 @@ from scheduler_loop import prefetch_back, run_loop, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
-from hiradix.distributed import LocalAgreement, RankAgreement, TorchDistAgreement
-from hiradix.l3 import PrefetchConfig
+from hiradix.cache.distributed import LocalAgreement, RankAgreement, TorchDistAgreement
+from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import MemoryStorage
 

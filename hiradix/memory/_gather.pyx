@@ -11,7 +11,7 @@ layout (see :mod:`hiradix.memory.copy`). Rows that follow each other on *both* s
 (``offsets[i + 1] == offsets[i] + row_bytes``) are merged into one ``memcpy``, so a whole
 page that is contiguous on both sides costs one call however many tokens it holds.
 
-It is kept out of the tree core (``hiradix._core``) on purpose: the tree does no I/O.
+It is kept out of the tree core (``hiradix.tree._core``) on purpose: the tree does no I/O.
 
 Contract:
 

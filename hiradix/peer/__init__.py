@@ -11,7 +11,6 @@
 - :mod:`~hiradix.peer.directory` and :mod:`~hiradix.peer.ring`: where each key's entry
   lives (consistent hashing, replicated shards);
 - :mod:`~hiradix.peer.membership`: discovery masters and heartbeats;
-- :mod:`~hiradix.peer.rpc`: the authenticated msgpack control plane;
 - :mod:`~hiradix.peer.keyhash`: the key digests slots and the ring are addressed by;
 - :mod:`~hiradix.peer.disk`: the optional disk tier under the pool;
 - :mod:`~hiradix.peer.metrics`: Prometheus metrics, the ``/`` dashboard and ``/ready``;

@@ -229,7 +229,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from hiradix.peer.rpc import RpcClient
+    from hiradix.net.rpc import RpcClient
 
     try:
         with RpcClient(_token(args), timeout=args.timeout) as client:

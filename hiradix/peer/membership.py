@@ -61,7 +61,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from hiradix.transport.auth import AuthError
+from hiradix.net.auth import AuthError
 
 __all__ = ["DISC_METHODS", "JoinError", "Membership", "NodeInfo", "compute_masters", "describe_failure"]
 
@@ -117,7 +117,7 @@ def describe_failure(exc: BaseException) -> tuple[str, bool]:
     """A one-line reason for a failed call to a peer, and whether the peer refused this
     node's cluster token (the RPC client wraps the handshake's :class:`AuthError`, which
     stays in the exception's context). A timeout is never a refusal, not even one in the
-    handshake (:class:`~hiradix.transport.auth.HandshakeTimeout` is an ``AuthError``): a
+    handshake (:class:`~hiradix.net.auth.HandshakeTimeout` is an ``AuthError``): a
     peer that accepts connections and then says nothing (a stopped process) is
     unreachable, and joining keeps retrying it. Runtime complexity: ``O(chain length)``.
 
@@ -125,7 +125,7 @@ def describe_failure(exc: BaseException) -> tuple[str, bool]:
     ('ConnectionRefusedError: refused', False)
     >>> describe_failure(AuthError("server refused the cluster token"))[1]
     True
-    >>> from hiradix.transport.auth import HandshakeTimeout
+    >>> from hiradix.net.auth import HandshakeTimeout
     >>> describe_failure(HandshakeTimeout("handshake timed out"))
     ('HandshakeTimeout: handshake timed out', False)
     """

@@ -2,7 +2,7 @@
 
 A :class:`PeerNode` runs
 
-- an :class:`~hiradix.peer.rpc.RpcServer` serving its directory shard (``dir_*``), the
+- an :class:`~hiradix.net.rpc.RpcServer` serving its directory shard (``dir_*``), the
   embedded discovery service (``disc_*``), ``data_promote`` (bring disk-resident pages back
   into the pool and return their fresh locations) and ``node_status``;
 - a transport (TCP, RDMA, or the fake NIC in-process) whose responder serves only the
@@ -72,6 +72,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from hiradix.net.auth import load_token
+from hiradix.net.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
 from hiradix.peer.config import WILDCARD_HOSTS, PeerConfig
 from hiradix.peer.directory import (
     DIR_METHODS,
@@ -90,8 +92,6 @@ from hiradix.peer.pool import SLOT_HEADER_SIZE, PublishedPool
 from hiradix.peer.producer import Producer, size_class
 from hiradix.peer.reader import Reader, _ReceiveRegion
 from hiradix.peer.ring import HashRing
-from hiradix.peer.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
-from hiradix.transport.auth import load_token
 from hiradix.transport.base import MAX_ITEM_BYTES, Transport, with_host
 from hiradix.transport.factory import make_transport
 from hiradix.transport.fake import FakeFabric

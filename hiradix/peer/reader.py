@@ -46,11 +46,11 @@ from hiradix.peer.pool import SLOT_HEADER_SIZE, verify_parts
 from hiradix.transport.base import Status, Transport, view_at
 
 if TYPE_CHECKING:
+    from hiradix.net.rpc import RpcClient
     from hiradix.peer.config import PeerConfig
     from hiradix.peer.membership import Membership
     from hiradix.peer.metrics import PeerMetrics
     from hiradix.peer.producer import Producer
-    from hiradix.peer.rpc import RpcClient
 
 __all__ = ["Reader"]
 

@@ -73,8 +73,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 import hiradix
 from hiradix.cache import HiRadixCache as CoreCache
-from hiradix.controller import HiCacheController
-from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
 from hiradix.sglang.foreign import SGLangBackend, is_sglang_backend

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hiradix.distributed import MinReduceAgreement
+from hiradix.cache.distributed import MinReduceAgreement
 
 __all__ = ["SGLangAgreement"]
 

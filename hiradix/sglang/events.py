@@ -52,7 +52,7 @@ from sglang.srt.disaggregation.kv_events import (
 )
 
 import hiradix
-from hiradix._results import Change
+from hiradix.tree._results import Change
 
 __all__ = ["KVEventLog", "block_ids", "salt_seed"]
 

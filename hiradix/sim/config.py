@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from hiradix.l3 import PREFETCH_POLICIES
-from hiradix.policy import WRITE_POLICIES
+from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, TimingModel
+from hiradix.tree.policy import WRITE_POLICIES
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -75,8 +75,8 @@ import torch
 
 import hiradix
 from hiradix.cache import CacheObserver, HiRadixCache, Req
-from hiradix.controller import HiCacheController
-from hiradix.l3 import PREFETCH_POLICIES, PrefetchConfig
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 from hiradix.storage.base import StorageBackend
@@ -302,7 +302,7 @@ class Replayer:
         workload's prompts hold when :meth:`replay` sees the whole workload first, else
         2**24). Host ``0``: no host tier (an L3 backend is then an error).
     eviction_policy, write_policy:
-        Passed to the cache (``hiradix.policy_names()``, ``hiradix.policy.WRITE_POLICIES``).
+        Passed to the cache (``hiradix.policy_names()``, ``hiradix.tree.policy.WRITE_POLICIES``).
     check_every:
         Every this many requests, run ``cache.check_invariants()`` (0: never;
         :meth:`replay` always checks at the end).
@@ -323,7 +323,7 @@ class Replayer:
         Write token-derived KV at "compute" and check every reused prefix against it
         (module docstring, step 4). ``O(prompt tokens)`` more per request.
     prefetch_policy, prefetch_threshold, prefetch_wait:
-        The L3 prefetch policy (:data:`hiradix.l3.PREFETCH_POLICIES`), the fewest tokens
+        The L3 prefetch policy (:data:`hiradix.cache.l3.PREFETCH_POLICIES`), the fewest tokens
         worth prefetching, and whether to wait for a prefetch's I/O before checking its
         progress (the deterministic default, module docstring).
     load_back_threshold:
@@ -442,7 +442,7 @@ class Replayer:
             storage=storage,
             prefetch=self.prefetch if storage is not None else None,
             # Waiting for every L3 operation anyway: run them inline, without the thread
-            # hand-offs (the same L3 code; see hiradix.l3.L3Controller).
+            # hand-offs (the same L3 code; see hiradix.cache.l3.L3Controller).
             l3_inline=storage is not None and self.prefetch_wait,
         )
         ledger = _EvictionLedger(device.total_slots)
@@ -672,15 +672,15 @@ class Replayer:
         """Copy the cache's own counters into :attr:`stats`."""
         cache, ledger, stats = self.cache, self._ledger, self.stats
         assert ledger is not None
-        cs = cache.stats
+        cs = cache.get_stats()
         stats.device_demoted_tokens = ledger.demoted
         stats.device_deleted_tokens = ledger.deleted
-        stats.host_evicted_tokens = cs["host_evicted_tokens"]
-        stats.backup_tokens = cs["backup_done_tokens"]
+        stats.host_evicted_tokens = cs.host_evicted_tokens
+        stats.backup_tokens = cs.backup_done_tokens
         stats.backup_nodes = ledger.backup_nodes
-        stats.backup_skipped_tokens = cs["host_alloc_failed_tokens"] + cs["backup_failed_tokens"]
-        stats.write_back_failed_tokens = cs["write_back_dropped_tokens"]
-        stats.l3_write_tokens = cs["storage_backup_tokens"]
+        stats.backup_skipped_tokens = cs.host_alloc_failed_tokens + cs.backup_failed_tokens
+        stats.write_back_failed_tokens = cs.write_back_dropped_tokens
+        stats.l3_write_tokens = cs.storage_backup_tokens
 
     def _ideal_hit(self, hash_ids: tuple[int, ...], prompt: int) -> int:
         """Prompt tokens an infinite cache would hit: the blocks up to the first one never

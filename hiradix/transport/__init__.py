@@ -5,7 +5,7 @@ everywhere, :class:`FakeTransport` is an in-process fake NIC for tests;
 :func:`make_transport` builds the one a peer node's config names.
 """
 
-from hiradix.transport.auth import AuthError, load_token
+from hiradix.net.auth import AuthError, load_token
 from hiradix.transport.base import (
     Capabilities,
     InjectedFault,

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hiradix.net.auth import load_token
 from hiradix.peer.config import TRANSPORTS
-from hiradix.transport.auth import load_token
 from hiradix.transport.base import Transport, TransportError
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport

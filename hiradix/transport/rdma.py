@@ -1,7 +1,7 @@
 """The RDMA transport: one-sided RDMA READ over RC queue pairs, behind the transport seam.
 
 Every node runs the same authenticated TCP bootstrap as the TCP transport
-(:class:`~hiradix.transport.listener.AuthListener`, cluster-token handshake in the context
+(:class:`~hiradix.net.listener.AuthListener`, cluster-token handshake in the context
 ``b"rdma"``). A reader opens a *channel* to a peer by dialing it, creating an RC queue pair,
 and trading queue-pair descriptions ``(qp_num, psn, lid, gid, mtu)`` with the responder, which
 creates and connects its own queue pair and answers with the table of regions it publishes.
@@ -62,7 +62,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from hiradix._native import load, pure_python
-from hiradix.transport.auth import AuthError, load_token
+from hiradix.net.auth import AuthError, load_token
+from hiradix.net.listener import AuthListener, ListenerStats, dial, hang_up, set_recv_timeout, still_open
 from hiradix.transport.base import (
     Capabilities,
     ChannelPool,
@@ -77,7 +78,6 @@ from hiradix.transport.base import (
     check_remote,
     parse_peer,
 )
-from hiradix.transport.listener import AuthListener, ListenerStats, dial, hang_up, set_recv_timeout, still_open
 
 __all__ = [
     "CAUSE_CHANNEL",

@@ -2,7 +2,7 @@
 READ frames against its registered regions; readers pull into their own registered memory.
 
 Wire format (little-endian, fixed-size ``struct`` headers, after the HMAC handshake of
-:mod:`hiradix.transport.auth` with context ``b"transport"``)::
+:mod:`hiradix.net.auth` with context ``b"transport"``)::
 
     request   = REQ(magic u32, op u16, count u16, seq u32, reserved u32)        16 bytes
                 + count * ITEM(addr u64, length u64, rkey u32, reserved u32)     24 bytes each
@@ -39,7 +39,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from hiradix._native import load
-from hiradix.transport.auth import AuthError, load_token
+from hiradix.net.auth import AuthError, load_token
+from hiradix.net.listener import (
+    AuthListener,
+    ListenerStats,
+    dial,
+    hang_up,
+    set_recv_timeout,
+    set_send_timeout,
+    still_open,
+)
 from hiradix.transport.base import (
     Capabilities,
     ChannelPool,
@@ -49,15 +58,6 @@ from hiradix.transport.base import (
     _BatchPlan,
     parse_peer,
     view_at,
-)
-from hiradix.transport.listener import (
-    AuthListener,
-    ListenerStats,
-    dial,
-    hang_up,
-    set_recv_timeout,
-    set_send_timeout,
-    still_open,
 )
 
 __all__ = ["MAX_ITEMS", "TcpTransport"]
@@ -480,7 +480,7 @@ class TcpTransport(Transport):
 
     def _lease_live(self, peer: str, deadline: float) -> _Channel:
         """A channel to ``peer`` whose responder is still there: a pooled one that passes
-        :func:`~hiradix.transport.listener.still_open` (when idle ``_IDLE_CHECK`` or
+        :func:`~hiradix.net.listener.still_open` (when idle ``_IDLE_CHECK`` or
         more), else a new one; each dead one is closed. Raises as ``ChannelPool.lease``."""
         while True:
             ch = self._pool.lease(peer, max(deadline - self.clock(), 0.0))

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
-from hiradix._results import (
+from hiradix.tree._results import (
     Change,
     EvictHostResult,
     EvictResult,
@@ -52,7 +52,7 @@ from hiradix._results import (
     LockError,
     MatchResult,
 )
-from hiradix.policy import EvictionPolicy, check_tree_args, get_policy, seed_digest, write_through_threshold
+from hiradix.tree.policy import EvictionPolicy, check_tree_args, get_policy, seed_digest, write_through_threshold
 
 ROOT = 0
 IO_IDLE, IO_WRITING, IO_LOADING = 0, 1, 2
@@ -248,7 +248,7 @@ class HiRadixTree:
     page_size:
         Tokens per KV page; keys are matched and split on page boundaries only.
     eviction_policy:
-        Name from :mod:`hiradix.policy` or an :class:`~hiradix.policy.EvictionPolicy`.
+        Name from :mod:`hiradix.tree.policy` or an :class:`~hiradix.tree.policy.EvictionPolicy`.
     write_policy:
         ``write_through``, ``write_through_selective`` or ``write_back``.
     enable_hash:

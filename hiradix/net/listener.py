@@ -3,7 +3,7 @@ layer: :class:`AuthListener` (accept, cap, authenticate, serve one connection pe
 and :func:`dial` / :func:`hang_up` for the client side.
 
 Every connection is authenticated with the cluster-token handshake
-(:func:`hiradix.transport.auth.server_handshake`, in the listener's ``context``) before a
+(:func:`hiradix.net.auth.server_handshake`, in the listener's ``context``) before a
 single byte of its payload is read; a connection that fails it, or that arrives while
 ``max_connections`` are open, is closed. The socket binds to loopback unless told
 otherwise.
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hiradix.transport.auth import AuthError, client_handshake, server_handshake
+from hiradix.net.auth import AuthError, client_handshake, server_handshake
 
 __all__ = [
     "AuthListener",

@@ -39,6 +39,7 @@ after ``min(timeout_max_s, timeout_base_s + timeout_per_ki_token_s * tokens / 10
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import sys
@@ -52,7 +53,8 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.stats import L3Stats, zeros
 from hiradix.memory.pools import HostKVPool
 from hiradix.storage.base import StorageBackend, StorageExtraInfo
 
@@ -208,20 +210,7 @@ class L3Controller:
         self._backup_q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._backup_ids = 0
         self._stopped = False
-        self.stats = {
-            "prefetch_ops": 0,
-            "prefetch_revoked": 0,
-            "prefetch_hit_pages": 0,
-            "prefetch_loaded_pages": 0,
-            "prefetch_failed_pages": 0,
-            "backup_ops": 0,
-            "backup_pages": 0,
-            "backup_failed_pages": 0,
-            "prefetch_query_errors": 0,
-            "agreement_errors": 0,
-            "prefetch_read_errors": 0,
-            "backup_errors": 0,
-        }
+        self._stats = zeros(L3Stats)  # counted here under _stats_lock; read as a snapshot (stats)
         self._stats_lock = threading.Lock()
         self.inline = inline
         self._threads = []
@@ -234,18 +223,30 @@ class L3Controller:
         for t in self._threads:
             t.start()
 
+    def get_stats(self) -> L3Stats:
+        """A snapshot of the pipeline's counters (:class:`~hiradix.cache.stats.L3Stats`),
+        taken under the lock the threads count under. ``O(counters)``."""
+        with self._stats_lock:
+            return L3Stats(**self._stats)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The same counters as a plain dict by name (a copy; the form they had before
+        :meth:`get_stats`, kept for callers that read or serialize them so)."""
+        return dataclasses.asdict(self.get_stats())
+
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for k, v in deltas.items():
-                self.stats[k] += v
+                self._stats[k] += v
 
     def _failed(self, kind: str, what: str) -> None:
         """Count and log an exception (being handled) that turned an operation into
         misses: ``kind`` is its stats counter. The first of each kind is logged with its
         traceback, later ones on one line each (a dead backend fails every operation)."""
         with self._stats_lock:
-            self.stats[kind] += 1
-            first = self.stats[kind] == 1
+            self._stats[kind] += 1
+            first = self._stats[kind] == 1
         exc = sys.exc_info()[1]
         log.warning(
             "L3 %s failed (backend %s, %s), treated as misses: %r",

@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""Declarations of the compiled tree: C types, the node struct, the tree class.
+"""Declarations of the compiled tree: C types, the node struct, the tree class's fields
+(its private helpers are module-level functions, one ``_core_*.pxi`` per concern).
 
 Nodes live in one arena array and name each other by index. A node's tokens, device
 indices and host indices live at the same offset of three parallel buffers, so a split
@@ -21,8 +22,8 @@ cdef enum:
     DEVICE_SET = 0            # victim heap of L1 eviction
     HOST_SET = 1              # victim heap of L2 eviction
     DIGEST = 32               # bytes of one SHA-256 digest
-    NUM_FIELDS = 6            # policy key fields, see hiradix/policy.py
-    CHANGE_INSERTED = 1       # change-log kinds: hiradix._results.Change has the meanings
+    NUM_FIELDS = 6            # policy key fields, see hiradix/tree/policy.py
+    CHANGE_INSERTED = 1       # change-log kinds: hiradix.tree._results.Change has the meanings
     CHANGE_HOST_INSERTED = 2
     CHANGE_SPLIT = 3
     CHANGE_REFILLED = 4
@@ -141,67 +142,3 @@ cdef class HiRadixTree:
     cdef int64_t _num_nodes
     cdef readonly int64_t nodes_allocated
     cdef readonly int64_t nodes_freed
-
-    # arena and buffers
-    cdef int _grow_nodes(self) except -1 nogil
-    cdef int _reserve_span(self, int64_t n) except -1 nogil
-    cdef int _grow_table(self) except -1 nogil
-    cdef int _reserve_scratch(self, int64_t triples) except -1 nogil
-    cdef node_t _alloc(self) except -2 nogil
-    cdef void _release(self, node_t i) noexcept nogil
-    cdef int _compact(self) except -1 nogil
-    cdef node_t _new_root(self, int32_t ns) except -2 nogil
-    cdef int _record(self, int kind, node_t i, int64_t other, int64_t tokens) except -1 nogil
-    cdef void _reverse_changes(self, int64_t start) noexcept nogil
-    cdef node_t _node(self, object handle) except -2
-    cdef double _tick(self) except? -1
-    cdef node_t _ns_root(self, object extra_key) except -2
-    cdef int _set_seed(self, int32_t ns, object extra_key) except -1
-    cdef const uint8_t* _seed(self, int32_t ns) noexcept nogil
-
-    # child table
-    cdef uint64_t _page_hash(self, node_t parent, const token_t* page) noexcept nogil
-    cdef node_t _find_child(self, node_t parent, const token_t* page) noexcept nogil
-    cdef int _table_put(self, node_t child) except -1 nogil
-    cdef void _table_replace(self, node_t old, node_t new) noexcept nogil
-    cdef void _table_del(self, node_t child) noexcept nogil
-    cdef void _link_child(self, node_t parent, node_t child) noexcept nogil
-    cdef void _unlink_child(self, node_t child) noexcept nogil
-
-    # victim heaps
-    cdef double _field(self, node_t i, int f) noexcept nogil
-    cdef void _key(self, node_t i, HeapEntry* e) noexcept nogil
-    cdef void _heap_swap(self, int s, node_t p, node_t q) noexcept nogil
-    cdef void _sift_up(self, int s, node_t pos) noexcept nogil
-    cdef void _sift_down(self, int s, node_t pos) noexcept nogil
-    cdef void _heap_push(self, int s, node_t i) noexcept nogil
-    cdef void _heap_remove(self, int s, node_t i) noexcept nogil
-    cdef void _set_member(self, int s, node_t i, bint member) noexcept nogil
-    cdef void _refresh(self, node_t i) noexcept nogil
-    cdef node_t _pop_victim(self, int s) noexcept nogil
-
-    # structure
-    cdef void _touch(self, node_t i, double now) noexcept nogil
-    cdef void _size_delta(self, node_t i, int64_t tokens) noexcept nogil
-    cdef void _set_device(self, node_t i, bint on) noexcept nogil
-    cdef node_t _split(self, node_t child, int64_t split_len) except -2 nogil
-    cdef node_t _step(self, node_t node, const token_t* toks, int64_t remaining, double now,
-                      int64_t* plen) except -2 nogil
-    cdef node_t _new_child(self, node_t parent, const token_t* toks, int64_t n,
-                           double now) except -2 nogil
-    cdef void _delete_leaf(self, node_t i) noexcept nogil
-    cdef void _demote(self, node_t i) noexcept nogil
-    cdef int _backup_chain(self, node_t i, list out, set seen) except -1
-    cdef tuple _report_path(self, node_t root, node_t last)
-    cdef list _victims(self, int s)
-    cdef tuple _sort_key(self, node_t i)
-    cdef int64_t _lock(self, node_t i, int sign) noexcept nogil
-    cdef object _gather(self, node_t top_exclusive, node_t bottom, bint host)
-    cdef void _fill(self, node_t top_exclusive, node_t i, const index_t* src, index_t* dst,
-                    int64_t total) noexcept nogil
-    cdef node_t _descend(self, node_t node, const token_t* ptr, int64_t n, double now,
-                         int64_t* pos) except -2 nogil
-    cdef object _spans(self, int64_t k, index_t* buf)
-    cdef node_t _io_group_top(self, node_t i, int status, str op) except -2
-    cdef int _check_unpinned(self, node_t i, str op) except -1
-    cdef void _io_finish(self, node_t i, node_t top, bint backed_up) noexcept nogil

@@ -1,6 +1,6 @@
 """Control-plane RPC: length-prefixed msgpack frames over authenticated TCP.
 
-Every connection starts with the cluster-token handshake of :mod:`hiradix.transport.auth`
+Every connection starts with the cluster-token handshake of :mod:`hiradix.net.auth`
 (context ``b"rpc"``). After it, each message is one frame::
 
     frame    = length u32 (big-endian) || msgpack body            length <= max_frame
@@ -49,9 +49,8 @@ from typing import Any
 
 import msgpack
 
-from hiradix.transport.auth import AuthError, HandshakeTimeout, load_token
-from hiradix.transport.base import ChannelPool, parse_peer
-from hiradix.transport.listener import (
+from hiradix.net.auth import AuthError, HandshakeTimeout, load_token
+from hiradix.net.listener import (
     AuthListener,
     ListenerStats,
     dial,
@@ -60,6 +59,7 @@ from hiradix.transport.listener import (
     set_send_timeout,
     still_open,
 )
+from hiradix.transport.base import ChannelPool, parse_peer
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
@@ -733,7 +733,7 @@ class RpcClient:
 
     def _lease(self, peer: str, deadline: float, timeout: float) -> _Conn:
         """A connection to ``peer`` whose server is still there: a pooled one that passes
-        :func:`~hiradix.transport.listener.still_open` (when it sat idle for
+        :func:`~hiradix.net.listener.still_open` (when it sat idle for
         ``_IDLE_CHECK`` or more), else a new one. Each dead one is closed (at most one
         per pooled connection, then the pool dials). Runtime complexity: ``O(1)``
         syscalls per pooled connection tried."""

@@ -2,7 +2,7 @@
 
 The tree (:class:`hiradix.HiRadixTree`) decides: which prefix matches, which nodes to back
 up, which leaves to evict. This class acts on those decisions: it allocates and frees
-device and host slots, queues copies on the :class:`~hiradix.controller.HiCacheController`,
+device and host slots, queues copies on the :class:`~hiradix.cache.controller.HiCacheController`,
 and completes the tree's two-phase transfers when the copies are acknowledged.
 
 Method names and semantics follow SGLang 0.5.18's ``HiRadixCache`` so that an adapter stays
@@ -18,7 +18,7 @@ thin: ``match_prefix``, ``insert``, ``cache_finished_req`` / ``cache_unfinished_
   tree's two-phase ``begin_backup``/``commit_backup``): no gap in the backed-up chain and
   no lock left behind.
 - With several ranks, every allocation outcome and every completion count goes through
-  the controller's :class:`~hiradix.distributed.RankAgreement` before the tree changes,
+  the controller's :class:`~hiradix.cache.distributed.RankAgreement` before the tree changes,
   so the ranks' trees stay identical and they make the same collectives.
 - ``evict`` returns the number of device tokens freed.
 - Observers (:class:`CacheObserver`, :meth:`HiRadixCache.add_observer`) are told of every
@@ -30,6 +30,7 @@ engines.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -38,14 +39,15 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix._results import IOStatus
-from hiradix.controller import HiCacheController
-from hiradix.distributed import RankAgreement
-from hiradix.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.distributed import RankAgreement
+from hiradix.cache.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
+from hiradix.cache.stats import CacheStats, zeros
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend, check_keys
 from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
+from hiradix.tree._results import IOStatus
 
 __all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 
@@ -211,7 +213,7 @@ class HiRadixCache:
         thread uses (a process group of its own).
     l3_inline:
         Run the L3 operations in the caller's thread (simulators; see
-        :class:`~hiradix.l3.L3Controller`).
+        :class:`~hiradix.cache.l3.L3Controller`).
     batch_backups:
         Start the backups that inserts ask for together, once per scheduler step (at the
         next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
@@ -276,23 +278,7 @@ class HiRadixCache:
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
         self.batch_backups = batch_backups
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
-        self.stats = {
-            "backup_started_tokens": 0,
-            "backup_done_tokens": 0,
-            "backup_failed_tokens": 0,
-            "host_alloc_failed_tokens": 0,
-            "load_back_tokens": 0,
-            "load_retries": 0,
-            "device_evicted_tokens": 0,
-            "write_back_dropped_tokens": 0,
-            "host_evicted_tokens": 0,
-            "prefetch_started_tokens": 0,
-            "prefetch_skipped_capacity": 0,
-            "prefetch_skipped_no_host": 0,
-            "prefetch_loaded_tokens": 0,
-            "prefetch_wasted_tokens": 0,
-            "storage_backup_tokens": 0,
-        }
+        self._stats = zeros(CacheStats)  # counted here; read as a snapshot (stats)
         # L3 (storage) state; see attach_storage_backend.
         self.enable_hash = enable_hash
         self.clock = clock
@@ -312,6 +298,16 @@ class HiRadixCache:
             assert ok, msg
 
     # ------------------------------------------------------------------ observers
+    def get_stats(self) -> CacheStats:
+        """A snapshot of the cache's counters (:class:`~hiradix.cache.stats.CacheStats`). ``O(counters)``."""
+        return CacheStats(**self._stats)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The same counters as a plain dict by name (a copy; the form they had before
+        :meth:`get_stats`, kept for callers that read or serialize them so)."""
+        return dataclasses.asdict(self.get_stats())
+
     def add_observer(self, observer: CacheObserver) -> None:
         """Tell ``observer`` of every later backup, load and device free (see
         :class:`CacheObserver`). ``O(1)``."""
@@ -475,10 +471,10 @@ class HiRadixCache:
             else:
                 if host is not None:
                     self.host_pool.free(host)
-                self.stats["host_alloc_failed_tokens"] += size
+                self._stats["host_alloc_failed_tokens"] += size
         if started:
             ctrl.start_writing()
-            self.stats["backup_started_tokens"] += started
+            self._stats["backup_started_tokens"] += started
         return started
 
     def writing_check(self, write_back: bool = False) -> None:
@@ -492,12 +488,12 @@ class HiRadixCache:
                 host = self.ongoing_write_through.pop(op.node)
                 committed = self.tree.commit_backup(op.node, ok)
                 if committed:
-                    self.stats["backup_done_tokens"] += len(host)
+                    self._stats["backup_done_tokens"] += len(host)
                     if self.l3 is not None:
                         self.write_backup_storage(op.node)
                 else:
                     self.host_pool.free(host)
-                    self.stats["backup_failed_tokens"] += len(host)
+                    self._stats["backup_failed_tokens"] += len(host)
                 for obs in self._observers:
                     obs.on_backup_finished(op.node, op.device_indices, op.host_indices, committed)
 
@@ -530,7 +526,7 @@ class HiRadixCache:
         tree.begin_load_back(node, _cpu(device))
         self.cache_controller.load(host, device, node)
         self.ongoing_load_back[node] = device
-        self.stats["load_back_tokens"] += n
+        self._stats["load_back_tokens"] += n
         for obs in self._observers:
             obs.on_load_started(node, _long(host), _long(device))
         return device
@@ -561,7 +557,7 @@ class HiRadixCache:
         device slots unfilled; a second failure raises ``CopyError``."""
         for ack, ok in self.cache_controller.ack_loads():
             if not ok:
-                self.stats["load_retries"] += 1
+                self._stats["load_retries"] += 1
                 for op in ack.ops:
                     self.cache_controller.load_engine.load(
                         self.host_pool, self.device_pool, op.host_indices, op.device_indices
@@ -601,7 +597,7 @@ class HiRadixCache:
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
         message)``; refuses while another backend is attached. ``inline`` runs the L3
-        operations in the caller's thread (see :class:`~hiradix.l3.L3Controller`);
+        operations in the caller's thread (see :class:`~hiradix.cache.l3.L3Controller`);
         ``key_suffix``, if given, replaces the storage-key suffix from this backend on
         (one that appends its own, as SGLang's do, takes ``""``); ``pass_prefix_keys``
         hands the backend, with each call, the keys of the pages before those of the
@@ -693,18 +689,18 @@ class HiRadixCache:
             raise ValueError(f"prefetch mount point {last_host_node} is not backed up")
         in_flight = sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
         if in_flight + n > l3.capacity_tokens:
-            self.stats["prefetch_skipped_capacity"] += n
+            self._stats["prefetch_skipped_capacity"] += n
             return False
         (host,) = self.cache_controller.alloc_host([n])
         if host is None:
-            self.stats["prefetch_skipped_no_host"] += n
+            self._stats["prefetch_skipped_no_host"] += n
             return False
         prior = last_hash if last_hash is not None else self.prior_hash(last_host_node)
         self.tree.inc_host_ref(last_host_node)
         prefix = self.prefix_hashes(last_host_node) if self.pass_prefix_keys else None
         op = l3.prefetch(req_id, host, tokens[:n], prior, prefix)
         self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)
-        self.stats["prefetch_started_tokens"] += n
+        self._stats["prefetch_started_tokens"] += n
         return True
 
     def prefetch_mount(self, match: CacheMatchResult) -> tuple[int, int]:
@@ -756,8 +752,8 @@ class HiRadixCache:
         self.tree.dec_host_ref(entry.mount)
         del self.ongoing_prefetch[req_id]
         self.prefetch_loaded_tokens_by_reqid[req_id] = loaded
-        self.stats["prefetch_loaded_tokens"] += loaded
-        self.stats["prefetch_wasted_tokens"] += len(entry.host_indices) - loaded
+        self._stats["prefetch_loaded_tokens"] += loaded
+        self._stats["prefetch_wasted_tokens"] += len(entry.host_indices) - loaded
         return True
 
     def release_aborted_request(self, req_id: Any) -> None:
@@ -771,7 +767,7 @@ class HiRadixCache:
         self.l3.terminate(entry.op)
         self._release_queue.append((entry.op, entry.host_indices))
         self.tree.dec_host_ref(entry.mount)
-        self.stats["prefetch_wasted_tokens"] += len(entry.host_indices)
+        self._stats["prefetch_wasted_tokens"] += len(entry.host_indices)
 
     def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
         """Tokens ``req_id``'s finished prefetch added to the tree (0 if none). ``O(1)``."""
@@ -798,7 +794,7 @@ class HiRadixCache:
         self.tree.inc_host_ref(node)
         prefix = self.prefix_hashes(self.tree.parent(node)) if self.pass_prefix_keys else None
         self.ongoing_backup.append(self.l3.backup(node, hashes, torch.from_numpy(host), prefix))
-        self.stats["storage_backup_tokens"] += len(host)
+        self._stats["storage_backup_tokens"] += len(host)
 
     def check_backup_progress(self) -> None:
         """Unprotect the nodes whose L3 writes every rank has finished (agreed by MIN,
@@ -857,7 +853,7 @@ class HiRadixCache:
             freed += got
             if not (got and more):
                 break
-        self.stats["device_evicted_tokens"] += freed
+        self._stats["device_evicted_tokens"] += freed
         return freed
 
     def _evict_round(self, num_tokens: int) -> tuple[int, bool]:
@@ -878,7 +874,7 @@ class HiRadixCache:
                 slots = tree.demote(node)
             else:
                 slots = tree.drop(node)
-                self.stats["write_back_dropped_tokens"] += len(slots)
+                self._stats["write_back_dropped_tokens"] += len(slots)
             freed += len(slots)
             self._free_device(slots, evicted=True)
         return freed, True
@@ -889,7 +885,7 @@ class HiRadixCache:
         result = self.tree.evict_host(num_tokens)
         if len(result.host_indices):
             self.host_pool.free(result.host_indices)
-        self.stats["host_evicted_tokens"] += int(result.num_evicted)
+        self._stats["host_evicted_tokens"] += int(result.num_evicted)
         return int(result.num_evicted)
 
     # ------------------------------------------------------------------ lifecycle

@@ -1,4 +1,4 @@
-"""Typed stub of the compiled tree (same API as hiradix._reference).
+"""Typed stub of the compiled tree (same API as hiradix.tree._reference).
 
 Errors, in both implementations (a refused call changes nothing): ``KeyError`` for a
 handle that names no live node; ``TypeError`` for a handle, count or priority that is not
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hiradix._results import IOStatus
-from hiradix.policy import EvictionPolicy
+from hiradix.tree._results import IOStatus
+from hiradix.tree.policy import EvictionPolicy
 
 IndexArray = npt.NDArray[np.int64]
 ROOT: int

@@ -29,6 +29,7 @@ touches the tree (the cache does). Its parts:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -37,7 +38,8 @@ from typing import Any
 
 import torch
 
-from hiradix.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.distributed import LocalAgreement, RankAgreement
+from hiradix.cache.stats import ControllerStats, zeros
 from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
@@ -217,7 +219,7 @@ class HiCacheController:
     device_pool, host_pool:
         The L1 and L2 pools (same shape, page size and dtype).
     agreement:
-        Cross-rank agreement (:class:`~hiradix.distributed.LocalAgreement` for one rank).
+        Cross-rank agreement (:class:`~hiradix.cache.distributed.LocalAgreement` for one rank).
     write_engine, load_engine:
         Copy engines for backups and loads; by default one each from
         :func:`~hiradix.memory.copy.make_copy_engine` for the device pool's device.
@@ -276,7 +278,18 @@ class HiCacheController:
         self._loads = _Queue()
         self._ack_ids = itertools.count()
         self._companions: list[tuple[DeviceKVPool, HostKVPool]] = []
-        self.stats = {"backup_tokens": 0, "load_tokens": 0, "backup_failed_tokens": 0, "load_failed_tokens": 0}
+        self._stats = zeros(ControllerStats)  # counted here; read as a snapshot (stats)
+
+    def get_stats(self) -> ControllerStats:
+        """A snapshot of the acknowledged transfers' counters
+        (:class:`~hiradix.cache.stats.ControllerStats`). ``O(counters)``."""
+        return ControllerStats(**self._stats)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The same counters as a plain dict by name (a copy; the form they had before
+        :meth:`get_stats`, kept for callers that read or serialize them so)."""
+        return dataclasses.asdict(self.get_stats())
 
     def add_companion(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
         """Move the KV of ``device_pool`` / ``host_pool`` along with every later backup and
@@ -405,7 +418,7 @@ class HiCacheController:
         popped = [q.acks.popleft() for _ in range(n)]
         agreed = self.agreement.all_true([a.ok for a in popped])
         for ack, ok in zip(popped, agreed, strict=True):
-            self.stats[f"{kind}_tokens" if ok else f"{kind}_failed_tokens"] += ack.tokens
+            self._stats[f"{kind}_tokens" if ok else f"{kind}_failed_tokens"] += ack.tokens
         return list(zip(popped, agreed, strict=True))
 
     def drain(self) -> None:

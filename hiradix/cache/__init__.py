@@ -1,0 +1,48 @@
+"""The cache layer: the tree, the KV pools and the tiers' copies behind SGLang-shaped methods.
+
+- :mod:`~hiradix.cache.cache`: :class:`HiRadixCache`, the tree plus pools plus controller
+  plus L3, and the request and observer types it takes;
+- :mod:`~hiradix.cache.controller`: :class:`HiCacheController`, the L1 <-> L2 queues and
+  copy engines;
+- :mod:`~hiradix.cache.l3`: :class:`L3Controller`, the L3 <-> L2 prefetch, IO and backup
+  threads;
+- :mod:`~hiradix.cache.distributed`: :class:`RankAgreement`, how a rank-local fact reaches
+  every rank before the trees change;
+- :mod:`~hiradix.cache.stats`: the frozen snapshots of their counters (:class:`CacheStats`,
+  :class:`ControllerStats`, :class:`L3Stats`).
+
+``hiradix.cache.HiRadixCache`` is the public path (the names below are re-exported here and
+report this package as their module).
+"""
+
+from hiradix.cache.cache import CacheMatchResult, CacheObserver, DeviceAllocator, HiRadixCache, OngoingPrefetch, Req
+from hiradix.cache.controller import HiCacheController
+from hiradix.cache.distributed import LocalAgreement, MinReduceAgreement, RankAgreement, TorchDistAgreement
+from hiradix.cache.l3 import PREFETCH_POLICIES, L3Controller, PrefetchConfig
+from hiradix.cache.stats import CacheStats, ControllerStats, L3Stats
+
+__all__ = [
+    "PREFETCH_POLICIES",
+    "CacheMatchResult",
+    "CacheObserver",
+    "CacheStats",
+    "ControllerStats",
+    "DeviceAllocator",
+    "HiCacheController",
+    "HiRadixCache",
+    "L3Controller",
+    "L3Stats",
+    "LocalAgreement",
+    "MinReduceAgreement",
+    "OngoingPrefetch",
+    "PrefetchConfig",
+    "RankAgreement",
+    "Req",
+    "TorchDistAgreement",
+]
+
+# The public path of the cache's own classes, as repr, pickles and reports show them
+# (``hiradix.cache.HiRadixCache``); the helpers of the other modules keep theirs.
+for _cls in (CacheMatchResult, CacheObserver, DeviceAllocator, HiRadixCache, OngoingPrefetch, Req):
+    _cls.__module__ = __name__
+del _cls
