@@ -119,6 +119,8 @@ def test_a_receive_region_closes_only_once_its_leased_lanes_are_back() -> None:
         assert leased.wait(10.0)
         closer = threading.Thread(target=lambda: (region.close(timeout=10.0), closed.set()))
         closer.start()
+        with region._cond:  # close() has begun (it notifies as it starts refusing leases)
+            assert region._cond.wait_for(lambda: region._closed, 10.0)
         with pytest.raises(queue.Empty), region.lease(timeout=0.0):
             pass
         assert not closed.is_set() and region.buf.nbytes == 4 << 16
