@@ -183,6 +183,32 @@ def test_round_trip_scattered_host_slots(engine: ThreadCopyEngine, layout: str, 
     _round_trip(engine, dev, host, seed=7, whole_pages=False)
 
 
+@pytest.mark.timeout(60)
+def test_one_device_pool_with_host_pools_of_every_layout(engine: ThreadCopyEngine) -> None:
+    """The compiled copy's per-pair layout is kept per (device pool, host pool): one device
+    pool backed up to host pools of each layout in turn, twice over, lands byte for byte
+    in each (a layout kept for the wrong host pool would write the wrong rows)."""
+    dev = DeviceKVPool(SHAPES["mha"], size=PAGES * 4, page_size=4, dtype=torch.float16)
+    hosts = [HostKVPool.for_device(dev, ratio=2.0, layout=layout, reserve_bytes=0) for layout in HOST_LAYOUTS]
+    for seed, host in enumerate(hosts * 2):
+        _round_trip(engine, dev, host, seed=seed, whole_pages=seed % 2 == 0)
+
+
+@pytest.mark.timeout(30)
+def test_mismatched_pools_are_refused_every_time(engine: ThreadCopyEngine) -> None:
+    """A refused pair stays refused (the check is not skipped once a pool is known), and
+    the same pools still work with their right partners afterwards."""
+    dev, host = _pools(SHAPES["mha"], 4, torch.float16)
+    other_dev, other_host = _pools(SHAPES["mla"], 4, torch.float16)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="shapes differ"):
+            engine.backup(other_dev, host, [4], [0])
+        with pytest.raises(ValueError, match="shapes differ"):
+            engine.load(other_host, dev, [0], [4])
+    _round_trip(engine, dev, host, seed=1, whole_pages=True)
+    _round_trip(engine, other_dev, other_host, seed=2, whole_pages=True)
+
+
 @pytest.mark.timeout(30)
 def test_empty_transfer_completes(engine: ThreadCopyEngine) -> None:
     dev, host = _pools(SHAPES["mha"], 4, torch.float16)

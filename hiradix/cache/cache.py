@@ -462,7 +462,7 @@ class HiRadixCache:
         started = 0
         for node, size, host in zip(nodes, sizes, slots, strict=True):
             if host is not None and self._backed_or_writing(tree.parent(node)):
-                device = tree.begin_backup(node, host)
+                device = tree.begin_backup(node, host.numpy())  # the tree's own input type: no conversion
                 ctrl.write(device, host, node)
                 self.ongoing_write_through[node] = host
                 started += size
@@ -488,12 +488,12 @@ class HiRadixCache:
                 host = self.ongoing_write_through.pop(op.node)
                 committed = self.tree.commit_backup(op.node, ok)
                 if committed:
-                    self._stats["backup_done_tokens"] += len(host)
+                    self._stats["backup_done_tokens"] += host.shape[0]
                     if self.l3 is not None:
                         self.write_backup_storage(op.node)
                 else:
                     self.host_pool.free(host)
-                    self._stats["backup_failed_tokens"] += len(host)
+                    self._stats["backup_failed_tokens"] += host.shape[0]
                 for obs in self._observers:
                     obs.on_backup_finished(op.node, op.device_indices, op.host_indices, committed)
 

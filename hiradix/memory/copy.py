@@ -441,11 +441,10 @@ def _row_plan(
 
     Runtime complexity: ``O(n)``, plus ``O(n log n)`` to sort rows not in host order.
     """
-    if _gather is None or device_pool.device.type != "cpu":
+    if _gather is None:
         return None
-    _check_pools(device_pool, host_pool)
-    dregs, hregs = _regions(device_pool), _regions(host_pool)
-    if dregs is None or hregs is None:
+    layout = _pair_layout(device_pool, host_pool)
+    if layout is None:
         return None
     dev = _as_index_np(device_indices, "device_indices")
     host = _as_index_np(host_indices, "host_indices")
@@ -455,6 +454,57 @@ def _row_plan(
     ps = host_pool.page_size
     dev_off: list[np.ndarray] = []
     host_off: list[np.ndarray] = []
+    for reuse, dev_page_stride, host_page_stride, host_slot_stride in layout.components:
+        if reuse >= 0:  # K and V alike: one pair of offset arrays serves both
+            dev_off.append(dev_off[reuse])
+            host_off.append(host_off[reuse])
+            continue
+        dev_off.append(slot_offsets(dev, device_pool.total_slots, 1, dev_page_stride, 0, "device_indices"))
+        host_off.append(slot_offsets(host, host_pool.size, ps, host_page_stride, host_slot_stride, "host_indices"))
+    return _RowPlan(layout.dev, layout.host, tuple(dev_off), tuple(host_off), device_pool.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class _PairLayout:
+    """What every plan between one device pool and one host pool shares: their regions,
+    and per component the strides of its rows and the earlier component whose offset
+    arrays it can reuse (``-1``: none)."""
+
+    dev: list[list[_Region]]
+    host: list[list[_Region]]
+    components: tuple[tuple[int, int, int, int], ...]  # (reuse, dev page, host page, host slot strides)
+
+
+# Per (device pool, host pool), computed once like _REGIONS: checking that strides do not
+# change with the layer walks every layer, which a plan per write-through must not repeat.
+_PAIRS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _PairLayout | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayout | None:
+    """The shared part of :func:`_row_plan` for these pools, or ``None`` where the compiled
+    copy cannot serve (a pool it cannot address, or strides that change with the layer).
+    Mismatched pools raise as :func:`_check_pools` does, each time (failures are not kept).
+    ``O(1)`` once known, ``O(layers * components)`` the first time."""
+    with _REGIONS_LOCK:
+        known = _PAIRS.get(device_pool)
+        if known is not None and host_pool in known:
+            return known[host_pool]
+    _check_pools(device_pool, host_pool)
+    layout = _compute_pair_layout(device_pool, host_pool)
+    with _REGIONS_LOCK:
+        _PAIRS.setdefault(device_pool, weakref.WeakKeyDictionary())[host_pool] = layout
+    return layout
+
+
+def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayout | None:
+    if device_pool.device.type != "cpu":
+        return None
+    dregs, hregs = _regions(device_pool), _regions(host_pool)
+    if dregs is None or hregs is None:
+        return None
+    components: list[tuple[int, int, int, int]] = []
     for c, (d, h) in enumerate(zip(dregs[0], hregs[0], strict=True)):
         # Strides must not change with the layer, or one offset array would not serve all.
         if any((r[c].page_stride, r[c].row_bytes) != (d.page_stride, d.row_bytes) for r in dregs) or any(
@@ -463,17 +513,10 @@ def _row_plan(
             return None
         if d.row_bytes != h.row_bytes:
             raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
-        if c and (d.page_stride, h.page_stride, h.slot_stride) == (
-            dregs[0][c - 1].page_stride,
-            hregs[0][c - 1].page_stride,
-            hregs[0][c - 1].slot_stride,
-        ):
-            dev_off.append(dev_off[-1])  # K and V alike: one pair of offset arrays serves both
-            host_off.append(host_off[-1])
-            continue
-        dev_off.append(slot_offsets(dev, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
-        host_off.append(slot_offsets(host, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
-    return _RowPlan(dregs, hregs, tuple(dev_off), tuple(host_off), device_pool.itemsize)
+        strides = (d.page_stride, h.page_stride, h.slot_stride)
+        reuse = c - 1 if c and strides == components[c - 1][1:] else -1
+        components.append((reuse, *strides))
+    return _PairLayout(dregs, hregs, tuple(components))
 
 
 def _native_backup_layer(plan: _RowPlan, layer: int, threads: int) -> None:
