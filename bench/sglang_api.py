@@ -142,6 +142,7 @@ def log(msg: str) -> None:
 def patch_sglang_for_cpu() -> None:
     """What SGLang 0.5.18's HiRadixCache needs to run on CPU (from bench/sglang_baselines.py)."""
     import sglang.srt.mem_cache.hiradix_cache as hrc
+    import sglang.srt.mem_cache.pool_host.base as phb
     import sglang.srt.mem_cache.pool_host.common as phc
     import sglang.srt.mem_cache.pool_host.mha as phm
     import torch.distributed as dist
@@ -155,6 +156,10 @@ def patch_sglang_for_cpu() -> None:
             dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
 
     phm.transfer_kv_direct = transfer_kv_direct
+    # SGLang refuses a host pool unless 10 GiB stay available beside it, a server's margin.
+    # These pools are tens of MB, and on a shared 24 GB machine running test suites the
+    # margin alone made the build fail ("only have -1.15 GB free").
+    phb.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
     # SGLang reads the host/device ratio from the server's published runtime config.
     hrc.get_memory = lambda: types.SimpleNamespace(hicache_ratio=HICACHE_RATIO)
     if not dist.is_initialized():  # HiRadixCache asks the (default) TP group its size
