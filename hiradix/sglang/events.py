@@ -106,6 +106,7 @@ class _Format18:
     ``BlockStoredWithMetadata``; a recomputed evicted node is stored silently."""
 
     refill_medium: StorageMedium | None = None
+    removals_by_extra_key = False  # removals of one medium coalesce across namespaces
 
     def __init__(self, params: Any) -> None:
         self._with_metadata = sglang_events.BlockStoredWithMetadata
@@ -134,6 +135,13 @@ class _Format23:
     refill_medium: StorageMedium | None = StorageMedium.GPU
 
     def __init__(self, params: Any) -> None:
+        # SGLang's default (Rust) tree core coalesces removals only within one extra_key
+        # (it tags each with it, to namespace LoRA ids afterwards); its Python tree core,
+        # picked by SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python or where the Rust one
+        # cannot run, across them, as 0.5.18. The choice is SGLang's own, for these params.
+        from sglang.srt.mem_cache.unified_cache.tree_core_registry import select_tree_core_backend
+
+        self.removals_by_extra_key = select_tree_core_backend(params) == "rust"
         self._dynamo = bool(getattr(params, "dynamo_kv_event_format", False))
         # The scheduler's table, shared: it names a request's extra_key at admission,
         # before the request's insert, so a namespace's name is known at its first store.
@@ -209,6 +217,8 @@ class KVEventLog:
         self._format = event_format(params)
         self._blocks: dict[int, _Blocks] = {}
         self.queue: list[Any] = []
+        # the extra_key of the last BlockRemoved's blocks, where it limits coalescing
+        self._removed_space: str | None = None
         self.cleared()
 
     # ------------------------------------------------------------------ public
@@ -333,7 +343,9 @@ class KVEventLog:
             return
         ids = self._format.ids(blocks)
         tail = self.queue[-1] if self.queue else None
-        if isinstance(tail, BlockRemoved) and tail.medium == medium:
+        space = blocks.extra_key if self._format.removals_by_extra_key else None
+        if isinstance(tail, BlockRemoved) and tail.medium == medium and self._removed_space == space:
             tail.block_hashes.extend(ids)
         else:
             self.queue.append(BlockRemoved(block_hashes=ids, medium=medium))
+            self._removed_space = space
