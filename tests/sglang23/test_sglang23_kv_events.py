@@ -14,6 +14,7 @@ The ids are also pinned against SGLang's own hash helpers (``get_hash_str``,
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from typing import Any
 
@@ -41,6 +42,15 @@ from sglang_pools import LAYERS, key, match, settle
 import hiradix.sglang as hs
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
+
+
+@pytest.fixture(params=["rust", "python"])
+def tree_core(request, monkeypatch) -> str:
+    """SGLang's tree core, picked as a server picks it: its default (Rust) or the Python
+    one (SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python). They differ in one thing hiradix
+    follows: the Rust core coalesces removals only within one extra_key."""
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", request.param)
+    return str(request.param)
 
 GPU, CPU = StorageMedium.GPU, StorageMedium.CPU
 LORA_ID = "0123456789abcdef0123456789abcdef"  # a LoRARef.lora_id: 32 hex characters
@@ -108,6 +118,10 @@ class Twin:
         p = {"enable_kv_cache_events": True, **params}
         self.ours = build_hiradix(page_size, size=size * page_size, params=p)
         self.theirs = build(page_size=page_size, size=size * page_size, params=p)
+        core = type(self.theirs.cache.tree_core).__name__
+        want = "RustUnifiedTreeCore" if os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") != "python" \
+            else "UnifiedTreeCore"
+        assert core == want, f"SGLang built a {core}"
         self.stats: dict[str, int] = {}
         assert self.events("built") == [AllBlocksCleared()]
 
@@ -215,7 +229,7 @@ def test_ids_and_fields_match_sglangs_hash_helpers(dynamo: bool) -> None:
 
 # ---------------------------------------------------------------------------- parity with SGLang
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_scripted_life_cycle_matches_sglang(page_size: int) -> None:
+def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int) -> None:
     twin = Twin(page_size)
     base = list(range(1, 12 * page_size + 1))
     twin.insert(base, session_id="chat-1")  # BlockStored GPU, with the session
@@ -241,7 +255,7 @@ def test_a_scripted_life_cycle_matches_sglang(page_size: int) -> None:
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
-def test_namespaces_lora_names_and_sessions_match_sglang(dynamo: bool) -> None:
+def test_namespaces_lora_names_and_sessions_match_sglang(tree_core: str, dynamo: bool) -> None:
     twin = Twin(2, dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names())
     tokens = list(range(1, 13))
     for extra_key, salt in ((None, None), (LORA_KEY, None), ("plain", "tenant"), (LORA_KEY, "tenant")):
@@ -255,7 +269,7 @@ def test_namespaces_lora_names_and_sessions_match_sglang(dynamo: bool) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
-def test_random_operations_emit_sglangs_events(page_size: int) -> None:
+def test_random_operations_emit_sglangs_events(tree_core: str, page_size: int) -> None:
     """A seeded random mix of the operations above on prompts that share prefixes, in
     three namespaces, compared step by step."""
     rng = random.Random(23 + page_size)
