@@ -76,12 +76,13 @@ def insert(env: Any, tokens: list[int], session_id: str | None = None, **kw: Any
     (0.5.23's own insert counts the evicted nodes it refills with the new slots in its
     ``prefix_len``, as adopted ranges; hiradix's does not, and keeps them. The length on
     the device, read by a match first, is the duplicate part in both.)"""
-    n = len(tokens) // env.page_size * env.page_size
-    on_device = int(match(env, tokens[:n], **kw).device_prefix_len)
+    extra = 1 if getattr(env, "eagle", False) else 0  # EAGLE: n + 1 tokens are n bigrams, one slot each
+    n = max(len(tokens) - extra, 0) // env.page_size * env.page_size
+    on_device = int(match(env, tokens[: n + extra], **kw).device_prefix_len)
     slots = env.allocator.alloc(n)
     assert slots is not None
     env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
-    res = env.cache.insert(InsertParams(key=key(tokens[:n], **kw), value=slots, session_id=session_id))
+    res = env.cache.insert(InsertParams(key=key(tokens[: n + extra], **kw), value=slots, session_id=session_id))
     if isinstance(env.cache, hs.HiRadixCache):
         assert res.prefix_len == on_device
     if on_device:
@@ -114,10 +115,11 @@ class Twin:
     """hiradix's cache and SGLang 0.5.23's ``UnifiedRadixCache``, built alike, given the
     same operations; after each, both return the same thing and queue the same events."""
 
-    def __init__(self, page_size: int, size: int = 128, **params: Any) -> None:
+    def __init__(self, page_size: int, size: int = 128, eagle: bool = False, **params: Any) -> None:
         p = {"enable_kv_cache_events": True, **params}
-        self.ours = build_hiradix(page_size, size=size * page_size, params=p)
-        self.theirs = build(page_size=page_size, size=size * page_size, params=p)
+        self.ours = build_hiradix(page_size, size=size * page_size, eagle=eagle, params=p)
+        self.theirs = build(page_size=page_size, size=size * page_size, params={**p, "is_eagle": eagle})
+        self.ours.eagle = self.theirs.eagle = eagle
         core = type(self.theirs.cache.tree_core).__name__
         want = "RustUnifiedTreeCore" if os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") != "python" \
             else "UnifiedTreeCore"
@@ -228,10 +230,12 @@ def test_ids_and_fields_match_sglangs_hash_helpers(dynamo: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- parity with SGLang
+@pytest.mark.parametrize("eagle", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int) -> None:
-    twin = Twin(page_size)
-    base = list(range(1, 12 * page_size + 1))
+def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int, eagle: bool) -> None:
+    """Also with EAGLE bigram keys (ids of interleaved pairs, ``(a, b)`` token ids)."""
+    twin = Twin(page_size, eagle=eagle)
+    base = list(range(1, 12 * page_size + 1 + eagle))
     twin.insert(base, session_id="chat-1")  # BlockStored GPU, with the session
     twin.settle()  # BlockStored CPU_PINNED
     cut = 2 * page_size
@@ -239,7 +243,7 @@ def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int) ->
     twin.match(base[: 3 * page_size])  # a split: no event
     twin.settle()
     twin.evict(1000)  # everything to the host: one BlockRemoved GPU
-    assert twin.load_back(base) == len(base)  # BlockStored GPU for the loaded chain
+    assert twin.load_back(base) == len(base) - eagle  # BlockStored GPU for the loaded chain
     twin.evict(1000)
     assert twin.insert(base, session_id="chat-2") == 0  # over evicted nodes: stored again (GPU), as 0.5.23
     assert twin.stats["BlockStored GPU"] == 4, twin.stats
