@@ -47,7 +47,9 @@ What 0.5.23 changed, all in :class:`_Format23` (chosen when the installed SGLang
   ``(extra_key, cache_salt)`` with ``--kv-events-config``'s ``format: dynamo``, else of
   ``extra_key`` alone when it names a LoRA adapter (the scheduler's
   ``kv_event_lora_names``), else none (the id unchanged);
-- an insert that recomputes an evicted node stores it again (GPU).
+- an insert that recomputes an evicted node stores it again (GPU);
+- under SGLang's default (Rust) tree core, removals coalesce only within one ``extra_key``
+  (its Python tree core coalesces them across namespaces, as 0.5.18).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ own ``UnifiedRadixCache`` (whose ``KVCacheEventRecorder`` runs on CPU): the same
 and ``cache_salt``), parents, tokens, media, ``cache_salt`` / ``session_id`` /
 ``lora_name`` fields and coalescing, in the same order, given the same operations
 (:class:`Twin`): inserts, matches that split, backups acknowledged, evictions to the host,
-an insert over evicted nodes, loads back, host evictions and resets.
+an insert over evicted nodes, loads back, host evictions and resets, with and without
+EAGLE bigram keys, on both of SGLang's tree cores (its default Rust one and the Python
+one). An L3 prefetch's events are pinned (SGLang's own L3 path is not run beside it).
 
 The ids are also pinned against SGLang's own hash helpers (``get_hash_str``,
 ``hash_str_to_int64``, ``kv_event_namespace_seed``, ``namespaced_block_hash``).
