@@ -31,16 +31,19 @@ from sglang.srt.disaggregation.kv_events import (
     kv_event_namespace_seed,
     namespaced_block_hash,
 )
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
 )
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.events import KvEventLoraNames
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 from sglang23_env import build, build_hiradix
 from sglang_pools import LAYERS, key, match, settle
+from test_sglang23_cache import admit
 
 import hiradix.sglang as hs
 
@@ -128,11 +131,13 @@ class Twin:
             else "UnifiedTreeCore"
         assert core == want, f"SGLang built a {core}"
         self.stats: dict[str, int] = {}
+        self.log: list[Any] = []  # every event compared, oldest first
         assert self.events("built") == [AllBlocksCleared()]
 
     def events(self, what: str) -> list[Any]:
         ours, theirs = self.ours.cache.take_events(), self.theirs.cache.take_events()
         assert ours == theirs, f"after {what}:\nhiradix {ours}\nSGLang  {theirs}"
+        self.log += ours
         for e in ours:
             medium = getattr(e, "medium", None)
             name = type(e).__name__ + ("" if medium is None else " " + StorageMedium(medium).value)
@@ -336,3 +341,35 @@ def test_an_l3_prefetch_stores_on_the_host_then_the_load_on_the_device() -> None
     assert cache.take_events() == [BlockStored(**want, medium=GPU)]
     settle(env)
     cache.check_invariants()
+
+
+# ---------------------------------------------------------------------------- requests
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_requests_checkpointed_and_released_match_sglang(tree_core: str, page_size: int) -> None:
+    """Requests as 0.5.23's scheduler runs them (``admit``: match, load back, lock, row;
+    ``checkpoint_kv_cache`` of a chunk; ``release_kv_cache`` at the finish), salted and
+    with a session, their stores naming it; then a second request over the first."""
+    twin = Twin(page_size)
+    prompt = list(range(100, 100 + 5 * page_size + 2))
+
+    def serve(env: Any, tokens: list[int], session_id: str | None) -> int:
+        req = env.new_req(tokens, cache_salt="tenant")
+        req.session_id = session_id
+        prefix = admit(env, req)
+        req.extend_end = len(tokens) - 1  # a chunk short of the prompt's end
+        checkpoint_kv_cache(req, env.cache)
+        req.extend_end = len(tokens)
+        req.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(req, env.cache, checkpoint=True)
+        return prefix
+
+    assert twin.both("serve", lambda env: serve(env, prompt, "chat")) == 0
+    twin.settle()
+    assert twin.both("serve again", lambda env: serve(env, prompt + [1] * (2 * page_size), "chat-2")) > 0
+    twin.settle()
+    twin.evict(1000)
+    twin.evict_host(1000)
+    sessions = [(e.session_id, e.medium) for e in twin.log if isinstance(e, BlockStored)]
+    assert ("chat", GPU) in sessions and ("chat-2", GPU) in sessions and (None, CPU) in sessions, sessions
+    assert all(e.cache_salt == "tenant" for e in twin.log if isinstance(e, BlockStored)), twin.log
+    assert twin.stats["BlockRemoved GPU"] >= 1 and twin.stats["BlockRemoved CPU_PINNED"] >= 1, twin.stats
