@@ -196,7 +196,8 @@ class _Format23:
 
 def event_format(params: Any) -> _Format18 | _Format23:
     """The builder of the installed SGLang's events: 0.5.23's where SGLang namespaces
-    event ids (``namespaced_block_hash``), else 0.5.18's."""
+    event ids (``namespaced_block_hash``), else 0.5.18's. ``params`` is SGLang's
+    ``CacheInitParams``. ``O(1)``."""
     if hasattr(sglang_events, "namespaced_block_hash"):
         return _Format23(params)
     return _Format18(params)
@@ -212,7 +213,7 @@ class KVEventLog:
     insert) before anything can delete them, and :meth:`take` to hand the events out.
     """
 
-    def __init__(self, cache: Any, params: Any = None) -> None:
+    def __init__(self, cache: Any, params: Any) -> None:
         self._cache = cache
         self._tree = cache.tree
         self._tree.track_changes = True
