@@ -52,9 +52,6 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
 
-    if getattr(params, "enable_kv_cache_events", False):
-        refuse("--kv-events-config (KV cache events) on SGLang 0.5.23",
-               "hiradix emits SGLang 0.5.18's event format only")
     if getattr(params, "eviction_policy_config", None):
         refuse("--radix-eviction-policy-config", "hiradix's eviction policies take no tuning parameters")
     if getattr(params, "tree_core_backend", None) is not None:
@@ -154,7 +151,8 @@ class HiRadixCache(HiRadixCacheBase):
         protected = int(kv.cache_protected_len)
         key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key, cache_salt=req.cache_salt)
         values = row[:aligned].to(dtype=torch.int64, copy=True)
-        end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0)).prefix_len
+        end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0,
+                                       session_id=getattr(req, "session_id", None))).prefix_len
         kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
         # [protected, end): the tree held these before the insert; the row's copies are
         # duplicates (page-aligned both ends, so whole pages).

@@ -400,12 +400,12 @@ class HiRadixCacheBase(BasePrefixCache):
         if backend is not None:
             self._attach(backend, extra, prefetch)
         # KV events come from the tree's change log, which is on only with them. Imported
-        # here: the event classes are 0.5.18's, and later SGLang refuses events at start-up.
+        # here: the module loads SGLang's event classes, needed only with events on.
         self._events: KVEventLog | None = None
         if self.enable_kv_cache_events:
             from hiradix.sglang.events import KVEventLog
 
-            self._events = KVEventLog(self)
+            self._events = KVEventLog(self, params)
         atexit.register(self.shutdown)
 
     def _l3_keys(
@@ -621,11 +621,15 @@ class HiRadixCacheBase(BasePrefixCache):
         value = params.value
         if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
             value = torch.as_tensor(raw[:n], dtype=torch.int64)
+        events = self._events
+        if events is not None:  # the earlier changes are not this insert's (its session's)
+            events.sync()
         # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.
         prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
                                   chunked=bool(getattr(params, "chunked", False)))
-        if self._events is not None:  # before anything can delete the new node
-            self._events.sync()
+        if events is not None:  # before anything can delete the new node
+            # 0.5.23's stores name the inserting request's session (0.5.18 has none)
+            events.sync(getattr(params, "session_id", None))
         return InsertResult(prefix_len=prefix, total_len=n)
 
     def _aligned_len(self, n_tokens: int) -> int:

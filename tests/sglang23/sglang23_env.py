@@ -100,18 +100,20 @@ class Env(KVBuffers):
 
 
 def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None = None,
-          extra_config: str | None = None, size: int = 512) -> Env:
+          extra_config: str | None = None, size: int = 512, page_size: int = PAGE,
+          params: dict[str, Any] | None = None, **flags: Any) -> Env:
     """SGLang's own hierarchical cache on SGLang's CPU pools, through ``create_tree_cache``
     (the default factory), with the server flags installed by :func:`patch_sglang_for_cpu`
     under the ``hicache_*`` names a server takes: ``layout`` is ``--hicache-mem-layout``,
-    ``storage`` / ``extra_config`` are ``--hicache-storage-backend`` and its extra config.
+    ``storage`` / ``extra_config`` are ``--hicache-storage-backend`` and its extra config;
+    ``flags`` are more server flags, ``params`` more ``CacheInitParams`` fields.
     Needs :func:`patch_sglang_for_cpu` active (the ``sglang_cpu`` fixture)."""
     if _ACTIVE is None:
         raise RuntimeError("build() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
-    _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config)
-    kv, alloc, req_to_token = sglang_pools(PAGE, size, mla)
+    _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size, **flags)
+    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=PAGE)
+                             page_size=page_size, **(params or {}))
     cache = create_tree_cache(_context(params))
     _ACTIVE.caches.append(cache)
     assert type(cache) is UnifiedRadixCache, f"create_tree_cache built {type(cache).__name__}"
@@ -119,7 +121,7 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
     # and SGLang's generic L3 get allocates its dummy pages with pin_memory=True, which
     # fails without an accelerator: say what is true here.
     cache.cache_controller.storage_host_pool.pin_memory = False
-    return Env(cache, kv, alloc, req_to_token, mla)
+    return Env(cache, kv, alloc, req_to_token, mla, page_size)
 
 
 def _context(params: Any, *, hierarchical: bool = True, worker: Worker | None = None) -> Any:

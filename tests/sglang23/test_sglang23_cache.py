@@ -105,7 +105,6 @@ def test_device_buffers_are_sglangs_in_place(mla: bool) -> None:
         ({"storage": "nosuch"}, "hicache-storage-backend"),
         ({"storage": "memory", "extra_config": '{"prefetch_threshold": "many"}'}, "prefetch_threshold"),
         # options SGLang 0.5.20 added
-        ({"params": {"enable_kv_cache_events": True}}, "kv-events-config"),
         ({"params": {"eviction_policy_config": {"decay": 0.5}}}, "radix-eviction-policy-config"),
         ({"hicache_host_memory_mode": "buffer_only"}, "hicache-host-memory-mode 'buffer_only'"),
         ({"hicache_storage_prefetch_retry_max_attempts": 3}, "hicache-storage-prefetch-retry-max-attempts 3"),
