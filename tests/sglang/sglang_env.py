@@ -46,6 +46,7 @@ except UnsupportedSGLang as e:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
@@ -64,6 +65,34 @@ from hiradix.storage.registry import register_backend
 
 logging.getLogger("sglang").setLevel(logging.WARNING)
 hs.register()
+
+#: SGLang 0.5.20 (CI: ``.venv-sglang20``), told apart as :mod:`hiradix.sglang.api` does:
+#: a request's ``req_to_token`` row and ``cache_protected_len`` live on its KV record
+#: ``req.kv`` (:func:`record`), ``create_tree_cache`` reads the backend's name from the
+#: server flags SGLang publishes (``get_memory()``), and SGLang's default hierarchical
+#: cache is the ``UnifiedRadixCache``. The tests that need what 0.5.20 no longer has skip
+#: through :func:`needs_sglang_018`.
+SGLANG_020 = hasattr(BasePrefixCache, "free_kv_row") and not hasattr(BasePrefixCache, "checkpoint")
+
+
+def record(req: Any) -> Any:
+    """The object holding ``req_pool_idx`` and ``cache_protected_len``: ``req.kv`` on
+    SGLang 0.5.20, the ``Req`` itself on 0.5.18."""
+    return req.kv if SGLANG_020 else req
+
+
+def needs_sglang_018(what: str) -> None:
+    """Skip, naming the difference, a test of ``what`` that needs SGLang 0.5.18."""
+    if SGLANG_020:
+        pytest.skip(f"SGLang 0.5.20: {what}")
+
+
+#: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
+NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
+                    "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)")
+#: Why the KV-event tests skip on 0.5.20.
+NO_KV_EVENTS = ("its KV events have 0.5.23's format (KVCacheEventRecorder), which hiradix does not emit: "
+                "--kv-events-config is refused at start-up")
 
 @dataclass
 class Env(KVBuffers):
@@ -101,19 +130,34 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
     ``model`` is ``--served-model-name``, part of the L3 keys."""
     if impl not in ("hiradix", "sglang"):
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
+    if impl == "sglang":
+        needs_sglang_018(NO_STOCK_HIRADIX)
+    if kv_events:
+        needs_sglang_018(NO_KV_EVENTS)
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
+    flags = dict(
+        model_path="dummy", device="cpu", enable_hierarchical_cache=True,
+        radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
+        # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
+        page_size=page_size, hicache_mem_layout=layout,
+        hicache_io_backend="kernel" if layout == "page_first" else "direct",
+        hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
+        hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
+        hicache_storage_prefetch_policy=prefetch_policy,
+    )
+    published = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = ServerArgs(
-            model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-            radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
-            # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
-            page_size=page_size, hicache_mem_layout=layout,
-            hicache_io_backend="kernel" if layout == "page_first" else "direct",
-            hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
-            hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
-            hicache_storage_prefetch_policy=prefetch_policy,
-        )
+        if SGLANG_020:
+            # As a launched 0.5.20 scheduler: the flags published (create_tree_cache reads
+            # them through get_memory()), the cache built from that ServerArgs; undone
+            # once it is built (the cache keeps the object).
+            from sglang.srt.runtime_context import get_context
+
+            published = get_context().override_server_args(**flags)
+            server_args = published.install()
+        else:
+            server_args = ServerArgs(**flags)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
                              enable_kv_cache_events=kv_events, is_eagle=eagle)
@@ -128,7 +172,11 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             raise RuntimeError("SGLang's own HiRadixCache needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
         for buf in (kv.kv_buffer if mla else [*kv.k_buffer, *kv.v_buffer]):
             _DEVICE_BUFFERS[buf.data_ptr()] = buf
-    cache = create_tree_cache(ctx)
+    try:
+        cache = create_tree_cache(ctx)
+    finally:
+        if published is not None:
+            published.restore()
     atexit.unregister(cache.shutdown)
     want = hs.HiRadixCache if impl == "hiradix" else HiRadixCache
     assert type(cache) is want, f"create_tree_cache built {type(cache).__name__}, not {want.__name__}"
@@ -203,6 +251,7 @@ def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[
       HiRadixCache asks ``torch.distributed`` the TP group's world size.
     """
     global _PATCHED
+    needs_sglang_018(NO_STOCK_HIRADIX)
     import sglang.srt.mem_cache.pool_host.base as phb
     import sglang.srt.mem_cache.pool_host.common as phc
     import sglang.srt.mem_cache.pool_host.mha as phm
@@ -340,6 +389,7 @@ def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: floa
     torch, the host/device ratio comes from here (SGLang reads the server's published
     runtime config), one-rank gloo for its TP group; plus no host-memory headroom check and
     the :class:`TickClock`."""
+    needs_sglang_018(NO_STOCK_HIRADIX)
     import sglang.srt.mem_cache.hiradix_cache as hrc
     import sglang.srt.mem_cache.pool_host.base as phb
     import sglang.srt.mem_cache.pool_host.common as phc
