@@ -87,6 +87,12 @@ def needs_sglang_018(what: str) -> None:
         pytest.skip(f"SGLang 0.5.20: {what}")
 
 
+def needs_sglang_020(what: str) -> None:
+    """Skip, naming the difference, a test of ``what`` that needs SGLang 0.5.20."""
+    if not SGLANG_020:
+        pytest.skip(f"SGLang 0.5.18: {what}")
+
+
 #: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
 NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
                     "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)")
@@ -123,17 +129,17 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
           eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
           tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
-          kv_events: bool = False, eagle: bool = False) -> Env:
+          kv_events: bool = False, eagle: bool = False, params: dict[str, Any] | None = None,
+          **more_flags: Any) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
     hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
     SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
-    ``model`` is ``--served-model-name``, part of the L3 keys."""
+    ``model`` is ``--served-model-name``, part of the L3 keys; ``params`` are more
+    ``CacheInitParams`` fields, ``more_flags`` more server flags."""
     if impl not in ("hiradix", "sglang"):
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
     if impl == "sglang":
         needs_sglang_018(NO_STOCK_HIRADIX)
-    if kv_events:
-        needs_sglang_018(NO_KV_EVENTS)
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     flags = dict(
         model_path="dummy", device="cpu", enable_hierarchical_cache=True,
@@ -143,7 +149,7 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
         hicache_io_backend="kernel" if layout == "page_first" else "direct",
         hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
         hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
-        hicache_storage_prefetch_policy=prefetch_policy,
+        hicache_storage_prefetch_policy=prefetch_policy, **more_flags,
     )
     published = None
     with warnings.catch_warnings():
@@ -160,7 +166,7 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             server_args = ServerArgs(**flags)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
-                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+                             enable_kv_cache_events=kv_events, is_eagle=eagle, **(params or {}))
     worker = Worker()
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,

@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     IncLockRefResult,
     InitLoadBackParams,
 )
-from sglang_env import build, record
+from sglang_env import build, needs_sglang_020, record
 from sglang_pools import LAYERS, insert, match, settle
 
 import hiradix.sglang as hs
@@ -61,6 +61,23 @@ def test_device_buffers_are_sglangs_in_place(make_env, mla: bool) -> None:
     ],
 )
 def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        build(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"kv_events": True}, "kv-events-config"),  # 0.5.23's event format, which hiradix does not emit
+        ({"params": {"eviction_policy_config": {"decay": 0.5}}}, "radix-eviction-policy-config"),
+        ({"hicache_host_memory_mode": "buffer_only"}, "hicache-host-memory-mode 'buffer_only'"),
+        ({"hicache_storage_prefetch_retry_max_attempts": 3}, "hicache-storage-prefetch-retry-max-attempts 3"),
+        ({"disaggregation_decode_retraction_backup": "host_pool"}, "retraction-backup host_pool"),
+        ({"enable_lmcache": True}, "enable-lmcache"),
+    ],
+)
+def test_options_sglang_020_added_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
+    needs_sglang_020("these options and this event format are SGLang 0.5.20's (0.5.18 has none of them)")
     with pytest.raises(ValueError, match=named):
         build(**kwargs)
 
