@@ -55,9 +55,10 @@ def _sglang_has_unified_hicache() -> bool:
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
 # hiradix.sglang's request API for the other SGLang generation does not import here, nor
 # (on 0.5.23) its KV events, which are 0.5.18's.
+# (api_v20 builds on api_v18, so it goes where api_v18 goes.)
 collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
-                  + (["hiradix/sglang/api_v18.py", "hiradix/sglang/events.py"] if _sglang_has_unified_hicache()
-                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
+                  + (["hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py", "hiradix/sglang/events.py"]
+                     if _sglang_has_unified_hicache() else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
 
 
 # The suite's memory, bounded. Trees (the twin's nodes link to their parents) and peer nodes
