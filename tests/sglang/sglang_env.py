@@ -100,6 +100,7 @@ NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable
 NO_KV_EVENTS = ("its KV events have 0.5.23's format (KVCacheEventRecorder), which hiradix does not emit: "
                 "--kv-events-config is refused at start-up")
 
+
 @dataclass
 class Env(KVBuffers):
     """One cache and the SGLang objects it runs on."""
@@ -138,8 +139,6 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
     ``CacheInitParams`` fields, ``more_flags`` more server flags."""
     if impl not in ("hiradix", "sglang"):
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
-    if impl == "sglang":
-        needs_sglang_018(NO_STOCK_HIRADIX)
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     flags = dict(
         model_path="dummy", device="cpu", enable_hierarchical_cache=True,
