@@ -18,13 +18,13 @@ __all__ = ["SUPPORTED_VERSIONS", "TESTED_VERSIONS", "UnsupportedSGLang", "check_
 logger = logging.getLogger(__name__)
 
 #: Versions whose scheduler, pools and ``register_radix_cache_backend`` the adapter is
-#: written against (0.5.15 added the radix-cache registry; 0.5.18 is the last release that
-#: ships its own HiRadixCache; 0.5.23 has none, and a new request API:
-#: :mod:`hiradix.sglang.api`).
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.23")
-#: Versions CI runs the ported SGLang tests and the scheduler loop on (0.5.18 in
-#: ``tests/sglang``, 0.5.23 in ``tests/sglang23``).
-TESTED_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.23")
+#: written against (0.5.15 added the radix-cache registry; 0.5.18 is the last release whose
+#: default hierarchical cache is its own HiRadixCache; 0.5.20 keeps 0.5.18's request calls
+#: on a new request record; 0.5.23 has a new request API: :mod:`hiradix.sglang.api`).
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.20", "0.5.23")
+#: Versions CI runs SGLang tests on (0.5.18 and 0.5.20: ``tests/sglang``, see the README
+#: for which of them run on 0.5.20; 0.5.23: ``tests/sglang23``).
+TESTED_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.20", "0.5.23")
 
 _OVERRIDE = "HIRADIX_SGLANG_ANY_VERSION"
 

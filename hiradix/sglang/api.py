@@ -2,12 +2,15 @@
 request APIs apart.
 
 SGLang 0.5.15 to 0.5.18 hand requests to a cache through ``cache_finished_req`` /
-``cache_unfinished_req`` (:mod:`hiradix.sglang.api_v18`); 0.5.23 through ``checkpoint`` /
+``cache_unfinished_req`` and keep the request's ``req_to_token`` row on the ``Req``
+(:mod:`hiradix.sglang.api_v18`); 0.5.20 makes the same calls on a request whose row lives
+in its KV record ``req.kv`` (:mod:`hiradix.sglang.api_v20`); 0.5.23 calls ``checkpoint`` /
 ``lock`` / ``path_device_indices`` (:mod:`hiradix.sglang.api_v23`). The choice reads
-SGLang's ``BasePrefixCache`` (whether it declares ``checkpoint``); which versions may load
-at all is :data:`~hiradix._sglang_plugin.SUPPORTED_VERSIONS` (0.5.20 is neither: it keeps
-0.5.18's calls on 0.5.23's request record). Everything else is
-:class:`~hiradix.sglang.cache.HiRadixCacheBase`, shared by both.
+SGLang's ``BasePrefixCache``: whether it declares ``checkpoint``, else whether it declares
+``free_kv_row(kv, ranges)``, the base method that frees a request's row through that KV
+record and came with it. Which versions may load at all is
+:data:`~hiradix._sglang_plugin.SUPPORTED_VERSIONS`. Everything else is
+:class:`~hiradix.sglang.cache.HiRadixCacheBase`, shared by all three.
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ from hiradix.sglang.cache import HiRadixCacheBase
 
 __all__ = ["REQUEST_API", "HiRadixCache"]
 
-#: ``"checkpoint"`` (SGLang 0.5.23) or ``"cache_req"`` (0.5.15 to 0.5.18).
-REQUEST_API = "checkpoint" if hasattr(BasePrefixCache, "checkpoint") else "cache_req"
+#: ``"checkpoint"`` (SGLang 0.5.23), ``"cache_req_kv"`` (0.5.20: 0.5.18's calls, the row on
+#: ``req.kv``) or ``"cache_req"`` (0.5.15 to 0.5.18).
+REQUEST_API = (
+    "checkpoint" if hasattr(BasePrefixCache, "checkpoint")
+    else "cache_req_kv" if hasattr(BasePrefixCache, "free_kv_row")
+    else "cache_req"
+)
+
+_MODULES = {"checkpoint": "hiradix.sglang.api_v23", "cache_req_kv": "hiradix.sglang.api_v20",
+            "cache_req": "hiradix.sglang.api_v18"}
 
 #: hiradix's cache for the installed SGLang (a :class:`HiRadixCacheBase` subclass).
-HiRadixCache: type[HiRadixCacheBase] = importlib.import_module(
-    "hiradix.sglang.api_v23" if REQUEST_API == "checkpoint" else "hiradix.sglang.api_v18"
-).HiRadixCache
+HiRadixCache: type[HiRadixCacheBase] = importlib.import_module(_MODULES[REQUEST_API]).HiRadixCache

@@ -25,6 +25,13 @@ __all__ = ["HiRadixCache"]
 class HiRadixCache(HiRadixCacheBase):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.15 to 0.5.18 (:class:`HiRadixCacheBase`)."""
 
+    @staticmethod
+    def _kv_record(req: Any) -> Any:
+        """The object that holds the request's ``req_to_token`` row (``req_pool_idx``)
+        and ``cache_protected_len``: the ``Req`` itself in 0.5.15 to 0.5.18 (0.5.20 moved
+        both to ``req.kv``: :mod:`hiradix.sglang.api_v20`)."""
+        return req
+
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:
         indices = torch.from_numpy(device_indices)
@@ -43,8 +50,9 @@ class HiRadixCache(HiRadixCacheBase):
         token_ids = req.origin_input_ids + req.output_ids
         if kv_len_to_handle is not None:
             token_ids = token_ids[:kv_len_to_handle]
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        protected = int(req.cache_protected_len)
+        record = self._kv_record(req)
+        kv = self.req_to_token_pool.req_to_token[record.req_pool_idx, : len(token_ids)]
+        protected = int(record.cache_protected_len)
         if self.disable:
             self._free(kv[protected:])
             return
@@ -68,23 +76,24 @@ class HiRadixCache(HiRadixCacheBase):
         if self.disable:
             return
         token_ids = req.get_fill_ids() if hasattr(req, "get_fill_ids") else req.fill_ids
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        record = self._kv_record(req)
+        kv = self.req_to_token_pool.req_to_token[record.req_pool_idx, : len(token_ids)]
         aligned = self._aligned_len(len(token_ids))
         key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
                        cache_salt=getattr(req, "cache_salt", None))
         values = kv[:aligned].to(dtype=torch.int64, copy=True)
         result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
                                           priority=getattr(req, "priority", 0) or 0))
-        protected = int(req.cache_protected_len)
+        protected = int(record.cache_protected_len)
         self._free(kv[protected:max(protected, result.prefix_len)])
         m = self.match_prefix(MatchPrefixParams(key=key))
         new_indices = m.device_indices
         if len(new_indices) != aligned:
             raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
         self.req_to_token_pool.write(
-            (req.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
+            (record.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
         )
-        req.cache_protected_len = len(new_indices)
+        record.cache_protected_len = len(new_indices)
         self.inc_lock_ref(m.last_device_node)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)

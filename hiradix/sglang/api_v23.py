@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from hiradix.sglang.cache import HiRadixCacheBase
 from hiradix.sglang.nodes import TreeNode
 
-__all__ = ["HiRadixCache", "check_supported_v23"]
+__all__ = ["HiRadixCache", "ServerSince020", "check_supported_v23"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # SGLang's defaults for its L3 re-issue options; hiradix never re-issues (0 is the same).
@@ -46,8 +46,9 @@ _RETRY_DEFAULT = 8
 
 
 def check_supported_v23(params: Any, server_args: Any) -> None:
-    """Refuse, naming the option, what SGLang 0.5.23 can ask for and this cache does
-    not do: each would otherwise be ignored without a word."""
+    """Refuse, naming the option, what SGLang 0.5.23 (and 0.5.20, whose options and event
+    format these are too) can ask for and this cache does not do: each would otherwise be
+    ignored without a word."""
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
@@ -93,14 +94,35 @@ class _ResolvedArgs:
         return getattr(self._args, name)
 
 
-class HiRadixCache(HiRadixCacheBase):
-    """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
-    registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
+class ServerSince020(HiRadixCacheBase):
+    """What SGLang 0.5.20 and 0.5.23 share past the request API: the server's options
+    (read as :class:`_ResolvedArgs`, checked by :func:`check_supported_v23`) and L3
+    prefetches named by a ``CacheRequestHandle`` with the tree's context passed along.
+    The request API comes from the class this is mixed before
+    (:class:`HiRadixCacheBase` here, :mod:`hiradix.sglang.api_v18`'s for 0.5.20)."""
 
     def __init__(self, params: Any, server_args: Any) -> None:
         args = _ResolvedArgs(server_args)
         check_supported_v23(params, args)
         super().__init__(params, args)
+
+    # ------------------------------------------------------------------ storage (L3)
+    def prefetch_from_storage(self, req_id: Any, last_host_node: Any, new_input_tokens: Sequence[int],
+                              last_hash: str | None = None, prefix_keys: list[str] | None = None,
+                              **kwargs: Any) -> bool:
+        """SGLang 0.5.20's and 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
+        the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
+        ``cache_salt`` are what the tree already knows from ``last_host_node``. A
+        ``storage_hit_end`` comes only with SGLang's re-issues, which hiradix never asks
+        for (its ``storage_prefetch_retries`` is ``None``)."""
+        if kwargs.get("storage_hit_end") is not None:
+            raise ValueError("hiradix.sglang: storage_hit_end (an L3 re-issue) is not supported")
+        return super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash, prefix_keys)
+
+
+class HiRadixCache(ServerSince020):
+    """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
+    registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
 
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:
@@ -181,16 +203,3 @@ class HiRadixCache(HiRadixCacheBase):
 
     def load_back_is_cache_owned(self) -> bool:
         return True
-
-    # ------------------------------------------------------------------ storage (L3)
-    def prefetch_from_storage(self, req_id: Any, last_host_node: Any, new_input_tokens: Sequence[int],
-                              last_hash: str | None = None, prefix_keys: list[str] | None = None,
-                              **kwargs: Any) -> bool:
-        """SGLang 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
-        the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
-        ``cache_salt`` are what the tree already knows from ``last_host_node``. A
-        ``storage_hit_end`` comes only with SGLang's re-issues, which hiradix never asks
-        for (its ``storage_prefetch_retries`` is ``None``)."""
-        if kwargs.get("storage_hit_end") is not None:
-            raise ValueError("hiradix.sglang: storage_hit_end (an L3 re-issue) is not supported")
-        return super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash, prefix_keys)

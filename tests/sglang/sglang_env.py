@@ -46,6 +46,7 @@ except UnsupportedSGLang as e:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
@@ -64,6 +65,41 @@ from hiradix.storage.registry import register_backend
 
 logging.getLogger("sglang").setLevel(logging.WARNING)
 hs.register()
+
+#: SGLang 0.5.20 (CI: ``.venv-sglang20``), told apart as :mod:`hiradix.sglang.api` does:
+#: a request's ``req_to_token`` row and ``cache_protected_len`` live on its KV record
+#: ``req.kv`` (:func:`record`), ``create_tree_cache`` reads the backend's name from the
+#: server flags SGLang publishes (``get_memory()``), and SGLang's default hierarchical
+#: cache is the ``UnifiedRadixCache``. The tests that need what 0.5.20 no longer has skip
+#: through :func:`needs_sglang_018`.
+SGLANG_020 = hasattr(BasePrefixCache, "free_kv_row") and not hasattr(BasePrefixCache, "checkpoint")
+
+
+def record(req: Any) -> Any:
+    """The object holding ``req_pool_idx`` and ``cache_protected_len``: ``req.kv`` on
+    SGLang 0.5.20, the ``Req`` itself on 0.5.18."""
+    return req.kv if SGLANG_020 else req
+
+
+def needs_sglang_018(what: str) -> None:
+    """Skip, naming the difference, a test of ``what`` that needs SGLang 0.5.18."""
+    if SGLANG_020:
+        pytest.skip(f"SGLang 0.5.20: {what}")
+
+
+def needs_sglang_020(what: str) -> None:
+    """Skip, naming the difference, a test of ``what`` that needs SGLang 0.5.20."""
+    if not SGLANG_020:
+        pytest.skip(f"SGLang 0.5.18: {what}")
+
+
+#: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
+NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
+                    "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)")
+#: Why the KV-event tests skip on 0.5.20.
+NO_KV_EVENTS = ("hiradix's KV events are checked against SGLang 0.5.18's and 0.5.23's own caches, and 0.5.20 "
+                "builds neither: --kv-events-config is refused at start-up there")
+
 
 @dataclass
 class Env(KVBuffers):
@@ -94,29 +130,42 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
           mla: bool = False, storage: str | None = None, extra_config: str | None = None,
           eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
           tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
-          kv_events: bool = False, eagle: bool = False) -> Env:
+          kv_events: bool = False, eagle: bool = False, params: dict[str, Any] | None = None,
+          **more_flags: Any) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
     hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
     SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
-    ``model`` is ``--served-model-name``, part of the L3 keys."""
+    ``model`` is ``--served-model-name``, part of the L3 keys; ``params`` are more
+    ``CacheInitParams`` fields, ``more_flags`` more server flags."""
     if impl not in ("hiradix", "sglang"):
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
+    flags = dict(
+        model_path="dummy", device="cpu", enable_hierarchical_cache=True,
+        radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
+        # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
+        page_size=page_size, hicache_mem_layout=layout,
+        hicache_io_backend="kernel" if layout == "page_first" else "direct",
+        hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
+        hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
+        hicache_storage_prefetch_policy=prefetch_policy, **more_flags,
+    )
+    published = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = ServerArgs(
-            model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-            radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
-            # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
-            page_size=page_size, hicache_mem_layout=layout,
-            hicache_io_backend="kernel" if layout == "page_first" else "direct",
-            hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
-            hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
-            hicache_storage_prefetch_policy=prefetch_policy,
-        )
+        if SGLANG_020:
+            # As a launched 0.5.20 scheduler: the flags published (create_tree_cache reads
+            # them through get_memory()), the cache built from that ServerArgs; undone
+            # once it is built (the cache keeps the object).
+            from sglang.srt.runtime_context import get_context
+
+            published = get_context().override_server_args(**flags)
+            server_args = published.install()
+        else:
+            server_args = ServerArgs(**flags)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
-                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+                             enable_kv_cache_events=kv_events, is_eagle=eagle, **(params or {}))
     worker = Worker()
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
@@ -128,7 +177,11 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             raise RuntimeError("SGLang's own HiRadixCache needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
         for buf in (kv.kv_buffer if mla else [*kv.k_buffer, *kv.v_buffer]):
             _DEVICE_BUFFERS[buf.data_ptr()] = buf
-    cache = create_tree_cache(ctx)
+    try:
+        cache = create_tree_cache(ctx)
+    finally:
+        if published is not None:
+            published.restore()
     atexit.unregister(cache.shutdown)
     want = hs.HiRadixCache if impl == "hiradix" else HiRadixCache
     assert type(cache) is want, f"create_tree_cache built {type(cache).__name__}, not {want.__name__}"
@@ -203,6 +256,7 @@ def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[
       HiRadixCache asks ``torch.distributed`` the TP group's world size.
     """
     global _PATCHED
+    needs_sglang_018(NO_STOCK_HIRADIX)
     import sglang.srt.mem_cache.pool_host.base as phb
     import sglang.srt.mem_cache.pool_host.common as phc
     import sglang.srt.mem_cache.pool_host.mha as phm
@@ -340,6 +394,7 @@ def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: floa
     torch, the host/device ratio comes from here (SGLang reads the server's published
     runtime config), one-rank gloo for its TP group; plus no host-memory headroom check and
     the :class:`TickClock`."""
+    needs_sglang_018(NO_STOCK_HIRADIX)
     import sglang.srt.mem_cache.hiradix_cache as hrc
     import sglang.srt.mem_cache.pool_host.base as phb
     import sglang.srt.mem_cache.pool_host.common as phc

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import build, build_sglang, patch_sglang_for_parity
+from sglang_env import build, build_sglang, patch_sglang_for_parity, record
 from sglang_pools import LAYERS
 from twin import Twin, run
 
@@ -107,13 +107,13 @@ def test_requests_cache_their_bigrams_and_keep_the_rest(make_env) -> None:
     req = env.new_req(prompt)
     req.init_next_round_input(env.cache)
     slots = env.allocator.alloc(24)
-    env.req_to_token.write((req.req_pool_idx, slice(0, 22)), slots[:22])
+    env.req_to_token.write((record(req).req_pool_idx, slice(0, 22)), slots[:22])
     env.write_kv(slots[:22], torch.tensor(prompt), torch.arange(22))
     req.set_extend_range(0, 22)
     env.cache.cache_unfinished_req(req)
-    assert req.cache_protected_len == 20 and len(req.prefix_indices) == 22
+    assert record(req).cache_protected_len == 20 and len(req.prefix_indices) == 22
     req.output_ids.extend([7, 8])
-    env.req_to_token.write((req.req_pool_idx, slice(22, 24)), slots[22:24])
+    env.req_to_token.write((record(req).req_pool_idx, slice(22, 24)), slots[22:24])
     env.cache.cache_finished_req(req, kv_len_to_handle=24)  # 23 bigrams: 20 cached, the rest freed
     env.req_to_token.free(req)
     env.cache.core.flush()
