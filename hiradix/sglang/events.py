@@ -168,20 +168,19 @@ class _Format23:
             self._seeds[ns] = sglang_events.kv_event_namespace_seed(extra_key=ns[0], cache_salt=ns[1])
         return self._seeds[ns]
 
-    def _namespaced(self, seed: bytes, block_id: int) -> int:
-        digest = hashlib.sha256(seed + block_id.to_bytes(8, "big", signed=True)).digest()
-        return int.from_bytes(digest[:8], "big", signed=True)
-
     def ids(self, blocks: _Blocks) -> list[int]:
         ids = blocks.ids.tolist()
         seed = self._seed(blocks)
-        return ids if seed is None else [self._namespaced(seed, i) for i in ids]
+        if seed is None:
+            return ids
+        namespaced = sglang_events.namespaced_block_hash  # SGLang's own: its ids by definition
+        return [namespaced(i, namespace_seed=seed) for i in ids]
 
     def parent_id(self, blocks: _Blocks) -> int | None:
         seed = self._seed(blocks)
         if seed is None or blocks.parent_id is None:
             return blocks.parent_id
-        return self._namespaced(seed, blocks.parent_id)
+        return sglang_events.namespaced_block_hash(blocks.parent_id, namespace_seed=seed)
 
     def extras(self, blocks: _Blocks, session_id: str | None) -> Any:
         return blocks.salt, session_id, self._lora_name(blocks.extra_key)
