@@ -463,11 +463,11 @@ class HiRadixCache:
         for node, size, host in zip(nodes, sizes, slots, strict=True):
             if host is not None and self._backed_or_writing(tree.parent(node)):
                 device = tree.begin_backup(node, host.numpy())  # the tree's own input type: no conversion
-                ctrl.write(device, host, node)
+                op = ctrl.write(device, host, node)
                 self.ongoing_write_through[node] = host
                 started += size
                 for obs in self._observers:
-                    obs.on_backup_started(node, _long(device), _long(host))
+                    obs.on_backup_started(node, op.device_indices, op.host_indices)
             else:
                 if host is not None:
                     self.host_pool.free(host)
