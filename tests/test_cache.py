@@ -215,14 +215,14 @@ def test_batched_backups_start_before_an_eviction_and_skip_dropped_nodes() -> No
 
 
 class FlakyHostPool(HostKVPool):
-    """A host pool whose ``alloc`` fails while ``fail`` says so (injected fault)."""
+    """A host pool whose ``alloc_array`` (every host allocation) fails while ``fail`` says so (injected fault)."""
 
     fail: Any = None
 
-    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+    def alloc_array(self, n_tokens: int) -> np.ndarray | None:
         if self.fail is not None and self.fail(n_tokens):
             return None
-        return super().alloc(n_tokens)
+        return super().alloc_array(n_tokens)
 
 
 def test_host_alloc_failure_evicts_host_and_retries() -> None:

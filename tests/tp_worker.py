@@ -29,11 +29,11 @@ class FaultyHostPool(HostKVPool):
     rng: np.random.Generator | None = None
     failures = 0
 
-    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+    def alloc_array(self, n_tokens: int) -> np.ndarray | None:
         if self.rng is not None and self.rng.random() < self.fail_rate:
             self.failures += 1
             return None
-        return super().alloc(n_tokens)
+        return super().alloc_array(n_tokens)
 
 
 def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:

@@ -274,7 +274,7 @@ class HiRadixCache:
         )
         self.agreement = self.cache_controller.agreement
         # Pending-transfer protections, each released exactly once (popped on ack).
-        self.ongoing_write_through: dict[int, torch.Tensor] = {}  # node -> host slots
+        self.ongoing_write_through: dict[int, np.ndarray] = {}  # node -> host slots (int64)
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
         self.batch_backups = batch_backups
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
@@ -446,36 +446,51 @@ class HiRadixCache:
         return self._write_backup_nodes(list(ordered)) if ordered else 0
 
     def _write_backup_nodes(self, nodes: Sequence[int]) -> int:
-        """Start the backups of ``nodes`` (parents first). Host slots are allocated for all,
-        agreed across ranks; those that failed anywhere get one retry after evicting
-        that many host tokens. A node without slots, or below one, is left as it was.
-        Returns the tokens whose copy was started."""
+        """Start the backups of ``nodes`` (parents first), as one queued batch. Host slots
+        are allocated for all, agreed across ranks; those that failed anywhere get one
+        retry after evicting that many host tokens. A node without slots, or below one, is
+        left as it was. Returns the tokens whose copy was started.
+
+        This runs once per scheduler step for all of the step's write-throughs, so the
+        per-node work is the compiled ``begin_backup`` and a few list appends: the host
+        slots are numpy views of one allocation, and the controller gets one batch."""
         tree = self.tree
         ctrl = self.cache_controller
         sizes = [tree.key_len(n) for n in nodes]
-        slots = ctrl.alloc_host(sizes)
+        slots = ctrl.alloc_host_arrays(sizes)
         failed = [i for i, s in enumerate(slots) if s is None]
         if failed:  # agreed: the same on every rank, and so is the eviction below
             self.evict_host(sum(sizes[i] for i in failed))
-            for i, s in zip(failed, ctrl.alloc_host([sizes[i] for i in failed]), strict=True):
+            for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed]), strict=True):
                 slots[i] = s
-        started = 0
+        ongoing = self.ongoing_write_through
+        started: list[int] = []
+        started_sizes: list[int] = []
+        devs: list[np.ndarray] = []
+        hosts: list[np.ndarray] = []
         for node, size, host in zip(nodes, sizes, slots, strict=True):
             if host is not None and self._backed_or_writing(tree.parent(node)):
-                device = tree.begin_backup(node, host.numpy())  # the tree's own input type: no conversion
-                op = ctrl.write(device, host, node)
-                self.ongoing_write_through[node] = host
-                started += size
-                for obs in self._observers:
-                    obs.on_backup_started(node, op.device_indices, op.host_indices)
+                devs.append(tree.begin_backup(node, host))
+                hosts.append(host)
+                started.append(node)
+                started_sizes.append(size)
+                ongoing[node] = host
             else:
                 if host is not None:
                     self.host_pool.free(host)
                 self._stats["host_alloc_failed_tokens"] += size
-        if started:
-            ctrl.start_writing()
-            self._stats["backup_started_tokens"] += started
-        return started
+        if not started:
+            return 0
+        one = len(started) == 1
+        batch = ctrl.write_many(started, started_sizes, devs[0] if one else np.concatenate(devs),
+                                hosts[0] if one else np.concatenate(hosts))
+        for obs in self._observers:
+            for op in batch.ops():
+                obs.on_backup_started(op.node, op.device_indices, op.host_indices)
+        ctrl.start_writing()
+        tokens = sum(started_sizes)
+        self._stats["backup_started_tokens"] += tokens
+        return tokens
 
     def writing_check(self, write_back: bool = False) -> None:
         """Complete the backups every rank has finished (all of them with ``write_back``).
@@ -483,19 +498,27 @@ class HiRadixCache:
         Runtime: ``O(nodes acknowledged)``."""
         if write_back:
             self.start_pending_backups()
-        for ack, ok in self.cache_controller.ack_writes(wait_all=write_back):
-            for op in ack.ops:
-                host = self.ongoing_write_through.pop(op.node)
-                committed = self.tree.commit_backup(op.node, ok)
+        acks = self.cache_controller.ack_writes(wait_all=write_back)
+        if not acks:
+            return
+        tree, ongoing, l3, observers = self.tree, self.ongoing_write_through, self.l3, self._observers
+        for ack, ok in acks:
+            ops = ack.ops if observers else ()  # per-node tensors only for observers
+            done = failed = 0
+            for i, node in enumerate(ack.nodes):
+                host = ongoing.pop(node)
+                committed = tree.commit_backup(node, ok)
                 if committed:
-                    self._stats["backup_done_tokens"] += host.shape[0]
-                    if self.l3 is not None:
-                        self.write_backup_storage(op.node)
+                    done += host.shape[0]
+                    if l3 is not None:
+                        self.write_backup_storage(node)
                 else:
                     self.host_pool.free(host)
-                    self._stats["backup_failed_tokens"] += host.shape[0]
-                for obs in self._observers:
-                    obs.on_backup_finished(op.node, op.device_indices, op.host_indices, committed)
+                    failed += host.shape[0]
+                for obs in observers:
+                    obs.on_backup_finished(node, ops[i].device_indices, ops[i].host_indices, committed)
+            self._stats["backup_done_tokens"] += done
+            self._stats["backup_failed_tokens"] += failed
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def _device_ancestor(self, node: int) -> int:
@@ -558,10 +581,10 @@ class HiRadixCache:
         for ack, ok in self.cache_controller.ack_loads():
             if not ok:
                 self._stats["load_retries"] += 1
-                for op in ack.ops:
-                    self.cache_controller.load_engine.load(
-                        self.host_pool, self.device_pool, op.host_indices, op.device_indices
-                    ).wait()
+                batch = ack.batch
+                self.cache_controller.load_engine.load(
+                    self.host_pool, self.device_pool, batch.host_indices, batch.device_indices
+                ).wait()
             for op in ack.ops:
                 self.ongoing_load_back.pop(op.node)
                 self.tree.finish_load_back(op.node)

@@ -44,7 +44,14 @@ from hiradix.cache.stats import ControllerStats, zeros
 from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
-__all__ = ["CacheOperation", "HiCacheController", "LayerDoneCounter", "LayerLoadingEvent", "TransferAck"]
+__all__ = [
+    "CacheOperation",
+    "HiCacheController",
+    "LayerDoneCounter",
+    "LayerLoadingEvent",
+    "OperationBatch",
+    "TransferAck",
+]
 
 
 def _wait_finished(handle: CopyHandle) -> None:
@@ -69,12 +76,41 @@ def _as_long(indices: Any) -> torch.Tensor:
     return torch.as_tensor(indices, dtype=torch.int64)
 
 
-def _merged(ops: Sequence[CacheOperation]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device and host indices of ``ops``, concatenated (one op: its own tensors;
-    the engines copy what they keep)."""
-    if len(ops) == 1:
-        return ops[0].device_indices, ops[0].host_indices
-    return torch.cat([op.device_indices for op in ops]), torch.cat([op.host_indices for op in ops])
+def _merged(batches: Sequence[OperationBatch]) -> OperationBatch:
+    """``batches`` as one, node after node (one batch: itself; the engines copy what they
+    keep). Numpy indices stay numpy (the write path's), anything else becomes a tensor."""
+    if len(batches) == 1:
+        return batches[0]
+    nodes: list[int] = []
+    bounds = [0]
+    for b in batches:
+        nodes.extend(b.nodes)
+        base = bounds[-1]
+        bounds.extend(base + e for e in b.bounds[1:])
+    if all(type(b.device_indices) is np.ndarray and type(b.host_indices) is np.ndarray for b in batches):
+        dev: Any = np.concatenate([b.device_indices for b in batches])
+        host: Any = np.concatenate([b.host_indices for b in batches])
+    else:
+        dev = torch.cat([_as_long(b.device_indices) for b in batches])
+        host = torch.cat([_as_long(b.host_indices) for b in batches])
+    return OperationBatch(tuple(nodes), tuple(bounds), dev, host)
+
+
+def _check_pair(kind: str, dev: Any, host: Any) -> None:
+    if dev.ndim != 1 or host.ndim != 1:
+        raise ValueError(f"{kind}: indices must be 1-D, got shapes {tuple(dev.shape)} and {tuple(host.shape)}")
+    if dev.shape[0] != host.shape[0]:
+        raise ValueError(f"{kind}: {dev.shape[0]} device indices for {host.shape[0]} host indices")
+
+
+def _as_index_array(indices: Any) -> np.ndarray:
+    """Indices as a 1-D-or-not int64 numpy array: a view of an int64 array or CPU tensor
+    (the tree's and the host allocator's), else a converted copy."""
+    if type(indices) is np.ndarray and indices.dtype == np.int64:
+        return indices
+    if isinstance(indices, torch.Tensor):
+        return indices.to(dtype=torch.int64, device="cpu").numpy()
+    return np.asarray(indices, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +122,50 @@ class CacheOperation:
     host_indices: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class OperationBatch:
+    """The transfers of several nodes, node after node: ``nodes[i]`` owns rows
+    ``bounds[i]:bounds[i + 1]`` of the 1-D int64 index arrays (numpy on the write path,
+    tensors where they were given so; ``device_indices[j]`` pairs with
+    ``host_indices[j]``). One object per step's worth of backups, however many nodes:
+    the per-node views are made only when someone asks (:meth:`ops`)."""
+
+    nodes: tuple[int, ...]
+    bounds: tuple[int, ...]
+    device_indices: Any
+    host_indices: Any
+
+    def ops(self) -> tuple[CacheOperation, ...]:
+        """One :class:`CacheOperation` per node, with int64 CPU tensors (views where the
+        indices are). ``O(nodes)``."""
+        dev, host = _as_long(self.device_indices), _as_long(self.host_indices)
+        b = self.bounds
+        return tuple(CacheOperation(n, dev[b[i] : b[i + 1]], host[b[i] : b[i + 1]]) for i, n in enumerate(self.nodes))
+
+    def host_slice(self, i: int) -> Any:
+        """The host indices of ``nodes[i]`` (a view). ``O(1)``."""
+        return self.host_indices[self.bounds[i] : self.bounds[i + 1]]
+
+
 @dataclass(slots=True)
 class TransferAck:
-    """One merged transfer on the ack queue: its nodes (in queue order), its handle, and
-    the handles of the same transfer on the companion pools (submitted before it)."""
+    """One merged transfer on the ack queue: its nodes' batch (in queue order), its
+    handle, and the handles of the same transfer on the companion pools (submitted
+    before it)."""
 
     ack_id: int
-    ops: tuple[CacheOperation, ...]
+    batch: OperationBatch
     handle: CopyHandle
     companions: tuple[CopyHandle, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return self.batch.nodes
+
+    @property
+    def ops(self) -> tuple[CacheOperation, ...]:
+        """The per-node operations (:meth:`OperationBatch.ops`). ``O(nodes)``."""
+        return self.batch.ops()
 
     def done(self) -> bool:
         """Whether the copy finished, successfully or not, in every pool. Never blocks.
@@ -115,7 +186,7 @@ class TransferAck:
 
     @property
     def tokens(self) -> int:
-        return sum(op.host_indices.shape[0] for op in self.ops)
+        return int(self.batch.host_indices.shape[0])
 
 
 class LayerLoadingEvent:
@@ -217,7 +288,7 @@ class LayerDoneCounter:
 
 @dataclass
 class _Queue:
-    pending: list[CacheOperation] = field(default_factory=list)
+    pending: list[OperationBatch] = field(default_factory=list)
     acks: deque[TransferAck] = field(default_factory=deque)
 
 
@@ -328,19 +399,34 @@ class HiCacheController:
 
     # ------------------------------------------------------------------ allocation
     def alloc_host(self, sizes: Sequence[int]) -> list[torch.Tensor | None]:
-        """Host slots for each of ``sizes`` tokens, kept only where *every* rank got them.
+        """Host slots for each of ``sizes`` tokens, kept only where *every* rank got them
+        (int64 CPU tensors; :meth:`alloc_host_arrays` gives numpy views). ``O(tokens)``."""
+        return [None if a is None else torch.from_numpy(a) for a in self.alloc_host_arrays(sizes)]
+
+    def alloc_host_arrays(self, sizes: Sequence[int]) -> list[np.ndarray | None]:
+        """Host slots for each of ``sizes`` tokens as int64 numpy arrays, kept only where
+        *every* rank got them.
 
         One agreement call (none for an empty list). Where any rank failed, this rank's
         slots are freed again and ``None`` is returned, so all ranks see the same outcome.
         Runtime complexity: one allocation of the total when it fits (each size then gets
-        a slice of it), else ``O(len(sizes))`` allocations.
+        a view of it: the write-through path, once per scheduler step), else
+        ``O(len(sizes))`` allocations.
         """
-        whole = self.host_pool.alloc(sum(sizes)) if len(sizes) > 1 else None
-        got: list[torch.Tensor | None] = (
-            list(torch.split(whole, list(sizes))) if whole is not None else [self.host_pool.alloc(n) for n in sizes]
-        )
+        alloc = self.host_pool.alloc_array
+        got: list[np.ndarray | None]
+        whole = alloc(sum(sizes)) if len(sizes) > 1 else None
+        if whole is not None:
+            got, start = [], 0
+            for n in sizes:
+                got.append(whole[start : start + n])
+                start += n
+        else:
+            got = [alloc(n) for n in sizes]
         agreed = self.agreement.all_true([g is not None for g in got])
-        out: list[torch.Tensor | None] = []
+        if all(agreed):
+            return got
+        out: list[np.ndarray | None] = []
         for slots, ok in zip(got, agreed, strict=True):
             if slots is not None and not ok:
                 self.host_pool.free(slots)
@@ -353,25 +439,41 @@ class HiCacheController:
         """Queue a device -> host copy for ``node``; returns the queued operation (its
         indices as int64 CPU tensors). ``O(1)``; see :meth:`start_writing`."""
         dev, host = _as_long(device_indices), _as_long(host_indices)
-        if dev.ndim != 1 or host.ndim != 1:
-            raise ValueError(f"write: indices must be 1-D, got shapes {tuple(dev.shape)} and {tuple(host.shape)}")
-        if dev.shape[0] != host.shape[0]:
-            raise ValueError(f"write: {dev.shape[0]} device indices for {host.shape[0]} host indices")
-        op = CacheOperation(node, dev, host)
-        self._writes.pending.append(op)
-        return op
+        _check_pair("write", dev, host)
+        self._writes.pending.append(OperationBatch((node,), (0, dev.shape[0]), dev, host))
+        return CacheOperation(node, dev, host)
+
+    def write_many(self, nodes: Sequence[int], sizes: Sequence[int], device_indices: Any,
+                   host_indices: Any) -> OperationBatch:
+        """Queue the device -> host copies of ``nodes``, node after node: ``nodes[i]`` owns
+        the next ``sizes[i]`` of the index pairs. One object for the lot (a scheduler
+        step's write-throughs), so the per-node cost is a few list appends.
+        ``O(len(nodes))``; see :meth:`start_writing`."""
+        dev, host = _as_index_array(device_indices), _as_index_array(host_indices)
+        _check_pair("write_many", dev, host)
+        if len(nodes) != len(sizes):
+            raise ValueError(f"write_many: {len(nodes)} nodes but {len(sizes)} sizes")
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] != dev.shape[0]:
+            raise ValueError(f"write_many: sizes add up to {bounds[-1]}, not {dev.shape[0]} index pairs")
+        batch = OperationBatch(tuple(nodes), tuple(bounds), dev, host)
+        self._writes.pending.append(batch)
+        return batch
 
     def start_writing(self) -> TransferAck | None:
         """Submit every queued write as one backup; ``None`` if nothing was queued.
         Runtime complexity: ``O(tokens)`` to merge the indices."""
-        ops = tuple(self._writes.pending)
-        if not ops:
+        pending = self._writes.pending
+        if not pending:
             return None
-        self._writes.pending.clear()
-        dev, host = _merged(ops)
+        batch = _merged(pending)
+        self._writes.pending = []
+        dev, host = batch.device_indices, batch.host_indices
         extra = tuple(self.write_engine.backup(d, h, dev, host) for d, h in self._companions)
         handle = self.write_engine.backup(self.device_pool, self.host_pool, dev, host)
-        ack = TransferAck(next(self._ack_ids), ops, handle, extra)
+        ack = TransferAck(next(self._ack_ids), batch, handle, extra)
         self._writes.acks.append(ack)
         return ack
 
@@ -388,24 +490,22 @@ class HiCacheController:
     def load(self, host_indices: Any, device_indices: Any, node: int = -1) -> None:
         """Queue a host -> device copy for ``node``. ``O(1)``; see :meth:`start_loading`."""
         dev, host = _as_long(device_indices), _as_long(host_indices)
-        if dev.ndim != 1 or host.ndim != 1:
-            raise ValueError(f"load: indices must be 1-D, got shapes {tuple(dev.shape)} and {tuple(host.shape)}")
-        if dev.shape[0] != host.shape[0]:
-            raise ValueError(f"load: {dev.shape[0]} device indices for {host.shape[0]} host indices")
-        self._loads.pending.append(CacheOperation(node, dev, host))
+        _check_pair("load", dev, host)
+        self._loads.pending.append(OperationBatch((node,), (0, dev.shape[0]), dev, host))
 
     def start_loading(self) -> int:
         """Submit every queued load as one layer-by-layer load, register it with
         :attr:`layer_done_counter` and return its producer id (``-1``: nothing queued)."""
-        ops = tuple(self._loads.pending)
-        if not ops:
+        pending = self._loads.pending
+        if not pending:
             return -1
-        self._loads.pending.clear()
-        dev, host = _merged(ops)
+        batch = _merged(pending)
+        self._loads.pending = []
+        dev, host = batch.device_indices, batch.host_indices
         # Companions first: the engine is FIFO, so the layer events below imply them.
         extra = tuple(self.load_engine.load(h, d, host, dev) for d, h in self._companions)
         handle = self.load_engine.load(self.host_pool, self.device_pool, host, dev)
-        self._loads.acks.append(TransferAck(next(self._ack_ids), ops, handle, extra))
+        self._loads.acks.append(TransferAck(next(self._ack_ids), batch, handle, extra))
         return self.layer_done_counter.update_producer(handle)
 
     def ack_loads(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:

@@ -19,6 +19,19 @@ import torch
 __all__ = ["PagedSlotAllocator"]
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """The distinct values of int64 ``a``, ascending, as a new array: a sort and a mask
+    (``np.unique`` measured 10-15x slower on a host eviction's few thousand slots).
+    ``O(k log k)``."""
+    s = np.sort(a)
+    if len(s) > 1:
+        keep = np.empty(len(s), dtype=bool)
+        keep[0] = True
+        np.not_equal(s[1:], s[:-1], out=keep[1:])
+        s = s[keep]
+    return s
+
+
 class PagedSlotAllocator:
     """Hands out KV slot indices a whole page at a time.
 
@@ -74,27 +87,35 @@ class PagedSlotAllocator:
         Runtime complexity: ``O(num_pages)``.
         """
         n_all = self.num_pages + self._first_page
-        self._free_pages = torch.arange(self._first_page, n_all, dtype=torch.int64, device=self.device)
-        self._pending: list[torch.Tensor] = []
-        self._pending_pages = 0
         # One bool per page, including the reserved one (never set).
         self._allocated = torch.zeros(n_all, dtype=torch.bool, device=self.device)
-        # On the CPU, numpy views of the same memory: alloc runs on the scheduler thread
-        # for every write-through, and its three small torch operations (index_put, two
-        # arithmetic ops) took about 30 us where numpy takes a few.
+        self._pending: list[Any] = []
+        self._pending_pages = 0
+        # On the CPU the state is numpy (the bitmap a view of the tensor's memory): a host
+        # pool's alloc and free run on the scheduler thread for every write-through and
+        # host eviction, where each small torch operation costs microseconds of dispatch
+        # and numpy's a fraction of that.
         self._allocated_np = self._allocated.numpy() if self.device.type == "cpu" else None
+        self._free_pages: Any = (
+            np.arange(self._first_page, n_all, dtype=np.int64)
+            if self._allocated_np is not None
+            else torch.arange(self._first_page, n_all, dtype=torch.int64, device=self.device)
+        )
 
     def available_size(self) -> int:
         """Free slots, counting frees not yet merged.
 
         Runtime complexity: ``O(1)``.
         """
-        return (int(self._free_pages.numel()) + self._pending_pages) * self.page_size
+        return (len(self._free_pages) + self._pending_pages) * self.page_size
 
     def _merge_pending(self) -> None:
         # Once per burst of frees, not once per free: the point of batching.
         if self._pending:
-            self._free_pages = torch.cat([self._free_pages, *self._pending])
+            if self._allocated_np is not None:
+                self._free_pages = np.concatenate([self._free_pages, *self._pending])
+            else:
+                self._free_pages = torch.cat([self._free_pages, *self._pending])
             self._pending = []
             self._pending_pages = 0
 
@@ -109,24 +130,43 @@ class PagedSlotAllocator:
         Runtime complexity: ``O(n_tokens)``, plus ``O(free pages)`` when pending frees
         are merged.
         """
+        if self._allocated_np is not None:
+            slots = self.alloc_array(n_tokens)
+            return None if slots is None else torch.from_numpy(slots)
+        pages = self._take(n_tokens)
+        if pages is None:
+            return None
+        self._allocated[pages] = True
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def alloc_array(self, n_tokens: int) -> np.ndarray | None:
+        """:meth:`alloc` as an int64 numpy array, for an allocator on the CPU (a host
+        pool's): the write-through path takes one per scheduler step and slices it, and
+        numpy views cost a fraction of torch's. ``O(n_tokens)``."""
+        if self._allocated_np is None:
+            raise ValueError(f"alloc_array: the allocator is on {self.device}, not the CPU")
+        pages = self._take(n_tokens)
+        if pages is None:
+            return None
+        self._allocated_np[pages] = True
+        if self.page_size == 1:
+            return pages.copy()  # a copy: the free list must not be aliased
+        return np.add.outer(pages * self.page_size, self._page_offsets_np).reshape(-1)
+
+    def _take(self, n_tokens: Any) -> Any:
+        """The first ``n_tokens / page_size`` free pages, off the free list (merging
+        pending frees if needed); ``None``, changing nothing, if too few are free."""
         n_tokens = int(n_tokens)
         if n_tokens < 0 or n_tokens % self.page_size:
             raise ValueError(f"n_tokens must be a non-negative multiple of page_size={self.page_size}, got {n_tokens}")
         n_pages = n_tokens // self.page_size
-        if n_pages > self._free_pages.numel():
-            if n_pages > self._free_pages.numel() + self._pending_pages:
+        if n_pages > len(self._free_pages):
+            if n_pages > len(self._free_pages) + self._pending_pages:
                 return None
             self._merge_pending()
         pages = self._free_pages[:n_pages]
         self._free_pages = self._free_pages[n_pages:]
-        if self._allocated_np is not None:
-            p = pages.numpy()
-            self._allocated_np[p] = True
-            if self.page_size == 1:
-                return torch.from_numpy(p.copy())  # a copy: the free list must not be aliased
-            return torch.from_numpy((p[:, None] * self.page_size + self._page_offsets_np).reshape(-1))
-        self._allocated[pages] = True
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        return pages
 
     def free(self, indices: Any) -> None:
         """Return the pages holding ``indices`` (any slot of a page frees the page).
@@ -137,21 +177,30 @@ class PagedSlotAllocator:
         Runtime complexity: ``O(k log k)`` for ``k`` indices (the page dedup); the pages
         are merged into the free list later, by an ``alloc`` that needs them.
         """
-        idx = self._as_indices(indices)
-        if idx.numel() == 0:
+        bitmap = self._allocated_np
+        idx: Any = self._as_array(indices) if bitmap is not None else self._as_indices(indices)
+        if len(idx) == 0:
             return
         lo, hi = int(idx.min()), int(idx.max())
         first_slot = self._first_page * self.page_size
         if lo < first_slot or hi >= self.total_slots:
             raise ValueError(f"slot index out of range: min {lo}, max {hi}, valid [{first_slot}, {self.total_slots})")
-        pages = torch.unique(idx // self.page_size)
-        state = self._allocated[pages]
+        pages: Any
+        if bitmap is not None:
+            pages = _sorted_unique(idx // self.page_size if self.page_size > 1 else idx)
+            state: Any = bitmap[pages]
+        else:
+            pages = torch.unique(idx // self.page_size)
+            state = self._allocated[pages]
         if not bool(state.all()):
             bad = pages[~state][:8].tolist()
             raise ValueError(f"double free: pages {bad} are not allocated (page_size={self.page_size})")
-        self._allocated[pages] = False
+        if bitmap is not None:
+            bitmap[pages] = False
+        else:
+            self._allocated[pages] = False
         self._pending.append(pages)
-        self._pending_pages += int(pages.numel())
+        self._pending_pages += len(pages)
 
     def is_allocated(self, indices: Any) -> torch.Tensor:
         """Per index, whether its page is allocated (bool tensor). ``O(k)``."""
@@ -175,6 +224,13 @@ class PagedSlotAllocator:
                 return idx.reshape(0)
             raise ValueError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
         return idx
+
+    def _as_array(self, indices: Any) -> np.ndarray:
+        """``indices`` as a 1-D int64 numpy array (a view where it can be), with
+        :meth:`_as_indices`'s checks: the CPU allocator's input."""
+        if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+            return indices
+        return self._as_indices(indices).numpy()
 
     def __repr__(self) -> str:
         return (

@@ -566,9 +566,16 @@ class HostKVPool(_KVPoolBase):
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, n_tokens: int) -> torch.Tensor | None:
-        """Page-aligned host slots for ``n_tokens`` (a page multiple), or ``None``.
-        See :meth:`PagedSlotAllocator.alloc`."""
-        return self.allocator.alloc(n_tokens)
+        """Page-aligned host slots for ``n_tokens`` (a page multiple), or ``None``: the
+        slots of :meth:`alloc_array` as a tensor. See :meth:`PagedSlotAllocator.alloc`."""
+        slots = self.alloc_array(n_tokens)
+        return None if slots is None else torch.from_numpy(slots)
+
+    def alloc_array(self, n_tokens: int) -> np.ndarray | None:
+        """Page-aligned host slots for ``n_tokens`` as an int64 numpy array, or ``None``
+        (:meth:`PagedSlotAllocator.alloc_array`): every host allocation goes through
+        here. ``O(n_tokens)``."""
+        return self.allocator.alloc_array(n_tokens)
 
     def free(self, indices: Any) -> None:
         """Free the pages of ``indices``; ``ValueError`` on double free or out of range,

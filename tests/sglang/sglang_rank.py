@@ -36,16 +36,16 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     failures = 0
     if rank == 1:  # this rank alone fails host allocations now and then
         rng = np.random.default_rng(99)
-        real_alloc = host.alloc
+        real_alloc = host.alloc_array  # every host allocation goes through it
 
-        def faulty_alloc(n: int) -> torch.Tensor | None:
+        def faulty_alloc(n: int) -> np.ndarray | None:
             nonlocal failures
             if rng.random() < 0.2:
                 failures += 1
                 return None
             return real_alloc(n)
 
-        host.alloc = faulty_alloc  # type: ignore[method-assign]
+        host.alloc_array = faulty_alloc  # type: ignore[method-assign]
     loop = Loop(env, seed=config["seed"])
     for _ in range(config["steps"]):
         loop.step()
