@@ -527,7 +527,11 @@ def test_small_copy_keeps_the_gil() -> None:
 
 # ----------------------------------------------------------------------------- planning helpers
 @needs_native
-@pytest.mark.parametrize(("page_size", "page_stride", "slot_stride"), [(1, 256, 0), (4, 4096, 64), (16, 65536, 512)])
+# Powers of two take the shift-and-mask loop, the others the division loop.
+@pytest.mark.parametrize(
+    ("page_size", "page_stride", "slot_stride"),
+    [(1, 256, 0), (4, 4096, 64), (16, 65536, 512), (3, 3072, 1024), (48, 98304, 2048), (7, 700, 100)],
+)
 def test_slot_offsets_follow_the_layout_formula(page_size: int, page_stride: int, slot_stride: int) -> None:
     slots = np.random.default_rng(page_size).integers(0, 1000, 300, dtype=np.int64)
     got = _gather().slot_offsets(slots, 1000, page_size, page_stride, slot_stride, "slots")

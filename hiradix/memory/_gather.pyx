@@ -333,6 +333,13 @@ cdef int _raise_bad(str name, Py_ssize_t i, int64_t off, Py_ssize_t base, Py_ssi
 
 
 # ----------------------------------------------------------------------------- planning
+@cython.cdivision(True)
+cdef inline int64_t _floordiv(int64_t v, int64_t d) noexcept nogil:
+    """``v // d`` for ``v >= 0``, ``d >= 1`` (checked by the callers): C division, without
+    the sign fix-ups and zero check of Python semantics."""
+    return v / d
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def slot_offsets(slots, int64_t limit, int64_t page_size, int64_t page_stride, int64_t slot_stride, str name):
@@ -353,15 +360,29 @@ def slot_offsets(slots, int64_t limit, int64_t page_size, int64_t page_stride, i
     cdef int64_t lo = 0
     cdef int64_t hi = 0
     cdef bint bad = False
+    cdef int shift = -1
+    cdef int64_t mask = page_size - 1
+    if page_size & mask == 0:  # a power of two (1 included): shift and mask, no division
+        shift = 0
+        while (<int64_t>1 << shift) < page_size:
+            shift += 1
     out = np.empty(n, dtype=np.int64)
     cdef int64_t[::1] o = out
     with nogil:
-        for i in range(n):
-            v = s[i]
-            if v < 0 or v >= limit:
-                bad = True
-                break
-            o[i] = (v // page_size) * page_stride + (v % page_size) * slot_stride
+        if shift >= 0:
+            for i in range(n):
+                v = s[i]
+                if v < 0 or v >= limit:
+                    bad = True
+                    break
+                o[i] = (v >> shift) * page_stride + (v & mask) * slot_stride
+        else:
+            for i in range(n):
+                v = s[i]
+                if v < 0 or v >= limit:
+                    bad = True
+                    break
+                o[i] = _floordiv(v, page_size) * page_stride + (v - _floordiv(v, page_size) * page_size) * slot_stride
     if bad:
         lo, hi = min(s), max(s)
         raise IndexError(f"{name} out of range [0, {limit}): min {lo}, max {hi}")

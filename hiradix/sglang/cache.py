@@ -620,12 +620,18 @@ class HiRadixCacheBase(BasePrefixCache):
             return InsertResult(prefix_len=0)
         value = params.value
         if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
-            value = torch.as_tensor(raw[:n], dtype=torch.int64)
+            value = raw[:n]
+        elif type(value) is torch.Tensor and value.is_cpu:
+            value = value.numpy()  # the tree's input type: a torch slice and conversion cost ~4 us
         events = self._events
         if events is not None:  # the earlier changes are not this insert's (its session's)
             events.sync()
+        if n < len(tokens):
+            tokens = tokens[:n]
+        if n < len(value):
+            value = value[:n]
         # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.
-        prefix = self.core.insert(tokens[:n], value[:n], ns, priority=int(params.priority or 0),
+        prefix = self.core.insert(tokens, value, ns, priority=int(params.priority or 0),
                                   chunked=bool(getattr(params, "chunked", False)))
         if events is not None:  # before anything can delete the new node
             # 0.5.23's stores name the inserting request's session (0.5.18 has none)
