@@ -430,6 +430,23 @@ class ParityMachine(RuleBasedStateMachine):
     def begin_any_backup(self, data: st.DataObject) -> None:
         self.begin_backup(self.draw_valid(data, can_back_up))
 
+    @rule(data=st.data(), raw=st.booleans())
+    def begin_a_batch_of_backups(self, data: st.DataObject, raw: bool) -> None:
+        """A scheduler step's write-throughs: ``backup_order`` of a mix of reported, live
+        and stale handles (repeats included), then ``begin_backups`` of its answer, which
+        skips nodes whose parent is not backed up or being written. With ``raw``, the
+        drawn list goes to ``begin_backups`` as it is, to compare the refusals (a node
+        named twice, one not on the device, ...), which must start nothing."""
+        pool = list(self.to_backup) + self.live() + self.handles
+        drawn = data.draw(st.lists(st.sampled_from(pool), max_size=6), label="nodes")
+        ok, order = self.both("backup_order", drawn)
+        assert ok, "backup_order refused a list of handles"
+        nodes, sizes = (drawn, [self.key_len(h) for h in drawn]) if raw else order
+        ok, res = self.both("begin_backups", nodes, self.host(sum(sizes)))
+        if ok:
+            _, started = res
+            self.pending.extend(h for h, go in zip(nodes, started, strict=True) if go)
+
     def begin_backup(self, h: int) -> bool:
         ok, _ = self.both("begin_backup", h, self.host(self.key_len(h)))
         if ok:

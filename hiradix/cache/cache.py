@@ -420,75 +420,66 @@ class HiRadixCache:
         backed up or put in flight meanwhile is skipped (its handle may even name a newer
         node by now: the checks are on whatever it names, which is as good a candidate).
         Parents go before their children, whatever order the inserts came in (an insert
-        that splits a waiting node asks for the new parent after the child).
-        Runtime: ``O(sum of the nodes' depths among the waiting ones)`` plus the backup."""
+        that splits a waiting node asks for the new parent after the child): the tree's
+        ``backup_order``. Runtime: ``O(sum of the nodes' depths among the waiting ones)``
+        plus the backup."""
         pending = self._pending_backups
         if not pending:
             return 0
         self._pending_backups = []
-        tree = self.tree
-        waiting = {
-            n: None
-            for n in pending
-            if tree.is_alive(n)
-            and not tree.is_evicted(n)
-            and not tree.is_backed_up(n)
-            and tree.io_status(n) == IOStatus.IDLE
-        }
-        ordered: dict[int, None] = {}
-        for node in waiting:
-            chain = []
-            n = node
-            while n in waiting and n not in ordered:
-                chain.append(n)
-                n = tree.parent(n)
-            ordered.update(dict.fromkeys(reversed(chain)))
-        return self._write_backup_nodes(list(ordered)) if ordered else 0
+        nodes, sizes = self.tree.backup_order(pending)
+        return self._write_backup_nodes(nodes, sizes) if nodes else 0
 
-    def _write_backup_nodes(self, nodes: Sequence[int]) -> int:
-        """Start the backups of ``nodes`` (parents first), as one queued batch. Host slots
-        are allocated for all, agreed across ranks; those that failed anywhere get one
-        retry after evicting that many host tokens. A node without slots, or below one, is
-        left as it was. Returns the tokens whose copy was started.
+    def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None) -> int:
+        """Start the backups of ``nodes`` (parents first; ``sizes`` their lengths, read
+        from the tree if not given), as one queued batch. Host slots are allocated for
+        all, agreed across ranks; those that failed anywhere get one retry after evicting
+        that many host tokens. A node without slots, or below one, is left as it was.
+        Returns the tokens whose copy was started.
 
-        This runs once per scheduler step for all of the step's write-throughs, so the
-        per-node work is the compiled ``begin_backup`` and a few list appends: the host
-        slots are numpy views of one allocation, and the controller gets one batch."""
+        This runs once per scheduler step for all of the step's write-throughs, so nothing
+        here is per node but list work: the host slots are numpy views of one allocation,
+        the tree begins every backup in one call (``begin_backups``) and the controller
+        gets one batch."""
         tree = self.tree
         ctrl = self.cache_controller
-        sizes = [tree.key_len(n) for n in nodes]
+        if sizes is None:
+            sizes = [tree.key_len(n) for n in nodes]
         slots = ctrl.alloc_host_arrays(sizes)
-        failed = [i for i, s in enumerate(slots) if s is None]
-        if failed:  # agreed: the same on every rank, and so is the eviction below
+        if any(s is None for s in slots):  # agreed: the same on every rank, and so is the eviction below
+            failed = [i for i, s in enumerate(slots) if s is None]
             self.evict_host(sum(sizes[i] for i in failed))
             for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed]), strict=True):
                 slots[i] = s
+            lost = sum(sizes[i] for i, s in enumerate(slots) if s is None)
+            if lost:
+                self._stats["host_alloc_failed_tokens"] += lost
+                keep = [i for i, s in enumerate(slots) if s is not None]
+                nodes, sizes, slots = [nodes[i] for i in keep], [sizes[i] for i in keep], [slots[i] for i in keep]
+                if not nodes:
+                    return 0
+        hosts: list[np.ndarray] = slots  # type: ignore[assignment]  # none is None from here on
+        host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+        device, started = tree.begin_backups(nodes, host)
+        if not all(started):  # below a node that got no slots: left as it was
+            for s, go, n in zip(hosts, started, sizes, strict=True):
+                if not go:
+                    self.host_pool.free(s)
+                    self._stats["host_alloc_failed_tokens"] += n
+            keep = [i for i, go in enumerate(started) if go]
+            if not keep:
+                return 0
+            nodes, sizes, hosts = [nodes[i] for i in keep], [sizes[i] for i in keep], [hosts[i] for i in keep]
+            host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
         ongoing = self.ongoing_write_through
-        started: list[int] = []
-        started_sizes: list[int] = []
-        devs: list[np.ndarray] = []
-        hosts: list[np.ndarray] = []
-        for node, size, host in zip(nodes, sizes, slots, strict=True):
-            if host is not None and self._backed_or_writing(tree.parent(node)):
-                devs.append(tree.begin_backup(node, host))
-                hosts.append(host)
-                started.append(node)
-                started_sizes.append(size)
-                ongoing[node] = host
-            else:
-                if host is not None:
-                    self.host_pool.free(host)
-                self._stats["host_alloc_failed_tokens"] += size
-        if not started:
-            return 0
-        one = len(started) == 1
-        batch = ctrl.write_many(started, started_sizes, devs[0] if one else np.concatenate(devs),
-                                hosts[0] if one else np.concatenate(hosts))
+        for node, s in zip(nodes, hosts, strict=True):
+            ongoing[node] = s
+        batch = ctrl.write_many(nodes, sizes, device, host)
         for obs in self._observers:
             for op in batch.ops():
                 obs.on_backup_started(op.node, op.device_indices, op.host_indices)
         ctrl.start_writing()
-        tokens = sum(started_sizes)
+        tokens = sum(sizes)
         self._stats["backup_started_tokens"] += tokens
         return tokens
 

@@ -498,6 +498,86 @@ cdef class HiRadixTree:
         _lock(self, i, 1)
         return _gather(self, self.nodes[i].parent, i, False)
 
+    def backup_order(self, nodes):
+        """Of ``nodes``, those a backup can start on now, each once, parents first, with
+        their lengths; see the twin. ``O(sum of the chosen nodes' depths among them)``."""
+        cdef node_t i
+        cdef Node* n
+        waiting = {}
+        for h in nodes:
+            try:
+                i = _node(self, h)
+            except (KeyError, TypeError):
+                continue
+            n = &self.nodes[i]
+            if n.is_root or not n.on_device or n.backed_up or n.io_status != IO_IDLE:
+                continue
+            if h not in waiting:
+                waiting[h] = i
+        ordered = {}
+        sizes = []
+        cdef list chain
+        for h, i in waiting.items():
+            chain = []
+            while h in waiting and h not in ordered:
+                chain.append(h)
+                i = self.nodes[<node_t>waiting[h]].parent
+                h = _handle(&self.nodes[i], i)
+            for h in reversed(chain):
+                ordered[h] = None
+                sizes.append(self.nodes[<node_t>waiting[h]].key_len)
+        return list(ordered), sizes
+
+    def begin_backups(self, nodes, host_indices):
+        """:meth:`begin_backup` of each of ``nodes`` in order, skipping those whose parent
+        is by then neither backed up nor being written; see the twin. Returns the started
+        nodes' device indices and per node whether it started. ``O(sum of (depth + len))``."""
+        cdef cnp.ndarray hosts = _as_indices(host_indices, "host_indices")
+        cdef list idx = []
+        cdef set seen = set()
+        cdef node_t i
+        cdef Node* n
+        cdef Node* p
+        cdef int64_t total = 0, start = 0, filled = 0
+        for h in nodes:
+            i = _node(self, h)
+            n = &self.nodes[i]
+            if n.is_root or not n.on_device:
+                raise ValueError(f"begin_backups: node {h} is not on the device")
+            if n.io_status == IO_WRITING:
+                raise LockError(f"begin_backups: node {h} has a backup in flight already")
+            if n.backed_up:
+                raise ValueError(f"begin_backups: node {h} is already backed up")
+            if i in seen:
+                raise ValueError(f"begin_backups: node {h} is named twice")
+            seen.add(i)
+            idx.append(i)
+            total += n.key_len
+        if cnp.PyArray_SIZE(hosts) != total:
+            raise ValueError(f"begin_backups: {cnp.PyArray_SIZE(hosts)} host indices for {total} tokens")
+        cdef cnp.ndarray out = _empty(total, cnp.NPY_INT64)
+        cdef const index_t* hptr = <const index_t*>cnp.PyArray_DATA(hosts)
+        cdef index_t* dptr = <index_t*>cnp.PyArray_DATA(out)
+        started = []
+        for i in idx:
+            n = &self.nodes[i]
+            p = &self.nodes[n.parent]
+            if p.backed_up or p.io_status == IO_WRITING:
+                memcpy(self.host + n.key_off, hptr + start, n.key_len * sizeof(index_t))
+                memcpy(dptr + filled, self.dev + n.key_off, n.key_len * sizeof(index_t))
+                filled += n.key_len
+                self._ticket += 1
+                n.pending = 1
+                n.io_status = IO_WRITING
+                n.io_ticket = self._ticket
+                n.io_owner = 1
+                _lock(self, i, 1)
+                started.append(True)
+            else:
+                started.append(False)
+            start += self.nodes[i].key_len
+        return (out if filled == total else out[:filled].copy()), started
+
     def commit_backup(self, node, ok=True):
         """Finish :meth:`begin_backup` on this same node; returns whether the node is now
         backed up. ``LockError`` as in the twin. ``O(depth)``."""

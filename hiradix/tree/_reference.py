@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -929,6 +929,76 @@ class HiRadixTree:
         target.io_owner = True
         self._lock(target, 1)
         return target.value.copy()
+
+    def backup_order(self, nodes: Iterable[int]) -> tuple[list[int], list[int]]:
+        """Of ``nodes`` (handles in any order; repeats and stale handles allowed), those a
+        backup can start on now: alive, on the device, not backed up, no transfer in
+        flight. Each once, every parent before its children among them (a step's inserts
+        ask for nodes in insert order, and a split asks for the new parent after its
+        child), with their lengths. Decides only: nothing changes.
+        Runtime complexity: ``O(sum of the chosen nodes' depths among them)``."""
+        waiting: dict[int, _Node] = {}
+        for h in nodes:
+            try:
+                n = self._node(h)
+            except (KeyError, TypeError):
+                continue
+            if n.is_root or n.value is None or n.host_value is not None or n.io_status != IO_IDLE:
+                continue
+            waiting.setdefault(h, n)
+        ordered: dict[int, _Node] = {}
+        for n in waiting.values():
+            chain: list[_Node] = []
+            cur: _Node | None = n
+            while cur is not None and cur.handle in waiting and cur.handle not in ordered:
+                chain.append(cur)
+                cur = cur.parent
+            for c in reversed(chain):
+                ordered[c.handle] = c
+        return list(ordered), [len(n.key) for n in ordered.values()]
+
+    def begin_backups(self, nodes: Sequence[int], host_indices: Any) -> tuple[IndexArray, list[bool]]:
+        """:meth:`begin_backup` of each of ``nodes`` in order, node ``i`` taking the next
+        ``key_len`` slots of ``host_indices``; a node whose parent is by then neither
+        backed up nor being written (an earlier node of the batch counts) is skipped and
+        its slots are not taken. Returns the started nodes' device indices, concatenated
+        in order, and per node whether it started.
+
+        Checked before anything starts, raising as :meth:`begin_backup` does: each node
+        on the device, not backed up, without a transfer in flight and named once, and
+        as many host slots as their tokens. Runtime complexity: ``O(sum of (depth + len))``."""
+        hosts = as_indices(host_indices, "host_indices")
+        targets: list[_Node] = []
+        seen: set[int] = set()
+        total = 0
+        for h in nodes:
+            t = self._node(h)
+            if t.is_root or t.value is None:
+                raise ValueError(f"begin_backups: node {h} is not on the device")
+            if t.io_status == IO_WRITING:
+                raise LockError(f"begin_backups: node {h} has a backup in flight already")
+            if t.host_value is not None:
+                raise ValueError(f"begin_backups: node {h} is already backed up")
+            if t.handle in seen:
+                raise ValueError(f"begin_backups: node {h} is named twice")
+            seen.add(t.handle)
+            targets.append(t)
+            total += len(t.key)
+        if len(hosts) != total:
+            raise ValueError(f"begin_backups: {len(hosts)} host indices for {total} tokens")
+        devices: list[IndexArray] = []
+        started: list[bool] = []
+        start = 0
+        for h, t in zip(nodes, targets, strict=True):
+            k = len(t.key)
+            parent = t.parent
+            assert parent is not None
+            go = parent.backuped or parent.io_status == IO_WRITING
+            if go:
+                devices.append(self.begin_backup(h, hosts[start : start + k]))
+            started.append(go)
+            start += k
+        return (np.concatenate(devices) if devices else _EMPTY.copy()), started
 
     def _io_group(self, node: _Node, status: int, op: str) -> list[_Node]:
         """``node`` and the ancestors split off it while its transfer was in flight;
