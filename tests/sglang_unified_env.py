@@ -42,9 +42,14 @@ import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (CI installs sglang==0.5.23 into .venv-sglang23)", allow_module_level=True)
-# 0.5.20 still ships hiradix_cache.py, unused by its create_tree_cache: the test is
-# whether the unified cache is there.
-if importlib.util.find_spec("sglang.srt.mem_cache.unified_radix_cache") is None:
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+# 0.5.18 ships a unified_radix_cache.py too (its create_tree_cache builds HiRadixCache),
+# and 0.5.20 still a hiradix_cache.py (unused): told apart as hiradix.sglang.api does, by
+# the request API that came with the UnifiedRadixCache hierarchical cache.
+if not (hasattr(BasePrefixCache, "checkpoint") or hasattr(BasePrefixCache, "free_kv_row")):
     pytest.skip("this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
                 "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.20, 0.5.23)",
                 allow_module_level=True)
