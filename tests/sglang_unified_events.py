@@ -9,11 +9,16 @@ with SGLang's own hash helpers.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import random
 from typing import Any
 
 import pytest
 import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed", allow_module_level=True)
+
 from sglang.srt.disaggregation import kv_events as sglang_events
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, StorageMedium
 from sglang.srt.environ import envs

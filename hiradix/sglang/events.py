@@ -149,7 +149,7 @@ class _Format20:
     removals_by_extra_key = False
 
     def __init__(self, params: Any) -> None:
-        pass
+        del params  # 0.5.20's events take no options (no namespaces, no LoRA names)
 
     def ids(self, blocks: _Blocks) -> list[int]:
         return blocks.ids.tolist()
