@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import random
+from array import array
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
 from sglang.srt.disaggregation import kv_events as sglang_events
-from sglang.srt.disaggregation.kv_events import AllBlocksCleared, StorageMedium
+from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockStored, StorageMedium
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
@@ -177,6 +178,40 @@ def sglang_ids(tokens: list[int], page_size: int, *, cache_salt: str | None = No
 
 
 # ---------------------------------------------------------------------------- operation sequences
+def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | None = None, **params: Any) -> None:
+    """A prefix prefetched from L3 into a salted namespace, on hiradix's cache alone
+    (SGLang's own L3 path is not run beside it): the pages that land are stored
+    ``CPU_PINNED``, the load back stores them on the ``GPU``, with the ids SGLang's helpers
+    give (namespaced by ``seed``, 0.5.23), the salt and no session. ``fields`` are more
+    ``BlockStored`` fields, ``params`` more ``CacheInitParams`` fields."""
+    env = build_hiradix(4, storage="memory", extra_config='{"prefetch_threshold": 8}',
+                        params={"enable_kv_cache_events": True, **params})
+    cache = env.cache
+    tokens = list(range(200, 232))
+    insert(env, tokens, cache_salt="tenant", session_id="s")
+    settle(env)
+    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+        cache.check_hicache_events()
+    cache.reset()  # device and host empty; L3 keeps the pages
+    assert type(cache.take_events()[-1]) is AllBlocksCleared
+    req = env.new_req(tokens, cache_salt="tenant")
+    req.init_next_round_input(cache)
+    handle = req.cache_request_handle
+    assert cache.prefetch_from_storage(handle, req.last_host_node, array("q", tokens),
+                                       cache.get_last_hash_value(req.last_host_node), None)
+    cache.core.wait_prefetch(handle, timeout=30)
+    assert cache.check_prefetch_progress(handle)
+    assert cache.pop_prefetch_loaded_span(handle) == (32, None)
+    want = dict(block_hashes=sglang_ids(tokens, 4, cache_salt="tenant", seed=seed), parent_block_hash=None,
+                token_ids=tokens, block_size=4, lora_id=None, cache_salt="tenant", session_id=None, **(fields or {}))
+    assert cache.take_events() == [BlockStored(**want, medium=CPU)]
+    assert load_back(env, tokens, cache_salt="tenant") == 32
+    assert cache.take_events() == [BlockStored(**want, medium=GPU)]
+    settle(env)
+    cache.check_invariants()
+
+
+
 def life_cycle(twin: Twin, page_size: int, eagle: bool) -> None:
     """A scripted life cycle, compared step by step: inserts (one with a session), a split
     by an insert and one by a match, backups acknowledged, eviction to the host, a load

@@ -9,8 +9,8 @@ matches that split, backups acknowledged, evictions to the host, an insert over 
 nodes, loads back, host evictions and resets, with and without EAGLE bigram keys, on both
 of 0.5.20's tree cores (its default Python one and the Rust one); then requests through
 0.5.20's ``cache_unfinished_req`` / ``cache_finished_req``, whose stores name their
-session. The ids are also pinned against SGLang's own ``get_hash_str`` /
-``hash_str_to_int64``.
+session. An L3 prefetch's events are pinned (SGLang's own L3 path is not run beside it).
+The ids are also pinned against SGLang's own ``get_hash_str`` / ``hash_str_to_int64``.
 
 Runs in ``.venv-sglang20`` (CI); skips elsewhere, saying why.
 """
@@ -33,7 +33,17 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang_pools import settle
 from sglang_unified_env import build_hiradix, patch_sglang_for_cpu
-from sglang_unified_events import CPU, GPU, Twin, insert, life_cycle, random_operations, sglang_ids, tree_core
+from sglang_unified_events import (
+    CPU,
+    GPU,
+    Twin,
+    insert,
+    l3_prefetch_events,
+    life_cycle,
+    random_operations,
+    sglang_ids,
+    tree_core,
+)
 
 __all__ = ["tree_core"]  # the fixture, imported for this module's tests
 
@@ -123,6 +133,13 @@ def test_random_operations_emit_sglangs_events(tree_core: str, page_size: int, w
     twin = Twin(page_size, size=1024, write_policy=write_policy)
     random_operations(twin, seed=20 + page_size + len(write_policy),
                       spaces=[{}, {"cache_salt": "tenant"}, {"extra_key": "plain"}])
+
+
+# ---------------------------------------------------------------------------- L3
+def test_an_l3_prefetch_stores_on_the_host_then_the_load_on_the_device() -> None:
+    """A salted prefix prefetched from L3: stored ``CPU_PINNED`` as it lands, ``GPU`` when
+    loaded back, with the ids of SGLang's helpers (no namespace), the salt, no session."""
+    l3_prefetch_events()
 
 
 # ---------------------------------------------------------------------------- requests

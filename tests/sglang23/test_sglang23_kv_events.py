@@ -15,7 +15,6 @@ The ids are also pinned against SGLang's own hash helpers (``get_hash_str``,
 
 from __future__ import annotations
 
-from array import array
 from typing import Any
 
 import pytest
@@ -36,8 +35,8 @@ from sglang_unified_events import (
     GPU,
     Twin,
     insert,
+    l3_prefetch_events,
     life_cycle,
-    load_back,
     random_operations,
     sglang_ids,
     tree_core,
@@ -141,32 +140,8 @@ def test_an_l3_prefetch_stores_on_the_host_then_the_load_on_the_device() -> None
     """A prefix prefetched from L3 into a salted namespace (``format: dynamo``): the pages
     that land are stored ``CPU_PINNED``, the load back stores them on the ``GPU``, with
     the ids SGLang's helpers give, the salt and no session."""
-    env = build_hiradix(4, storage="memory", extra_config='{"prefetch_threshold": 8}',
-                        params={"enable_kv_cache_events": True, "dynamo_kv_event_format": True})
-    cache = env.cache
-    tokens = list(range(200, 232))
-    insert(env, tokens, cache_salt="tenant", session_id="s")
-    settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.check_hicache_events()
-    cache.reset()  # device and host empty; L3 keeps the pages
-    assert type(cache.take_events()[-1]) is AllBlocksCleared
-    req = env.new_req(tokens, cache_salt="tenant")
-    req.init_next_round_input(cache)
-    handle = req.cache_request_handle
-    assert cache.prefetch_from_storage(handle, req.last_host_node, array("q", tokens),
-                                       cache.get_last_hash_value(req.last_host_node), None)
-    cache.core.wait_prefetch(handle, timeout=30)
-    assert cache.check_prefetch_progress(handle)
-    assert cache.pop_prefetch_loaded_span(handle) == (32, None)
-    ids = sglang_ids(tokens, 4, cache_salt="tenant", seed=kv_event_namespace_seed(extra_key=None, cache_salt="tenant"))
-    want = dict(block_hashes=ids, parent_block_hash=None, token_ids=tokens, block_size=4, lora_id=None,
-                cache_salt="tenant", session_id=None, lora_name=None)
-    assert cache.take_events() == [BlockStored(**want, medium=CPU)]
-    assert load_back(env, tokens, cache_salt="tenant") == 32
-    assert cache.take_events() == [BlockStored(**want, medium=GPU)]
-    settle(env)
-    cache.check_invariants()
+    l3_prefetch_events(seed=kv_event_namespace_seed(extra_key=None, cache_salt="tenant"), fields={"lora_name": None},
+                       dynamo_kv_event_format=True)
 
 
 # ---------------------------------------------------------------------------- requests
