@@ -52,23 +52,12 @@ def _sglang_has_unified_hicache() -> bool:
     return (mem_cache / "unified_radix_cache.py").exists() and not (mem_cache / "hiradix_cache.py").exists()
 
 
-def _sglang_has_018_kv_events() -> bool:
-    # hiradix.sglang.events emits 0.5.18's event classes; 0.5.20 and later have others.
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    kv_events = Path(next(iter(spec.submodule_search_locations))) / "srt" / "disaggregation" / "kv_events.py"
-    return kv_events.exists() and "BlockStoredMetadata" in kv_events.read_text()
-
-
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
-# hiradix.sglang's request API for the other SGLang generation does not import here, nor
-# (on 0.5.20 and 0.5.23) its KV events, which are 0.5.18's.
+# hiradix.sglang's request API for the other SGLang generation does not import here.
 # (api_v20 builds on api_v18, so it goes where api_v18 goes.)
 collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
                   + (["hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py"] if _sglang_has_unified_hicache()
-                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"])
-                  + ([] if _sglang_has_018_kv_events() else ["hiradix/sglang/events.py"]))
+                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
 
 
 # The suite's memory, bounded. Trees (the twin's nodes link to their parents) and peer nodes

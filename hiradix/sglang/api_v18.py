@@ -32,6 +32,12 @@ class HiRadixCache(HiRadixCacheBase):
         both to ``req.kv``: :mod:`hiradix.sglang.api_v20`)."""
         return req
 
+    @staticmethod
+    def _insert_extras(req: Any) -> dict[str, Any]:
+        """More ``InsertParams`` fields of a request's insert: none in 0.5.15 to 0.5.18
+        (0.5.20 adds the request's ``session_id``, which its KV events name)."""
+        return {}
+
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:
         indices = torch.from_numpy(device_indices)
@@ -61,7 +67,8 @@ class HiRadixCache(HiRadixCacheBase):
             key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
                            cache_salt=getattr(req, "cache_salt", None))
             values = kv[:aligned].to(dtype=torch.int64, copy=True)
-            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0)).prefix_len
+            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0,
+                                           **self._insert_extras(req))).prefix_len
         else:
             end = aligned
         self._free(kv[protected:max(protected, end)])
@@ -83,7 +90,7 @@ class HiRadixCache(HiRadixCacheBase):
                        cache_salt=getattr(req, "cache_salt", None))
         values = kv[:aligned].to(dtype=torch.int64, copy=True)
         result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
-                                          priority=getattr(req, "priority", 0) or 0))
+                                          priority=getattr(req, "priority", 0) or 0, **self._insert_extras(req)))
         protected = int(record.cache_protected_len)
         self._free(kv[protected:max(protected, result.prefix_len)])
         m = self.match_prefix(MatchPrefixParams(key=key))

@@ -2,13 +2,15 @@
 
 SGLang 0.5.20 still hands requests to a cache through 0.5.18's ``cache_unfinished_req`` /
 ``cache_finished_req`` and takes a match's device slots from ``MatchResult.device_indices``,
-so :mod:`hiradix.sglang.api_v18`'s bodies run unchanged. Two things differ:
+so :mod:`hiradix.sglang.api_v18`'s bodies run unchanged. Three things differ:
 
 - the request record: the ``req_to_token`` row (``req_pool_idx``) and
   ``cache_protected_len`` moved from the ``Req`` to its ``ReqKvInfo`` (``req.kv``), as
   in 0.5.23; ``prefix_indices`` and ``last_node`` stay on the ``Req``;
+- a request's insert names its ``session_id`` (``InsertParams``), which the stores of
+  0.5.20's KV events carry (:class:`~hiradix.sglang.events._Format20`);
 - the server around the cache is 0.5.23's: the same options (read resolved: e.g.
-  ``--hicache-ratio`` is unset until resolved), the same KV event format, and L3
+  ``--hicache-ratio`` is unset until resolved), and L3
   prefetches named by a ``CacheRequestHandle``; all of that is
   :class:`~hiradix.sglang.api_v23.ServerSince020`, which refuses at start-up, naming the
   option, what this cache does not honour.
@@ -28,18 +30,12 @@ class HiRadixCache(ServerSince020, api_v18.HiRadixCache):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.20 (module docstring): 0.5.18's request
     calls on 0.5.20's request record, in 0.5.23's server."""
 
-    def __init__(self, params: Any, server_args: Any) -> None:
-        # 0.5.20's events have 0.5.23's classes, but its hierarchical cache is neither 0.5.18's
-        # nor 0.5.23's, so nothing here is checked against what 0.5.20 itself would emit:
-        # refused rather than guessed (a router fed wrong block ids routes badly in silence).
-        if getattr(params, "enable_kv_cache_events", False):
-            raise ValueError(
-                "hiradix.sglang: --kv-events-config (KV cache events) is not supported on SGLang 0.5.20: "
-                "hiradix's events are checked against SGLang 0.5.18's and 0.5.23's own caches only"
-            )
-        super().__init__(params, server_args)
-
     @staticmethod
     def _kv_record(req: Any) -> Any:
         """0.5.20 keeps ``req_pool_idx`` and ``cache_protected_len`` on ``req.kv``."""
         return req.kv
+
+    @staticmethod
+    def _insert_extras(req: Any) -> dict[str, Any]:
+        """0.5.20's inserts name the request's session: its KV events' stores carry it."""
+        return {"session_id": getattr(req, "session_id", None)}

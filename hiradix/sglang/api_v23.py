@@ -46,9 +46,9 @@ _RETRY_DEFAULT = 8
 
 
 def check_supported_v23(params: Any, server_args: Any) -> None:
-    """Refuse, naming the option, what SGLang 0.5.23 (and 0.5.20, whose options and event
-    format these are too) can ask for and this cache does not do: each would otherwise be
-    ignored without a word."""
+    """Refuse, naming the option, what SGLang 0.5.23 (and 0.5.20, whose options these are
+    too) can ask for and this cache does not do: each would otherwise be ignored without
+    a word."""
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")

@@ -4,7 +4,7 @@ SGLang's hierarchical cache tells KV-aware routers where blocks live through
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events, handed out by
 ``take_events()``. :class:`KVEventLog` produces the same events, in the same order and
 with the same block ids, from the tree's change log (``HiRadixTree.track_changes``), in
-the format of the installed SGLang (0.5.18's ``HiRadixCache`` or 0.5.23's
+the format of the installed SGLang (0.5.18's ``HiRadixCache``, 0.5.20's or 0.5.23's
 ``UnifiedRadixCache``; the differences are in one per-version builder, see below):
 
 =====================  ==============================================================
@@ -18,7 +18,8 @@ tree change            event (medium)
 ``DELETED``            ``BlockRemoved`` (GPU): evicted, no host copy
 ``HOST_DELETED``       ``BlockRemoved`` (CPU_PINNED): host eviction
 ``REFILLED``           0.5.18: nothing (its tree sets the value and moves on);
-                       0.5.23: ``BlockStored`` (GPU), as its ``_unevict_node_on_insert``
+                       0.5.20, 0.5.23: ``BlockStored`` (GPU), as their
+                       ``_unevict_node_on_insert``
 ``SPLIT``              nothing (the blocks' ids do not change)
 reset                  ``AllBlocksCleared`` (also the first event after construction)
 =====================  ==============================================================
@@ -36,20 +37,26 @@ The log keeps, per live node, its page digests, block ids, tokens and the id of 
 before it (a node's blocks are computed once, when it is made, and cut at splits), so
 removals never read the tree and cost ``O(pages)``.
 
-What 0.5.23 changed, all in :class:`_Format23` (chosen when the installed SGLang has
-``namespaced_block_hash``; else :class:`_Format18`):
+What 0.5.20 changed, in :class:`_Format20` (chosen when the installed SGLang has
+neither ``BlockStoredWithMetadata``, 0.5.18's :class:`_Format18`, nor
+``namespaced_block_hash``):
 
-- ``BlockStored`` carries ``cache_salt``, ``session_id`` (the inserting request's, on
-  stores made by an insert) and ``lora_name`` as optional fields, where 0.5.18 had
-  ``BlockStoredWithMetadata``; stores coalesce only when all three agree;
+- ``BlockStored`` carries ``cache_salt`` and ``session_id`` (the inserting request's, on
+  stores made by an insert) as optional fields, where 0.5.18 had
+  ``BlockStoredWithMetadata``; stores coalesce only when both agree;
+- an insert that recomputes an evicted node stores it again (GPU).
+
+What 0.5.23 added, in :class:`_Format23` (chosen when the installed SGLang has
+``namespaced_block_hash``):
+
+- ``BlockStored`` also carries ``lora_name``; stores coalesce only when it agrees too;
 - the published ids (and parents) of a namespace's blocks are namespaced:
   ``namespaced_block_hash(id, seed)``, the seed ``kv_event_namespace_seed`` of
   ``(extra_key, cache_salt)`` with ``--kv-events-config``'s ``format: dynamo``, else of
   ``extra_key`` alone when it names a LoRA adapter (the scheduler's
   ``kv_event_lora_names``), else none (the id unchanged);
-- an insert that recomputes an evicted node stores it again (GPU);
 - under SGLang's default (Rust) tree core, removals coalesce only within one ``extra_key``
-  (its Python tree core coalesces them across namespaces, as 0.5.18).
+  (its Python tree core coalesces them across namespaces, as 0.5.18 and 0.5.20).
 """
 
 from __future__ import annotations
@@ -130,11 +137,40 @@ class _Format18:
         return BlockStored(**fields) if extras is None else self._with_metadata(**fields, metadata=extras)
 
 
-class _Format23:
-    """SGLang 0.5.23's events (module docstring): namespaced ids, and ``cache_salt``,
-    ``session_id`` and ``lora_name`` on ``BlockStored``."""
+class _Format20:
+    """SGLang 0.5.20's events: ids as hashed (no namespaces), ``cache_salt`` and
+    ``session_id`` (the inserting request's, on stores made by an insert) as optional
+    fields of ``BlockStored`` (stores coalesce only when both agree); a recomputed
+    evicted node is stored again (GPU), as its ``_unevict_node_on_insert``."""
 
     refill_medium: StorageMedium | None = StorageMedium.GPU
+    # Both of 0.5.20's tree cores coalesce removals of one medium across namespaces: its
+    # Rust core's removals carry no extra_key (0.5.23's do, to namespace LoRA ids).
+    removals_by_extra_key = False
+
+    def __init__(self, params: Any) -> None:
+        del params  # 0.5.20's events take no options (no namespaces, no LoRA names)
+
+    def ids(self, blocks: _Blocks) -> list[int]:
+        return blocks.ids.tolist()
+
+    def parent_id(self, blocks: _Blocks) -> int | None:
+        return blocks.parent_id
+
+    def extras(self, blocks: _Blocks, session_id: str | None) -> Any:
+        return blocks.salt, session_id
+
+    def extras_of(self, event: Any) -> Any:
+        return event.cache_salt, event.session_id
+
+    def stored(self, fields: dict[str, Any], extras: Any) -> Any:
+        salt, session_id = extras
+        return BlockStored(**fields, cache_salt=salt, session_id=session_id)
+
+
+class _Format23(_Format20):
+    """SGLang 0.5.23's events (module docstring): 0.5.20's, plus namespaced ids and
+    ``lora_name`` on ``BlockStored``."""
 
     def __init__(self, params: Any) -> None:
         # SGLang's default (Rust) tree core coalesces removals only within one extra_key
@@ -193,13 +229,16 @@ class _Format23:
         return BlockStored(**fields, cache_salt=salt, session_id=session_id, lora_name=lora_name)
 
 
-def event_format(params: Any) -> _Format18 | _Format23:
+def event_format(params: Any) -> _Format18 | _Format20:
     """The builder of the installed SGLang's events: 0.5.23's where SGLang namespaces
-    event ids (``namespaced_block_hash``), else 0.5.18's. ``params`` is SGLang's
+    event ids (``namespaced_block_hash``), 0.5.18's where it has
+    ``BlockStoredWithMetadata``, else 0.5.20's. ``params`` is SGLang's
     ``CacheInitParams``. ``O(1)``."""
     if hasattr(sglang_events, "namespaced_block_hash"):
         return _Format23(params)
-    return _Format18(params)
+    if hasattr(sglang_events, "BlockStoredWithMetadata"):
+        return _Format18(params)
+    return _Format20(params)
 
 
 class KVEventLog:

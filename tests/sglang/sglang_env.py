@@ -96,9 +96,9 @@ def needs_sglang_020(what: str) -> None:
 #: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
 NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
                     "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)")
-#: Why the KV-event tests skip on 0.5.20.
-NO_KV_EVENTS = ("hiradix's KV events are checked against SGLang 0.5.18's and 0.5.23's own caches, and 0.5.20 "
-                "builds neither: --kv-events-config is refused at start-up there")
+#: Why 0.5.18's KV-event tests skip on 0.5.20 (``test_sglang20_kv_events.py`` has 0.5.20's).
+NO_KV_EVENTS = ("they compare with SGLang 0.5.18's own HiRadixCache and its event classes; 0.5.20's events are "
+                "compared with its own UnifiedRadixCache in test_sglang20_kv_events.py")
 
 
 @dataclass

@@ -68,7 +68,6 @@ def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named:
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"kv_events": True}, "kv-events-config"),  # refused on 0.5.20 only (checked on 0.5.18 and 0.5.23)
         ({"params": {"eviction_policy_config": {"decay": 0.5}}}, "radix-eviction-policy-config"),
         ({"hicache_host_memory_mode": "buffer_only"}, "hicache-host-memory-mode 'buffer_only'"),
         ({"hicache_storage_prefetch_retry_max_attempts": 3}, "hicache-storage-prefetch-retry-max-attempts 3"),
@@ -77,7 +76,7 @@ def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named:
     ],
 )
 def test_options_sglang_020_added_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
-    needs_sglang_020("these options and this event format are SGLang 0.5.20's (0.5.18 has none of them)")
+    needs_sglang_020("these options are SGLang 0.5.20's (0.5.18 has none of them)")
     with pytest.raises(ValueError, match=named):
         build(**kwargs)
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
-from sglang_env import SGLANG_020, Env, record
+from sglang_env import Env, record
 from sglang_pools import LAYERS
 
 
@@ -194,8 +194,6 @@ class Loop:
     ],
 )
 def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events) -> None:
-    # SGLang 0.5.20 refuses KV events (0.5.23's format); the rest of the case still runs.
-    kv_events = kv_events and not SGLANG_020
     env = make_env(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla, eagle=eagle,
                    kv_events=kv_events)
     loop = Loop(env, seed)

@@ -1,5 +1,5 @@
 """Fixtures for the SGLang 0.5.23 tests: its own cache on hiradix's L3 backends, and
-hiradix's cache on 0.5.23 (see :mod:`sglang23_env`)."""
+hiradix's cache on 0.5.23 (see :mod:`sglang_unified_env`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def sglang_cpu():
     built meanwhile are shut down at teardown."""
     # Imported here, not above: without SGLang 0.5.23 the import skips the test module
     # that asked (saying why), where in a conftest it would be a collection error.
-    from sglang23_env import patch_sglang_for_cpu
+    from sglang_unified_env import patch_sglang_for_cpu
 
     with patch_sglang_for_cpu():
         yield

@@ -28,8 +28,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
-from sglang23_env import build_hiradix
 from sglang_pools import LAYERS, insert, key, match, settle
+from sglang_unified_env import build_hiradix
 
 import hiradix.sglang as hs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang23_env import PAGE, SHARED, build, read, tokens_of, write
+from sglang_unified_env import PAGE, SHARED, build, read, tokens_of, write
 
 from hiradix.peer.node import InProcessCluster
 from hiradix.storage import MemoryStorage
@@ -31,7 +31,7 @@ SHAPE_IDS = [f"{'mla' if mla else 'mha'}-{layout}" for mla, layout in SHAPES]
 
 @pytest.fixture
 def shared(request: pytest.FixtureRequest) -> Any:
-    """The memory backend or peer cluster the caches of one test share (sglang23_env.SHARED)."""
+    """The memory backend or peer cluster the caches of one test share (sglang_unified_env.SHARED)."""
     made: list[InProcessCluster] = []
 
     def make(kind: str) -> None:
@@ -49,14 +49,14 @@ def shared(request: pytest.FixtureRequest) -> Any:
 
 
 def l3_flags(kind: str, tmp_path: Path, *, node: int = 0, v1: bool = True) -> dict[str, Any]:
-    """``storage`` and ``extra_config`` of :func:`sglang23_env.build`: the README's
+    """``storage`` and ``extra_config`` of :func:`sglang_unified_env.build`: the README's
     ``--hicache-storage-backend dynamic`` and ``--hicache-storage-backend-extra-config``
     for hiradix's backend ``kind`` (memory and peer: the test's shared instance)."""
     config: dict[str, Any] = {"prefetch_threshold": PAGE, "backend_name": f"hiradix-{kind}"}
     if kind == "file":
         config.update(module_path="hiradix.sglang.storage", class_name="FileStorage", path=str(tmp_path / "l3"))
     else:
-        config.update(module_path="sglang23_env", class_name="SharedStorage", shared=kind, node=node)
+        config.update(module_path="sglang_unified_env", class_name="SharedStorage", shared=kind, node=node)
     if v1:
         config["interface_v1"] = 1
     return {"storage": "dynamic", "extra_config": json.dumps(config)}
@@ -69,7 +69,7 @@ def test_sglang23s_own_cache_round_trips_through_our_backends(sglang_cpu, shared
     shared(kind)
     writer = build(mla=mla, layout=layout, **l3_flags(kind, tmp_path, node=0))
     backend = writer.cache.cache_controller.storage_backend
-    assert type(backend).__module__ in ("hiradix.sglang.storage", "sglang23_env")
+    assert type(backend).__module__ in ("hiradix.sglang.storage", "sglang_unified_env")
     assert backend.suffix == ("_org-model-7b" if mla else "_org-model-7b_0_1")
     write(writer, tokens_of(1))
     if kind == "file":

@@ -28,8 +28,8 @@ from sglang.srt.mem_cache.common import (
     release_kv_cache,
     touch_waiting_prefix,
 )
-from sglang23_env import Env, build_hiradix
 from sglang_pools import LAYERS
+from sglang_unified_env import Env, build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 

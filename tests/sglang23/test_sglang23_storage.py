@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang23_env import build
+from sglang_unified_env import build
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -1,6 +1,7 @@
-"""SGLang 0.5.23's own hierarchical cache on CPU, built as its scheduler builds it.
+"""SGLang's own ``UnifiedRadixCache`` (0.5.20 and 0.5.23) on CPU, built as its scheduler
+builds it: ``tests/sglang23`` (0.5.23) and the 0.5.20 tests of ``tests/sglang``.
 
-From 0.5.20 on SGLang has no ``HiRadixCache``: with ``--enable-hierarchical-cache`` its
+From 0.5.20 on, with ``--enable-hierarchical-cache`` SGLang's
 ``create_tree_cache`` (the default factory, no ``--radix-cache-backend``) builds a
 ``UnifiedRadixCache`` and calls its ``init_hicache``, which assembles a host pool group
 and a ``HybridCacheController`` and attaches the ``--hicache-storage-backend`` through
@@ -19,12 +20,13 @@ hiradix's code. :func:`write` and :func:`read` drive a prefix through L3 as the
 scheduler does, waiting on real completion signals with bounded waits.
 
 The module skips its importer, saying why, without an SGLang whose hierarchical cache is
-the ``UnifiedRadixCache`` (0.5.18 and older ship ``HiRadixCache``: ``tests/sglang``).
+the ``UnifiedRadixCache`` (0.5.18 and older build ``HiRadixCache``: ``tests/sglang``).
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import logging
 import threading
@@ -40,9 +42,17 @@ import torch
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (CI installs sglang==0.5.23 into .venv-sglang23)", allow_module_level=True)
-if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
-    pytest.skip("this SGLang still ships HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
-                "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.23)", allow_module_level=True)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+# 0.5.18 ships a unified_radix_cache.py too (its create_tree_cache builds HiRadixCache),
+# and 0.5.20 still a hiradix_cache.py (unused): told apart as hiradix.sglang.api does, by
+# the request API that came with the UnifiedRadixCache hierarchical cache.
+if not (hasattr(BasePrefixCache, "checkpoint") or hasattr(BasePrefixCache, "free_kv_row")):
+    pytest.skip("this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
+                "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.20, 0.5.23)",
+                allow_module_level=True)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
@@ -127,10 +137,13 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
 def _context(params: Any, *, hierarchical: bool = True, worker: Worker | None = None) -> Any:
     """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
     assert _ACTIVE is not None
+    # 0.5.20's context also has the chunked prefill size (no default); 0.5.23's dropped it
+    more = {"effective_chunked_prefill_size": None} \
+        if "effective_chunked_prefill_size" in {f.name for f in dataclasses.fields(TreeCacheBuildContext)} else {}
     return TreeCacheBuildContext(
         server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
         enable_hierarchical_cache=hierarchical, disable_radix_cache=False, tp_worker=worker or Worker(),
-        model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None, **more,
     )
 
 
