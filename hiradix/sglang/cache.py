@@ -16,6 +16,9 @@ runs on SGLang's own objects:
   groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`);
 - with ``enable_kv_cache_events`` it emits SGLang's ``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared`` events with SGLang's block ids (:mod:`hiradix.sglang.events`);
+- a speculative decoding draft's KV pools (0.5.18's ``set_draft_kv_pool``; 0.5.20's and
+  0.5.23's ``CacheInitParams.mtp_draft_device_pools``) are moved with the target's KV at
+  the same slots on every backup and load (:meth:`SGLangCacheController.add_draft`);
 - with ``is_eagle`` keys are EAGLE bigrams, as SGLang's: bigram ``i`` of a key is
   ``(t[i], t[i+1])``, so ``n + 1`` tokens make ``n`` bigrams and ``n`` device slots. The
   tree stores bigram ``i`` as its second token ``t[i+1]`` in a namespace of the key's first
