@@ -19,7 +19,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang23_env import build_hiradix
-from sglang_pools import LAYERS, MTPDraft, settle
+from sglang_pools import LAYERS, MTPDraft, insert, match, settle
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 
@@ -74,6 +74,42 @@ def test_an_mtp_drafts_kv_follows_the_targets_through_host_and_back(mla: bool, l
     assert env.cache.is_load_back_event_done(consumer)
     settle(env)
     env.cache.check_invariants()
+
+
+def test_l3_carries_the_targets_kv_with_a_draft_and_says_the_draft_is_not_stored(caplog) -> None:
+    """With an L3, a draft changes nothing for the target's pages (written, read back into
+    a reset cache, loaded to the device byte for byte), and start-up logs that the draft's
+    KV of pages loaded from L3 is stale (SGLang 0.5.23's packed pages carry it)."""
+    draft = MTPDraft(PAGE, SIZE, False)
+    with caplog.at_level("WARNING", logger="hiradix.sglang.cache"):
+        env = build_hiradix(PAGE, size=SIZE, storage="memory", extra_config='{"prefetch_threshold": 8}',
+                            params={"mtp_draft_device_pools": (draft.pool,)})
+    assert any("stores the target's KV only" in r.getMessage() for r in caplog.records)
+    cache = env.cache
+    tokens = list(range(200, 232))
+    insert(env, tokens)
+    settle(env)
+    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+        cache.check_hicache_events()
+    cache.reset()  # device and host empty; L3 keeps the pages
+    req = env.new_req(tokens)
+    req.init_next_round_input(cache)
+    handle = req.cache_request_handle
+    assert cache.prefetch_from_storage(handle, req.last_host_node, array("q", tokens))
+    cache.core.wait_prefetch(handle, timeout=30)
+    assert cache.check_prefetch_progress(handle)
+    assert cache.pop_prefetch_loaded_span(handle) == (32, None)
+    m = match(env, tokens)
+    loaded, node = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=32))
+    assert loaded == 32
+    counter = cache.cache_controller.layer_done_counter
+    counter.set_consumer(cache.ready_to_load_host_cache())
+    counter.wait_until(LAYERS - 1)
+    slots = cache.path_device_indices(node)
+    for buf, w in zip(env.layers(), env.expected_kv(torch.tensor(tokens), torch.arange(32)), strict=True):
+        assert torch.equal(buf[slots], w)
+    settle(env)
+    cache.check_invariants()
 
 
 def test_hicache_size_counts_the_drafts_host_bytes() -> None:
