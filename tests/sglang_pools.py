@@ -98,10 +98,11 @@ class KVBuffers:
 
 class MTPDraft:
     """An MTP / NextN draft layer's KV pool as SGLang's draft model runner builds it: one
-    layer of the target's geometry (SGLang 0.5.20 and 0.5.23 pack such pools into the
-    target's host pages and require exactly that), ``size`` slots indexed by the target's
-    allocator; ``CacheInitParams.mtp_draft_device_pools`` hands it to the cache. Its
-    bytes come from the token alone, unlike any target layer's (:meth:`expected`)."""
+    layer of :func:`sglang_pools`'s geometry (SGLang 0.5.20 and 0.5.23 pack such pools into
+    the target's host pages and require exactly that), ``size`` slots (whole pages of
+    ``page_size``) indexed by the target's allocator; ``CacheInitParams.mtp_draft_device_pools``
+    hands it to the cache. Its bytes come from the token alone, unlike any target layer's
+    (:meth:`expected`)."""
 
     def __init__(self, page_size: int, size: int, mla: bool) -> None:
         self.mla = mla
@@ -122,6 +123,7 @@ class MTPDraft:
         return out
 
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """"Compute" the draft's KV of ``tokens`` at ``slots``."""
         for buf, val in zip(self.buffers(), self.expected(tokens), strict=True):
             buf[slots.long()] = val
 
@@ -131,6 +133,7 @@ class MTPDraft:
                    for buf, want in zip(self.buffers(), self.expected(tokens), strict=True))
 
     def clobber(self) -> None:
+        """Zero the draft's device KV: what a test reads back afterwards came from the host."""
         for buf in self.buffers():
             buf.zero_()
 
