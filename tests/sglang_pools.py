@@ -24,8 +24,8 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "Worker", "insert", "key", "match", "settle", "sglang_pools",
-           "transfer_kv_direct", "wait_queue"]
+__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "insert", "key", "match", "settle",
+           "sglang_pools", "transfer_kv_direct", "wait_queue"]
 
 LAYERS = 3
 HEADS = 2
@@ -42,16 +42,19 @@ class Worker:
         self.counter = counter
 
 
+def _kv_pool(page_size: int, size: int, mla: bool, *, layers: int) -> Any:
+    if mla:
+        return MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
+                                qk_rope_head_dim=4, layer_num=layers, device="cpu", enable_memory_saver=False)
+    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
+                            head_dim=HEAD_DIM, layer_num=layers, device="cpu", enable_memory_saver=False)
+
+
 def sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
     """SGLang's CPU KV pool (MHA or MLA) of :data:`LAYERS` layers, its allocator (paged
     unless ``page_size`` is 1) and a ``ReqToTokenPool`` of 64 rows."""
     size = size // page_size * page_size
-    if mla:
-        kv = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
-                              qk_rope_head_dim=4, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    else:
-        kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
-                              head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    kv = _kv_pool(page_size, size, mla, layers=LAYERS)
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
     else:
@@ -91,6 +94,48 @@ class KVBuffers:
             base = tokens.to(torch.float32) * 7 + positions.to(torch.float32) * 13 + i * 101
             out.append((base.view(-1, *([1] * len(inner))) + elem * 3).remainder(997).to(buf.dtype))
         return out
+
+
+class MTPDraft:
+    """An MTP / NextN draft layer's KV pool as SGLang's draft model runner builds it: one
+    layer of :func:`sglang_pools`'s geometry (SGLang 0.5.20 and 0.5.23 pack such pools into
+    the target's host pages and require exactly that), ``size`` slots (whole pages of
+    ``page_size``) indexed by the target's allocator; ``CacheInitParams.mtp_draft_device_pools``
+    hands it to the cache. Its bytes come from the token alone, unlike any target layer's
+    (:meth:`expected`)."""
+
+    def __init__(self, page_size: int, size: int, mla: bool) -> None:
+        self.mla = mla
+        self.pool = _kv_pool(page_size, size // page_size * page_size, mla, layers=1)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The draft's device KV buffers (K and V, or the MLA latent)."""
+        return list(self.pool.kv_buffer) if self.mla else [*self.pool.k_buffer, *self.pool.v_buffer]
+
+    def expected(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """The draft KV :meth:`write` gives ``tokens``, per buffer of :meth:`buffers`."""
+        out = []
+        for i, buf in enumerate(self.buffers()):
+            inner = buf.shape[1:]
+            elem = torch.arange(inner.numel(), dtype=torch.float32).view(1, *inner)
+            base = tokens.to(torch.float32) * 5 + 500 + i * 37
+            out.append((base.view(-1, *([1] * len(inner))) + elem).remainder(991))
+        return out
+
+    def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """"Compute" the draft's KV of ``tokens`` at ``slots``."""
+        for buf, val in zip(self.buffers(), self.expected(tokens), strict=True):
+            buf[slots.long()] = val
+
+    def holds(self, slots: torch.Tensor, tokens: torch.Tensor) -> bool:
+        """Whether the draft's KV at ``slots`` is what :meth:`write` gave ``tokens``."""
+        return all(torch.equal(buf[slots.long()], want)
+                   for buf, want in zip(self.buffers(), self.expected(tokens), strict=True))
+
+    def clobber(self) -> None:
+        """Zero the draft's device KV: what a test reads back afterwards came from the host."""
+        for buf in self.buffers():
+            buf.zero_()
 
 
 def copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, src_indices: torch.Tensor) -> None:

@@ -57,9 +57,16 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
         refuse("--radix-eviction-policy-config", "hiradix's eviction policies take no tuning parameters")
     if getattr(params, "tree_core_backend", None) is not None:
         refuse(f"tree core backend {params.tree_core_backend!r}", "hiradix's tree is its own compiled core")
-    for field in ("mtp_draft_device_pools", "sidecar_draft_device_pools", "mtp_draft_mamba_pools"):
-        if getattr(params, field, ()):
-            refuse("speculative decoding draft KV pools", f"{field} is set; hiradix caches the target model's KV only")
+    # mtp_draft_device_pools (MTP / NextN draft layers) follow the target's KV
+    # (HiRadixCacheBase). A sidecar draft (a separate draft model) SGLang registers after
+    # building the cache, and only with its own UnifiedRadixCache (kv_cache_builder's
+    # maybe_register_hicache_draft raises NotImplementedError for any other cache).
+    if getattr(params, "sidecar_draft_device_pools", ()):
+        refuse("speculative decoding with a separate (sidecar) draft model's KV pool",
+               "sidecar_draft_device_pools is set, and SGLang registers a sidecar draft pool with its own "
+               "UnifiedRadixCache only (MTP / NextN drafts, mtp_draft_device_pools, are supported)")
+    if getattr(params, "mtp_draft_mamba_pools", ()):
+        refuse("MTP draft Mamba state pools", "mtp_draft_mamba_pools is set; hiradix caches no Mamba/SSM state")
     mode = getattr(server_args, "hicache_host_memory_mode", "cache")
     if mode != "cache":
         refuse(f"--hicache-host-memory-mode {mode!r}", "hiradix's host pool is a cache tier ('cache')")

@@ -16,6 +16,9 @@ runs on SGLang's own objects:
   groups (:class:`~hiradix.sglang.distributed.SGLangAgreement`);
 - with ``enable_kv_cache_events`` it emits SGLang's ``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared`` events with SGLang's block ids (:mod:`hiradix.sglang.events`);
+- a speculative decoding draft's KV pools (0.5.18's ``set_draft_kv_pool``; 0.5.20's and
+  0.5.23's ``CacheInitParams.mtp_draft_device_pools``) are moved with the target's KV at
+  the same slots on every backup and load (:meth:`SGLangCacheController.add_draft`);
 - with ``is_eagle`` keys are EAGLE bigrams, as SGLang's: bigram ``i`` of a key is
   ``(t[i], t[i+1])``, so ``n + 1`` tokens make ``n`` bigrams and ``n`` device slots. The
   tree stores bigram ``i`` as its second token ``t[i+1]`` in a namespace of the key's first
@@ -127,26 +130,38 @@ class SGLangCacheController(HiCacheController):
         return bool(self.companions)
 
     def set_draft_kv_pool(self, draft_device_pool: Any, draft_host_pool: Any = None) -> None:
-        """SGLang's hook for speculative decoding with a separate draft model, whose KV
-        pool is indexed by the target's token slots: from now on every backup and load
-        also moves the draft's KV at the same slots (:meth:`add_companion`).
+        """SGLang 0.5.18's hook for speculative decoding with a separate draft model, whose
+        KV pool is indexed by the target's token slots: from now on every backup and load
+        also moves the draft's KV at the same slots (:meth:`add_draft`).
 
-        The draft's device pool is used in place; its L2 copy is a hiradix host pool with
-        the target host pool's slots and layout. SGLang's own ``draft_host_pool`` is not
-        kept (hiradix's engines copy between hiradix pools; it is freed when SGLang drops
-        it). L3 carries the target's KV only, as SGLang 0.5.18 does for every storage
-        backend but Mooncake: a page loaded from L3 leaves the draft's KV of its slots
-        stale, which can lower the draft's acceptance rate but never changes the target's
-        output (it verifies every drafted token). ``ValueError`` for a draft pool kind
-        hiradix cannot wrap. ``O(draft host pool)`` to allocate.
+        SGLang's own ``draft_host_pool`` is not kept (hiradix's engines copy between
+        hiradix pools; it is freed when SGLang drops it). ``ValueError`` for a draft pool
+        kind hiradix cannot wrap. ``O(draft host pool)`` to allocate.
         """
-        device = device_pool_from_sglang(draft_device_pool)
+        self.add_draft(device_pool_from_sglang(draft_device_pool), type(draft_device_pool).__name__)
+
+    def add_draft(self, device: DeviceKVPool, name: str) -> None:
+        """Make ``device`` (a draft model's KV, indexed by the target's token slots) follow
+        the target's KV: a hiradix host pool with the target host pool's slots and layout
+        is its L2 copy, and every later backup and load moves it at the same slots,
+        submitted before the target's on the same engine, so the layer-done counter never
+        reports a target layer before the draft's KV is in place (:meth:`add_companion`).
+        L3 carries the target's KV only (:meth:`warn_draft_l3`). ``ValueError`` when the
+        draft's page size or slot count differs from the target's. ``name`` is for the
+        log. ``O(draft host pool)`` to allocate."""
         host = HostKVPool(device.shape, self.host_pool.size, device.page_size, device.dtype,  # type: ignore[arg-type]
                           self.host_pool.layout)
         self.add_companion(device, host)
-        logger.info("hiradix: draft KV pool registered (%s, %d host slots)",
-                    type(draft_device_pool).__name__, host.size)
-        if self.storage_backend_type is not None:
+        logger.info("hiradix: draft KV pool registered (%s, %d host slots)", name, host.size)
+        self.warn_draft_l3()
+
+    def warn_draft_l3(self) -> None:
+        """Log, when there is both a draft pool and an L3, that L3 stores the target's KV
+        only (as SGLang 0.5.18 for every storage backend but Mooncake; SGLang 0.5.20's and
+        0.5.23's packed MTP pages carry the draft layers): a page loaded from L3 leaves
+        the draft's KV of its slots stale, which can lower the draft's acceptance rate but
+        never changes the target's output (it verifies every drafted token). ``O(1)``."""
+        if self.has_draft and self.storage_backend_type is not None:
             logger.warning("hiradix: L3 (%s) stores the target's KV only; the draft's KV of pages loaded from L3 "
                            "is stale (draft acceptance may drop, outputs do not change)", self.storage_backend_type)
 
@@ -257,6 +272,21 @@ def check_supported(params: Any, server_args: Any) -> None:
         refuse(f"--hicache-io-backend {io!r}", "hiradix copies with its own engines (direct or kernel)")
 
 
+def _mtp_draft_pools(params: Any) -> list[tuple[DeviceKVPool, str]]:
+    """``CacheInitParams.mtp_draft_device_pools`` (SGLang 0.5.20 and 0.5.23: the KV pools
+    of the draft's MTP / NextN layers, which the cache itself must move with the target's
+    KV; absent before 0.5.20) as hiradix pools used in place, with their SGLang class names.
+    ``ValueError`` naming the field and index for a pool hiradix cannot wrap. ``O(layers)``."""
+    out: list[tuple[DeviceKVPool, str]] = []
+    for i, pool in enumerate(getattr(params, "mtp_draft_device_pools", None) or ()):
+        name = type(pool).__name__
+        try:
+            out.append((device_pool_from_sglang(pool), name))
+        except ValueError as e:
+            raise ValueError(f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) is not supported: {e}") from e
+    return out
+
+
 def _as_tokens(token_ids: Any) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
         return token_ids
@@ -344,8 +374,13 @@ class HiRadixCacheBase(BasePrefixCache):
                 "(bigram keys); use the default l3_format 'hiradix'"
             )
         device_pool = device_pool_from_sglang(self.kv_cache)
+        drafts = _mtp_draft_pools(params)
         host_pool = host_pool_for(
             device_pool,
+            # SGLang 0.5.20 and 0.5.23 pack MTP draft layers into the target's host pages, so a
+            # --hicache-size budget holds fewer slots with drafts; hiradix's draft host pools
+            # (the target's slots each) are counted against it the same way.
+            extra_bytes_per_token=sum(d.bytes_per_token for d, _ in drafts),
             ratio=float(getattr(server_args, "hicache_ratio", None) or 2.0),  # SGLang's default when unset
             size_gb=float(getattr(server_args, "hicache_size", 0) or 0),
             layout=server_args.hicache_mem_layout,
@@ -365,6 +400,12 @@ class HiRadixCacheBase(BasePrefixCache):
             device_pool, host_pool, write_policy=write_policy,
             io_backend=server_args.hicache_io_backend, agreement=agreement,
         )
+        for i, (draft, name) in enumerate(drafts):
+            try:
+                controller.add_draft(draft, name)
+            except ValueError as e:
+                raise ValueError(f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's "
+                                 f"KV: {e}") from e
         backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
             device_pool,
@@ -724,6 +765,7 @@ class HiRadixCacheBase(BasePrefixCache):
         if not ok:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
         self.cache_controller.storage_backend_type = backend
+        self.cache_controller.warn_draft_l3()
         self.enable_storage = True
         logger.info("hiradix: %s", msg)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import build, build_sglang, patch_sglang_for_parity, record
-from sglang_pools import LAYERS
+from sglang_env import build, build_sglang, needs_sglang_020, patch_sglang_for_parity, record
+from sglang_pools import LAYERS, MTPDraft, settle
 from twin import Twin, run
 
 
@@ -244,4 +244,46 @@ def test_a_draft_models_kv_follows_the_targets_through_host_and_back(make_env, s
     assert all(torch.equal(buf[loaded], w) for buf, w in zip(env.layers(), want, strict=True))
     for buf in (draft.k_buffer[0], draft.v_buffer[0]):
         assert torch.equal(buf[loaded], draft_kv(torch.tensor(tokens[:n])))
+    env.cache.check_invariants()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_an_mtp_drafts_kv_follows_the_targets_on_0_5_20(make_env, mla: bool, layout: str) -> None:
+    """SGLang 0.5.20 hands an MTP / NextN draft's KV pools to the cache in
+    ``CacheInitParams.mtp_draft_device_pools`` (its scheduler's ``kv_cache_builder``; there
+    is no ``set_draft_kv_pool`` call any more). Backed up, evicted to host and loaded back
+    into other device slots, the draft's KV is at the loaded slots, byte for byte, by the
+    time the first target layer is reported."""
+    needs_sglang_020("0.5.18 registers a draft pool through set_draft_kv_pool (the test above)")
+    draft = MTPDraft(4, 512, mla)
+    env = make_env(4, size=512, mla=mla, layout=layout, eagle=True, params={"mtp_draft_device_pools": (draft.pool,)})
+    controller = env.cache.cache_controller
+    assert controller.has_draft and len(controller.companions) == 1
+    tokens = list(range(300, 341))  # 40 bigrams
+    n = 40
+    held = env.allocator.alloc(8)  # so that the load lands on other slots than the insert
+    slots = env.allocator.alloc(n)
+    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
+    draft.write(slots, torch.tensor(tokens[:n]))
+    assert env.cache.insert(InsertParams(key=key(tokens), value=slots)).prefix_len == 0
+    settle(env)
+    assert env.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
+    env.allocator.free(held)
+    for buf in env.layers():  # the bytes must come from the host
+        buf.zero_()
+    draft.clobber()
+    m = match(env, tokens)
+    assert len(m.device_indices) == 0 and m.host_hit_length == n
+    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                            host_hit_length=m.host_hit_length))
+    assert len(loaded) == n and not torch.equal(loaded.sort().values, slots.sort().values)
+    counter = controller.layer_done_counter
+    counter.set_consumer(env.cache.ready_to_load_host_cache())
+    counter.wait_until(0)  # the forward pass's wait for the first target layer
+    assert draft.holds(loaded, torch.tensor(tokens[:n]))
+    counter.wait_until(LAYERS - 1)
+    want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
+    assert all(torch.equal(buf[loaded], w) for buf, w in zip(env.layers(), want, strict=True))
+    settle(env)
     env.cache.check_invariants()

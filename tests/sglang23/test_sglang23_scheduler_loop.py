@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.common import (
     release_kv_cache,
     touch_waiting_prefix,
 )
-from sglang_pools import LAYERS
+from sglang_pools import LAYERS, MTPDraft
 from sglang_unified_env import Env, build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
@@ -37,8 +37,9 @@ TIMEOUT = 60.0  # seconds; a prefetch ends on its signal in milliseconds
 
 
 class Loop:
-    def __init__(self, env: Env, seed: int) -> None:
+    def __init__(self, env: Env, seed: int, draft: MTPDraft | None = None) -> None:
         self.env = env
+        self.draft = draft  # an MTP draft's KV pool, computed and checked with the target's
         self.cache = env.cache
         self.rng = np.random.default_rng(seed)
         ps = env.page_size
@@ -67,6 +68,8 @@ class Loop:
         want = env.expected_kv(tokens, torch.arange(upto))
         for buf, w in zip(env.layers(), want, strict=True):
             assert torch.equal(buf[slots], w), f"request {req.rid}: reused KV differs"
+        if self.draft is not None:
+            assert self.draft.holds(slots, tokens), f"request {req.rid}: the draft's reused KV differs"
         self.stats["verified"] += upto
 
     # ---------------------------------------------------------------- scheduler actions
@@ -145,6 +148,8 @@ class Loop:
             tokens = torch.tensor(list(req.full_untruncated_fill_ids[prefix:end]))
             slots = self.env.req_to_token.req_to_token[req.kv.req_pool_idx, prefix:end].long()
             self.env.write_kv(slots, tokens, torch.arange(prefix, end))
+            if self.draft is not None:
+                self.draft.write(slots, tokens)
             req.kv.kv_committed_len = end
         self.running = [(req, end, end) for req, _, end in self.running]
 
@@ -274,3 +279,21 @@ def test_randomized_scheduler_loop(page_size, layout, write_policy, mla, seed, e
     if storage:
         assert s["l3_loaded"] > 0, s
     assert env.cache.protected_size() == 0 and not env.cache.ongoing_prefetch
+
+
+@pytest.mark.parametrize(("page_size", "layout", "mla", "seed"),
+                         [(4, "page_first", True, 7), (1, "layer_first", False, 8)])
+def test_randomized_scheduler_loop_with_an_mtp_draft(page_size, layout, mla, seed) -> None:
+    """MTP speculative decoding (EAGLE keys, ``mtp_draft_device_pools``): every reused
+    prefix, on the device or loaded back from host, also has the draft's KV it was computed
+    with (no L3 here: L3 keeps the target's KV only)."""
+    draft = MTPDraft(page_size, 256, mla)
+    env = build_hiradix(page_size, size=256, layout=layout, mla=mla, eagle=True,
+                        params={"mtp_draft_device_pools": (draft.pool,)})
+    loop = Loop(env, seed, draft)
+    for _ in range(250):
+        loop.step()
+    loop.drain()
+    s = loop.stats
+    assert s["finished"] > 20 and s["reused"] > 500 and s["verified"] >= s["reused"] and s["loaded"] > 0, s
+    assert env.cache.protected_size() == 0
