@@ -170,13 +170,19 @@ class TransferAck:
     def done(self) -> bool:
         """Whether the copy finished, successfully or not, in every pool. Never blocks.
         ``O(companions)``."""
-        return self.handle.done() and all(h.done() for h in self.companions)
+        if not self.handle.done():
+            return False
+        return not self.companions or all(h.done() for h in self.companions)
 
     @property
     def ok(self) -> bool:
         """Whether the copy landed completely in every pool (only meaningful once
         :meth:`done`)."""
-        return self.done() and self.handle.error is None and all(h.error is None for h in self.companions)
+        return (
+            self.done()
+            and self.handle.error is None
+            and (not self.companions or all(h.error is None for h in self.companions))
+        )
 
     def wait(self) -> None:
         """Block until the copy has finished in every pool (a failure is read from
@@ -284,6 +290,9 @@ class LayerDoneCounter:
         for event in self.events:
             if event.handle is handle:
                 event.handle = None
+
+
+_STAT_KEYS = {kind: (f"{kind}_tokens", f"{kind}_failed_tokens") for kind in ("backup", "load")}
 
 
 @dataclass
@@ -534,8 +543,9 @@ class HiCacheController:
             return []
         popped = [q.acks.popleft() for _ in range(n)]
         agreed = self.agreement.all_true([a.ok for a in popped])
+        done_key, failed_key = _STAT_KEYS[kind]
         for ack, ok in zip(popped, agreed, strict=True):
-            self._stats[f"{kind}_tokens" if ok else f"{kind}_failed_tokens"] += ack.tokens
+            self._stats[done_key if ok else failed_key] += ack.tokens
         return list(zip(popped, agreed, strict=True))
 
     def drain(self) -> None:
