@@ -148,6 +148,26 @@ def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: di
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+class HostAllocFaults:
+    """Rank-local host-allocation faults for the multi-rank tests: ``host.alloc`` (a host
+    pool's) is wrapped to return ``None``, as a full pool does, with probability ``rate``
+    per call, drawn from a generator seeded with ``seed``; :attr:`failures` counts them.
+    The ranks' trees may stay identical only through the agreement."""
+
+    def __init__(self, host: Any, seed: int, rate: float = 0.2) -> None:
+        self.failures = 0
+        rng = np.random.default_rng(seed)
+        real_alloc = host.alloc
+
+        def faulty_alloc(n: int) -> Any:
+            if rng.random() < rate:
+                self.failures += 1
+                return None
+            return real_alloc(n)
+
+        host.alloc = faulty_alloc
+
+
 def send_then_drain(sock: socket.socket, data: bytes, *, half_close: bool = True) -> bytes:
     """Send ``data`` (then ``SHUT_WR`` when ``half_close``) and read until the other end
     hangs up; return every byte that arrived.

@@ -1,7 +1,8 @@
 """Rank agreement over SGLang's cache process groups, as SGLang 0.5.18's HiRadixCache
 agrees: MIN over the attention CP and TP groups (or the TP group when neither spans more
 than one rank) on the first pipeline stage, then the first stage's answer handed down the
-pipeline, so every rank of every stage acts on the same value."""
+pipeline, so every rank of every stage acts on the same value. The hand-down carries
+SGLang's own point-to-point tag for it, as SGLang's caches send theirs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,27 @@ import torch
 
 from hiradix.cache.distributed import MinReduceAgreement
 
-__all__ = ["SGLangAgreement"]
+__all__ = ["PP_SYNC_TAG", "SGLangAgreement"]
+
+
+def _pp_sync_tag() -> int:
+    """SGLang's tag for the cache's pipeline hand-down (``P2PTag.HIRADIX_PP_SYNC`` on
+    0.5.18, renamed ``HICACHE_PP_SYNC`` by 0.5.23; both ``b"PpHi"`` read as a big-endian
+    integer): the scheduler's own untagged sends between stages share the pipeline group,
+    and a receive of the default tag could take one of theirs (or they one of ours)."""
+    try:
+        from sglang.srt.distributed.communication_tags import P2PTag
+    except ImportError:  # a release without the module: the value both known releases use
+        return int.from_bytes(b"PpHi", byteorder="big")
+    for name in ("HICACHE_PP_SYNC", "HIRADIX_PP_SYNC"):
+        tag = getattr(P2PTag, name, None)
+        if tag is not None:
+            return int(tag)
+    return int.from_bytes(b"PpHi", byteorder="big")
+
+
+#: The point-to-point tag of the pipeline hand-down (:func:`_pp_sync_tag`).
+PP_SYNC_TAG = _pp_sync_tag()
 
 
 def _world(group: Any) -> int:
@@ -81,7 +102,8 @@ class SGLangAgreement(MinReduceAgreement):
                 work.wait()
             self._sends.clear()
             if self.pp_rank > 0:
-                dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group)
+                dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group, tag=PP_SYNC_TAG)
             if self.pp_rank + 1 < self.pp_size:
-                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group))
+                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group,
+                                              tag=PP_SYNC_TAG))
         return [int(v) for v in t.tolist()]

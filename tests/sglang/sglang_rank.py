@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,24 +27,12 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     )
     from scheduler_loop import tree_fingerprint
     from sglang_env import build
+    from support import HostAllocFaults
     from test_sglang_scheduler_loop import Loop
 
     group = torch.distributed.group.WORLD if config["agree"] else None
     env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"], tp_group=group)
-    host = env.cache.core.host_pool
-    failures = 0
-    if rank == 1:  # this rank alone fails host allocations now and then
-        rng = np.random.default_rng(99)
-        real_alloc = host.alloc
-
-        def faulty_alloc(n: int) -> torch.Tensor | None:
-            nonlocal failures
-            if rng.random() < 0.2:
-                failures += 1
-                return None
-            return real_alloc(n)
-
-        host.alloc = faulty_alloc  # type: ignore[method-assign]
+    faults = HostAllocFaults(env.cache.core.host_pool, seed=99) if rank == 1 else None  # this rank alone
     loop = Loop(env, seed=config["seed"])
     for _ in range(config["steps"]):
         loop.step()
@@ -53,7 +40,7 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     result = {
         "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core)).encode()).hexdigest(),
         "stats": loop.stats,
-        "failures": failures,
+        "failures": faults.failures if faults else 0,
         "calls": env.cache.core.agreement.calls,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
