@@ -43,6 +43,25 @@ def _world(group: Any) -> int:
     return int(dist.get_world_size(group=group))
 
 
+def _same_rank_groups(groups: list[Any]) -> list[Any]:
+    """New gloo groups with the ranks of each of ``groups``, in order.
+
+    ``torch.distributed.new_group`` must be called by every rank of the world, with the
+    same ranks, in the same order, while each rank holds only the groups it is in: under
+    attention TP and CP, rank 0's are ``{0, 2}`` and ``{0, 1}``, rank 1's ``{1, 3}`` and
+    ``{0, 1}``. So every rank shares its groups' ranks (one ``all_gather_object`` over the
+    world) and all of them create every distinct group, in sorted order, each keeping its
+    own. ``O(world x groups)`` to gather, one ``new_group`` per distinct group."""
+    import torch.distributed as dist
+
+    mine = [tuple(sorted(dist.get_process_group_ranks(g))) for g in groups]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    created = {ranks: dist.new_group(ranks=list(ranks), backend="gloo")
+               for ranks in sorted({tuple(r) for per_rank in gathered for r in per_rank})}
+    return [created[ranks] for ranks in mine]
+
+
 class SGLangAgreement(MinReduceAgreement):
     """MIN-agreement over ``CacheInitParams``' groups (``tp_cache_group``,
     ``attn_cp_cache_group``, ``attn_tp_cache_group``, ``pp_cache_group``).
@@ -72,15 +91,12 @@ class SGLangAgreement(MinReduceAgreement):
     def for_background_thread(self) -> SGLangAgreement:
         """An agreement over fresh process groups with the same ranks, for the L3 prefetch
         thread: collectives of two threads on one group would interleave differently on
-        each rank (SGLang gives its prefetch thread a group of its own for the same
+        each rank (SGLang gives its prefetch thread groups of its own for the same
         reason). No pipeline hand-off: the prefetch outcome is agreed again by the
-        scheduler thread. Every rank must call it together (``new_group`` is collective)."""
-        import torch.distributed as dist
-
+        scheduler thread. Every rank of the world must call it together (``new_group`` is
+        collective over the world, see :func:`_same_rank_groups`)."""
         clone = SGLangAgreement()
-        clone.reduce_groups = [
-            dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo") for g in self.reduce_groups
-        ]
+        clone.reduce_groups = _same_rank_groups(self.reduce_groups)
         return clone
 
     @property

@@ -38,7 +38,7 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
         loop.step()
     loop.drain()
     result = {
-        "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core)).encode()).hexdigest(),
+        "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core, env.cache.namespace_roots())).encode()).hexdigest(),
         "stats": loop.stats,
         "failures": faults.failures if faults else 0,
         "calls": env.cache.core.agreement.calls,
