@@ -37,8 +37,9 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     for _ in range(config["steps"]):
         loop.step()
     loop.drain()
+    fingerprint = tree_fingerprint(env.cache.core, env.cache.namespace_roots())
     result = {
-        "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core, env.cache.namespace_roots())).encode()).hexdigest(),
+        "fingerprint": hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest(),
         "stats": loop.stats,
         "failures": faults.failures if faults else 0,
         "calls": env.cache.core.agreement.calls,
