@@ -118,30 +118,3 @@ def loop_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
         }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
-
-
-def pp_tag_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
-    """Two pipeline stages: stage 0 first sends an untagged message of its own (as the
-    scheduler's stage-to-stage sends are), then agrees ``[5, 7]``; stage 1 agrees, then
-    receives the untagged message. Each receive must get its own message."""
-    _init(rank, world, rendezvous)
-    from hiradix.sglang.distributed import SGLangAgreement
-
-    dist = torch.distributed
-    agreement = SGLangAgreement(pp_group=dist.group.WORLD, pp_rank=rank, pp_size=world)
-    if rank == 0:
-        # isend: gloo's send completes only once a receive of its tag is posted, and
-        # stage 1 receives the hand-down first
-        own = dist.isend(torch.tensor([99, 99], dtype=torch.int64), dst=1)
-        agreed = agreement._reduce_min([5, 7])
-        other = [99, 99]
-        own.wait()
-        for work in agreement._sends:  # the hand-down is reaped at the next call; there is none
-            work.wait()
-    else:
-        agreed = agreement._reduce_min([0, 0])
-        t = torch.zeros(2, dtype=torch.int64)
-        dist.recv(t, src=0)
-        other = [int(v) for v in t.tolist()]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"agreed": agreed, "other": other}))
-    dist.destroy_process_group()

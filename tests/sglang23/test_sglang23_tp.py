@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sglang23_env  # noqa: F401  (skips this module without SGLang 0.5.23)
 import torch.distributed as dist
-from support import run_ranks
+from support import run_ranks, sglang_pp_tag_rank
 
 TIMEOUT_S = 300  # a run takes seconds to a minute; past this a collective has hung
 
@@ -71,8 +71,6 @@ def test_without_the_groups_the_same_differences_diverge(tmp_path: Path) -> None
 
 
 def test_pipeline_hand_down_uses_sglangs_tag(tmp_path: Path) -> None:
-    import sglang23_rank
-
-    r0, r1 = run_ranks(sglang23_rank.pp_tag_main, 2, tmp_path, {}, TIMEOUT_S)
+    r0, r1 = run_ranks(sglang_pp_tag_rank, 2, tmp_path, {}, TIMEOUT_S)
     assert r0 == {"agreed": [5, 7], "other": [99, 99]}
     assert r1 == {"agreed": [5, 7], "other": [99, 99]}, "a stage took another message for the hand-down"
