@@ -168,26 +168,31 @@ def run_loop(
     return stats
 
 
-def tree_fingerprint(cache: HiRadixCache) -> list[Any]:
-    """The tree's structure without slot numbers (which may differ between ranks)."""
+def tree_fingerprint(cache: HiRadixCache, namespaces: dict[str, int] | None = None) -> list[Any]:
+    """The tree's structure without slot numbers (which may differ between ranks): the
+    global root's, then each of ``namespaces`` (name -> root handle) in name order, each
+    after its name."""
     tree = cache.tree
     out: list[Any] = []
-    stack = [tree.root]
-    while stack:
-        h = stack.pop()
-        info = tree.node_info(h)
-        out.append(
-            (
-                tree.key(h).tolist() if tree.parent(h) != -1 else [],
-                info["evicted"],
-                info["backuped"],
-                info["lock_ref"],
-                info["host_ref_counter"],
-                info["hit_count"],
-                info["io_status"],
+    roots = [(None, tree.root), *((name, namespaces[name]) for name in sorted(namespaces or {}))]
+    for name, root in roots:
+        out.append(name)
+        stack = [root]
+        while stack:
+            h = stack.pop()
+            info = tree.node_info(h)
+            out.append(
+                (
+                    tree.key(h).tolist() if tree.parent(h) != -1 else [],
+                    info["evicted"],
+                    info["backuped"],
+                    info["lock_ref"],
+                    info["host_ref_counter"],
+                    info["hit_count"],
+                    info["io_status"],
+                )
             )
-        )
-        stack.extend(reversed(tree.children(h)))
+            stack.extend(reversed(tree.children(h)))
     return out
 
 

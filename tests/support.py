@@ -148,6 +148,63 @@ def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: di
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def sglang_pp_tag_rank(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
+    """A :func:`run_ranks` target for hiradix.sglang's pipeline hand-down, on any SGLang. Two
+    pipeline stages: stage 0 first sends an untagged message of its own (as the
+    scheduler's stage-to-stage sends are), then agrees ``[5, 7]``; stage 1 agrees, then
+    receives the untagged message. Each receive must get its own message."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hiradix.sglang.distributed import SGLangAgreement
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    agreement = SGLangAgreement(pp_group=dist.group.WORLD, pp_rank=rank, pp_size=world)
+    if rank == 0:
+        # isend: gloo's send completes only once a receive of its tag is posted, and
+        # stage 1 receives the hand-down first
+        own = dist.isend(torch.tensor([99, 99], dtype=torch.int64), dst=1)
+        agreed = agreement._reduce_min([5, 7])
+        other = [99, 99]
+        own.wait()
+        for work in agreement._sends:  # the hand-down is reaped at the next call; there is none
+            work.wait()
+    else:
+        agreed = agreement._reduce_min([0, 0])
+        t = torch.zeros(2, dtype=torch.int64)
+        dist.recv(t, src=0)
+        other = [int(v) for v in t.tolist()]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"agreed": agreed, "other": other}))
+    dist.destroy_process_group()
+
+
+class HostAllocFaults:
+    """Rank-local host-allocation faults for the multi-rank tests: ``host.alloc_array`` (a
+    host pool's, which every host allocation goes through) is wrapped to return ``None``,
+    as a full pool does, with probability ``rate``
+    per call, drawn from a generator seeded with ``seed``; :attr:`failures` counts them.
+    The ranks' trees may stay identical only through the agreement."""
+
+    def __init__(self, host: Any, seed: int, rate: float = 0.2) -> None:
+        self.failures = 0
+        rng = np.random.default_rng(seed)
+        real_alloc = host.alloc_array
+
+        def faulty_alloc(n: int) -> Any:
+            if rng.random() < rate:
+                self.failures += 1
+                return None
+            return real_alloc(n)
+
+        host.alloc_array = faulty_alloc
+
+
 def send_then_drain(sock: socket.socket, data: bytes, *, half_close: bool = True) -> bytes:
     """Send ``data`` (then ``SHUT_WR`` when ``half_close``) and read until the other end
     hangs up; return every byte that arrived.

@@ -78,6 +78,11 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
     if (getattr(server_args, "hicache_ratio", None) is None and not getattr(server_args, "hicache_size", 0)
             and getattr(server_args, "hicache_host_memory_fraction", None) is not None):
         refuse("--hicache-host-memory-fraction", "hiradix sizes its host pool from --hicache-ratio or --hicache-size")
+    if (getattr(server_args, "disaggregation_mode", "null") == "decode"
+            and getattr(server_args, "disaggregation_decode_enable_radix_cache", False)):
+        # 0.5.23's decode-side HiCache reads the cache's ``tree_core`` (UnifiedRadixCache's)
+        refuse("--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache",
+               "SGLang's decode-side HiCache needs UnifiedRadixCache's tree core")
     if getattr(server_args, "disaggregation_decode_retraction_backup", None) == "host_pool":
         refuse("--disaggregation-decode-retraction-backup host_pool", "it needs UnifiedRadixCache's backups")
     for option in ("enable_lmcache", "enable_flexkv", "enable_unified_cache_external_linker"):

@@ -1,7 +1,8 @@
 """Rank agreement over SGLang's cache process groups, as SGLang 0.5.18's HiRadixCache
 agrees: MIN over the attention CP and TP groups (or the TP group when neither spans more
 than one rank) on the first pipeline stage, then the first stage's answer handed down the
-pipeline, so every rank of every stage acts on the same value."""
+pipeline, so every rank of every stage acts on the same value. The hand-down carries
+SGLang's own point-to-point tag for it, as SGLang's caches send theirs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,27 @@ import torch
 
 from hiradix.cache.distributed import MinReduceAgreement
 
-__all__ = ["SGLangAgreement"]
+__all__ = ["PP_SYNC_TAG", "SGLangAgreement"]
+
+
+def _pp_sync_tag() -> int:
+    """SGLang's tag for the cache's pipeline hand-down (``P2PTag.HIRADIX_PP_SYNC`` on
+    0.5.18, renamed ``HICACHE_PP_SYNC`` by 0.5.23; both ``b"PpHi"`` read as a big-endian
+    integer): the scheduler's own untagged sends between stages share the pipeline group,
+    and a receive of the default tag could take one of theirs (or they one of ours)."""
+    try:
+        from sglang.srt.distributed.communication_tags import P2PTag
+    except ImportError:  # a release without the module: the value both known releases use
+        return int.from_bytes(b"PpHi", byteorder="big")
+    for name in ("HICACHE_PP_SYNC", "HIRADIX_PP_SYNC"):
+        tag = getattr(P2PTag, name, None)
+        if tag is not None:
+            return int(tag)
+    return int.from_bytes(b"PpHi", byteorder="big")
+
+
+#: The point-to-point tag of the pipeline hand-down (:func:`_pp_sync_tag`).
+PP_SYNC_TAG = _pp_sync_tag()
 
 
 def _world(group: Any) -> int:
@@ -20,6 +41,25 @@ def _world(group: Any) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
     return int(dist.get_world_size(group=group))
+
+
+def _same_rank_groups(groups: list[Any]) -> list[Any]:
+    """New gloo groups with the ranks of each of ``groups``, in order.
+
+    ``torch.distributed.new_group`` must be called by every rank of the world, with the
+    same ranks, in the same order, while each rank holds only the groups it is in: under
+    attention TP and CP, rank 0's are ``{0, 2}`` and ``{0, 1}``, rank 1's ``{1, 3}`` and
+    ``{0, 1}``. So every rank shares its groups' ranks (one ``all_gather_object`` over the
+    world) and all of them create every distinct group, in sorted order, each keeping its
+    own. ``O(world x groups)`` to gather, one ``new_group`` per distinct group."""
+    import torch.distributed as dist
+
+    mine = [tuple(sorted(dist.get_process_group_ranks(g))) for g in groups]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    created = {ranks: dist.new_group(ranks=list(ranks), backend="gloo")
+               for ranks in sorted({tuple(r) for per_rank in gathered for r in per_rank})}
+    return [created[ranks] for ranks in mine]
 
 
 class SGLangAgreement(MinReduceAgreement):
@@ -51,15 +91,12 @@ class SGLangAgreement(MinReduceAgreement):
     def for_background_thread(self) -> SGLangAgreement:
         """An agreement over fresh process groups with the same ranks, for the L3 prefetch
         thread: collectives of two threads on one group would interleave differently on
-        each rank (SGLang gives its prefetch thread a group of its own for the same
+        each rank (SGLang gives its prefetch thread groups of its own for the same
         reason). No pipeline hand-off: the prefetch outcome is agreed again by the
-        scheduler thread. Every rank must call it together (``new_group`` is collective)."""
-        import torch.distributed as dist
-
+        scheduler thread. Every rank of the world must call it together (``new_group`` is
+        collective over the world, see :func:`_same_rank_groups`)."""
         clone = SGLangAgreement()
-        clone.reduce_groups = [
-            dist.new_group(ranks=dist.get_process_group_ranks(g), backend="gloo") for g in self.reduce_groups
-        ]
+        clone.reduce_groups = _same_rank_groups(self.reduce_groups)
         return clone
 
     @property
@@ -81,7 +118,8 @@ class SGLangAgreement(MinReduceAgreement):
                 work.wait()
             self._sends.clear()
             if self.pp_rank > 0:
-                dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group)
+                dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group, tag=PP_SYNC_TAG)
             if self.pp_rank + 1 < self.pp_size:
-                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group))
+                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group,
+                                              tag=PP_SYNC_TAG))
         return [int(v) for v in t.tolist()]

@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,32 +27,21 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     )
     from scheduler_loop import tree_fingerprint
     from sglang_env import build
+    from support import HostAllocFaults
     from test_sglang_scheduler_loop import Loop
 
     group = torch.distributed.group.WORLD if config["agree"] else None
     env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"], tp_group=group)
-    host = env.cache.core.host_pool
-    failures = 0
-    if rank == 1:  # this rank alone fails host allocations now and then
-        rng = np.random.default_rng(99)
-        real_alloc = host.alloc_array  # every host allocation goes through it
-
-        def faulty_alloc(n: int) -> np.ndarray | None:
-            nonlocal failures
-            if rng.random() < 0.2:
-                failures += 1
-                return None
-            return real_alloc(n)
-
-        host.alloc_array = faulty_alloc  # type: ignore[method-assign]
+    faults = HostAllocFaults(env.cache.core.host_pool, seed=99) if rank == 1 else None  # this rank alone
     loop = Loop(env, seed=config["seed"])
     for _ in range(config["steps"]):
         loop.step()
     loop.drain()
+    fingerprint = tree_fingerprint(env.cache.core, env.cache.namespace_roots())
     result = {
-        "fingerprint": hashlib.sha256(json.dumps(tree_fingerprint(env.cache.core)).encode()).hexdigest(),
+        "fingerprint": hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest(),
         "stats": loop.stats,
-        "failures": failures,
+        "failures": faults.failures if faults else 0,
         "calls": env.cache.core.agreement.calls,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

@@ -1,7 +1,8 @@
 """Two TP ranks (gloo on loopback) running hiradix.sglang with SGLang's TP group in
 ``CacheInitParams``: one rank's host allocations fail at random. With the agreement the
 ranks make the same collectives and end with identical trees; the control run without a
-TP group shows the same faults make them diverge."""
+TP group shows the same faults make them diverge. The pipeline hand-down is checked on its
+own: it carries SGLang's tag, so an untagged message between stages is never taken for it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import sglang_env  # noqa: F401  (skips this module without SGLang)
 import torch.distributed as dist
-from support import run_ranks
+from support import run_ranks, sglang_pp_tag_rank
 
 WORLD = 2
 TIMEOUT_S = 240  # the run takes seconds; past this a collective has hung
@@ -38,3 +39,11 @@ def test_two_tp_ranks_agree_through_sglangs_group(tmp_path: Path, write_policy: 
 def test_without_the_tp_group_the_same_faults_diverge(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, agree=False)
     assert r1["failures"] > 0 and r0["fingerprint"] != r1["fingerprint"]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_pipeline_hand_down_uses_sglangs_tag(tmp_path: Path) -> None:
+    # stage 0 sends an untagged message of its own before the hand-down; each of stage
+    # 1's receives must get its own message
+    r0, r1 = run_ranks(sglang_pp_tag_rank, WORLD, tmp_path, {}, TIMEOUT_S)
+    assert r0 == r1 == {"agreed": [5, 7], "other": [99, 99]}

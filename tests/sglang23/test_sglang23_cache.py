@@ -110,6 +110,8 @@ def test_device_buffers_are_sglangs_in_place(mla: bool) -> None:
         ({"hicache_storage_prefetch_retry_max_attempts": 3}, "hicache-storage-prefetch-retry-max-attempts 3"),
         ({"hicache_ratio": None, "hicache_host_memory_fraction": 0.5}, "hicache-host-memory-fraction"),
         ({"disaggregation_decode_retraction_backup": "host_pool"}, "retraction-backup host_pool"),
+        ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
+         "disaggregation-decode-enable-radix-cache"),
         ({"enable_lmcache": True}, "enable-lmcache"),
     ],
 )
