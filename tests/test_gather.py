@@ -541,6 +541,44 @@ def test_slot_offsets_follow_the_layout_formula(page_size: int, page_stride: int
 
 
 @needs_native
+@pytest.mark.parametrize("host_sorted", [True, False])
+def test_pair_offsets_is_host_order_then_the_formula_per_component(host_sorted: bool) -> None:
+    """The whole plan in one call: pairs sorted by host slot (stable), each distinct
+    component's offsets by the layout formula, a component with ``reuse`` sharing the
+    arrays it names; the inputs untouched."""
+    rng = np.random.default_rng(5)
+    host = np.sort(rng.choice(4000, 200, replace=False)).astype(np.int64)
+    if not host_sorted:
+        host = rng.permutation(host)
+    dev = rng.integers(0, 900, 200, dtype=np.int64)
+    dev_in, host_in = dev.copy(), host.copy()
+    comps = ((-1, 64, 4096, 256), (0, 64, 4096, 256), (-1, 32, 2048, 128))
+    dev_off, host_off = _gather().pair_offsets(dev, host, 900, 4000, 16, comps)
+    order = np.argsort(host, kind="stable")
+    d, h = dev[order], host[order]
+    for c, (reuse, *_) in enumerate(comps):
+        _, sdps, shps, shss = comps[c if reuse < 0 else reuse]
+        assert np.array_equal(dev_off[c], d * sdps)
+        assert np.array_equal(host_off[c], (h // 16) * shps + (h % 16) * shss)
+    assert dev_off[1] is dev_off[0] and host_off[1] is host_off[0]
+    assert np.array_equal(dev, dev_in) and np.array_equal(host, host_in)
+
+
+@needs_native
+def test_pair_offsets_refuses_bad_pairs() -> None:
+    g = _gather()
+    comps = ((-1, 8, 64, 8),)
+    with pytest.raises(ValueError, match="3 device indices but 2 host indices"):
+        g.pair_offsets(np.arange(3), np.arange(2), 10, 10, 4, comps)
+    with pytest.raises(IndexError, match=r"device_indices out of range \[0, 10\)"):
+        g.pair_offsets(np.array([1, 10]), np.array([0, 1]), 10, 10, 4, comps)
+    with pytest.raises(IndexError, match=r"host_indices out of range \[0, 8\)"):
+        g.pair_offsets(np.array([1, 2]), np.array([0, 8]), 10, 8, 4, comps)
+    with pytest.raises(ValueError, match="host_page_size"):
+        g.pair_offsets(np.array([1]), np.array([0]), 10, 8, 0, comps)
+
+
+@needs_native
 @pytest.mark.parametrize("bad", [-1, 1000])
 def test_slot_offsets_name_the_bad_side_and_range(bad: int) -> None:
     slots = np.array([3, bad, 7], dtype=np.int64)

@@ -20,3 +20,11 @@ def copy_rows(
 
 def slot_offsets(slots: Any, limit: int, page_size: int, page_stride: int, slot_stride: int, name: str) -> Any: ...
 def is_sorted(slots: Any) -> bool: ...
+def pair_offsets(
+    dev: Any,
+    host: Any,
+    dev_limit: int,
+    host_limit: int,
+    host_page_size: int,
+    components: tuple[tuple[int, int, int, int], ...],
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]: ...

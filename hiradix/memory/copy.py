@@ -54,7 +54,7 @@ import torch
 
 from hiradix._native import load
 from hiradix.memory import kernel as _kernel
-from hiradix.memory.pools import DeviceKVPool, HostKVPool, in_host_order, rows_contiguous, slot_offsets
+from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
 
 __all__ = [
     "CopyEngine",
@@ -434,10 +434,11 @@ def _row_plan(
     rows that name the same destination slot twice could land differently, and the
     torch path leaves that undefined too.
 
-    Everything here is numpy and two compiled passes (:func:`_gather.slot_offsets`): the
-    scheduler thread pays this for every write-through, and the same plan in small torch
-    operations cost a quarter of an insert (``bench/RESULTS_sglang_api.md``). The offset
-    arrays are new, so the caller may reuse its index tensors at once.
+    The plan is one compiled call (:func:`_gather.pair_offsets`: order, range checks and
+    every component's offsets): the scheduler thread pays this once per step's batch of
+    write-throughs, and the same plan in small torch operations once cost a quarter of an
+    insert (``bench/RESULTS_sglang_api.md``). The offset arrays are new, so the caller may
+    reuse its index arrays at once.
 
     Runtime complexity: ``O(n)``, plus ``O(n log n)`` to sort rows not in host order.
     """
@@ -448,20 +449,12 @@ def _row_plan(
         return None
     dev = _as_index_np(device_indices, "device_indices")
     host = _as_index_np(host_indices, "host_indices")
-    if dev.shape[0] != host.shape[0]:
-        raise ValueError(f"{dev.shape[0]} device indices but {host.shape[0]} host indices")
-    dev, host = in_host_order(dev, host)
-    ps = host_pool.page_size
-    dev_off: list[np.ndarray] = []
-    host_off: list[np.ndarray] = []
-    for reuse, dev_page_stride, host_page_stride, host_slot_stride in layout.components:
-        if reuse >= 0:  # K and V alike: one pair of offset arrays serves both
-            dev_off.append(dev_off[reuse])
-            host_off.append(host_off[reuse])
-            continue
-        dev_off.append(slot_offsets(dev, device_pool.total_slots, 1, dev_page_stride, 0, "device_indices"))
-        host_off.append(slot_offsets(host, host_pool.size, ps, host_page_stride, host_slot_stride, "host_indices"))
-    return _RowPlan(layout.dev, layout.host, tuple(dev_off), tuple(host_off), device_pool.itemsize)
+    # One compiled call: host order, range checks, and the offsets of every component
+    # (K and V alike share one pair of arrays).
+    dev_off, host_off = _gather.pair_offsets(
+        dev, host, device_pool.total_slots, host_pool.size, host_pool.page_size, layout.components
+    )
+    return _RowPlan(layout.dev, layout.host, dev_off, host_off, device_pool.itemsize)
 
 
 @dataclass(frozen=True, slots=True)

@@ -517,8 +517,9 @@ cdef class HiRadixTree:
         ordered = {}
         sizes = []
         cdef list chain
-        for h, i in waiting.items():
+        for first in waiting:
             chain = []
+            h = first
             while h in waiting and h not in ordered:
                 chain.append(h)
                 i = self.nodes[<node_t>waiting[h]].parent

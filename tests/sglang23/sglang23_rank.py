@@ -1,7 +1,7 @@
 """One rank of hiradix.sglang's multi-rank tests on SGLang 0.5.23 (spawned by
 ``test_sglang23_tp`` through ``support.run_ranks``): gloo on loopback, SGLang's cache
 groups in ``CacheInitParams`` as 0.5.23's ``kv_cache_builder`` fills them, the cache built
-by 0.5.23's ``create_tree_cache`` (:func:`sglang23_env.build_hiradix`) and driven by the
+by 0.5.23's ``create_tree_cache`` (:func:`sglang_unified_env.build_hiradix`) and driven by the
 same seeded scheduler loop on every rank (``test_sglang23_scheduler_loop.Loop``: 0.5.23's
 own request API, byte checks after every step), while ranks differ in what they see: host
 capacity (``--hicache-ratio`` per rank), host allocations failing on one rank, L3 hits
@@ -87,7 +87,7 @@ def loop_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     loop stats, faults injected, agreement calls)."""
     _init(rank, world, rendezvous)
     from scheduler_loop import tree_fingerprint
-    from sglang23_env import build_hiradix, patch_sglang_for_cpu
+    from sglang_unified_env import build_hiradix, patch_sglang_for_cpu
     from support import HostAllocFaults
     from test_sglang23_scheduler_loop import Loop
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sglang23_env  # noqa: F401  (skips this module without SGLang 0.5.23)
+import sglang_unified_env  # noqa: F401  (skips this module without SGLang 0.5.20+)
 import torch.distributed as dist
 from support import run_ranks, sglang_pp_tag_rank
 
