@@ -445,11 +445,11 @@ class HiRadixCache:
         ctrl = self.cache_controller
         if sizes is None:
             sizes = [tree.key_len(n) for n in nodes]
-        slots = ctrl.alloc_host_arrays(sizes)
-        if any(s is None for s in slots):  # agreed: the same on every rank, and so is the eviction below
+        slots, whole = ctrl.alloc_host_arrays(sizes)
+        if whole is None and any(s is None for s in slots):  # agreed: the same on every rank, as the eviction
             failed = [i for i, s in enumerate(slots) if s is None]
             self.evict_host(sum(sizes[i] for i in failed))
-            for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed]), strict=True):
+            for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed])[0], strict=True):
                 slots[i] = s
             lost = sum(sizes[i] for i, s in enumerate(slots) if s is None)
             if lost:
@@ -459,7 +459,7 @@ class HiRadixCache:
                 if not nodes:
                     return 0
         hosts: list[np.ndarray] = slots  # type: ignore[assignment]  # none is None from here on
-        host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+        host = whole if whole is not None else np.concatenate(hosts)
         device, started = tree.begin_backups(nodes, host)
         if not all(started):  # below a node that got no slots: left as it was
             for s, go, n in zip(hosts, started, sizes, strict=True):

@@ -410,11 +410,12 @@ class HiCacheController:
     def alloc_host(self, sizes: Sequence[int]) -> list[torch.Tensor | None]:
         """Host slots for each of ``sizes`` tokens, kept only where *every* rank got them
         (int64 CPU tensors; :meth:`alloc_host_arrays` gives numpy views). ``O(tokens)``."""
-        return [None if a is None else torch.from_numpy(a) for a in self.alloc_host_arrays(sizes)]
+        return [None if a is None else torch.from_numpy(a) for a in self.alloc_host_arrays(sizes)[0]]
 
-    def alloc_host_arrays(self, sizes: Sequence[int]) -> list[np.ndarray | None]:
+    def alloc_host_arrays(self, sizes: Sequence[int]) -> tuple[list[np.ndarray | None], np.ndarray | None]:
         """Host slots for each of ``sizes`` tokens as int64 numpy arrays, kept only where
-        *every* rank got them.
+        *every* rank got them, and the whole allocation they are consecutive views of
+        when one allocation served them all (else ``None``).
 
         One agreement call (none for an empty list). Where any rank failed, this rank's
         slots are freed again and ``None`` is returned, so all ranks see the same outcome.
@@ -434,14 +435,14 @@ class HiCacheController:
             got = [alloc(n) for n in sizes]
         agreed = self.agreement.all_true([g is not None for g in got])
         if all(agreed):
-            return got
+            return got, whole if whole is not None else (got[0] if len(got) == 1 else None)
         out: list[np.ndarray | None] = []
         for slots, ok in zip(got, agreed, strict=True):
             if slots is not None and not ok:
                 self.host_pool.free(slots)
                 slots = None
             out.append(slots)
-        return out
+        return out, None
 
     # ------------------------------------------------------------------ writes
     def write(self, device_indices: Any, host_indices: Any, node: int = -1) -> CacheOperation:
