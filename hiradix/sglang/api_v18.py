@@ -66,7 +66,7 @@ class HiRadixCache(HiRadixCacheBase):
         if is_insert:
             key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
                            cache_salt=getattr(req, "cache_salt", None))
-            values = kv[:aligned].to(dtype=torch.int64, copy=True)
+            values = kv[:aligned]  # a view: the tree copies (and widens) the slots it keeps
             end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0,
                                            **self._insert_extras(req))).prefix_len
         else:
@@ -88,7 +88,7 @@ class HiRadixCache(HiRadixCacheBase):
         aligned = self._aligned_len(len(token_ids))
         key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
                        cache_salt=getattr(req, "cache_salt", None))
-        values = kv[:aligned].to(dtype=torch.int64, copy=True)
+        values = kv[:aligned]  # a view: the tree copies (and widens) the slots it keeps
         result = self.insert(InsertParams(key=key, value=values, chunked=chunked,
                                           priority=getattr(req, "priority", 0) or 0, **self._insert_extras(req)))
         protected = int(record.cache_protected_len)

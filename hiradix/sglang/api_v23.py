@@ -184,7 +184,7 @@ class HiRadixCache(ServerSince020):
         aligned = self._aligned_len(len(token_ids))
         protected = int(kv.cache_protected_len)
         key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key, cache_salt=req.cache_salt)
-        values = row[:aligned].to(dtype=torch.int64, copy=True)
+        values = row[:aligned]  # a view: the tree copies (and widens) the slots it keeps
         end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0,
                                        session_id=getattr(req, "session_id", None))).prefix_len
         kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)

@@ -686,7 +686,7 @@ class HiRadixCacheBase(BasePrefixCache):
         return slots // self.page_size * self.page_size
 
     def _free(self, indices: torch.Tensor) -> None:
-        if len(indices):
+        if indices.shape[0]:  # not len(): a tensor's __len__ is Python-level, several us
             self.token_to_kv_pool_allocator.free(indices)
 
     # ------------------------------------------------------------------ locks
