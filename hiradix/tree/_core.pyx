@@ -84,6 +84,20 @@ include "_core_nodes.pxi"
 include "_core_invariants.pxi"
 
 
+cdef node_t _backup_target(HiRadixTree self, object node, str op) except -2:
+    """The node a backup may begin on (``op`` names the caller in the errors): on the
+    device, not backed up, no backup in flight."""
+    cdef node_t i = _node(self, node)
+    cdef Node* n = &self.nodes[i]
+    if n.is_root or not n.on_device:
+        raise ValueError(f"{op}: node {node} is not on the device")
+    if n.io_status == IO_WRITING:
+        raise LockError(f"{op}: node {node} has a backup in flight already")
+    if n.backed_up:
+        raise ValueError(f"{op}: node {node} is already backed up")
+    return i
+
+
 cdef class HiRadixTree:
     """Triple-state radix tree over token ids (compiled core).
 
@@ -474,15 +488,9 @@ cdef class HiRadixTree:
     def begin_backup(self, node, host_indices):
         """Start copying ``node`` to host slots ``host_indices``; see the twin. Returns the
         device indices to copy. ``O(depth + len)``."""
-        cdef node_t i = _node(self, node)
+        cdef node_t i = _backup_target(self, node, "begin_backup")
         cdef cnp.ndarray hosts = _as_indices(host_indices, "host_indices")
         cdef Node* n = &self.nodes[i]
-        if n.is_root or not n.on_device:
-            raise ValueError(f"begin_backup: node {node} is not on the device")
-        if n.io_status == IO_WRITING:
-            raise LockError(f"begin_backup: node {node} has a backup in flight already")
-        if n.backed_up:
-            raise ValueError(f"begin_backup: node {node} is already backed up")
         cdef Node* p = &self.nodes[n.parent]
         if not (p.backed_up or p.io_status == IO_WRITING):
             raise ValueError(f"begin_backup: parent of node {node} is not backed up (continuity)")
@@ -541,14 +549,8 @@ cdef class HiRadixTree:
         cdef Node* p
         cdef int64_t total = 0, start = 0, filled = 0
         for h in nodes:
-            i = _node(self, h)
+            i = _backup_target(self, h, "begin_backups")
             n = &self.nodes[i]
-            if n.is_root or not n.on_device:
-                raise ValueError(f"begin_backups: node {h} is not on the device")
-            if n.io_status == IO_WRITING:
-                raise LockError(f"begin_backups: node {h} has a backup in flight already")
-            if n.backed_up:
-                raise ValueError(f"begin_backups: node {h} is already backed up")
             if i in seen:
                 raise ValueError(f"begin_backups: node {h} is named twice")
             seen.add(i)

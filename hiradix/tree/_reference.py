@@ -908,14 +908,8 @@ class HiRadixTree:
         is not the node's; :class:`LockError` if a backup of the node is already in
         flight. Runtime complexity: ``O(depth + len)``.
         """
-        target = self._node(node)
+        target = self._backup_target(node, "begin_backup")
         hosts = as_indices(host_indices, "host_indices")
-        if target.is_root or target.value is None:
-            raise ValueError(f"begin_backup: node {node} is not on the device")
-        if target.io_status == IO_WRITING:
-            raise LockError(f"begin_backup: node {node} has a backup in flight already")
-        if target.host_value is not None:
-            raise ValueError(f"begin_backup: node {node} is already backed up")
         parent = target.parent
         assert parent is not None
         if not (parent.backuped or parent.io_status == IO_WRITING):
@@ -928,7 +922,20 @@ class HiRadixTree:
         target.io_ticket = self._ticket
         target.io_owner = True
         self._lock(target, 1)
+        assert target.value is not None  # on the device: _backup_target checked it
         return target.value.copy()
+
+    def _backup_target(self, node: int, op: str) -> _Node:
+        """The node a backup may begin on (``op`` names the caller in the errors): on the
+        device, not backed up, no backup in flight."""
+        target = self._node(node)
+        if target.is_root or target.value is None:
+            raise ValueError(f"{op}: node {node} is not on the device")
+        if target.io_status == IO_WRITING:
+            raise LockError(f"{op}: node {node} has a backup in flight already")
+        if target.host_value is not None:
+            raise ValueError(f"{op}: node {node} is already backed up")
+        return target
 
     def backup_order(self, nodes: Iterable[int]) -> tuple[list[int], list[int]]:
         """Of ``nodes`` (handles in any order; repeats and stale handles allowed), those a
@@ -972,13 +979,7 @@ class HiRadixTree:
         seen: set[int] = set()
         total = 0
         for h in nodes:
-            t = self._node(h)
-            if t.is_root or t.value is None:
-                raise ValueError(f"begin_backups: node {h} is not on the device")
-            if t.io_status == IO_WRITING:
-                raise LockError(f"begin_backups: node {h} has a backup in flight already")
-            if t.host_value is not None:
-                raise ValueError(f"begin_backups: node {h} is already backed up")
+            t = self._backup_target(h, "begin_backups")
             if t.handle in seen:
                 raise ValueError(f"begin_backups: node {h} is named twice")
             seen.add(t.handle)
