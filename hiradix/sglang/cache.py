@@ -637,10 +637,12 @@ class HiRadixCacheBase(BasePrefixCache):
         # costs microseconds here.
         tree = self.tree
         m = tree.match_prefix(tokens if n == len(tokens) else tokens[:n], ns)
-        host = m.last_node if m.host_hit_length else m.last_device_node
+        last = m.last_device_node
+        host = m.last_node if m.host_hit_length else last
         while not (tree.is_backed_up(host) or tree.is_root(host)):
             host = tree.parent(host)
-        return self._match_result(m.device_indices, TreeNode(self, m.last_device_node), TreeNode(self, host),
+        node = TreeNode(self, last)  # views are immutable: one serves both when they agree
+        return self._match_result(m.device_indices, node, node if host == last else TreeNode(self, host),
                                   int(m.host_hit_length))
 
     def insert(self, params: InsertParams) -> InsertResult:
