@@ -25,7 +25,7 @@ from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
-from sglang_pools import LAYERS, key, match, settle
+from sglang_pools import LAYERS, device_len, key, match, only_in_l3, settle
 from sglang_unified_env import build, build_hiradix
 
 import hiradix.sglang as hs
@@ -40,12 +40,6 @@ def tree_core(request, monkeypatch) -> str:
     one thing hiradix follows: the Rust core coalesces removals only within one extra_key."""
     monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", request.param)
     return str(request.param)
-
-
-def device_len(m: Any) -> int:
-    """The device part of a match: 0.5.23's ``device_prefix_len``, 0.5.20's slots."""
-    n = getattr(m, "device_prefix_len", None)
-    return int(len(m.device_indices) if n is None else n)
 
 
 def insert(env: Any, tokens: list[int], session_id: str | None = None, **kw: Any) -> int:
@@ -269,10 +263,7 @@ def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | No
     cache = env.cache
     tokens = list(range(200, 232))
     insert(env, tokens, cache_salt="tenant", session_id="s")
-    settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.check_hicache_events()
-    cache.reset()  # device and host empty; L3 keeps the pages
+    only_in_l3(env)
     assert type(cache.take_events()[-1]) is AllBlocksCleared
     req = env.new_req(tokens, cache_salt="tenant")
     req.init_next_round_input(cache)
