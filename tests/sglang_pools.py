@@ -10,7 +10,9 @@ that both versions have are used here. ``tests/conftest.py`` puts this folder on
 from __future__ import annotations
 
 import importlib.util
+import time
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,12 +22,18 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "insert", "key", "match", "settle",
-           "sglang_pools", "transfer_kv_direct", "wait_queue"]
+__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "device_len", "insert", "key", "match",
+           "mtp_draft_round_trip", "only_in_l3", "settle", "sglang_pools", "transfer_kv_direct", "wait_queue"]
 
 LAYERS = 3
 HEADS = 2
@@ -184,3 +192,59 @@ def settle(env: Any) -> None:
     """Acknowledge every copy in flight (the scheduler's check_hicache_events, drained)."""
     env.cache.core.flush()
     env.cache.check_hicache_events()
+
+
+def only_in_l3(env: Any, timeout: float = 30.0) -> None:
+    """Back up what the cache holds (host, then L3) and reset it: device and host are
+    empty, L3 keeps the pages. ``TimeoutError`` if the L3 writes are not done within
+    ``timeout`` seconds."""
+    settle(env)
+    deadline = time.monotonic() + timeout
+    while env.cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"L3 writes still pending after {timeout} s")
+        env.cache.check_hicache_events()
+    env.cache.reset()
+
+
+def device_len(m: Any) -> int:
+    """The device part of a match: 0.5.23's ``device_prefix_len``, or its slots (0.5.18, 0.5.20)."""
+    n = getattr(m, "device_prefix_len", None)
+    return int(len(m.device_indices) if n is None else n)
+
+
+def mtp_draft_round_trip(env: Any, draft: MTPDraft, loaded_slots: Callable[[Any, Any], torch.Tensor]) -> Any:
+    """An MTP draft's KV through host and back with the target's (EAGLE keys, page size 4):
+    40 slots written (target and ``draft``), backed up, evicted to host, the device KV
+    zeroed, then matched (all on the host) and loaded back into other slots. The draft's
+    KV must be at the loaded slots when the first target layer is reported, the target's
+    when the last is. ``loaded_slots(loaded, node)`` reads ``init_load_back``'s answer in
+    its SGLang version's form (checking it loaded 40) as the slots loaded into. Returns the
+    load's consumer index."""
+    tokens = list(range(300, 341))  # EAGLE keys: 41 tokens are 40 bigrams, 40 slots
+    n = 40
+    held = env.allocator.alloc(8)  # so that the load lands on other slots than the insert
+    slots = env.allocator.alloc(n)
+    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
+    draft.write(slots, torch.tensor(tokens[:n]))
+    assert env.cache.insert(InsertParams(key=key(tokens), value=slots)).prefix_len == 0
+    settle(env)
+    assert env.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
+    env.allocator.free(held)
+    for buf in env.layers():  # the bytes must come from the host
+        buf.zero_()
+    draft.clobber()
+    m = match(env, tokens)
+    assert device_len(m) == 0 and m.host_hit_length == n
+    new = loaded_slots(*env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                                     host_hit_length=m.host_hit_length)))
+    assert not torch.equal(new.sort().values, slots.sort().values)
+    counter = env.cache.cache_controller.layer_done_counter
+    consumer = env.cache.ready_to_load_host_cache()
+    counter.set_consumer(consumer)
+    counter.wait_until(0)  # the forward pass's wait for the first target layer
+    assert draft.holds(new, torch.tensor(tokens[:n]))
+    counter.wait_until(LAYERS - 1)
+    want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
+    assert all(torch.equal(buf[new], w) for buf, w in zip(env.layers(), want, strict=True))
+    return consumer

@@ -21,11 +21,11 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
 from sglang.srt.disaggregation import kv_events as sglang_events
-from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockStored, StorageMedium
+from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, StorageMedium
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
-from sglang_pools import LAYERS, key, match, settle
+from sglang_pools import LAYERS, device_len, key, match, only_in_l3, settle
 from sglang_unified_env import build, build_hiradix
 
 import hiradix.sglang as hs
@@ -40,12 +40,6 @@ def tree_core(request, monkeypatch) -> str:
     one thing hiradix follows: the Rust core coalesces removals only within one extra_key."""
     monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", request.param)
     return str(request.param)
-
-
-def device_len(m: Any) -> int:
-    """The device part of a match: 0.5.23's ``device_prefix_len``, 0.5.20's slots."""
-    n = getattr(m, "device_prefix_len", None)
-    return int(len(m.device_indices) if n is None else n)
 
 
 def insert(env: Any, tokens: list[int], session_id: str | None = None, **kw: Any) -> int:
@@ -178,6 +172,86 @@ def sglang_ids(tokens: list[int], page_size: int, *, cache_salt: str | None = No
 
 
 # ---------------------------------------------------------------------------- operation sequences
+Namespace = tuple[str | None, str | None, bytes | None, dict[str, Any]]
+
+
+def ids_and_fields(cases: list[Namespace], *, strict: bool = False, **params: Any) -> None:
+    """Pin the events of hiradix's cache (page size 2, ``params`` more ``CacheInitParams``
+    fields) against SGLang's hash helpers: for each ``(extra_key, cache_salt, seed, fields)``
+    of ``cases``, a stored chain with a session, a split's new leaf, their backups, their
+    removal from the device and then from the host, with the ids :func:`sglang_ids` gives
+    (namespaced by ``seed``, 0.5.23) and ``fields`` more ``BlockStored`` fields; then a
+    reset. ``strict`` also pins the leaf's salt and that a backup names no session (what
+    the 0.5.20 test checks beyond 0.5.23's)."""
+    env = build_hiradix(2, params={"enable_kv_cache_events": True, **params})
+    assert env.cache.take_events() == [AllBlocksCleared()]
+    tokens = [1, 2, 3, 4, 5, 6]
+    for extra_key, salt, seed, fields in cases:
+        insert(env, tokens, extra_key=extra_key, cache_salt=salt, session_id="s1")
+        ids = sglang_ids(tokens, 2, cache_salt=salt, seed=seed)
+        assert env.cache.take_events() == [
+            BlockStored(block_hashes=ids, parent_block_hash=None, token_ids=tokens, block_size=2, lora_id=None,
+                        medium=GPU, cache_salt=salt, session_id="s1", **fields)
+        ], (extra_key, salt)
+        insert(env, tokens[:2] + [9, 9], extra_key=extra_key, cache_salt=salt)  # a split, then the new leaf
+        (leaf,) = env.cache.take_events()
+        assert leaf.parent_block_hash == ids[0] and leaf.session_id is None
+        assert leaf.block_hashes == sglang_ids(tokens[:2] + [9, 9], 2, cache_salt=salt, seed=seed)[1:]
+        settle(env)
+        stored = env.cache.take_events()
+        assert [e.medium for e in stored] == [CPU, CPU] and stored[0].block_hashes == ids
+        if strict:
+            assert leaf.cache_salt == salt
+            assert all(e.session_id is None for e in stored)  # a backup names no session
+        assert env.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
+        (removed,) = env.cache.take_events()
+        assert type(removed) is BlockRemoved and removed.medium == GPU
+        assert sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
+        assert env.cache.evict_host(8) == 8
+        (removed,) = env.cache.take_events()
+        assert removed.medium == CPU and sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
+    insert(env, tokens)
+    env.cache.reset()
+    assert [type(e) for e in env.cache.take_events()] == [BlockStored, AllBlocksCleared]
+
+
+def namespaces_and_sessions(twin: Twin, spaces: list[tuple[str | None, str | None]], *,
+                            coalesced: bool = False) -> None:
+    """One prompt and a split of it in each of the namespaces ``spaces`` (``(extra_key,
+    cache_salt)``), with sessions, backed up, then evicted from the device and the host,
+    compared step by step. ``coalesced``: each medium's removals are one event across the
+    namespaces (0.5.20; 0.5.23's Rust core coalesces only within one ``extra_key``)."""
+    tokens = list(range(1, 13))
+    for extra_key, salt in spaces:
+        twin.insert(tokens, extra_key=extra_key, cache_salt=salt, session_id="s")
+        twin.insert(tokens[:4] + [50, 51], extra_key=extra_key, cache_salt=salt, session_id="t")
+        twin.settle()
+    twin.evict(1000)
+    twin.evict_host(1000)
+    s = twin.stats
+    assert s["BlockStored GPU"] == 8 and s["BlockStored CPU_PINNED"] >= 4, s
+    if coalesced:
+        assert s["BlockRemoved GPU"] == 1 and s["BlockRemoved CPU_PINNED"] == 1, s
+
+
+def served_twice(twin: Twin, page_size: int, serve: Any) -> None:
+    """Two salted requests, the second over the first's prompt, each run by
+    ``serve(env, tokens, session_id)`` (the scheduler's calls of one SGLang version, which
+    returns the prefix matched) on both caches; then both evicted. The stores on the device
+    name the request's session, the backups none; every store names the salt."""
+    prompt = list(range(100, 100 + 5 * page_size + 2))
+    assert twin.both("serve", lambda env: serve(env, prompt, "chat")) == 0
+    twin.settle()
+    assert twin.both("serve again", lambda env: serve(env, prompt + [1] * (2 * page_size), "chat-2")) > 0
+    twin.settle()
+    twin.evict(1000)
+    twin.evict_host(1000)
+    sessions = [(e.session_id, e.medium) for e in twin.log if isinstance(e, BlockStored)]
+    assert ("chat", GPU) in sessions and ("chat-2", GPU) in sessions and (None, CPU) in sessions, sessions
+    assert all(e.cache_salt == "tenant" for e in twin.log if isinstance(e, BlockStored)), twin.log
+    assert twin.stats["BlockRemoved GPU"] >= 1 and twin.stats["BlockRemoved CPU_PINNED"] >= 1, twin.stats
+
+
 def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | None = None, **params: Any) -> None:
     """A prefix prefetched from L3 into a salted namespace, on hiradix's cache alone
     (SGLang's own L3 path is not run beside it): the pages that land are stored
@@ -189,10 +263,7 @@ def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | No
     cache = env.cache
     tokens = list(range(200, 232))
     insert(env, tokens, cache_salt="tenant", session_id="s")
-    settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.check_hicache_events()
-    cache.reset()  # device and host empty; L3 keeps the pages
+    only_in_l3(env)
     assert type(cache.take_events()[-1]) is AllBlocksCleared
     req = env.new_req(tokens, cache_salt="tenant")
     req.init_next_round_input(cache)

@@ -28,20 +28,17 @@ if not SGLANG_020:  # before the imports of 0.5.20's UnifiedRadixCache helpers
 from collections.abc import Iterator
 from typing import Any
 
-from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from sglang.srt.disaggregation.kv_events import BlockStored
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang_pools import settle
-from sglang_unified_env import build_hiradix, patch_sglang_for_cpu
+from sglang_unified_env import patch_sglang_for_cpu
 from sglang_unified_events import (
-    CPU,
-    GPU,
     Twin,
-    insert,
+    ids_and_fields,
     l3_prefetch_events,
     life_cycle,
+    namespaces_and_sessions,
     random_operations,
-    sglang_ids,
+    served_twice,
     tree_core,
 )
 
@@ -71,34 +68,9 @@ def test_the_format_is_0_5_20s() -> None:
 
 
 def test_ids_and_fields_match_sglangs_hash_helpers() -> None:
-    env = build_hiradix(2, params={"enable_kv_cache_events": True})
-    assert env.cache.take_events() == [AllBlocksCleared()]
-    tokens = [1, 2, 3, 4, 5, 6]
-    for extra_key, salt in ((None, None), (None, "tenant"), ("plain", None), ("plain", "tenant")):
-        insert(env, tokens, extra_key=extra_key, cache_salt=salt, session_id="s1")
-        ids = sglang_ids(tokens, 2, cache_salt=salt)  # extra_key does not enter the ids
-        assert env.cache.take_events() == [
-            BlockStored(block_hashes=ids, parent_block_hash=None, token_ids=tokens, block_size=2, lora_id=None,
-                        medium=GPU, cache_salt=salt, session_id="s1")
-        ], (extra_key, salt)
-        insert(env, tokens[:2] + [9, 9], extra_key=extra_key, cache_salt=salt)  # a split, then the new leaf
-        (leaf,) = env.cache.take_events()
-        assert leaf.parent_block_hash == ids[0] and leaf.session_id is None and leaf.cache_salt == salt
-        assert leaf.block_hashes == sglang_ids(tokens[:2] + [9, 9], 2, cache_salt=salt)[1:]
-        settle(env)
-        stored = env.cache.take_events()
-        assert [e.medium for e in stored] == [CPU, CPU] and stored[0].block_hashes == ids
-        assert all(e.session_id is None for e in stored)  # a backup names no session
-        assert env.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
-        (removed,) = env.cache.take_events()
-        assert type(removed) is BlockRemoved and removed.medium == GPU
-        assert sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
-        assert env.cache.evict_host(8) == 8
-        (removed,) = env.cache.take_events()
-        assert removed.medium == CPU and sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
-    insert(env, tokens)
-    env.cache.reset()
-    assert [type(e) for e in env.cache.take_events()] == [BlockStored, AllBlocksCleared]
+    # extra_key does not enter the ids: 0.5.20 has no namespaces
+    ids_and_fields([(extra_key, salt, None, {}) for extra_key, salt in
+                    ((None, None), (None, "tenant"), ("plain", None), ("plain", "tenant"))], strict=True)
 
 
 # ---------------------------------------------------------------------------- parity with SGLang
@@ -112,17 +84,8 @@ def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int, ea
 def test_namespaces_and_sessions_match_sglang(tree_core: str) -> None:
     """One prompt in four namespaces: the same ids in each but the salted ones, each
     namespace's stores apart, removals of one medium coalesced across them."""
-    twin = Twin(2)
-    tokens = list(range(1, 13))
-    for extra_key, salt in ((None, None), ("plain", None), ("plain", "tenant"), (None, "tenant")):
-        twin.insert(tokens, extra_key=extra_key, cache_salt=salt, session_id="s")
-        twin.insert(tokens[:4] + [50, 51], extra_key=extra_key, cache_salt=salt, session_id="t")
-        twin.settle()
-    twin.evict(1000)
-    twin.evict_host(1000)
-    s = twin.stats
-    assert s["BlockStored GPU"] == 8 and s["BlockStored CPU_PINNED"] >= 4, s
-    assert s["BlockRemoved GPU"] == 1 and s["BlockRemoved CPU_PINNED"] == 1, s
+    namespaces_and_sessions(Twin(2), [(None, None), ("plain", None), ("plain", "tenant"), (None, "tenant")],
+                            coalesced=True)
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
@@ -148,8 +111,6 @@ def test_requests_cached_unfinished_then_finished_match_sglang(tree_core: str, p
     """Requests as 0.5.20's scheduler runs them: a match, a ``req_to_token`` row, a chunk
     cached by ``cache_unfinished_req``, then ``cache_finished_req``; salted and with a
     session, which their stores name; then a second request over the first."""
-    twin = Twin(page_size)
-    prompt = list(range(100, 100 + 5 * page_size + 2))
 
     def serve(env: Any, tokens: list[int], session_id: str) -> int:
         cache = env.cache
@@ -172,13 +133,4 @@ def test_requests_cached_unfinished_then_finished_match_sglang(tree_core: str, p
         env.req_to_token.free(req)
         return prefix
 
-    assert twin.both("serve", lambda env: serve(env, prompt, "chat")) == 0
-    twin.settle()
-    assert twin.both("serve again", lambda env: serve(env, prompt + [1] * (2 * page_size), "chat-2")) > 0
-    twin.settle()
-    twin.evict(1000)
-    twin.evict_host(1000)
-    sessions = [(e.session_id, e.medium) for e in twin.log if isinstance(e, BlockStored)]
-    assert ("chat", GPU) in sessions and ("chat-2", GPU) in sessions and (None, CPU) in sessions, sessions
-    assert all(e.cache_salt == "tenant" for e in twin.log if isinstance(e, BlockStored)), twin.log
-    assert twin.stats["BlockRemoved GPU"] >= 1 and twin.stats["BlockRemoved CPU_PINNED"] >= 1, twin.stats
+    served_twice(Twin(page_size), page_size, serve)

@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import build, build_sglang, needs_sglang_020, patch_sglang_for_parity, record
-from sglang_pools import LAYERS, MTPDraft, settle
+from sglang_pools import LAYERS, MTPDraft, mtp_draft_round_trip, settle
 from twin import Twin, run
 
 
@@ -260,30 +260,11 @@ def test_an_mtp_drafts_kv_follows_the_targets_on_0_5_20(make_env, mla: bool, lay
     env = make_env(4, size=512, mla=mla, layout=layout, eagle=True, params={"mtp_draft_device_pools": (draft.pool,)})
     controller = env.cache.cache_controller
     assert controller.has_draft and len(controller.companions) == 1
-    tokens = list(range(300, 341))  # 40 bigrams
-    n = 40
-    held = env.allocator.alloc(8)  # so that the load lands on other slots than the insert
-    slots = env.allocator.alloc(n)
-    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
-    draft.write(slots, torch.tensor(tokens[:n]))
-    assert env.cache.insert(InsertParams(key=key(tokens), value=slots)).prefix_len == 0
-    settle(env)
-    assert env.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
-    env.allocator.free(held)
-    for buf in env.layers():  # the bytes must come from the host
-        buf.zero_()
-    draft.clobber()
-    m = match(env, tokens)
-    assert len(m.device_indices) == 0 and m.host_hit_length == n
-    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                            host_hit_length=m.host_hit_length))
-    assert len(loaded) == n and not torch.equal(loaded.sort().values, slots.sort().values)
-    counter = controller.layer_done_counter
-    counter.set_consumer(env.cache.ready_to_load_host_cache())
-    counter.wait_until(0)  # the forward pass's wait for the first target layer
-    assert draft.holds(loaded, torch.tensor(tokens[:n]))
-    counter.wait_until(LAYERS - 1)
-    want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
-    assert all(torch.equal(buf[loaded], w) for buf, w in zip(env.layers(), want, strict=True))
+
+    def loaded_slots(loaded: torch.Tensor, node: object) -> torch.Tensor:  # 0.5.20: the slots loaded into
+        assert len(loaded) == 40
+        return loaded
+
+    mtp_draft_round_trip(env, draft, loaded_slots)
     settle(env)
     env.cache.check_invariants()

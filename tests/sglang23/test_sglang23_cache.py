@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
-from sglang_pools import LAYERS, insert, key, match, settle
+from sglang_pools import LAYERS, insert, key, match, only_in_l3, settle
 from sglang_unified_env import build_hiradix
 
 import hiradix.sglang as hs
@@ -326,10 +326,7 @@ def test_storage_backup_prefetch_round_trip_by_request_handle() -> None:
     cache = env.cache
     tokens = list(range(200, 232))
     insert(env, tokens)
-    settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.check_hicache_events()
-    cache.reset()  # device and host empty; L3 keeps the pages
+    only_in_l3(env)
     assert cache.enable_storage
     req = env.new_req(tokens)
     req.init_next_round_input(cache)

@@ -16,19 +16,14 @@ from array import array
 
 import pytest
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_pools import LAYERS, MTPDraft, insert, match, settle
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+from sglang_pools import LAYERS, MTPDraft, insert, match, mtp_draft_round_trip, only_in_l3, settle
 from sglang_unified_env import build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 
 PAGE = 4
 SIZE = 512
-
-
-def bigram_key(tokens: list[int]) -> RadixKey:
-    return RadixKey(array("q", tokens))
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -43,34 +38,12 @@ def test_an_mtp_drafts_kv_follows_the_targets_through_host_and_back(mla: bool, l
     assert controller.has_draft and len(controller.companions) == 1
     dev = controller.companions[0][0]
     assert (dev.kv_buffer(0) if mla else dev.k_buffer(0)).data_ptr() == draft.buffers()[0].data_ptr()  # in place
-    tokens = list(range(300, 341))  # EAGLE keys: 41 tokens are 40 bigrams, 40 slots
-    n = 40
-    held = env.allocator.alloc(8)  # so that the load lands on other slots than the insert
-    slots = env.allocator.alloc(n)
-    env.write_kv(slots, torch.tensor(tokens[:n]), torch.arange(n))
-    draft.write(slots, torch.tensor(tokens[:n]))
-    assert env.cache.insert(InsertParams(key=bigram_key(tokens), value=slots)).prefix_len == 0
-    settle(env)
-    assert env.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
-    env.allocator.free(held)
-    for buf in env.layers():  # the bytes must come from the host
-        buf.zero_()
-    draft.clobber()
-    m = env.cache.match_prefix(MatchPrefixParams(key=bigram_key(tokens)))
-    assert m.device_prefix_len == 0 and m.host_hit_length == n
-    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                               host_hit_length=m.host_hit_length))
-    assert loaded == n
-    new = env.cache.path_device_indices(node)
-    assert not torch.equal(new.sort().values, slots.sort().values)
-    counter = controller.layer_done_counter
-    consumer = env.cache.ready_to_load_host_cache()
-    counter.set_consumer(consumer)
-    counter.wait_until(0)  # the forward pass's wait for the first target layer
-    assert draft.holds(new, torch.tensor(tokens[:n]))
-    counter.wait_until(LAYERS - 1)
-    want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
-    assert all(torch.equal(buf[new], w) for buf, w in zip(env.layers(), want, strict=True))
+
+    def loaded_slots(loaded: int, node: object) -> torch.Tensor:  # 0.5.23: the count loaded, the node
+        assert loaded == 40
+        return env.cache.path_device_indices(node)
+
+    consumer = mtp_draft_round_trip(env, draft, loaded_slots)
     assert env.cache.is_load_back_event_done(consumer)
     settle(env)
     env.cache.check_invariants()
@@ -88,10 +61,7 @@ def test_l3_carries_the_targets_kv_with_a_draft_and_says_the_draft_is_not_stored
     cache = env.cache
     tokens = list(range(200, 232))
     insert(env, tokens)
-    settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.check_hicache_events()
-    cache.reset()  # device and host empty; L3 keeps the pages
+    only_in_l3(env)
     req = env.new_req(tokens)
     req.init_next_round_input(cache)
     handle = req.cache_request_handle

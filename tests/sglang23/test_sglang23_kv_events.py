@@ -18,27 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sglang.srt.disaggregation.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    kv_event_namespace_seed,
-)
+from sglang.srt.disaggregation.kv_events import kv_event_namespace_seed
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.events import KvEventLoraNames
-from sglang_pools import settle
-from sglang_unified_env import build_hiradix
 from sglang_unified_events import (
-    CPU,
-    GPU,
     Twin,
-    insert,
+    ids_and_fields,
     l3_prefetch_events,
     life_cycle,
+    namespaces_and_sessions,
     random_operations,
-    sglang_ids,
+    served_twice,
     tree_core,
 )
 from test_sglang23_cache import admit
@@ -65,10 +56,6 @@ def lora_names() -> KvEventLoraNames:
 # ---------------------------------------------------------------------------- pinned ids
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_ids_and_fields_match_sglangs_hash_helpers(dynamo: bool) -> None:
-    env = build_hiradix(2, params={"enable_kv_cache_events": True, "dynamo_kv_event_format": dynamo,
-                                   "kv_event_lora_names": lora_names()})
-    assert env.cache.take_events() == [AllBlocksCleared()]
-    tokens = [1, 2, 3, 4, 5, 6]
     cases = [  # (extra_key, cache_salt, namespace seed of the ids, lora_name)
         (None, None, None, None),
         (None, "tenant", kv_event_namespace_seed(extra_key=None, cache_salt="tenant") if dynamo else None, None),
@@ -76,30 +63,8 @@ def test_ids_and_fields_match_sglangs_hash_helpers(dynamo: bool) -> None:
         (LORA_KEY, "tenant", kv_event_namespace_seed(extra_key=LORA_KEY, cache_salt="tenant" if dynamo else None),
          "sql-lora"),
     ]
-    for extra_key, salt, seed, lora_name in cases:
-        insert(env, tokens, extra_key=extra_key, cache_salt=salt, session_id="s1")
-        ids = sglang_ids(tokens, 2, cache_salt=salt, seed=seed)
-        assert env.cache.take_events() == [
-            BlockStored(block_hashes=ids, parent_block_hash=None, token_ids=tokens, block_size=2, lora_id=None,
-                        medium=GPU, cache_salt=salt, session_id="s1", lora_name=lora_name)
-        ], (extra_key, salt)
-        insert(env, tokens[:2] + [9, 9], extra_key=extra_key, cache_salt=salt)  # a split, then the new leaf
-        (leaf,) = env.cache.take_events()
-        assert leaf.parent_block_hash == ids[0] and leaf.session_id is None
-        assert leaf.block_hashes == sglang_ids(tokens[:2] + [9, 9], 2, cache_salt=salt, seed=seed)[1:]
-        settle(env)
-        stored = env.cache.take_events()
-        assert [e.medium for e in stored] == [CPU, CPU] and stored[0].block_hashes == ids
-        assert env.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
-        (removed,) = env.cache.take_events()
-        assert type(removed) is BlockRemoved and removed.medium == GPU
-        assert sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
-        assert env.cache.evict_host(8) == 8
-        (removed,) = env.cache.take_events()
-        assert removed.medium == CPU and sorted(removed.block_hashes) == sorted(ids + leaf.block_hashes)
-    insert(env, tokens)
-    env.cache.reset()
-    assert [type(e) for e in env.cache.take_events()] == [BlockStored, AllBlocksCleared]
+    ids_and_fields([(extra_key, salt, seed, {"lora_name": lora_name}) for extra_key, salt, seed, lora_name in cases],
+                   dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names())
 
 
 # ---------------------------------------------------------------------------- parity with SGLang
@@ -112,16 +77,8 @@ def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int, ea
 
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_namespaces_lora_names_and_sessions_match_sglang(tree_core: str, dynamo: bool) -> None:
-    twin = Twin(2, dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names())
-    tokens = list(range(1, 13))
-    for extra_key, salt in ((None, None), (LORA_KEY, None), ("plain", "tenant"), (LORA_KEY, "tenant")):
-        twin.insert(tokens, extra_key=extra_key, cache_salt=salt, session_id="s")
-        twin.insert(tokens[:4] + [50, 51], extra_key=extra_key, cache_salt=salt, session_id="t")
-        twin.settle()
-    twin.evict(1000)
-    twin.evict_host(1000)
-    s = twin.stats
-    assert s["BlockStored GPU"] == 8 and s["BlockStored CPU_PINNED"] >= 4, s
+    namespaces_and_sessions(Twin(2, dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names()),
+                            [(None, None), (LORA_KEY, None), ("plain", "tenant"), (LORA_KEY, "tenant")])
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
@@ -150,8 +107,6 @@ def test_requests_checkpointed_and_released_match_sglang(tree_core: str, page_si
     """Requests as 0.5.23's scheduler runs them (``admit``: match, load back, lock, row;
     ``checkpoint_kv_cache`` of a chunk; ``release_kv_cache`` at the finish), salted and
     with a session, their stores naming it; then a second request over the first."""
-    twin = Twin(page_size)
-    prompt = list(range(100, 100 + 5 * page_size + 2))
 
     def serve(env: Any, tokens: list[int], session_id: str | None) -> int:
         req = env.new_req(tokens, cache_salt="tenant")
@@ -164,13 +119,4 @@ def test_requests_checkpointed_and_released_match_sglang(tree_core: str, page_si
         release_kv_cache(req, env.cache, checkpoint=True)
         return prefix
 
-    assert twin.both("serve", lambda env: serve(env, prompt, "chat")) == 0
-    twin.settle()
-    assert twin.both("serve again", lambda env: serve(env, prompt + [1] * (2 * page_size), "chat-2")) > 0
-    twin.settle()
-    twin.evict(1000)
-    twin.evict_host(1000)
-    sessions = [(e.session_id, e.medium) for e in twin.log if isinstance(e, BlockStored)]
-    assert ("chat", GPU) in sessions and ("chat-2", GPU) in sessions and (None, CPU) in sessions, sessions
-    assert all(e.cache_salt == "tenant" for e in twin.log if isinstance(e, BlockStored)), twin.log
-    assert twin.stats["BlockRemoved GPU"] >= 1 and twin.stats["BlockRemoved CPU_PINNED"] >= 1, twin.stats
+    served_twice(Twin(page_size), page_size, serve)
