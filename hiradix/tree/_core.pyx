@@ -98,6 +98,20 @@ cdef node_t _backup_target(HiRadixTree self, object node, str op) except -2:
     return i
 
 
+cdef int _start_writing(HiRadixTree self, node_t i, const index_t* hosts) except -1:
+    """Begin a backup of node ``i`` (checked by the caller) to the host slots ``hosts``
+    (its length of them): note them, mark it in flight and lock its path."""
+    cdef Node* n = &self.nodes[i]
+    memcpy(self.host + n.key_off, hosts, n.key_len * sizeof(index_t))
+    self._ticket += 1
+    n.pending = 1
+    n.io_status = IO_WRITING
+    n.io_ticket = self._ticket
+    n.io_owner = 1
+    _lock(self, i, 1)
+    return 0
+
+
 cdef class HiRadixTree:
     """Triple-state radix tree over token ids (compiled core).
 
@@ -497,13 +511,7 @@ cdef class HiRadixTree:
         if cnp.PyArray_SIZE(hosts) != n.key_len:
             raise ValueError(
                 f"begin_backup: {cnp.PyArray_SIZE(hosts)} host indices for {n.key_len} tokens")
-        memcpy(self.host + n.key_off, cnp.PyArray_DATA(hosts), n.key_len * sizeof(index_t))
-        self._ticket += 1
-        n.pending = 1
-        n.io_status = IO_WRITING
-        n.io_ticket = self._ticket
-        n.io_owner = 1
-        _lock(self, i, 1)
+        _start_writing(self, i, <const index_t*>cnp.PyArray_DATA(hosts))
         return _gather(self, self.nodes[i].parent, i, False)
 
     def backup_order(self, nodes):
@@ -566,15 +574,9 @@ cdef class HiRadixTree:
             n = &self.nodes[i]
             p = &self.nodes[n.parent]
             if p.backed_up or p.io_status == IO_WRITING:
-                memcpy(self.host + n.key_off, hptr + start, n.key_len * sizeof(index_t))
                 memcpy(dptr + filled, self.dev + n.key_off, n.key_len * sizeof(index_t))
                 filled += n.key_len
-                self._ticket += 1
-                n.pending = 1
-                n.io_status = IO_WRITING
-                n.io_ticket = self._ticket
-                n.io_owner = 1
-                _lock(self, i, 1)
+                _start_writing(self, i, hptr + start)
                 started.append(True)
             else:
                 started.append(False)
