@@ -1367,3 +1367,25 @@ def test_a_long_change_log_grows_and_replays_to_the_tree(tree_cls):
         tree.insert([i % 7, i], idx(2 * i, 2))
     mirror.apply(tree.take_changes())
     mirror.check(tree)
+
+
+def test_reserve_tokens_is_a_checked_hint_that_changes_nothing_observable(tree_cls):
+    """``reserve_tokens`` sizes (and, in the core, touches) the buffers ahead of inserts:
+    the tree then behaves exactly as without it, past the reserved size too."""
+    plain, reserved = tree_cls(page_size=4), tree_cls(page_size=4)
+    reserved.reserve_tokens(4096)
+    reserved.reserve_tokens(0)  # never shrinks
+    for bad, exc in ((1.5, TypeError), ("8", TypeError), (-1, ValueError), (2**70, OverflowError)):
+        with pytest.raises(exc):
+            reserved.reserve_tokens(bad)
+    rng = np.random.default_rng(7)
+    for i in range(40):  # 40 x 256 tokens: well past the 4096 reserved
+        key = np.concatenate((np.arange(128), rng.integers(1000, 5000, 128)))
+        value = np.arange(i * 256, (i + 1) * 256)
+        a, b = plain.insert(key, value), reserved.insert(key, value)
+        assert a.prefix_len == b.prefix_len
+    for t in (plain, reserved):
+        t.check_invariants()
+    probe = np.concatenate((np.arange(128), rng.integers(1000, 5000, 128)))
+    assert np.array_equal(plain.match_prefix(probe).device_indices, reserved.match_prefix(probe).device_indices)
+    assert plain.evictable_size() == reserved.evictable_size()

@@ -864,6 +864,24 @@ cdef class HiRadixTree:
         return {"nodes_allocated": self.nodes_allocated, "nodes_freed": self.nodes_freed,
                 "nodes_live": live}
 
+    def reserve_tokens(self, n_tokens):
+        """Size the token and slot buffers for ``n_tokens`` cached tokens and touch their
+        memory now, so that inserts up to that size never grow them nor take their
+        first-touch page faults (huge pages zeroed by the kernel, on the serving thread;
+        measured 20-50% of an insert phase's CPU time). A capacity hint only: the tree
+        still grows past it. ``O(n_tokens)`` once."""
+        cdef int64_t n = _as_int64(n_tokens, "n_tokens")
+        cdef int64_t start
+        if n < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n}")
+        if n > self.buf_len:
+            _reserve_span(self, n - self.buf_len)
+        start = self.buf_len
+        with nogil:
+            memset(self.tokens + start, 0, (self.buf_cap - start) * sizeof(token_t))
+            memset(self.dev + start, 0, (self.buf_cap - start) * sizeof(index_t))
+            memset(self.host + start, 0, (self.buf_cap - start) * sizeof(index_t))
+
     def _test_compact(self):
         """Force a buffer compaction (tests check that nothing moves but offsets)."""
         _compact(self)

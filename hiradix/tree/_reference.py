@@ -937,6 +937,14 @@ class HiRadixTree:
             raise ValueError(f"{op}: node {node} is already backed up")
         return target
 
+    def reserve_tokens(self, n_tokens: int) -> None:
+        """A capacity hint (the compiled core sizes and touches its buffers for
+        ``n_tokens`` tokens): nothing to do for Python objects, but the argument is
+        checked the same way. ``O(1)``."""
+        n = as_int64(n_tokens, "n_tokens")
+        if n < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n}")
+
     def backup_order(self, nodes: Iterable[int]) -> tuple[list[int], list[int]]:
         """Of ``nodes`` (handles in any order; repeats and stale handles allowed), those a
         backup can start on now: alive, on the device, not backed up, no transfer in
