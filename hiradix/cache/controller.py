@@ -41,7 +41,15 @@ import torch
 
 from hiradix.cache.distributed import LocalAgreement, RankAgreement
 from hiradix.cache.stats import ControllerStats, zeros
-from hiradix.memory.copy import CopyEngine, CopyError, CopyHandle, LayerHook, LoadHandle, make_copy_engine
+from hiradix.memory.copy import (
+    CopyEngine,
+    CopyError,
+    CopyHandle,
+    LayerHook,
+    LoadHandle,
+    as_index_array,
+    make_copy_engine,
+)
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 
 __all__ = [
@@ -103,16 +111,6 @@ def _check_pair(kind: str, dev: Any, host: Any) -> None:
         raise ValueError(f"{kind}: {dev.shape[0]} device indices for {host.shape[0]} host indices")
 
 
-def _as_index_array(indices: Any) -> np.ndarray:
-    """Indices as a 1-D-or-not int64 numpy array: a view of an int64 array or CPU tensor
-    (the tree's and the host allocator's), else a converted copy."""
-    if type(indices) is np.ndarray and indices.dtype == np.int64:
-        return indices
-    if isinstance(indices, torch.Tensor):
-        return indices.to(dtype=torch.int64, device="cpu").numpy()
-    return np.asarray(indices, dtype=np.int64)
-
-
 @dataclass(frozen=True, slots=True)
 class CacheOperation:
     """One node's transfer: ``device_indices[i]`` pairs with ``host_indices[i]``."""
@@ -141,10 +139,6 @@ class OperationBatch:
         dev, host = _as_long(self.device_indices), _as_long(self.host_indices)
         b = self.bounds
         return tuple(CacheOperation(n, dev[b[i] : b[i + 1]], host[b[i] : b[i + 1]]) for i, n in enumerate(self.nodes))
-
-    def host_slice(self, i: int) -> Any:
-        """The host indices of ``nodes[i]`` (a view). ``O(1)``."""
-        return self.host_indices[self.bounds[i] : self.bounds[i + 1]]
 
 
 @dataclass(slots=True)
@@ -459,7 +453,8 @@ class HiCacheController:
         the next ``sizes[i]`` of the index pairs. One object for the lot (a scheduler
         step's write-throughs), so the per-node cost is a few list appends.
         ``O(len(nodes))``; see :meth:`start_writing`."""
-        dev, host = _as_index_array(device_indices), _as_index_array(host_indices)
+        dev = as_index_array(device_indices, "device_indices")
+        host = as_index_array(host_indices, "host_indices")
         _check_pair("write_many", dev, host)
         if len(nodes) != len(sizes):
             raise ValueError(f"write_many: {len(nodes)} nodes but {len(sizes)} sizes")

@@ -246,9 +246,10 @@ def _validate_cpu(
     return dev.clone(), host.clone()
 
 
-def _as_index_np(indices: Any, name: str) -> np.ndarray:
+def as_index_array(indices: Any, name: str) -> np.ndarray:
     """``indices`` as a 1-D int64 numpy array (a view where it already is one): the
-    compiled path's input. Same errors as :func:`_as_index`."""
+    compiled path's input, and the controller's queued writes. Same errors as
+    :func:`_as_index`. ``O(1)`` for an int64 array or CPU tensor, else ``O(n)``."""
     if isinstance(indices, torch.Tensor):
         if indices.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
@@ -447,8 +448,8 @@ def _row_plan(
     layout = _pair_layout(device_pool, host_pool)
     if layout is None:
         return None
-    dev = _as_index_np(device_indices, "device_indices")
-    host = _as_index_np(host_indices, "host_indices")
+    dev = as_index_array(device_indices, "device_indices")
+    host = as_index_array(host_indices, "host_indices")
     # One compiled call: host order, range checks, and the offsets of every component
     # (K and V alike share one pair of arrays).
     dev_off, host_off = _gather.pair_offsets(
