@@ -42,9 +42,10 @@ Figures per repeat (fresh caches, untimed builds), each phase timed as a whole:
 Each figure is reported three ways: over wall time (the headline), over the calling
 (scheduler) thread's CPU time (``time.thread_time``: what the scheduler pays when the copy
 threads have cores of their own; hardly moved by being descheduled on a shared machine) and
-over the process's CPU time (all threads: hiradix's copy threads included, SGLang copies in
-the calling thread). ``cpu/wall`` is process CPU over wall time of the timed phases: well
-below 1 for a single-threaded cache means it was descheduled.
+over the process's CPU time (all threads; both caches copy backups in the calling thread:
+hiradix.sglang's default ``backup_copy`` "inline" on CPU pools, ``--backup-copy thread``
+hands them to hiradix's copy thread instead). ``cpu/wall`` is process CPU over wall time of
+the timed phases: well below 1 for a single-threaded cache means it was descheduled.
 
 Device slots handed back to the allocator go to an O(1) counter instead of SGLang's free
 list, for both caches (SGLang's ``free`` concatenates onto the free list per call, which is
@@ -112,6 +113,7 @@ with warnings.catch_warnings():
 logger = logging.getLogger(__name__)
 
 IMPLS = ("hiradix", "sglang")
+BACKUP_COPY = "inline"  # hiradix.sglang's backup_copy (--backup-copy)
 LABELS = {"hiradix": "hiradix.sglang.HiRadixCache", "sglang": "sglang 0.5.18 HiRadixCache"}
 METRICS = (("insert_per_s", True), ("finish_per_s", True), ("match_per_s", True), ("evict_all_s", False))
 # The same figures over process CPU time instead of wall time (hiradix's includes its copy threads):
@@ -232,6 +234,9 @@ def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any) ->
             hicache_io_backend="direct",
             hicache_write_policy="write_through",
             hicache_ratio=HICACHE_RATIO,
+            hicache_storage_backend_extra_config=(
+                json.dumps({"backup_copy": BACKUP_COPY}) if impl == "hiradix" else None
+            ),
         )
     params = CacheInitParams(
         disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size
@@ -546,7 +551,8 @@ def fmt(metric: str, v: float) -> str:
 def report(results: dict, meta: dict) -> str:
     lines = [
         f"Workload: {meta['workload']['count']} sequences, {meta['workload']['total_tokens']:,} tokens "
-        f"(scale {meta['scale']}); {meta['step']} request(s) per step; warm-up {meta['warmup']}, "
+        f"(scale {meta['scale']}); {meta['step']} request(s) per step; hiradix's backup copies "
+        f"{meta.get('backup_copy', 'inline')}; warm-up {meta['warmup']}, "
         f"{meta['repeats']} repeats, medians (best in parentheses).",
     ]
     for title, metrics in (
@@ -620,8 +626,17 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per scheduler step: check_hicache_events() after every STEP inserts/finishes "
         "(default 1: after each; SGLang's scheduler calls it once per step, whatever the batch finished)",
     )
+    ap.add_argument(
+        "--backup-copy",
+        choices=("inline", "thread"),
+        default="inline",
+        help="hiradix.sglang's backup_copy: copy a step's backups on the calling thread (default, as SGLang "
+        "does) or hand them to its copy thread",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
+    global BACKUP_COPY
+    BACKUP_COPY = args.backup_copy
     if args.step < 1:
         ap.error("--step must be >= 1")
     if args.step > 1:
@@ -644,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "step": args.step,
+        "backup_copy": args.backup_copy,
         "workload": describe(seqs),
         "command": "python bench/sglang_api.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -1389,3 +1389,33 @@ def test_reserve_tokens_is_a_checked_hint_that_changes_nothing_observable(tree_c
     probe = np.concatenate((np.arange(128), rng.integers(1000, 5000, 128)))
     assert np.array_equal(plain.match_prefix(probe).device_indices, reserved.match_prefix(probe).device_indices)
     assert plain.evictable_size() == reserved.evictable_size()
+
+
+def test_reserved_evict_buffer_never_changes_a_result_still_held(tree_cls):
+    """``reserve_tokens(evict_tokens=)`` lets evict's device indices share one touched
+    buffer (the core; the twin ignores it). A result, or any view or tensor made from
+    it, that is still alive keeps its values through later evicts: those get new
+    arrays. Evictions past the buffer's size get new arrays too."""
+    tree = tree_cls(page_size=1)
+    tree.reserve_tokens(64, evict_tokens=8)
+    for bad, exc in ((1.5, TypeError), (-1, ValueError)):
+        with pytest.raises(exc):
+            tree.reserve_tokens(0, evict_tokens=bad)
+    for i in range(6):  # six leaves of 4 tokens, slots 4i..4i+3
+        tree.insert([100 + i, 1, 2, 3], idx(4 * i, 4))
+    first = tree.evict(4).device_indices
+    kept = first.copy()
+    exported = memoryview(first[1:])  # a view of a view, held through the buffer protocol
+    del first
+    second = tree.evict(4).device_indices
+    assert np.array_equal(np.asarray(exported), kept[1:]), "an evict overwrote a result still held"
+    assert not np.shares_memory(second, np.asarray(exported))
+    exported.release()
+    del exported
+    third = tree.evict(4).device_indices  # nothing from the first is held any more
+    held = third.copy()
+    large = tree.evict(12).device_indices  # past the reserved 8: a new array
+    assert np.array_equal(third, held) and len(large) == 12
+    freed = np.concatenate((kept, second, third, large))
+    assert sorted(freed.tolist()) == list(range(24))  # every slot once, whichever array
+    tree.check_invariants()

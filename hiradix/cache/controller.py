@@ -316,6 +316,12 @@ class HiCacheController:
         ``start_loading``), so a replay does not depend on thread timing. CPU pools only
         (``ValueError`` for a CUDA device pool); engines passed in are used as they are.
         Default engines, inline or not, are closed by :meth:`close`.
+    inline_writes:
+        Only the default *write* engine inline (as ``inline_copies``, CPU pools only):
+        backups cost the caller their copy, and no thread hand-off, once per
+        ``start_writing``, while loads keep their worker so that layer-wise loads still
+        overlap the caller. What :mod:`hiradix.sglang` does on CPU pools, where SGLang
+        copies in the scheduler thread too.
     """
 
     def __init__(
@@ -328,6 +334,7 @@ class HiCacheController:
         load_engine: CopyEngine | None = None,
         layer_hook: LayerHook | None = None,
         inline_copies: bool = False,
+        inline_writes: bool = False,
     ) -> None:
         if (device_pool.shape, device_pool.page_size, device_pool.dtype) != (
             host_pool.shape,
@@ -344,13 +351,15 @@ class HiCacheController:
         kwargs: dict[str, Any] = {}
         if layer_hook is not None and device_pool.device.type != "cuda":
             kwargs["layer_hook"] = layer_hook
+        if (inline_copies or inline_writes) and device_pool.device.type == "cuda":
+            option = "inline_copies" if inline_copies else "inline_writes"
+            raise ValueError(f"{option} runs copies on the caller's thread: CPU device pools only")
         if inline_copies:
-            if device_pool.device.type == "cuda":
-                raise ValueError("inline_copies runs copies on the caller's thread: CPU device pools only")
             kwargs["inline"] = True
         self._owned: list[CopyEngine] = []
         if write_engine is None:
-            write_engine = make_copy_engine(device_pool.device, **kwargs)
+            write_kwargs = {**kwargs, "inline": True} if inline_writes else kwargs
+            write_engine = make_copy_engine(device_pool.device, **write_kwargs)
             self._owned.append(write_engine)
         if load_engine is None:
             load_engine = make_copy_engine(device_pool.device, **kwargs)

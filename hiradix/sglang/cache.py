@@ -42,6 +42,11 @@ L3 page format (``"l3_format"`` in ``--hicache-storage-backend-extra-config``):
     parallel shape read each other's pages from one L3 (stock SGLang loads hiradix's
     backends through :mod:`hiradix.sglang.storage`).
 
+Backup copies on CPU pools (``"backup_copy"`` in the extra config): ``"inline"`` (default)
+copies a step's backups on the scheduler thread when they start, as SGLang does;
+``"thread"`` hands them to a copy thread, which only pays off for a lot of KV per step.
+Refused for GPU pools, whose copies run on a CUDA stream.
+
 Options this adapter does not support are refused at start-up with the option named
 (:func:`check_supported`), never silently ignored.
 """
@@ -236,6 +241,25 @@ def _l3_format(extra: dict[str, Any]) -> str:
     return str(fmt)
 
 
+BACKUP_COPIES = ("inline", "thread")
+
+
+def _backup_copy(extra: dict[str, Any], device: torch.device) -> str | None:
+    """Pop ``backup_copy`` from the extra config: how backups are copied between CPU pools.
+    ``"inline"`` (the default there) copies on the scheduler thread when a step's backups
+    start, as SGLang copies; ``"thread"`` hands them to a copy thread. ``None`` for device
+    pools on a GPU, whose copies are kernels on a stream; naming the key there is refused."""
+    mode = extra.pop("backup_copy", None)
+    if device.type != "cpu":
+        if mode is not None:
+            raise ValueError(f"backup_copy applies to CPU device pools only; these are on {device}")
+        return None
+    mode = "inline" if mode is None else mode
+    if mode not in BACKUP_COPIES:
+        raise ValueError(f"backup_copy must be one of {BACKUP_COPIES}, got {mode!r}")
+    return str(mode)
+
+
 def _group_rank(group: Any) -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (``(0, 1)`` without one)."""
     import torch.distributed as dist
@@ -365,6 +389,7 @@ class HiRadixCacheBase(BasePrefixCache):
             extra, getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
         )
         self.l3_format = _l3_format(extra)
+        self.backup_copy = _backup_copy(extra, self.device)
         if self.l3_format == "sglang" and self.is_eagle:
             # The tree keeps an EAGLE key's bigrams as their second tokens: token-only chains
             # of those would name another request's pages in a shared L3 (a plain key of the
@@ -399,6 +424,9 @@ class HiRadixCacheBase(BasePrefixCache):
         controller = SGLangCacheController(
             device_pool, host_pool, write_policy=write_policy,
             io_backend=server_args.hicache_io_backend, agreement=agreement,
+            # On CPU pools a thread hand-off per step cost the scheduler more than the copy
+            # itself (bench/RESULTS_sglang_api.md, run 9); loads keep their thread either way.
+            inline_writes=self.backup_copy == "inline",
         )
         for i, (draft, name) in enumerate(drafts):
             try:
@@ -433,7 +461,9 @@ class HiRadixCacheBase(BasePrefixCache):
         # buffers now, at start-up, so that no insert on the scheduler thread grows them or
         # waits for the kernel to zero their huge pages (20-50% of an insert phase's CPU
         # in bench/sglang_api.py before this; 20 bytes a token).
-        self.tree.reserve_tokens(device_pool.size + host_pool.size)
+        # Likewise a buffer for evict's device indices, which evict-all would otherwise
+        # take first-touch faults for (3-40 ms a million tokens, against 2 ms to evict).
+        self.tree.reserve_tokens(device_pool.size + host_pool.size, evict_tokens=device_pool.size)
         self.cache_controller = controller
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)
@@ -631,24 +661,27 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, _ = self._bigram_key(key)
         else:
-            # The scheduler's hottest call: a key without a namespace skips _ns.
-            ek, salt = key.extra_key, key.cache_salt
+            # The scheduler's hottest call: a key without a namespace skips _ns, and the
+            # scheduler's array('q') keys skip _key_tokens.
+            ek, salt, ids = key.extra_key, key.cache_salt, key.token_ids
             ns = None if ek is None and salt is None else self._ns(ek, salt)
-            tokens = _key_tokens(key)
+            if type(ids) is array and ids.typecode == "q" and key.limit is None and not key.is_bigram:
+                tokens = np.frombuffer(ids, np.int64)
+            else:
+                tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
         # The compiled tree directly, not the core cache's wrapper: every Python layer
         # costs microseconds here.
-        tree = self.tree
-        m = tree.match_prefix(tokens if n == len(tokens) else tokens[:n], ns)
+        m = self.tree.match_prefix(tokens if n == len(tokens) else tokens[:n], ns)
         last = m.last_device_node
-        host = m.last_node if m.host_hit_length else last
-        while not (tree.is_backed_up(host) or tree.is_root(host)):
-            host = tree.parent(host)
+        hit = m.host_hit_length
+        # The deepest backed-up matched node: the end of an evicted tail (host-only nodes
+        # are backed up), else the tree's anchor at or above the device part.
+        host = m.last_node if hit else m.last_host_node
         node = TreeNode(self, last)  # views are immutable: one serves both when they agree
-        return self._match_result(m.device_indices, node, node if host == last else TreeNode(self, host),
-                                  int(m.host_hit_length))
+        return self._match_result(m.device_indices, node, node if host == last else TreeNode(self, host), hit)
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write

@@ -115,6 +115,9 @@ cdef class HiRadixTree:
     # scratch of int64 triples for evict/evict_host records and compaction
     cdef int64_t* scratch
     cdef int64_t scratch_cap
+    # reserve_tokens(evict_tokens=): a touched int64 buffer that evict's device indices
+    # are a view of while no earlier result still refers to it (None: always new arrays)
+    cdef object _evict_out
 
     # change log (track_changes): rows of (kind, node handle, other handle, tokens)
     cdef bint _track

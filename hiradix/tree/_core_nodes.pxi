@@ -215,12 +215,18 @@ cdef node_t _descend(HiRadixTree self, node_t node, const token_t* ptr, int64_t 
     return node
 
 
-cdef object _spans(HiRadixTree self, int64_t k, index_t* buf):
-    # Concatenate ``k`` (offset, length) records of the scratch buffer.
+cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None):
+    # Concatenate ``k`` (offset, length) records of the scratch buffer, into a view of
+    # ``reuse`` (an int64 array nothing else refers to: the caller checks) when it is
+    # large enough.
     cdef int64_t j, total = 0, pos = 0
     for j in range(k):
         total += self.scratch[3 * j + 1]
-    cdef cnp.ndarray out = _empty(total, cnp.NPY_INT64)
+    cdef cnp.ndarray out
+    if reuse is not None and total <= (<cnp.ndarray>reuse).shape[0]:
+        out = reuse[:total]
+    else:
+        out = _empty(total, cnp.NPY_INT64)
     cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
     with nogil:
         for j in range(k):

@@ -937,13 +937,17 @@ class HiRadixTree:
             raise ValueError(f"{op}: node {node} is already backed up")
         return target
 
-    def reserve_tokens(self, n_tokens: int) -> None:
-        """A capacity hint (the compiled core sizes and touches its buffers for
-        ``n_tokens`` tokens): nothing to do for Python objects, but the argument is
-        checked the same way. ``O(1)``."""
+    def reserve_tokens(self, n_tokens: int, evict_tokens: int = 0) -> None:
+        """Capacity hints (the compiled core sizes and touches its buffers for
+        ``n_tokens`` tokens, and a reusable buffer for ``evict_tokens`` evicted slots):
+        nothing to do for Python objects, but the arguments are checked the same way.
+        ``O(1)``."""
         n = as_int64(n_tokens, "n_tokens")
+        e = as_int64(evict_tokens, "evict_tokens")
         if n < 0:
             raise ValueError(f"n_tokens must be >= 0, got {n}")
+        if e < 0:
+            raise ValueError(f"evict_tokens must be >= 0, got {e}")
 
     def backup_order(self, nodes: Iterable[int]) -> tuple[list[int], list[int]]:
         """Of ``nodes`` (handles in any order; repeats and stale handles allowed), those a

@@ -58,11 +58,36 @@ def test_device_buffers_are_sglangs_in_place(make_env, mla: bool) -> None:
         ({"storage": "memory", "extra_config": '{"prefetch_threshold": "many"}'}, "prefetch_threshold"),
         # token-only L3 chains of an EAGLE tree's second tokens would name other requests' pages
         ({"storage": "memory", "extra_config": '{"l3_format": "sglang"}', "eagle": True}, "l3_format 'sglang'"),
+        ({"extra_config": '{"backup_copy": "later"}'}, "backup_copy must be one of"),
     ],
 )
 def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         build(**kwargs)
+
+
+@pytest.mark.parametrize(("extra", "inline"), [(None, True), ('{"backup_copy": "inline"}', True),
+                                               ('{"backup_copy": "thread"}', False)])
+def test_backup_copies_run_inline_on_cpu_pools_unless_asked_for_a_thread(extra, inline: bool) -> None:
+    """On CPU pools a step's backups are copied on the scheduler thread by default; loads
+    keep their thread either way. The bytes round-trip the same way in both modes."""
+    env = build(4, extra_config=extra)
+    ctrl = env.cache.cache_controller
+    assert ctrl.write_engine.inline is inline and not ctrl.load_engine.inline
+    tokens = list(range(40))
+    insert(env, tokens)
+    settle(env)
+    assert env.cache.evict(EvictParams(num_tokens=40)).num_tokens_evicted == 40
+    for buf in env.layers():  # the bytes must come back from the host copy
+        buf.zero_()
+    m = match(env, tokens)
+    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                            host_hit_length=m.host_hit_length))
+    assert len(loaded) == 40
+    settle(env)
+    for buf, want in zip(env.layers(), env.expected_kv(torch.tensor(tokens), torch.arange(40)), strict=True):
+        assert torch.equal(buf[loaded], want)
+    env.cache.check_invariants()
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ allocator: free + cached in the tree + held by running requests == size.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -182,20 +184,21 @@ class Loop:
 
 
 @pytest.mark.parametrize(
-    ("page_size", "layout", "write_policy", "mla", "seed", "eagle", "kv_events"),
+    ("page_size", "layout", "write_policy", "mla", "seed", "eagle", "kv_events", "backup_copy"),
     [
-        (1, "layer_first", "write_through", False, 1, False, False),
-        (4, "page_first", "write_through_selective", False, 2, False, False),
-        (4, "page_first_direct", "write_back", False, 3, False, True),
-        (2, "layer_first", "write_through", True, 4, False, False),
+        (1, "layer_first", "write_through", False, 1, False, False, "inline"),
+        (4, "page_first", "write_through_selective", False, 2, False, False, "thread"),
+        (4, "page_first_direct", "write_back", False, 3, False, True, "inline"),
+        (2, "layer_first", "write_through", True, 4, False, False, "thread"),
         # EAGLE bigram keys: a reused prefix of n bigrams is the KV of the first n tokens
-        (1, "layer_first", "write_through", False, 5, True, True),
-        (4, "page_first", "write_back", False, 6, True, False),
+        (1, "layer_first", "write_through", False, 5, True, True, "inline"),
+        (4, "page_first", "write_back", False, 6, True, False, "thread"),
     ],
 )
-def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events) -> None:
+def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events,
+                                   backup_copy) -> None:
     env = make_env(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla, eagle=eagle,
-                   kv_events=kv_events)
+                   kv_events=kv_events, extra_config=json.dumps({"backup_copy": backup_copy}))
     loop = Loop(env, seed)
     events = 0
     for _ in range(250):
