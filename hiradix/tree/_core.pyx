@@ -885,7 +885,9 @@ cdef class HiRadixTree:
         if e < 0:
             raise ValueError(f"evict_tokens must be >= 0, got {e}")
         if e and (self._evict_out is None or e > (<cnp.ndarray>self._evict_out).shape[0]):
-            self._evict_out = np.zeros(e, dtype=np.int64)  # zeros: written, so touched
+            # Written now, so its pages are touched at start-up (np.zeros would only map
+            # the kernel's zero pages: calloc leaves the first write to fault them in).
+            self._evict_out = np.full(e, -1, dtype=np.int64)
         if n > self.buf_len:
             _reserve_span(self, n - self.buf_len)
         start = self.buf_len
