@@ -21,6 +21,17 @@ from hiradix.sglang.nodes import TreeNode
 
 __all__ = ["HiRadixCache"]
 
+_HEAD = ("device_indices", "last_device_node", "last_host_node", "best_match_node", "host_hit_length")
+# MatchResult is a NamedTuple whose generated __new__ fills the fields after these five
+# from their defaults, a Python-level call on every match: when the head is as expected,
+# the match builds the tuple directly with the defaults' tail, computed once here.
+_TAIL: tuple[Any, ...] | None = (
+    tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[5:])
+    if issubclass(MatchResult, tuple) and tuple(MatchResult._fields[:5]) == _HEAD
+    and all(f in MatchResult._field_defaults for f in MatchResult._fields[5:])
+    else None
+)
+
 
 class HiRadixCache(HiRadixCacheBase):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.15 to 0.5.18 (:class:`HiRadixCacheBase`)."""
@@ -45,6 +56,9 @@ class HiRadixCache(HiRadixCacheBase):
             indices = indices.to(self.device)
         # Positional: (device_indices, last_device_node, last_host_node, best_match_node,
         # host_hit_length), SGLang's field order.
+        if _TAIL is not None:
+            return tuple.__new__(MatchResult, (indices, last_device_node, host_node, host_node, host_hit_length)
+                                 + _TAIL)
         return MatchResult(indices, last_device_node, host_node, host_node, host_hit_length)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None,

@@ -693,9 +693,12 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, raw = self._bigram_key(key)
         else:
-            ek, salt = key.extra_key, key.cache_salt
+            ek, salt, ids = key.extra_key, key.cache_salt, key.token_ids
             ns = None if ek is None and salt is None else self._ns(ek, salt)
-            tokens = raw = _key_tokens(key)
+            if type(ids) is array and ids.typecode == "q" and key.limit is None and not key.is_bigram:
+                tokens = raw = np.frombuffer(ids, np.int64)  # the scheduler's keys, as in match_prefix
+            else:
+                tokens = raw = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
             return InsertResult(prefix_len=0)

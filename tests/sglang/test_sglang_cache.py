@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     IncLockRefResult,
     InitLoadBackParams,
+    MatchResult,
 )
 from sglang_env import build, needs_sglang_020, record
 from sglang_pools import LAYERS, insert, match, settle
@@ -119,6 +120,19 @@ def test_insert_then_match_longest_prefix(make_env, page_size: int) -> None:
     empty = match(env, [])
     assert len(empty.device_indices) == 0 and env.cache.is_root(empty.last_device_node)
     env.cache.check_invariants()
+
+
+def test_match_results_are_sglangs_with_its_defaults(make_env) -> None:
+    """A match builds SGLang's MatchResult without its generated constructor: the same
+    tuple as the constructor's, every later field at SGLang's default."""
+    env = make_env(4)
+    insert(env, list(range(16)))
+    m = match(env, list(range(16)))
+    assert type(m) is MatchResult and len(m) == len(MatchResult._fields)
+    assert m == MatchResult(*m[:5])
+    for field, default in MatchResult._field_defaults.items():
+        if field != "host_hit_length":
+            assert getattr(m, field) == default, field
 
 
 def test_page_alignment_truncates_keys(make_env) -> None:
