@@ -661,14 +661,10 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, _ = self._bigram_key(key)
         else:
-            # The scheduler's hottest call: a key without a namespace skips _ns, and the
-            # scheduler's array('q') keys skip _key_tokens.
-            ek, salt, ids = key.extra_key, key.cache_salt, key.token_ids
+            # The scheduler's hottest call: a key without a namespace skips _ns.
+            ek, salt = key.extra_key, key.cache_salt
             ns = None if ek is None and salt is None else self._ns(ek, salt)
-            if type(ids) is array and ids.typecode == "q" and key.limit is None and not key.is_bigram:
-                tokens = np.frombuffer(ids, np.int64)
-            else:
-                tokens = _key_tokens(key)
+            tokens = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
@@ -693,12 +689,9 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.is_eagle:
             ns, tokens, raw = self._bigram_key(key)
         else:
-            ek, salt, ids = key.extra_key, key.cache_salt, key.token_ids
+            ek, salt = key.extra_key, key.cache_salt
             ns = None if ek is None and salt is None else self._ns(ek, salt)
-            if type(ids) is array and ids.typecode == "q" and key.limit is None and not key.is_bigram:
-                tokens = raw = np.frombuffer(ids, np.int64)  # the scheduler's keys, as in match_prefix
-            else:
-                tokens = raw = _key_tokens(key)
+            tokens = raw = _key_tokens(key)
         n = len(tokens) // self.page_size * self.page_size
         if n == 0:
             return InsertResult(prefix_len=0)
