@@ -540,42 +540,112 @@ def test_slot_offsets_follow_the_layout_formula(page_size: int, page_stride: int
     assert got is not slots and not np.shares_memory(got, slots)  # the caller may reuse its input
 
 
+def _rows_of_runs(dev_off: np.ndarray, host_off: np.ndarray, run_bytes: np.ndarray, row: int) -> list:
+    """The (device, host) byte offsets of every row the runs cover, in order."""
+    out = []
+    for d, h, n in zip(dev_off.tolist(), host_off.tolist(), run_bytes.tolist(), strict=True):
+        assert n > 0 and n % row == 0
+        out += [(d + j, h + j) for j in range(0, n, row)]
+    return out
+
+
 @needs_native
 @pytest.mark.parametrize("host_sorted", [True, False])
-def test_pair_offsets_is_host_order_then_the_formula_per_component(host_sorted: bool) -> None:
+def test_pair_runs_is_host_order_then_the_formula_per_component_merged(host_sorted: bool) -> None:
     """The whole plan in one call: pairs sorted by host slot (stable), each distinct
-    component's offsets by the layout formula, a component with ``reuse`` sharing the
-    arrays it names; the inputs untouched."""
+    component's rows by the layout formula, merged into maximal runs where a row follows
+    the previous one on both sides; a component with ``reuse`` sharing the arrays it
+    names; the inputs untouched."""
     rng = np.random.default_rng(5)
-    host = np.sort(rng.choice(4000, 200, replace=False)).astype(np.int64)
+    # Random pairs plus stretches consecutive on both sides (what a step's write-through is).
+    host = np.concatenate([rng.choice(2000, 150, replace=False), np.arange(2100, 2160), np.arange(3000, 3040)])
+    dev = np.concatenate([rng.integers(0, 600, 150), np.arange(700, 760), np.arange(800, 840)]).astype(np.int64)
+    host = host.astype(np.int64)
     if not host_sorted:
-        host = rng.permutation(host)
-    dev = rng.integers(0, 900, 200, dtype=np.int64)
+        perm = rng.permutation(len(host))
+        host, dev = host[perm], dev[perm]
     dev_in, host_in = dev.copy(), host.copy()
-    comps = ((-1, 64, 4096, 256), (0, 64, 4096, 256), (-1, 32, 2048, 128))
-    dev_off, host_off = _gather().pair_offsets(dev, host, 900, 4000, 16, comps)
+    comps = ((-1, 64, 4096, 256, 64), (0, 64, 4096, 256, 64), (-1, 32, 2048, 32, 32), (-1, 32, 16 * 32, 32, 32))
+    dev_off, host_off, run_bytes = _gather().pair_runs(dev, host, 900, 4000, 16, comps)
     order = np.argsort(host, kind="stable")
     d, h = dev[order], host[order]
     for c, (reuse, *_) in enumerate(comps):
-        _, sdps, shps, shss = comps[c if reuse < 0 else reuse]
-        assert np.array_equal(dev_off[c], d * sdps)
-        assert np.array_equal(host_off[c], (h // 16) * shps + (h % 16) * shss)
-    assert dev_off[1] is dev_off[0] and host_off[1] is host_off[0]
+        _, sdps, shps, shss, row = comps[c if reuse < 0 else reuse]
+        rows = list(zip((d * sdps).tolist(), ((h // 16) * shps + (h % 16) * shss).tolist(), strict=True))
+        assert _rows_of_runs(dev_off[c], host_off[c], run_bytes[c], row) == rows
+        ends = list(zip((dev_off[c] + run_bytes[c]).tolist(), (host_off[c] + run_bytes[c]).tolist(), strict=True))
+        starts = list(zip(dev_off[c].tolist(), host_off[c].tolist(), strict=True))
+        assert all(e != s for e, s in zip(ends, starts[1:], strict=False)), "runs are maximal"
+    # Component 2 (slot stride = row) merges within a host page; component 3's page
+    # stride is 16 slots of rows, so a consecutive stretch is one run across pages too.
+    assert len(run_bytes[3]) < len(run_bytes[2]) < len(d)
+    assert dev_off[1] is dev_off[0] and host_off[1] is host_off[0] and run_bytes[1] is run_bytes[0]
     assert np.array_equal(dev, dev_in) and np.array_equal(host, host_in)
 
 
 @needs_native
-def test_pair_offsets_refuses_bad_pairs() -> None:
+def test_pair_runs_refuses_bad_pairs() -> None:
     g = _gather()
-    comps = ((-1, 8, 64, 8),)
+    comps = ((-1, 8, 64, 8, 8),)
     with pytest.raises(ValueError, match="3 device indices but 2 host indices"):
-        g.pair_offsets(np.arange(3), np.arange(2), 10, 10, 4, comps)
+        g.pair_runs(np.arange(3), np.arange(2), 10, 10, 4, comps)
     with pytest.raises(IndexError, match=r"device_indices out of range \[0, 10\)"):
-        g.pair_offsets(np.array([1, 10]), np.array([0, 1]), 10, 10, 4, comps)
+        g.pair_runs(np.array([1, 10]), np.array([0, 1]), 10, 10, 4, comps)
     with pytest.raises(IndexError, match=r"host_indices out of range \[0, 8\)"):
-        g.pair_offsets(np.array([1, 2]), np.array([0, 8]), 10, 8, 4, comps)
+        g.pair_runs(np.array([1, 2]), np.array([0, 8]), 10, 8, 4, comps)
     with pytest.raises(ValueError, match="host_page_size"):
-        g.pair_offsets(np.array([1]), np.array([0]), 10, 8, 0, comps)
+        g.pair_runs(np.array([1]), np.array([0]), 10, 8, 0, comps)
+
+
+@needs_native
+def test_copy_runs_matches_numpy() -> None:
+    g = _gather()
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    dst = rng.integers(0, 256, 4096, dtype=np.uint8)
+    starts = np.sort(rng.choice(np.arange(0, 3800, 8), 30, replace=False)).astype(np.int64)
+    lens = (np.minimum(np.diff(np.append(starts, 3800)), 8 * rng.integers(1, 6, 30)) // 8 * 8).astype(np.int64)
+    s_off = rng.permutation(starts)
+    expect = dst.copy()
+    for d, s_, n in zip(starts, s_off, lens, strict=True):
+        expect[64 + d : 64 + d + n] = src[32 + s_ : 32 + s_ + n]
+    assert g.copy_runs(dst, starts, 64, src, s_off, 32, lens, 8) == 30
+    assert np.array_equal(dst, expect)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("override", "exc", "match"),
+    [
+        ({"run_bytes": np.array([8, 8, 8, 41], np.int64)}, IndexError, "run 3"),
+        ({"dst_offsets": np.array([0, 8, 16, 57], np.int64)}, IndexError, "run 3"),
+        ({"src_offsets": np.array([0, -8, 16, 24], np.int64)}, IndexError, "run 1"),
+        ({"run_bytes": np.array([8, -8, 8, 8], np.int64)}, IndexError, "run 1"),
+        ({"run_bytes": np.array([8, 6, 8, 8], np.int64), "align": 4}, ValueError, "align=4"),
+        ({"run_bytes": np.array([8, 8, 8], np.int64)}, ValueError, "4 runs"),
+        ({"dst_base": 60}, IndexError, "run 0"),
+        ({"threads": 9}, ValueError, "threads"),
+    ],
+)
+def test_copy_runs_bad_input_raises_and_copies_nothing(override: dict, exc: type, match: str) -> None:
+    g = _gather()
+    dst = np.full(64, 0xEE, dtype=np.uint8)
+    args = {
+        "dst": dst, "dst_offsets": np.array([0, 8, 16, 24], np.int64), "dst_base": 0,
+        "src": np.arange(64, dtype=np.uint8), "src_offsets": np.array([0, 8, 16, 24], np.int64), "src_base": 0,
+        "run_bytes": np.array([8, 8, 8, 8], np.int64),
+    } | override
+    with pytest.raises(exc, match=match):
+        g.copy_runs(**args)
+    assert (dst == 0xEE).all(), "nothing may be copied when a run is bad"
+
+
+@needs_native
+def test_copy_runs_refuses_overlapping_buffers() -> None:
+    buf = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        _gather().copy_runs(buf[32:], np.array([0]), 0, buf, np.array([0]), 0, np.array([8]))
+    assert buf.tolist() == list(range(64))
 
 
 @needs_native

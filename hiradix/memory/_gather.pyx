@@ -70,12 +70,16 @@ cdef struct Job:
     const int64_t* soff     # this slice's source row offsets (bytes)
     Py_ssize_t n            # rows in this slice
     int64_t row             # bytes per row
+    const int64_t* lens     # or, when not NULL, this slice's bytes per run (copy_runs)
     Py_ssize_t runs         # out: memcpy calls made
 
 
 cdef void* _job_main(void* arg) noexcept nogil:
     cdef Job* job = <Job*>arg
-    job.runs = _copy(job.dst, job.doff, job.src, job.soff, job.n, job.row, False)
+    if job.lens != NULL:
+        job.runs = _copy_runs(job.dst, job.doff, job.src, job.soff, job.lens, job.n)
+    else:
+        job.runs = _copy(job.dst, job.doff, job.src, job.soff, job.n, job.row, False)
     return NULL
 
 
@@ -161,8 +165,17 @@ cdef Py_ssize_t _copy(uint8_t* dst, const int64_t* doff, const uint8_t* src, con
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
+cdef Py_ssize_t _copy_runs(uint8_t* dst, const int64_t* doff, const uint8_t* src, const int64_t* soff,
+                           const int64_t* lens, Py_ssize_t n) noexcept nogil:
+    """Copy ``n`` validated runs of ``lens[i]`` bytes between buffers that do not overlap."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        memcpy(dst + doff[i], src + soff[i], <size_t>lens[i])
+    return n
+
+
 cdef Py_ssize_t _copy_parallel(uint8_t* dst, const int64_t* doff, const uint8_t* src, const int64_t* soff,
-                               Py_ssize_t n, int64_t row, int threads) noexcept nogil:
+                               Py_ssize_t n, int64_t row, int threads, const int64_t* lens=NULL) noexcept nogil:
     """:func:`_copy` with the rows cut into ``threads`` equal slices, one per thread (the
     caller's thread takes the first). A thread that cannot be started leaves its slice to
     the caller's thread, so the copy always completes."""
@@ -181,6 +194,7 @@ cdef Py_ssize_t _copy_parallel(uint8_t* dst, const int64_t* doff, const uint8_t*
         jobs[k].soff = soff + lo
         jobs[k].n = hi - lo
         jobs[k].row = row
+        jobs[k].lens = NULL if lens == NULL else lens + lo
         jobs[k].runs = 0
     for k in range(1, threads):
         started[k] = pthread_create(&tids[k], NULL, _job_main, &jobs[k]) == 0
@@ -332,6 +346,93 @@ cdef int _raise_bad(str name, Py_ssize_t i, int64_t off, Py_ssize_t base, Py_ssi
     )
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def copy_runs(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_t src_base, run_bytes,
+              Py_ssize_t align=1, int threads=1):
+    """Copy ``len(dst_offsets)`` runs between two buffers that do not overlap: run ``i``
+    is ``run_bytes[i]`` bytes from byte ``src_base + src_offsets[i]`` of ``src`` to byte
+    ``dst_base + dst_offsets[i]`` of ``dst``. :func:`copy_rows` with a length per row, for
+    plans whose rows are already merged (:func:`pair_runs`).
+
+    Arguments and errors as :func:`copy_rows`, with ``run_bytes`` (C-contiguous 1-D int64,
+    one per run, each ``>= 0`` and a multiple of ``align``) for ``row_bytes``. A run that
+    does not fit raises ``IndexError`` naming it, and buffers that overlap raise
+    ``ValueError`` (runs are not ordered rows). Nothing is copied when anything raises.
+    The GIL is released from :data:`NOGIL_MIN_BYTES` moved; ``threads`` splits the runs
+    from :data:`PARALLEL_MIN_BYTES`. Returns the number of runs.
+
+    Runtime complexity: ``O(n + bytes)``.
+
+    >>> import numpy as np
+    >>> src = np.arange(16, dtype=np.uint8)
+    >>> dst = np.zeros(8, dtype=np.uint8)
+    >>> copy_runs(dst, np.array([0, 6]), 0, src, np.array([10, 2]), 0, np.array([4, 2]))
+    2
+    >>> dst.tolist()
+    [10, 11, 12, 13, 0, 0, 2, 3]
+    """
+    cdef uint8_t[::1] d = _byte_buffer(dst, "dst", True)
+    cdef const uint8_t[::1] s = _byte_buffer(src, "src", False)
+    cdef const int64_t[::1] doff = _offsets(dst_offsets, "dst_offsets")
+    cdef const int64_t[::1] soff = _offsets(src_offsets, "src_offsets")
+    cdef const int64_t[::1] lens = _offsets(run_bytes, "run_bytes")
+    cdef Py_ssize_t n = doff.shape[0]
+    if soff.shape[0] != n or lens.shape[0] != n:
+        raise ValueError(f"dst_offsets has {n} runs but src_offsets has {soff.shape[0]}, run_bytes {lens.shape[0]}")
+    if align < 1 or (align & (align - 1)) != 0:
+        raise ValueError(f"align must be a power of two, got {align}")
+    if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
+        raise ValueError(
+            f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
+        )
+    if threads < 1 or threads > MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+    if n == 0:
+        return 0
+    cdef Py_ssize_t dlen = d.shape[0]
+    cdef Py_ssize_t slen = s.shape[0]
+    cdef uintptr_t d0 = <uintptr_t>&d[0]
+    cdef uintptr_t s0 = <uintptr_t>&s[0]
+    if d0 < s0 + <uintptr_t>slen and s0 < d0 + <uintptr_t>dlen:
+        raise ValueError("copy_runs: dst and src overlap")
+    if dst_base > dlen or src_base > slen:
+        raise IndexError(f"base {dst_base} / {src_base} is past dst's {dlen} / src's {slen} bytes")
+    cdef int64_t dlimit = dlen - dst_base
+    cdef int64_t slimit = slen - src_base
+    cdef int64_t mask = align - 1
+    cdef int64_t total = 0
+    cdef int64_t ln, o, q
+    cdef Py_ssize_t i, bad = -1
+    for i in range(n):  # every bound checked before anything moves; no sum can overflow
+        ln, o, q = lens[i], doff[i], soff[i]
+        if (ln < 0 or o < 0 or q < 0 or ln > dlimit or o > dlimit - ln or ln > slimit or q > slimit - ln
+                or (ln | o | q) & mask):
+            bad = i
+            break
+        total += ln
+    if bad >= 0:
+        ln, o, q = lens[bad], doff[bad], soff[bad]
+        if ln >= 0 and o >= 0 and q >= 0 and (ln | o | q) & mask:
+            raise ValueError(f"run {bad} (dst {o}, src {q}, {ln} bytes) is not a multiple of align={align}")
+        raise IndexError(
+            f"run {bad}: {ln} bytes from src offset {q} (base {src_base}, {slen} bytes) to dst offset {o} "
+            f"(base {dst_base}, {dlen} bytes) does not fit"
+        )
+    cdef uint8_t* dp = &d[0] + dst_base
+    cdef const uint8_t* sp = &s[0] + src_base
+    cdef int par = threads if threads < n else <int>n
+    if par > 1 and total >= _PARALLEL_MIN:
+        with nogil:
+            _copy_parallel(dp, &doff[0], sp, &soff[0], n, 0, par, &lens[0])
+    elif total >= _NOGIL_MIN:
+        with nogil:
+            _copy_runs(dp, &doff[0], sp, &soff[0], &lens[0], n)
+    else:
+        _copy_runs(dp, &doff[0], sp, &soff[0], &lens[0], n)
+    return n
+
+
 # ----------------------------------------------------------------------------- planning
 @cython.cdivision(True)
 cdef inline int64_t _floordiv(int64_t v, int64_t d) noexcept nogil:
@@ -400,40 +501,135 @@ cdef bint _sorted(const int64_t[::1] s) noexcept:
     return True
 
 
-def pair_offsets(dev, host, int64_t dev_limit, int64_t host_limit, int64_t host_page_size, tuple components):
-    """The whole row plan of one transfer in one call: the (device slot, host slot) pairs
-    put in host-slot order (stable; the arrays as they are when already sorted), then per
-    component ``(reuse, dev_page_stride, host_page_stride, host_slot_stride)`` the device
-    offsets (:func:`slot_offsets` with page size 1) and the host offsets, or those of
-    component ``reuse`` when ``reuse >= 0`` (K and V alike). Returns the two tuples.
+def pair_runs(dev, host, int64_t dev_limit, int64_t host_limit, int64_t host_page_size, tuple components):
+    """The whole plan of one transfer in one call: the (device slot, host slot) pairs put
+    in host-slot order (stable; the arrays as they are when already sorted), then per
+    component ``(reuse, dev_page_stride, host_page_stride, host_slot_stride, row_bytes)``
+    its runs: the device byte offsets, the host byte offsets and the bytes of each, where
+    consecutive rows that follow each other on *both* sides are one run (a page or a
+    whole allocation contiguous in both layouts is one ``memcpy``), or component
+    ``reuse``'s runs when ``reuse >= 0`` (K and V alike). Device slot ``s`` sits at
+    ``s * dev_page_stride``, host slot ``s`` at ``(s // host_page_size) *
+    host_page_stride + (s % host_page_size) * host_slot_stride``. Returns the three
+    tuples, for :func:`copy_runs`.
 
     ``ValueError`` for lengths that differ, ``IndexError`` naming the side for a slot out
-    of range. The scheduler thread plans every write-through batch with this, where the
-    same steps as separate calls cost several times more. ``O(n)`` per distinct component,
-    ``O(n log n)`` to sort pairs not in host order.
+    of range. The scheduler thread plans every write-through batch with this: a step's
+    new nodes are runs of consecutive slots on both sides, so a plan of thousands of
+    rows is a handful of runs. ``O(n)`` per distinct component, ``O(n log n)`` to sort
+    pairs not in host order.
+
+    >>> d, h, n = pair_runs(np.array([4, 5, 6, 9]), np.array([0, 1, 2, 3]), 16, 16, 1,
+    ...                     ((-1, 8, 8, 0, 8), (0, 8, 8, 0, 8)))
+    >>> [a.tolist() for a in (d[0], h[0], n[0])], d[1] is d[0]
+    ([[32, 72], [0, 24], [24, 8]], True)
     """
     if host_page_size < 1:
         raise ValueError(f"host_page_size must be >= 1, got {host_page_size}")
     cdef const int64_t[::1] d = _offsets(dev, "device_indices")
     cdef const int64_t[::1] h = _offsets(host, "host_indices")
-    if d.shape[0] != h.shape[0]:
-        raise ValueError(f"{d.shape[0]} device indices but {h.shape[0]} host indices")
-    if not _sorted(h):
-        order = np.argsort(host, kind="stable")
-        d = np.ascontiguousarray(np.asarray(dev)[order])
-        h = np.ascontiguousarray(np.asarray(host)[order])
+    cdef Py_ssize_t n = d.shape[0]
+    if h.shape[0] != n:
+        raise ValueError(f"{n} device indices but {h.shape[0]} host indices")
     dev_off = []
     host_off = []
+    lengths = []
     cdef Py_ssize_t reuse
+    cdef bint checked = False
     for component in components:
         reuse = component[0]
         if reuse >= 0:
             dev_off.append(dev_off[reuse])
             host_off.append(host_off[reuse])
+            lengths.append(lengths[reuse])
             continue
-        dev_off.append(_slot_offsets(d, dev_limit, 1, component[1], 0, "device_indices"))
-        host_off.append(_slot_offsets(h, host_limit, host_page_size, component[2], component[3], "host_indices"))
-    return tuple(dev_off), tuple(host_off)
+        runs = _runs(d, h, dev_limit, host_limit, host_page_size, component[1], component[2], component[3],
+                     component[4], not checked)
+        if runs is None:  # host slots out of order: sort the pairs (stably) and plan again
+            order = np.argsort(host, kind="stable")
+            d = np.ascontiguousarray(np.asarray(dev)[order])
+            h = np.ascontiguousarray(np.asarray(host)[order])
+            runs = _runs(d, h, dev_limit, host_limit, host_page_size, component[1], component[2], component[3],
+                         component[4], True)
+        checked = True
+        dev_off.append(runs[0])
+        host_off.append(runs[1])
+        lengths.append(runs[2])
+    if not checked and n:  # no component to plan: the pairs are still checked
+        _runs(d, h, dev_limit, host_limit, host_page_size, 1, 1, 1, 1, True)
+    return tuple(dev_off), tuple(host_off), tuple(lengths)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+@cython.cdivision(True)
+cdef object _runs(const int64_t[::1] d, const int64_t[::1] h, int64_t dev_limit, int64_t host_limit,
+                  int64_t page_size, int64_t dev_stride, int64_t page_stride, int64_t slot_stride, int64_t row,
+                  bint check):
+    # Rows i-1 and i are one run when both slots advance by one and the layouts put the
+    # rows side by side: device rows when dev_stride == row; host rows within a page when
+    # slot_stride == row, and across a page boundary when the next page starts where the
+    # last row of the previous one ends. One pass; with ``check``, it also checks every
+    # slot's range (a run's first and last slot bound all of it) and the host order (a
+    # run ascends, so only run boundaries can descend): ``None`` when it descends.
+    cdef Py_ssize_t n = d.shape[0]
+    cdef Py_ssize_t i = 0, j, k = 0
+    cdef int64_t v, w, top
+    cdef int bad = 0
+    cdef bint dev_next = dev_stride == row
+    cdef bint in_page = dev_next and page_size > 1 and slot_stride == row
+    cdef bint across = dev_next and page_stride == (page_size - 1) * slot_stride + row
+    cdef bint merge = in_page or across
+    cdef int shift = -1
+    cdef int64_t mask = page_size - 1
+    if page_size & mask == 0:  # a power of two (1 included): shift and mask, no division
+        shift = 0
+        while (<int64_t>1 << shift) < page_size:
+            shift += 1
+    dout = np.empty(n, dtype=np.int64)
+    hout = np.empty(n, dtype=np.int64)
+    lout = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] od = dout
+    cdef int64_t[::1] oh = hout
+    cdef int64_t[::1] ol = lout
+    with nogil:
+        while i < n:
+            v = d[i]
+            w = h[i]
+            j = i + 1
+            if in_page and across or page_size == 1 and across:  # every slot boundary merges
+                while j < n and d[j] - v == j - i and h[j] - w == j - i:
+                    j += 1
+            elif merge:
+                while (j < n and d[j] == d[j - 1] + 1 and h[j] == h[j - 1] + 1
+                       and ((in_page if (h[j] % page_size if shift < 0 else h[j] & mask) else across))):
+                    j += 1
+            if check:
+                top = j - i - 1  # the run's last slots are v + top and w + top
+                if v < 0 or v >= dev_limit or top >= dev_limit - v:
+                    bad = 1
+                    break
+                if w < 0 or w >= host_limit or top >= host_limit - w:
+                    bad = 2
+                    break
+                if i and w < h[i - 1]:
+                    bad = 4
+                    break
+            od[k] = v * dev_stride
+            if shift >= 0:
+                oh[k] = (w >> shift) * page_stride + (w & mask) * slot_stride
+            else:
+                oh[k] = (w / page_size) * page_stride + (w % page_size) * slot_stride
+            ol[k] = (j - i) * row
+            k += 1
+            i = j
+    if bad == 1:
+        raise IndexError(f"device_indices out of range [0, {dev_limit}): min {min(d)}, max {max(d)}")
+    if bad == 2:
+        raise IndexError(f"host_indices out of range [0, {host_limit}): min {min(h)}, max {max(h)}")
+    if bad == 4:
+        return None
+    return dout[:k], hout[:k], lout[:k]
 
 
 @cython.boundscheck(False)

@@ -28,13 +28,14 @@ advanced indexing over :meth:`HostKVPool.get_page_layer_view` (``[pages, page_si
 indices are whole aligned pages and by ``(page, offset)`` pairs otherwise. The torch ops
 release the GIL in their kernels; the worker holds it only between ops.
 
-For CPU pools :class:`ThreadCopyEngine` uses the compiled row copy
-:func:`hiradix.memory._gather.copy_rows` instead, when it is built (and
-``HIRADIX_PUREPYTHON`` is not set): each (layer, component) is one call that moves
-``row_bytes``-sized token rows between the two pools' backing storage at byte offsets
-computed once per operation, merging rows contiguous on both sides into one ``memcpy`` and
-running without the GIL. No temporary is made: a gather and a scatter in torch are two
-passes over the data through an intermediate tensor, this is one.
+For CPU pools :class:`ThreadCopyEngine` uses the compiled run copy
+:func:`hiradix.memory._gather.copy_runs` instead, when it is built (and
+``HIRADIX_PUREPYTHON`` is not set): each (layer, component) is one call that moves runs of
+token rows between the two pools' backing storage, at byte offsets planned once per
+operation (:func:`~hiradix.memory._gather.pair_runs`, which merges rows contiguous on both
+sides into one run), running without the GIL on large copies. No temporary is made: a
+gather and a scatter in torch are two passes over the data through an intermediate
+tensor, this is one.
 """
 
 from __future__ import annotations
@@ -408,13 +409,14 @@ def _regions(pool: DeviceKVPool | HostKVPool) -> list[list[_Region]] | None:
 
 @dataclass(frozen=True, slots=True)
 class _RowPlan:
-    """One operation's rows for :func:`_gather.copy_rows`: byte offsets per component
-    (the same for every layer; the layer moves only each region's ``base``)."""
+    """One operation's runs for :func:`_gather.copy_runs`: byte offsets and lengths per
+    component (the same for every layer; the layer moves only each region's ``base``)."""
 
     dev: list[list[_Region]]
     host: list[list[_Region]]
     dev_off: tuple[np.ndarray, ...]
     host_off: tuple[np.ndarray, ...]
+    run_bytes: tuple[np.ndarray, ...]
     align: int
 
 
@@ -435,11 +437,13 @@ def _row_plan(
     rows that name the same destination slot twice could land differently, and the
     torch path leaves that undefined too.
 
-    The plan is one compiled call (:func:`_gather.pair_offsets`: order, range checks and
-    every component's offsets): the scheduler thread pays this once per step's batch of
-    write-throughs, and the same plan in small torch operations once cost a quarter of an
-    insert (``bench/RESULTS_sglang_api.md``). The offset arrays are new, so the caller may
-    reuse its index arrays at once.
+    The plan is one compiled call (:func:`_gather.pair_runs`: order, range checks and
+    every component's runs, rows that follow each other on both sides merged): the
+    scheduler thread pays this once per step's batch of write-throughs, whose new nodes
+    are runs of consecutive slots on both sides, so thousands of rows plan into a handful
+    of ``memcpy`` calls. Offsets per row, validated and merged again at copy time, cost
+    three times as much (``bench/RESULTS_sglang_api.md``, run 12). The arrays are new, so
+    the caller may reuse its index arrays at once.
 
     Runtime complexity: ``O(n)``, plus ``O(n log n)`` to sort rows not in host order.
     """
@@ -450,12 +454,12 @@ def _row_plan(
         return None
     dev = as_index_array(device_indices, "device_indices")
     host = as_index_array(host_indices, "host_indices")
-    # One compiled call: host order, range checks, and the offsets of every component
-    # (K and V alike share one pair of arrays).
-    dev_off, host_off = _gather.pair_offsets(
+    # One compiled call: host order, range checks, and the runs of every component (K and
+    # V alike share one set of arrays).
+    dev_off, host_off, run_bytes = _gather.pair_runs(
         dev, host, device_pool.total_slots, host_pool.size, host_pool.page_size, layout.components
     )
-    return _RowPlan(layout.dev, layout.host, dev_off, host_off, device_pool.itemsize)
+    return _RowPlan(layout.dev, layout.host, dev_off, host_off, run_bytes, device_pool.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,7 +470,7 @@ class _PairLayout:
 
     dev: list[list[_Region]]
     host: list[list[_Region]]
-    components: tuple[tuple[int, int, int, int], ...]  # (reuse, dev page, host page, host slot strides)
+    components: tuple[tuple[int, int, int, int, int], ...]  # (reuse, dev page, host page, host slot strides, row)
 
 
 # Per (device pool, host pool), computed once like _REGIONS: checking that strides do not
@@ -498,7 +502,7 @@ def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _P
     dregs, hregs = _regions(device_pool), _regions(host_pool)
     if dregs is None or hregs is None:
         return None
-    components: list[tuple[int, int, int, int]] = []
+    components: list[tuple[int, int, int, int, int]] = []
     for c, (d, h) in enumerate(zip(dregs[0], hregs[0], strict=True)):
         # Strides must not change with the layer, or one offset array would not serve all.
         if any((r[c].page_stride, r[c].row_bytes) != (d.page_stride, d.row_bytes) for r in dregs) or any(
@@ -507,7 +511,7 @@ def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _P
             return None
         if d.row_bytes != h.row_bytes:
             raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
-        strides = (d.page_stride, h.page_stride, h.slot_stride)
+        strides = (d.page_stride, h.page_stride, h.slot_stride, d.row_bytes)
         reuse = c - 1 if c and strides == components[c - 1][1:] else -1
         components.append((reuse, *strides))
     return _PairLayout(dregs, hregs, tuple(components))
@@ -515,15 +519,15 @@ def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _P
 
 def _native_backup_layer(plan: _RowPlan, layer: int, threads: int) -> None:
     for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
-        _gather.copy_rows(
-            h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, d.row_bytes, plan.align, threads
+        _gather.copy_runs(
+            h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, plan.run_bytes[c], plan.align, threads
         )
 
 
 def _native_load_layer(plan: _RowPlan, layer: int, threads: int) -> None:
     for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
-        _gather.copy_rows(
-            d.buf, plan.dev_off[c], d.base, h.buf, plan.host_off[c], h.base, d.row_bytes, plan.align, threads
+        _gather.copy_runs(
+            d.buf, plan.dev_off[c], d.base, h.buf, plan.host_off[c], h.base, plan.run_bytes[c], plan.align, threads
         )
 
 

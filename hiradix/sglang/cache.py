@@ -329,17 +329,27 @@ def _raw_tokens(key: Any) -> np.ndarray:
     return tokens if limit is None or limit >= len(tokens) else tokens[:limit]
 
 
-def _key_tokens(key: Any) -> np.ndarray:
-    """The tokens of a plain key (:func:`_raw_tokens`). A bigram key reaching a cache
-    built without ``is_eagle`` is an error, not a silent mismatch."""
+def _key_tokens(key: Any) -> np.ndarray | array:
+    """The tokens of a plain key (:func:`_raw_tokens`), or the scheduler's ``array('q')``
+    itself when no ``limit`` cuts it (the tree reads it in place; it is not to be
+    modified). A bigram key reaching a cache built without ``is_eagle`` is an error, not
+    a silent mismatch."""
     if key.is_bigram:
         raise ValueError("a bigram (EAGLE) key reached a cache built without is_eagle")
     ids = key.token_ids
     if type(ids) is array and ids.typecode == "q":  # the scheduler's keys: no call chain
-        tokens = np.frombuffer(ids, np.int64)
         limit = key.limit
-        return tokens if limit is None or limit >= len(tokens) else tokens[:limit]
+        if limit is None or limit >= len(ids):
+            return ids
+        return np.frombuffer(ids, np.int64)[:limit]
     return _raw_tokens(key)
+
+
+def _head(tokens: np.ndarray | array, n: int) -> np.ndarray:
+    """The first ``n`` tokens, as a view (an ``array('q')`` slice would copy)."""
+    if isinstance(tokens, array):
+        return np.frombuffer(tokens, np.int64)[:n]
+    return tokens[:n]
 
 
 class HiRadixCacheBase(BasePrefixCache):
@@ -658,6 +668,7 @@ class HiRadixCacheBase(BasePrefixCache):
         are the deepest backed-up matched node, from which ``init_load_back`` loads the
         host-only tail. ``O(len(key))``."""
         key = params.key
+        tokens: np.ndarray | array
         if self.is_eagle:
             ns, tokens, _ = self._bigram_key(key)
         else:
@@ -669,8 +680,8 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
         # The compiled tree directly, not the core cache's wrapper: every Python layer
-        # costs microseconds here.
-        m = self.tree.match_prefix(tokens if n == len(tokens) else tokens[:n], ns)
+        # costs microseconds here. It matches whole pages only, so the tokens go as they are.
+        m = self.tree.match_prefix(tokens, ns)
         last = m.last_device_node
         hit = m.host_hit_length
         # The deepest backed-up matched node: the end of an evicted tail (host-only nodes
@@ -686,6 +697,8 @@ class HiRadixCacheBase(BasePrefixCache):
         if self.disable:
             return InsertResult(prefix_len=0)
         key = params.key
+        tokens: np.ndarray | array
+        raw: np.ndarray | array
         if self.is_eagle:
             ns, tokens, raw = self._bigram_key(key)
         else:
@@ -697,14 +710,14 @@ class HiRadixCacheBase(BasePrefixCache):
             return InsertResult(prefix_len=0)
         value = params.value
         if value is None:  # SGLang's debug fallback: the (raw) tokens themselves as values
-            value = raw[:n]
+            value = _head(raw, n)
         elif type(value) is torch.Tensor and value.is_cpu:
             value = value.numpy()  # the tree's input type: a torch slice and conversion cost ~4 us
         events = self._events
         if events is not None:  # the earlier changes are not this insert's (its session's)
             events.sync()
         if n < len(tokens):
-            tokens = tokens[:n]
+            tokens = _head(tokens, n)
         if n < len(value):
             value = value[:n]
         # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.

@@ -28,6 +28,7 @@ refused call changes nothing.
 
 cimport cython
 cimport numpy as cnp
+from cpython.buffer cimport PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -38,6 +39,7 @@ from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 import hashlib
+from array import array
 
 import numpy as np
 

@@ -27,10 +27,25 @@ cdef cnp.ndarray _as_tokens(object key):
     cdef cnp.ndarray out
     cdef const int64_t* src
     cdef int32_t* dst
-    cdef Py_ssize_t k, n
-    cdef int64_t t
+    cdef Py_ssize_t n
+    cdef Py_buffer view
+    cdef uint64_t high
     if type(key) is np.ndarray:
         arr = <cnp.ndarray>key
+    elif type(key) is array:
+        # SGLang's scheduler keys (array('q')): read through the buffer protocol, without
+        # an intermediate numpy array (np.asarray costs about as much as the conversion).
+        PyObject_GetBuffer(key, &view, PyBUF_FORMAT)
+        try:
+            if view.itemsize == 8 and view.format[0] in b"ql" and view.format[1] == 0:
+                n = view.len // 8
+                out = _empty(n, cnp.NPY_INT32)
+                high = _narrow(<const int64_t*>view.buf, <int32_t*>cnp.PyArray_DATA(out), n)
+                if not high:
+                    return out
+        finally:
+            PyBuffer_Release(&view)
+        arr = np.asarray(key)     # other typecodes, or an id out of range: the checks below
     else:
         arr = np.asarray(key)     # lists, array('q'), CPU torch tensors (__array__)
     if cnp.PyArray_NDIM(arr) != 1:
@@ -43,28 +58,42 @@ cdef cnp.ndarray _as_tokens(object key):
         return arr
     if cnp.PyArray_SIZE(arr) == 0:
         return np.empty(0, dtype=np.int32)
-    if arr.dtype.kind not in "iu":
-        _reject_dtype(arr, "token ids", INT32_MIN_, INT32_MAX_)
+    # The scheduler's keys are contiguous int64 already: no Python-level dtype checks.
     if (cnp.PyArray_TYPE(arr) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
             or not cnp.PyArray_ISNOTSWAPPED(arr)):
+        if arr.dtype.kind not in "iu":
+            _reject_dtype(arr, "token ids", INT32_MIN_, INT32_MAX_)
         if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > INT32_MAX_:
             raise OverflowError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
         arr = np.ascontiguousarray(arr, dtype=np.int64)
     n = cnp.PyArray_SIZE(arr)
-    out = np.empty(n, dtype=np.int32)
+    out = _empty(n, cnp.NPY_INT32)
     src = <const int64_t*>cnp.PyArray_DATA(arr)
     dst = <int32_t*>cnp.PyArray_DATA(out)
-    cdef bint bad = False
-    with nogil:
-        for k in range(n):
-            t = src[k]
-            if t < INT32_MIN_ or t > INT32_MAX_:
-                bad = True
-                break
-            dst[k] = <int32_t>t
-    if bad:
+    # Convert first, check after: without a branch in the loop the compiler vectorizes
+    # it (a 1,343-token key: 1.3 us with an early exit, a fraction of that without).
+    # ``t + 2**31`` fits 32 bits exactly when ``t`` fits int32, so any high bit in the OR
+    # of the shifted values marks a token out of range.
+    high = 0
+    if n >= NOGIL_MIN:
+        with nogil:
+            high = _narrow(src, dst, n)
+    else:
+        high = _narrow(src, dst, n)
+    if high:
         raise OverflowError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
     return out
+
+
+cdef inline uint64_t _narrow(const int64_t* src, int32_t* dst, Py_ssize_t n) noexcept nogil:
+    """``dst[k] = src[k]`` as int32; the OR of every ``(src[k] + 2**31) >> 32``, which is
+    zero exactly when all of them fit."""
+    cdef uint64_t high = 0
+    cdef Py_ssize_t k
+    for k in range(n):
+        dst[k] = <int32_t>src[k]
+        high |= (<uint64_t>src[k] + <uint64_t>2147483648) >> 32
+    return high
 
 
 cdef cnp.ndarray _as_indices(object value, str name):
