@@ -96,8 +96,13 @@ def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False
     per (layer, component) per page, page_first strides one row per token per layer.
     With 4 KiB pages a 256 MiB pool is 65536 TLB entries and nearly every run is a TLB
     miss (a page walk); with 2 MiB pages it is 128, which the second-level TLB holds (see
-    ``bench/RESULTS_transfer.md``). The kernel zeroes pages when they are first touched,
-    so nothing is written here (a pool sized in tens of GB is not faulted in at start-up).
+    ``bench/RESULTS_transfer.md``). Every page is faulted in here, at start-up (one write
+    per 4 KiB page; the mapping is zeros, so nothing changes): with THP defrag at its
+    default (``madvise``) the first write into each 2 MiB of an advised mapping compacts
+    memory synchronously, which stalled a write-through copy on the scheduler thread for
+    4.9 ms per huge page on this project's 24 GB VM (``bench/RESULTS_sglang_api.md``, run
+    12), mid-serving. Pinned buffers are faulted in at allocation the same way (and SGLang's
+    host pools are pinned); ``HIRADIX_PREFAULT=0`` leaves the faults to the first use.
     Where THP is off (``/sys/kernel/mm/transparent_hugepage/enabled`` = never) the advice
     is ignored and this is an ordinary mapping. Pinned buffers come from torch's pinned
     allocator (``cudaHostAlloc``) as before.
@@ -113,7 +118,10 @@ def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False
     region.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive, as the tensor keeps raw
     skip = -raw.ctypes.data % HUGE_PAGE
-    return torch.from_numpy(raw[skip : skip + nbytes]).view(dtype)
+    buf = raw[skip : skip + nbytes]
+    if os.environ.get("HIRADIX_PREFAULT", "1") != "0":
+        buf[::4096] = 0
+    return torch.from_numpy(buf).view(dtype)
 
 
 def rows_contiguous(t: torch.Tensor, lead: int) -> bool:
