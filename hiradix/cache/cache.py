@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache.controller import HiCacheController
+from hiradix.cache.controller import CacheOperation, HiCacheController
 from hiradix.cache.distributed import RankAgreement
 from hiradix.cache.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
 from hiradix.cache.stats import CacheStats, zeros
@@ -428,9 +428,10 @@ class HiRadixCache:
             return 0
         self._pending_backups = []
         nodes, sizes = self.tree.backup_order(pending)
-        return self._write_backup_nodes(nodes, sizes) if nodes else 0
+        return self._write_backup_nodes(nodes, sizes, now=True) if nodes else 0
 
-    def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None) -> int:
+    def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None, *,
+                            now: bool = False) -> int:
         """Start the backups of ``nodes`` (parents first; ``sizes`` their lengths, read
         from the tree if not given), as one queued batch. Host slots are allocated for
         all, agreed across ranks; those that failed anywhere get one retry after evicting
@@ -440,7 +441,13 @@ class HiRadixCache:
         This runs once per scheduler step for all of the step's write-throughs, so nothing
         here is per node but list work: the host slots are numpy views of one allocation,
         the tree begins every backup in one call (``begin_backups``) and the controller
-        gets one batch."""
+        gets one batch.
+
+        ``now`` (the step's batch, started right before :meth:`writing_check`): with an
+        inline write engine and no observer, the controller copies at once
+        (:meth:`HiCacheController.write_now`) and the nodes are committed here, as
+        :meth:`writing_check` would commit them moments later, without a handle, an ack
+        or the in-flight map."""
         tree = self.tree
         ctrl = self.cache_controller
         if sizes is None:
@@ -471,6 +478,11 @@ class HiRadixCache:
                 return 0
             nodes, sizes, hosts = [nodes[i] for i in keep], [sizes[i] for i in keep], [hosts[i] for i in keep]
             host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+        tokens = sum(sizes)
+        if now and not self._observers and ctrl.writes_now:
+            self._stats["backup_started_tokens"] += tokens
+            self._finish_backups(nodes, hosts, ctrl.write_now(device, host))
+            return tokens
         ongoing = self.ongoing_write_through
         for node, s in zip(nodes, hosts, strict=True):
             ongoing[node] = s
@@ -479,7 +491,6 @@ class HiRadixCache:
             for op in batch.ops():
                 obs.on_backup_started(op.node, op.device_indices, op.host_indices)
         ctrl.start_writing()
-        tokens = sum(sizes)
         self._stats["backup_started_tokens"] += tokens
         return tokens
 
@@ -492,24 +503,34 @@ class HiRadixCache:
         acks = self.cache_controller.ack_writes(wait_all=write_back)
         if not acks:
             return
-        tree, ongoing, l3, observers = self.tree, self.ongoing_write_through, self.l3, self._observers
+        ongoing = self.ongoing_write_through
         for ack, ok in acks:
-            ops = ack.ops if observers else ()  # per-node tensors only for observers
-            done = failed = 0
-            for i, node in enumerate(ack.nodes):
-                host = ongoing.pop(node)
-                committed = tree.commit_backup(node, ok)
-                if committed:
-                    done += host.shape[0]
-                    if l3 is not None:
-                        self.write_backup_storage(node)
-                else:
-                    self.host_pool.free(host)
-                    failed += host.shape[0]
-                for obs in observers:
-                    obs.on_backup_finished(node, ops[i].device_indices, ops[i].host_indices, committed)
-            self._stats["backup_done_tokens"] += done
-            self._stats["backup_failed_tokens"] += failed
+            nodes = ack.nodes
+            self._finish_backups(nodes, [ongoing.pop(node) for node in nodes], ok,
+                                 ack.ops if self._observers else ())  # per-node tensors only for observers
+
+    def _finish_backups(self, nodes: Sequence[int], hosts: Sequence[np.ndarray], ok: bool,
+                        ops: Sequence[CacheOperation] = ()) -> None:
+        """Commit the finished backups of ``nodes`` (their host slots ``hosts``), whose
+        copy landed on every rank if ``ok``: each becomes backed up (and goes on to L3),
+        or, if not committed, is left as it was and its host slots are freed. Observers
+        hear of each (``ops``: the nodes' operations). ``O(nodes)``."""
+        tree, l3, observers = self.tree, self.l3, self._observers
+        done = failed = 0
+        for i, node in enumerate(nodes):
+            host = hosts[i]
+            committed = tree.commit_backup(node, ok)
+            if committed:
+                done += host.shape[0]
+                if l3 is not None:
+                    self.write_backup_storage(node)
+            else:
+                self.host_pool.free(host)
+                failed += host.shape[0]
+            for obs in observers:
+                obs.on_backup_finished(node, ops[i].device_indices, ops[i].host_indices, committed)
+        self._stats["backup_done_tokens"] += done
+        self._stats["backup_failed_tokens"] += failed
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def _device_ancestor(self, node: int) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,10 +48,13 @@ from hiradix.memory.copy import (
     CopyHandle,
     LayerHook,
     LoadHandle,
+    ThreadCopyEngine,
     as_index_array,
     make_copy_engine,
 )
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CacheOperation",
@@ -490,6 +494,41 @@ class HiCacheController:
         ack = TransferAck(next(self._ack_ids), batch, handle, extra)
         self._writes.acks.append(ack)
         return ack
+
+    @property
+    def writes_now(self) -> bool:
+        """Whether :meth:`write_now` may copy: the write engine is an inline
+        :class:`~hiradix.memory.copy.ThreadCopyEngine` and no write is queued unsubmitted
+        (which a copy now would overtake). ``O(1)``."""
+        engine = self.write_engine
+        return isinstance(engine, ThreadCopyEngine) and engine.inline and not self._writes.pending
+
+    def write_now(self, device_indices: Any, host_indices: Any) -> bool:
+        """Copy device -> host on the caller's thread, the companion pools first, and
+        agree the outcome: ``True`` only if the copy landed on every rank (one agreement
+        call, so every rank must call it at the same point, as the cache does). A failed
+        copy is logged and counted, never raised: its caller leaves the nodes as they
+        were. Only while :attr:`writes_now` (``RuntimeError`` otherwise). Counted in
+        :meth:`get_stats` as an acknowledged backup. ``O(tokens)``."""
+        if not self.writes_now:
+            raise RuntimeError("write_now needs an inline write engine and no queued write")
+        dev = as_index_array(device_indices, "device_indices")
+        host = as_index_array(host_indices, "host_indices")
+        _check_pair("write_now", dev, host)
+        engine = self.write_engine
+        assert isinstance(engine, ThreadCopyEngine)
+        ok = True
+        try:
+            for d, h in self._companions:
+                engine.backup_now(d, h, dev, host)
+            engine.backup_now(self.device_pool, self.host_pool, dev, host)
+        except Exception:  # a failed copy is a failed backup, never an error in the scheduler
+            logger.warning("hiradix: a backup of %d tokens failed", host.shape[0], exc_info=True)
+            ok = False
+        ok = self.agreement.all_true([ok])[0]
+        done_key, failed_key = _STAT_KEYS["backup"]
+        self._stats[done_key if ok else failed_key] += int(host.shape[0])
+        return ok
 
     def ack_writes(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:
         """Pop the write acks that every rank has finished, each with its agreed outcome

@@ -30,6 +30,7 @@ Contract:
 """
 
 cimport cython
+cimport numpy as cnp
 import numpy as np
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 from libc.string cimport memcpy, memmove
@@ -37,6 +38,7 @@ from libc.string cimport memcpy, memmove
 NOGIL_MIN_BYTES = 1 << 16
 PARALLEL_MIN_BYTES = 1 << 20
 MAX_THREADS = 8
+cnp.import_array()
 cdef int64_t _NOGIL_MIN = NOGIL_MIN_BYTES
 cdef int64_t _PARALLEL_MIN = PARALLEL_MIN_BYTES
 
@@ -110,6 +112,48 @@ cdef object _offsets(object obj, str name):
             f"{name} must be a C-contiguous 1-D int64 buffer (numpy int64 array), got {type(obj).__name__}: {exc}"
         ) from None
     return off
+
+
+cdef int64_t _NO_ROWS = 0  # what an empty buffer's pointer points at (never read)
+
+
+cdef inline bint _plain(object obj, int typenum, bint writable):
+    """A C-contiguous 1-D numpy array of ``typenum``, native byte order (and writable):
+    its data pointer serves without a buffer request, which costs more than a small copy."""
+    return (type(obj) is np.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>obj) == typenum
+            and cnp.PyArray_NDIM(<cnp.ndarray>obj) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>obj)
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>obj)
+            and (not writable or cnp.PyArray_ISWRITEABLE(<cnp.ndarray>obj)))
+
+
+cdef uint8_t* _bytes_ptr(object obj, str name, bint writable, Py_ssize_t* size, list keep) except NULL:
+    """``obj``'s bytes as :func:`_byte_buffer` checks them: the data pointer and size; a
+    buffer view needed for it is kept alive in ``keep``."""
+    cdef uint8_t[::1] view
+    if _plain(obj, cnp.NPY_UINT8, writable):
+        size[0] = cnp.PyArray_SIZE(<cnp.ndarray>obj)
+        return <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>obj)
+    mv = _byte_buffer(obj, name, writable)
+    keep.append(mv)
+    size[0] = len(mv)
+    if size[0] == 0:
+        return <uint8_t*>&_NO_ROWS
+    if writable:
+        view = mv
+        return &view[0]
+    cdef const uint8_t[::1] ro = mv
+    return <uint8_t*>&ro[0]
+
+
+cdef const int64_t* _int64_ptr(object obj, str name, Py_ssize_t* n, list keep) except NULL:
+    """``obj`` as :func:`_offsets` checks it: the data pointer and length."""
+    if _plain(obj, cnp.NPY_INT64, False):
+        n[0] = cnp.PyArray_SIZE(<cnp.ndarray>obj)
+        return <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>obj)
+    cdef const int64_t[::1] view = _offsets(obj, name)
+    keep.append(view)
+    n[0] = view.shape[0]
+    return &view[0] if n[0] else &_NO_ROWS
 
 
 @cython.boundscheck(False)
@@ -372,14 +416,15 @@ def copy_runs(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
     >>> dst.tolist()
     [10, 11, 12, 13, 0, 0, 2, 3]
     """
-    cdef uint8_t[::1] d = _byte_buffer(dst, "dst", True)
-    cdef const uint8_t[::1] s = _byte_buffer(src, "src", False)
-    cdef const int64_t[::1] doff = _offsets(dst_offsets, "dst_offsets")
-    cdef const int64_t[::1] soff = _offsets(src_offsets, "src_offsets")
-    cdef const int64_t[::1] lens = _offsets(run_bytes, "run_bytes")
-    cdef Py_ssize_t n = doff.shape[0]
-    if soff.shape[0] != n or lens.shape[0] != n:
-        raise ValueError(f"dst_offsets has {n} runs but src_offsets has {soff.shape[0]}, run_bytes {lens.shape[0]}")
+    keep = []
+    cdef Py_ssize_t dlen, slen, n, ns, nl
+    cdef uint8_t* d = _bytes_ptr(dst, "dst", True, &dlen, keep)
+    cdef const uint8_t* s = _bytes_ptr(src, "src", False, &slen, keep)
+    cdef const int64_t* doff = _int64_ptr(dst_offsets, "dst_offsets", &n, keep)
+    cdef const int64_t* soff = _int64_ptr(src_offsets, "src_offsets", &ns, keep)
+    cdef const int64_t* lens = _int64_ptr(run_bytes, "run_bytes", &nl, keep)
+    if ns != n or nl != n:
+        raise ValueError(f"dst_offsets has {n} runs but src_offsets has {ns}, run_bytes {nl}")
     if align < 1 or (align & (align - 1)) != 0:
         raise ValueError(f"align must be a power of two, got {align}")
     if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
@@ -390,10 +435,8 @@ def copy_runs(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
         raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
     if n == 0:
         return 0
-    cdef Py_ssize_t dlen = d.shape[0]
-    cdef Py_ssize_t slen = s.shape[0]
-    cdef uintptr_t d0 = <uintptr_t>&d[0]
-    cdef uintptr_t s0 = <uintptr_t>&s[0]
+    cdef uintptr_t d0 = <uintptr_t>d
+    cdef uintptr_t s0 = <uintptr_t>s
     if d0 < s0 + <uintptr_t>slen and s0 < d0 + <uintptr_t>dlen:
         raise ValueError("copy_runs: dst and src overlap")
     if dst_base > dlen or src_base > slen:
@@ -419,17 +462,17 @@ def copy_runs(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
             f"run {bad}: {ln} bytes from src offset {q} (base {src_base}, {slen} bytes) to dst offset {o} "
             f"(base {dst_base}, {dlen} bytes) does not fit"
         )
-    cdef uint8_t* dp = &d[0] + dst_base
-    cdef const uint8_t* sp = &s[0] + src_base
+    cdef uint8_t* dp = d + dst_base
+    cdef const uint8_t* sp = s + src_base
     cdef int par = threads if threads < n else <int>n
     if par > 1 and total >= _PARALLEL_MIN:
         with nogil:
-            _copy_parallel(dp, &doff[0], sp, &soff[0], n, 0, par, &lens[0])
+            _copy_parallel(dp, doff, sp, soff, n, 0, par, lens)
     elif total >= _NOGIL_MIN:
         with nogil:
-            _copy_runs(dp, &doff[0], sp, &soff[0], &lens[0], n)
+            _copy_runs(dp, doff, sp, soff, lens, n)
     else:
-        _copy_runs(dp, &doff[0], sp, &soff[0], &lens[0], n)
+        _copy_runs(dp, doff, sp, soff, lens, n)
     return n
 
 
@@ -526,11 +569,12 @@ def pair_runs(dev, host, int64_t dev_limit, int64_t host_limit, int64_t host_pag
     """
     if host_page_size < 1:
         raise ValueError(f"host_page_size must be >= 1, got {host_page_size}")
-    cdef const int64_t[::1] d = _offsets(dev, "device_indices")
-    cdef const int64_t[::1] h = _offsets(host, "host_indices")
-    cdef Py_ssize_t n = d.shape[0]
-    if h.shape[0] != n:
-        raise ValueError(f"{n} device indices but {h.shape[0]} host indices")
+    keep = []
+    cdef Py_ssize_t n, nh
+    cdef const int64_t* d = _int64_ptr(dev, "device_indices", &n, keep)
+    cdef const int64_t* h = _int64_ptr(host, "host_indices", &nh, keep)
+    if nh != n:
+        raise ValueError(f"{n} device indices but {nh} host indices")
     dev_off = []
     host_off = []
     lengths = []
@@ -543,27 +587,30 @@ def pair_runs(dev, host, int64_t dev_limit, int64_t host_limit, int64_t host_pag
             host_off.append(host_off[reuse])
             lengths.append(lengths[reuse])
             continue
-        runs = _runs(d, h, dev_limit, host_limit, host_page_size, component[1], component[2], component[3],
+        runs = _runs(d, h, n, dev_limit, host_limit, host_page_size, component[1], component[2], component[3],
                      component[4], not checked)
         if runs is None:  # host slots out of order: sort the pairs (stably) and plan again
             order = np.argsort(host, kind="stable")
-            d = np.ascontiguousarray(np.asarray(dev)[order])
-            h = np.ascontiguousarray(np.asarray(host)[order])
-            runs = _runs(d, h, dev_limit, host_limit, host_page_size, component[1], component[2], component[3],
-                         component[4], True)
+            sorted_dev = np.ascontiguousarray(np.asarray(dev)[order], dtype=np.int64)
+            sorted_host = np.ascontiguousarray(np.asarray(host)[order], dtype=np.int64)
+            keep += [sorted_dev, sorted_host]
+            d = <const int64_t*>cnp.PyArray_DATA(sorted_dev)
+            h = <const int64_t*>cnp.PyArray_DATA(sorted_host)
+            runs = _runs(d, h, n, dev_limit, host_limit, host_page_size, component[1], component[2],
+                         component[3], component[4], True)
         checked = True
         dev_off.append(runs[0])
         host_off.append(runs[1])
         lengths.append(runs[2])
     if not checked and n:  # no component to plan: the pairs are still checked
-        _runs(d, h, dev_limit, host_limit, host_page_size, 1, 1, 1, 1, True)
+        _runs(d, h, n, dev_limit, host_limit, host_page_size, 1, 1, 1, 1, True)
     return tuple(dev_off), tuple(host_off), tuple(lengths)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 @cython.cdivision(True)
-cdef object _runs(const int64_t[::1] d, const int64_t[::1] h, int64_t dev_limit, int64_t host_limit,
+cdef object _runs(const int64_t* d, const int64_t* h, Py_ssize_t n, int64_t dev_limit, int64_t host_limit,
                   int64_t page_size, int64_t dev_stride, int64_t page_stride, int64_t slot_stride, int64_t row,
                   bint check):
     # Rows i-1 and i are one run when both slots advance by one and the layouts put the
@@ -572,7 +619,6 @@ cdef object _runs(const int64_t[::1] d, const int64_t[::1] h, int64_t dev_limit,
     # last row of the previous one ends. One pass; with ``check``, it also checks every
     # slot's range (a run's first and last slot bound all of it) and the host order (a
     # run ascends, so only run boundaries can descend): ``None`` when it descends.
-    cdef Py_ssize_t n = d.shape[0]
     cdef Py_ssize_t i = 0, j, k = 0
     cdef int64_t v, w, top
     cdef int bad = 0
@@ -586,12 +632,13 @@ cdef object _runs(const int64_t[::1] d, const int64_t[::1] h, int64_t dev_limit,
         shift = 0
         while (<int64_t>1 << shift) < page_size:
             shift += 1
-    dout = np.empty(n, dtype=np.int64)
-    hout = np.empty(n, dtype=np.int64)
-    lout = np.empty(n, dtype=np.int64)
-    cdef int64_t[::1] od = dout
-    cdef int64_t[::1] oh = hout
-    cdef int64_t[::1] ol = lout
+    cdef cnp.npy_intp dims = n
+    dout = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT64, 0)
+    hout = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT64, 0)
+    lout = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT64, 0)
+    cdef int64_t* od = <int64_t*>cnp.PyArray_DATA(dout)
+    cdef int64_t* oh = <int64_t*>cnp.PyArray_DATA(hout)
+    cdef int64_t* ol = <int64_t*>cnp.PyArray_DATA(lout)
     with nogil:
         while i < n:
             v = d[i]
@@ -624,12 +671,23 @@ cdef object _runs(const int64_t[::1] d, const int64_t[::1] h, int64_t dev_limit,
             k += 1
             i = j
     if bad == 1:
-        raise IndexError(f"device_indices out of range [0, {dev_limit}): min {min(d)}, max {max(d)}")
+        lo, hi = _min_max(d, n)
+        raise IndexError(f"device_indices out of range [0, {dev_limit}): min {lo}, max {hi}")
     if bad == 2:
-        raise IndexError(f"host_indices out of range [0, {host_limit}): min {min(h)}, max {max(h)}")
+        lo, hi = _min_max(h, n)
+        raise IndexError(f"host_indices out of range [0, {host_limit}): min {lo}, max {hi}")
     if bad == 4:
         return None
     return dout[:k], hout[:k], lout[:k]
+
+
+cdef tuple _min_max(const int64_t* a, Py_ssize_t n):
+    cdef int64_t lo = a[0], hi = a[0]
+    cdef Py_ssize_t i
+    for i in range(1, n):
+        lo = a[i] if a[i] < lo else lo
+        hi = a[i] if a[i] > hi else hi
+    return lo, hi
 
 
 @cython.boundscheck(False)

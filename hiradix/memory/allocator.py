@@ -16,6 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hiradix._native import load
+
+_gather: Any = load("hiradix.memory._gather")  # its is_sorted, where built
+
 __all__ = ["PagedSlotAllocator"]
 
 
@@ -148,7 +152,13 @@ class PagedSlotAllocator:
         pages = self._take(n_tokens)
         if pages is None:
             return None
-        self._allocated_np[pages] = True
+        n = len(pages)
+        if n > 1 and int(pages[-1]) - int(pages[0]) == n - 1 and _gather is not None and _gather.is_sorted(pages):
+            # Free pages are distinct, so ascending and spanning n pages means consecutive
+            # (a fresh pool's, or a step's write-through): one slice, not n scattered stores.
+            self._allocated_np[int(pages[0]) : int(pages[0]) + n] = True
+        else:
+            self._allocated_np[pages] = True
         if self.page_size == 1:
             return pages.copy()  # a copy: the free list must not be aliased
         return np.add.outer(pages * self.page_size, self._page_offsets_np).reshape(-1)

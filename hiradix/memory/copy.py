@@ -251,6 +251,9 @@ def as_index_array(indices: Any, name: str) -> np.ndarray:
     """``indices`` as a 1-D int64 numpy array (a view where it already is one): the
     compiled path's input, and the controller's queued writes. Same errors as
     :func:`_as_index`. ``O(1)`` for an int64 array or CPU tensor, else ``O(n)``."""
+    if (type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1
+            and indices.flags.c_contiguous):
+        return indices  # the planned paths' own arrays: no checks to repeat
     if isinstance(indices, torch.Tensor):
         if indices.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
@@ -667,19 +670,43 @@ class ThreadCopyEngine(CopyEngine):
             if not isinstance(exc, Exception):  # KeyboardInterrupt & co. still stop the caller
                 raise
 
+    def _backup_step(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> Callable[[int], None]:
+        """A validated backup, as its per-layer copy."""
+        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
+        if plan is not None:
+            return lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
+        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
+        hidx = _host_index(host, host_pool.page_size)
+        return lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
+
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
-        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
-        if plan is not None:
-            return self._submit(
-                "backup", device_pool.layer_num, lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
-            )
-        dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
-        hidx = _host_index(host, host_pool.page_size)
-        return self._submit(
-            "backup", device_pool.layer_num, lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
-        )
+        step = self._backup_step(device_pool, host_pool, device_indices, host_indices)
+        return self._submit("backup", device_pool.layer_num, step)
+
+    def backup_now(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> None:
+        """:meth:`backup` on an inline engine, run to completion on the caller's thread
+        without a handle (a scheduler step's write-through: no handle, condition or ack
+        to make). A failed copy raises what the copy raised; layers before it landed.
+        ``layer_hook`` is called as for :meth:`backup`. ``RuntimeError`` on an engine
+        with a worker (this would overtake its queue) or a closed one. ``O(tokens)``."""
+        if not self.inline:
+            raise RuntimeError("backup_now needs an inline engine (ThreadCopyEngine(inline=True))")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("copy engine is closed")
+            op_id = self._next_id
+            self._next_id += 1
+        step = self._backup_step(device_pool, host_pool, device_indices, host_indices)
+        for layer in range(device_pool.layer_num):
+            if self._hook is not None:
+                self._hook("backup", op_id, layer)
+            step(layer)
 
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
