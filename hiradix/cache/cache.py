@@ -515,11 +515,12 @@ class HiRadixCache:
         copy landed on every rank if ``ok``: each becomes backed up (and goes on to L3),
         or, if not committed, is left as it was and its host slots are freed. Observers
         hear of each (``ops``: the nodes' operations). ``O(nodes)``."""
-        tree, l3, observers = self.tree, self.l3, self._observers
+        l3, observers = self.l3, self._observers
         done = failed = 0
+        results = self.tree.commit_backups(nodes, ok)
         for i, node in enumerate(nodes):
             host = hosts[i]
-            committed = tree.commit_backup(node, ok)
+            committed = results[i]
             if committed:
                 done += host.shape[0]
                 if l3 is not None:

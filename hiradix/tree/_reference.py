@@ -1060,6 +1060,13 @@ class HiRadixTree:
         self._lock(target, -1)
         return success
 
+    def commit_backups(self, nodes: Iterable[int], ok: bool = True) -> list[bool]:
+        """:meth:`commit_backup` of each of ``nodes`` in order (parents first), as one
+        call: a scheduler step's batch of backups landed together. Returns each one's
+        result; raises what the first failing commit raises, the ones before it done.
+        Runtime complexity: ``O(sum of depths)``."""
+        return [self.commit_backup(node, ok) for node in nodes]
+
     def evicted_host_indices(self, node: int) -> IndexArray:
         """Host indices of the evicted chain that ends at ``node`` (parents first): what
         :meth:`begin_load_back` will make device-resident. ``O(depth + tokens)``."""
