@@ -459,6 +459,15 @@ class ParityMachine(RuleBasedStateMachine):
         done, _ = self.both("commit_backup", self.pending.popleft(), ok)
         assert done, "commit_backup of a backup in flight was refused"
 
+    @precondition(lambda self: self.pending)
+    @rule(ok=oks, k=st.integers(1, 4))
+    def commit_a_batch_of_backups(self, ok: bool, k: int) -> None:
+        """A step's acknowledged batch: ``commit_backups`` of the oldest ``k`` in flight,
+        in the order they were begun (parents first), each result compared."""
+        batch = [self.pending.popleft() for _ in range(min(k, len(self.pending)))]
+        done, _ = self.both("commit_backups", batch, ok)
+        assert done, "commit_backups of backups in flight was refused"
+
     # -- load back
     @rule(data=st.data())
     def begin_load_back(self, data: st.DataObject) -> None:
