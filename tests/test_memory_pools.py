@@ -35,8 +35,7 @@ NO_RESERVE = {"reserve_bytes": 0}
 
 
 def _snapshot(a: PagedSlotAllocator) -> tuple[int, list[bool], list[int]]:
-    a._merge_pending()
-    return a.available_size(), a._allocated.tolist(), sorted(a._free_pages.tolist())
+    return a.available_size(), a._allocated.tolist(), sorted(a.free_pages().tolist())
 
 
 # ----------------------------------------------------------------------------- allocator

@@ -440,7 +440,7 @@ class HiCacheController:
                 start += n
         else:
             got = [alloc(n) for n in sizes]
-        agreed = self.agreement.all_true([g is not None for g in got])
+        agreed = self.agreement.all_true([True] * len(got) if whole is not None else [g is not None for g in got])
         if all(agreed):
             return got, whole if whole is not None else (got[0] if len(got) == 1 else None)
         out: list[np.ndarray | None] = []

@@ -16,10 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hiradix._native import load
-
-_gather: Any = load("hiradix.memory._gather")  # its is_sorted, where built
-
 __all__ = ["PagedSlotAllocator"]
 
 
@@ -100,18 +96,33 @@ class PagedSlotAllocator:
         # host eviction, where each small torch operation costs microseconds of dispatch
         # and numpy's a fraction of that.
         self._allocated_np = self._allocated.numpy() if self.device.type == "cpu" else None
-        self._free_pages: Any = (
-            np.arange(self._first_page, n_all, dtype=np.int64)
-            if self._allocated_np is not None
-            else torch.arange(self._first_page, n_all, dtype=torch.int64, device=self.device)
-        )
+        # The free list is the pages never handed out, ``_fresh_lo .. _fresh_hi - 1`` (a
+        # range, kept as two numbers: a fresh pool is not an array of millions of pages
+        # read from memory on every allocation), followed by ``_free_pages``, the pages
+        # freed since, in the order their frees were merged.
+        self._fresh_lo, self._fresh_hi = self._first_page, n_all
+        self._free_pages: Any = self._arange(0, 0)
+
+    def _arange(self, lo: int, hi: int) -> Any:
+        if self._allocated_np is not None:
+            return np.arange(lo, hi, dtype=np.int64)
+        return torch.arange(lo, hi, dtype=torch.int64, device=self.device)
+
+    def free_pages(self) -> Any:
+        """Every free page, in the order they will be handed out (frees not yet merged
+        last). A new int64 array (a tensor on a non-CPU device). ``O(free pages)``."""
+        fresh = self._arange(self._fresh_lo, self._fresh_hi)
+        if self._allocated_np is not None:
+            return np.concatenate([fresh, self._free_pages, *self._pending])
+        return torch.cat([fresh, self._free_pages, *self._pending])
 
     def available_size(self) -> int:
         """Free slots, counting frees not yet merged.
 
         Runtime complexity: ``O(1)``.
         """
-        return (len(self._free_pages) + self._pending_pages) * self.page_size
+        fresh = self._fresh_hi - self._fresh_lo
+        return (fresh + len(self._free_pages) + self._pending_pages) * self.page_size
 
     def _merge_pending(self) -> None:
         # Once per burst of frees, not once per free: the point of batching.
@@ -149,18 +160,19 @@ class PagedSlotAllocator:
         numpy views cost a fraction of torch's. ``O(n_tokens)``."""
         if self._allocated_np is None:
             raise ValueError(f"alloc_array: the allocator is on {self.device}, not the CPU")
+        lo = self._fresh_lo
         pages = self._take(n_tokens)
         if pages is None:
             return None
         n = len(pages)
-        if n > 1 and int(pages[-1]) - int(pages[0]) == n - 1 and _gather is not None and _gather.is_sorted(pages):
-            # Free pages are distinct, so ascending and spanning n pages means consecutive
-            # (a fresh pool's, or a step's write-through): one slice, not n scattered stores.
-            self._allocated_np[int(pages[0]) : int(pages[0]) + n] = True
+        if self._fresh_lo - lo == n:  # all from the never-used range: consecutive pages
+            self._allocated_np[lo : lo + n] = True
+            if self.page_size == 1:
+                return pages  # made by _take, aliased by nothing
         else:
             self._allocated_np[pages] = True
-        if self.page_size == 1:
-            return pages.copy()  # a copy: the free list must not be aliased
+            if self.page_size == 1:
+                return pages.copy()  # a copy: the free list must not be aliased
         return np.add.outer(pages * self.page_size, self._page_offsets_np).reshape(-1)
 
     def _take(self, n_tokens: Any) -> Any:
@@ -170,13 +182,22 @@ class PagedSlotAllocator:
         if n_tokens < 0 or n_tokens % self.page_size:
             raise ValueError(f"n_tokens must be a non-negative multiple of page_size={self.page_size}, got {n_tokens}")
         n_pages = n_tokens // self.page_size
-        if n_pages > len(self._free_pages):
-            if n_pages > len(self._free_pages) + self._pending_pages:
+        lo, hi = self._fresh_lo, self._fresh_hi
+        if n_pages <= hi - lo:  # the never-used range first, as it heads the free list
+            self._fresh_lo = lo + n_pages
+            return self._arange(lo, lo + n_pages)
+        need = n_pages - (hi - lo)
+        if need > len(self._free_pages):
+            if need > len(self._free_pages) + self._pending_pages:
                 return None
             self._merge_pending()
-        pages = self._free_pages[:n_pages]
-        self._free_pages = self._free_pages[n_pages:]
-        return pages
+        taken = self._free_pages[:need]
+        self._free_pages = self._free_pages[need:]
+        self._fresh_lo = hi
+        if lo == hi:
+            return taken
+        fresh = self._arange(lo, hi)
+        return np.concatenate([fresh, taken]) if self._allocated_np is not None else torch.cat([fresh, taken])
 
     def free(self, indices: Any) -> None:
         """Return the pages holding ``indices`` (any slot of a page frees the page).

@@ -48,7 +48,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -410,8 +410,7 @@ def _regions(pool: DeviceKVPool | HostKVPool) -> list[list[_Region]] | None:
     return plan
 
 
-@dataclass(frozen=True, slots=True)
-class _RowPlan:
+class _RowPlan(NamedTuple):  # a tuple: one is built per transfer, and a frozen dataclass's __init__ costs 1 us
     """One operation's runs for :func:`_gather.copy_runs`: byte offsets and lengths per
     component (the same for every layer; the layer moves only each region's ``base``)."""
 
@@ -488,15 +487,26 @@ def _pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayou
     copy cannot serve (a pool it cannot address, or strides that change with the layer).
     Mismatched pools raise as :func:`_check_pools` does, each time (failures are not kept).
     ``O(1)`` once known, ``O(layers * components)`` the first time."""
+    global _LAST_PAIR
+    last = _LAST_PAIR  # one read: another thread may replace it, never change it
+    if last is not None and last[0]() is device_pool and last[1]() is host_pool:
+        return last[2]
     with _REGIONS_LOCK:
         known = _PAIRS.get(device_pool)
         if known is not None and host_pool in known:
-            return known[host_pool]
+            layout = known[host_pool]
+            _LAST_PAIR = (weakref.ref(device_pool), weakref.ref(host_pool), layout)
+            return layout
     _check_pools(device_pool, host_pool)
     layout = _compute_pair_layout(device_pool, host_pool)
     with _REGIONS_LOCK:
         _PAIRS.setdefault(device_pool, weakref.WeakKeyDictionary())[host_pool] = layout
     return layout
+
+
+# The pair planned last (weakly: a cache never keeps pools alive), so that a scheduler
+# step's plan skips the two weak-dictionary lookups under the lock.
+_LAST_PAIR: tuple[weakref.ref[Any], weakref.ref[Any], _PairLayout | None] | None = None
 
 
 def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayout | None:
