@@ -169,6 +169,7 @@ class PagedSlotAllocator:
             self._allocated_np[lo : lo + n] = True
             if self.page_size == 1:
                 return pages  # made by _take, aliased by nothing
+            return np.arange(lo * self.page_size, (lo + n) * self.page_size, dtype=np.int64)
         else:
             self._allocated_np[pages] = True
             if self.page_size == 1:
