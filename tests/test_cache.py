@@ -292,6 +292,48 @@ def test_failed_backup_copy_leaves_the_tree_untouched() -> None:
         cache.check_invariants()
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool) -> None:
+    """With an inline write engine a step's batch is copied and committed inside
+    ``check_hicache_events`` (HiCacheController.write_now), nothing left in flight; a
+    failed copy leaves the nodes as they were, frees their host slots and counts them."""
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        if kind == "backup" and layer == 1 and fail:
+            raise OSError("injected copy error")
+
+    dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
+    host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
+    ctrl = HiCacheController(dev, host, layer_hook=hook, inline_writes=True)
+    copies: list[int] = []
+    write_now = ctrl.write_now
+    ctrl.write_now = lambda d, h: copies.append(len(d)) or write_now(d, h)  # type: ignore[method-assign]
+    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+        a = np.arange(32)
+        b = np.concatenate((a[:16], np.arange(1000, 1016)))
+        for p in (a, b):
+            m = cache.match_prefix(p)
+            new = cache.alloc_device(len(p) - len(m.device_indices))
+            fill(dev, new, prefix_seeds(p)[len(m.device_indices) :])
+            prefix = cache.insert(p, torch.cat((m.device_indices, new)))
+            cache._free_device(new[: prefix - len(m.device_indices)])
+        snapshot = tree_snapshot(cache.tree)
+        host_free = host.available_size()
+        cache.check_hicache_events()
+        assert copies == [48], "the step's batch is one synchronous copy"
+        assert not cache.ongoing_write_through and not ctrl._writes.acks, "nothing in flight after the step"
+        assert cache.protected_size() == 0 and cache.stats["backup_started_tokens"] == 48
+        if fail:
+            assert tree_snapshot(cache.tree) == snapshot and host.available_size() == host_free
+            assert cache.stats["backup_failed_tokens"] == 48 and cache.tree.host_size() == 0
+        else:
+            assert cache.stats["backup_done_tokens"] == 48 and cache.tree.host_size() == 48
+            assert cache.evict(10**6) == 48
+            scribble(dev, torch.arange(dev.total_slots))
+            for p in (a, b):
+                assert compute(cache, p)[1] == 32  # every byte back from the host
+        cache.check_invariants()
+
+
 def test_failed_load_is_repaired_before_the_chain_is_unlocked() -> None:
     failures = []
 

@@ -175,6 +175,41 @@ def test_round_trip_is_byte_identical(
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("native", [None, False], ids=["default", "torch"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_backup_now_lands_the_bytes_backup_would(layout: str, page_size: int, native: bool | None) -> None:
+    """An inline engine's synchronous backup: the same host bytes as a queued backup of
+    the same slots on another engine, with the hook called per layer as for backup."""
+    dev, host = _pools(SHAPES["mha"], page_size, torch.bfloat16, layout)
+    _, host2 = _pools(SHAPES["mha"], page_size, torch.bfloat16, layout)
+    _fill_random(dev, 7)
+    src_idx, host_idx = _random_sets(dev, host, random.Random(7), 3, whole_pages=False)
+    host2._buf.zero_()  # pool buffers start as whatever the allocator hands out
+    with ThreadCopyEngine() as queued:
+        queued.backup(dev, host2, src_idx, host_idx).wait(T)
+    calls: list[tuple[str, int, int]] = []
+    for hook in (None, lambda kind, op, layer: calls.append((kind, op, layer))):
+        host._buf.zero_()
+        with ThreadCopyEngine(inline=True, native=native, layer_hook=hook) as eng:
+            assert eng.backup_now(dev, host, src_idx, host_idx) is None
+        assert torch.equal(_bytes(host._buf), _bytes(host2._buf))
+    assert calls == [("backup", 0, layer) for layer in range(dev.layer_num)]
+
+
+def test_backup_now_needs_an_open_inline_engine() -> None:
+    dev, host = _pools(SHAPES["mla"], 1, torch.float32)
+    with ThreadCopyEngine() as eng, pytest.raises(RuntimeError, match="inline"):
+        eng.backup_now(dev, host, [1], [0])
+    eng = ThreadCopyEngine(inline=True)
+    with pytest.raises(IndexError):  # bad input raises as backup's does, copying nothing
+        eng.backup_now(dev, host, [dev.total_slots], [0])
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.backup_now(dev, host, [1], [0])
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("shape", ["mha", "mla"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 def test_round_trip_scattered_host_slots(engine: ThreadCopyEngine, layout: str, shape: str) -> None:

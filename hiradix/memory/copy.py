@@ -537,6 +537,16 @@ def _native_backup_layer(plan: _RowPlan, layer: int, threads: int) -> None:
         )
 
 
+def _native_backup_layers(plan: _RowPlan, layer_num: int, threads: int) -> None:
+    """:func:`_native_backup_layer` for layers ``0 .. layer_num - 1``, the plan read once
+    (a model's tens of layers make this loop the per-step cost of a write-through)."""
+    copy = _gather.copy_runs
+    dev_off, host_off, run_bytes, align = plan.dev_off, plan.host_off, plan.run_bytes, plan.align
+    for dev, host in zip(plan.dev[:layer_num], plan.host[:layer_num], strict=True):
+        for c, (d, h) in enumerate(zip(dev, host, strict=True)):
+            copy(h.buf, host_off[c], h.base, d.buf, dev_off[c], d.base, run_bytes[c], align, threads)
+
+
 def _native_load_layer(plan: _RowPlan, layer: int, threads: int) -> None:
     for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
         _gather.copy_runs(
@@ -712,6 +722,11 @@ class ThreadCopyEngine(CopyEngine):
                 raise RuntimeError("copy engine is closed")
             op_id = self._next_id
             self._next_id += 1
+        if self._hook is None and self.native:
+            plan = _row_plan(device_pool, host_pool, device_indices, host_indices)
+            if plan is not None:  # every layer in one loop, without a step per layer
+                _native_backup_layers(plan, device_pool.layer_num, self.copy_threads)
+                return
         step = self._backup_step(device_pool, host_pool, device_indices, host_indices)
         for layer in range(device_pool.layer_num):
             if self._hook is not None:
