@@ -1391,6 +1391,26 @@ def test_reserve_tokens_is_a_checked_hint_that_changes_nothing_observable(tree_c
     assert plain.evictable_size() == reserved.evictable_size()
 
 
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_large_eviction_hands_back_every_slot_once(tree_cls, reserve):
+    """An eviction of more than a MiB of indices (the core writes those with
+    non-temporal stores, from any alignment): every slot comes back once, in spans that
+    match the nodes' values, into the reserved buffer or a new array."""
+    tree = tree_cls(page_size=1)
+    if reserve:
+        tree.reserve_tokens(400_000, evict_tokens=400_000)
+    rng = np.random.default_rng(3)
+    slots = rng.permutation(400_000).astype(np.int64)  # scattered, as a real pool's
+    lens = [1, 3, 150_001, 7, 99_999, 2, 149_987]  # odd sizes: spans start at any 8-byte offset
+    start = 0
+    for i, n in enumerate(lens):
+        tree.insert(np.full(n, 1000 + i), slots[start : start + n])
+        start += n
+    evicted = tree.evict(start).device_indices
+    assert len(evicted) == start and np.array_equal(np.sort(evicted), np.sort(slots[:start]))
+    tree.check_invariants()
+
+
 def test_reserved_evict_buffer_never_changes_a_result_still_held(tree_cls):
     """``reserve_tokens(evict_tokens=)`` lets evict's device indices share one touched
     buffer (the core; the twin ignores it). A result, or any view or tensor made from

@@ -59,6 +59,8 @@ cdef extern from "_sha256.h" nogil:
 cdef extern from "_platform.h" nogil:
     void* hr_buf_grow(void* old, size_t old_bytes, size_t new_bytes)
     void hr_buf_free(void* p, size_t bytes)
+    void hr_copy_stream(void* dst, const void* src, size_t n)
+    void hr_stream_fence()
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
@@ -71,6 +73,9 @@ cdef int64_t COMPACT_MIN = 1 << 16     # tokens of garbage before compaction is 
 # Releasing and retaking the GIL costs two mutex operations, 4% of a typical match in a
 # profile; below this many tokens the work is shorter than that, so the GIL is kept.
 cdef int64_t NOGIL_MIN = 4096
+# Indices from which an eviction's result is written with non-temporal stores (1 MiB):
+# larger than the caches, so nothing would be read back from them anyway.
+cdef int64_t STREAM_MIN = 1 << 17
 
 
 # Cython allows ``include`` at module level only, so the class's private helpers are

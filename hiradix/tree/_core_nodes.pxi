@@ -229,9 +229,15 @@ cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None)
         out = _empty(total, cnp.NPY_INT64)
     cdef index_t* dst = <index_t*>cnp.PyArray_DATA(out)
     with nogil:
-        for j in range(k):
-            memcpy(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
-            pos += self.scratch[3 * j + 1]
+        if total >= STREAM_MIN:  # an eviction's worth: non-temporal stores (_platform.h)
+            for j in range(k):
+                hr_copy_stream(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
+                pos += self.scratch[3 * j + 1]
+            hr_stream_fence()
+        else:
+            for j in range(k):
+                memcpy(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
+                pos += self.scratch[3 * j + 1]
     return out
 
 
