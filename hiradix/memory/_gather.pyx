@@ -489,9 +489,9 @@ def slot_offsets(slots, int64_t limit, int64_t page_size, int64_t page_stride, i
     ``(s // page_size) * page_stride + (s % page_size) * slot_stride``, as a new int64
     array. Raises ``IndexError`` naming ``name`` when a slot lies outside ``[0, limit)``.
 
-    The copy engine plans every operation with these (device side, host side; see
-    :func:`pair_offsets`): one pass each, where the same in torch took about ten small
-    tensor operations. Runtime complexity: ``O(n)``.
+    The CUDA kernel path plans its rows with these (device side, host side; the CPU copy
+    plans merged runs, :func:`pair_runs`): one pass each, where the same in torch took
+    about ten small tensor operations. Runtime complexity: ``O(n)``.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
