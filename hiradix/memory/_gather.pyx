@@ -319,16 +319,9 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
     cdef Py_ssize_t n = doff.shape[0]
     if soff.shape[0] != n:
         raise ValueError(f"dst_offsets has {n} rows but src_offsets has {soff.shape[0]}")
-    if align < 1 or (align & (align - 1)) != 0:
-        raise ValueError(f"align must be a power of two, got {align}")
+    _check_args(align, dst_base, src_base, threads)
     if row_bytes < 0 or row_bytes % align:
         raise ValueError(f"row_bytes must be a non-negative multiple of align={align}, got {row_bytes}")
-    if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
-        raise ValueError(
-            f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
-        )
-    if threads < 1 or threads > MAX_THREADS:
-        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
     if n == 0 or row_bytes == 0:
         return 0
     cdef Py_ssize_t dlen = d.shape[0]
@@ -381,6 +374,19 @@ def copy_rows(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
     return runs
 
 
+cdef int _check_args(Py_ssize_t align, Py_ssize_t dst_base, Py_ssize_t src_base, int threads) except -1:
+    """The checks copy_rows and copy_runs share: ``ValueError`` naming the argument."""
+    if align < 1 or (align & (align - 1)) != 0:
+        raise ValueError(f"align must be a power of two, got {align}")
+    if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
+        raise ValueError(
+            f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
+        )
+    if threads < 1 or threads > MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+    return 0
+
+
 cdef int _raise_bad(str name, Py_ssize_t i, int64_t off, Py_ssize_t base, Py_ssize_t row,
                     Py_ssize_t length, Py_ssize_t align) except -1:
     if off >= 0 and off % align:
@@ -425,14 +431,7 @@ def copy_runs(dst, dst_offsets, Py_ssize_t dst_base, src, src_offsets, Py_ssize_
     cdef const int64_t* lens = _int64_ptr(run_bytes, "run_bytes", &nl, keep)
     if ns != n or nl != n:
         raise ValueError(f"dst_offsets has {n} runs but src_offsets has {ns}, run_bytes {nl}")
-    if align < 1 or (align & (align - 1)) != 0:
-        raise ValueError(f"align must be a power of two, got {align}")
-    if dst_base < 0 or src_base < 0 or dst_base % align or src_base % align:
-        raise ValueError(
-            f"dst_base and src_base must be non-negative multiples of align={align}, got {dst_base}, {src_base}"
-        )
-    if threads < 1 or threads > MAX_THREADS:
-        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+    _check_args(align, dst_base, src_base, threads)
     if n == 0:
         return 0
     cdef uintptr_t d0 = <uintptr_t>d
