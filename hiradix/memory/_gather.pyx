@@ -497,6 +497,17 @@ def slot_offsets(slots, int64_t limit, int64_t page_size, int64_t page_stride, i
     return _slot_offsets(_offsets(slots, name), limit, page_size, page_stride, slot_stride, name)
 
 
+cdef inline int _shift_of(int64_t page_size) noexcept nogil:
+    """``log2(page_size)`` for a power of two (1 included), so that slots split into page
+    and offset by shift and mask, without a division; ``-1`` otherwise."""
+    cdef int shift = 0
+    if page_size & (page_size - 1):
+        return -1
+    while (<int64_t>1 << shift) < page_size:
+        shift += 1
+    return shift
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef object _slot_offsets(const int64_t[::1] s, int64_t limit, int64_t page_size, int64_t page_stride,
@@ -505,12 +516,8 @@ cdef object _slot_offsets(const int64_t[::1] s, int64_t limit, int64_t page_size
     cdef Py_ssize_t i
     cdef int64_t v
     cdef bint bad = False
-    cdef int shift = -1
+    cdef int shift = _shift_of(page_size)
     cdef int64_t mask = page_size - 1
-    if page_size & mask == 0:  # a power of two (1 included): shift and mask, no division
-        shift = 0
-        while (<int64_t>1 << shift) < page_size:
-            shift += 1
     out = np.empty(n, dtype=np.int64)
     cdef int64_t[::1] o = out
     with nogil:
@@ -625,12 +632,8 @@ cdef object _runs(const int64_t* d, const int64_t* h, Py_ssize_t n, int64_t dev_
     cdef bint in_page = dev_next and page_size > 1 and slot_stride == row
     cdef bint across = dev_next and page_stride == (page_size - 1) * slot_stride + row
     cdef bint merge = in_page or across
-    cdef int shift = -1
+    cdef int shift = _shift_of(page_size)
     cdef int64_t mask = page_size - 1
-    if page_size & mask == 0:  # a power of two (1 included): shift and mask, no division
-        shift = 0
-        while (<int64_t>1 << shift) < page_size:
-            shift += 1
     cdef cnp.npy_intp dims = n
     dout = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT64, 0)
     hout = cnp.PyArray_EMPTY(1, &dims, cnp.NPY_INT64, 0)
