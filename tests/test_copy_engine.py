@@ -470,3 +470,23 @@ def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
     torch.cuda.synchronize()
     for layer in range(shape.layer_num):
         assert torch.equal(_bytes(sums[layer]), expected[layer])
+
+
+def test_planning_caches_keep_no_pool_alive() -> None:
+    """The copy planner's caches (per pool pair, and the pair planned last) hold the pools'
+    storage only as long as the pools themselves live."""
+    import gc
+
+    import hiradix.memory.copy as copy_mod
+
+    dev, host = _pools(SHAPES["mha"], 1, torch.float32)
+    with ThreadCopyEngine(inline=True) as eng:
+        eng.backup_now(dev, host, [1, 2], [0, 1])
+        eng.backup_now(dev, host, [3], [2])  # served by the cached pair
+    if copy_mod._LAST_PAIR is None:
+        pytest.skip("the compiled copy is not in use: nothing is planned (HIRADIX_PUREPYTHON or not built)")
+    layout = copy_mod._LAST_PAIR[2]  # its regions are views of both pools' storage
+    assert layout() is not None
+    del dev, host
+    gc.collect()
+    assert layout() is None

@@ -464,7 +464,7 @@ def _row_plan(
     return _RowPlan(layout.dev, layout.host, dev_off, host_off, run_bytes, device_pool.itemsize)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class _PairLayout:
     """What every plan between one device pool and one host pool shares: their regions,
     and per component the strides of its rows and the earlier component whose offset
@@ -490,12 +490,15 @@ def _pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayou
     global _LAST_PAIR
     last = _LAST_PAIR  # one read: another thread may replace it, never change it
     if last is not None and last[0]() is device_pool and last[1]() is host_pool:
-        return last[2]
+        cached = last[2]()
+        if cached is not None:
+            return cached
     with _REGIONS_LOCK:
         known = _PAIRS.get(device_pool)
         if known is not None and host_pool in known:
             layout = known[host_pool]
-            _LAST_PAIR = (weakref.ref(device_pool), weakref.ref(host_pool), layout)
+            if layout is not None:
+                _LAST_PAIR = (weakref.ref(device_pool), weakref.ref(host_pool), weakref.ref(layout))
             return layout
     _check_pools(device_pool, host_pool)
     layout = _compute_pair_layout(device_pool, host_pool)
@@ -504,9 +507,10 @@ def _pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayou
     return layout
 
 
-# The pair planned last (weakly: a cache never keeps pools alive), so that a scheduler
-# step's plan skips the two weak-dictionary lookups under the lock.
-_LAST_PAIR: tuple[weakref.ref[Any], weakref.ref[Any], _PairLayout | None] | None = None
+# The pair planned last, so that a scheduler step's plan skips the two weak-dictionary
+# lookups under the lock. All weak: the layout holds views of the pools' storage, which
+# must go with the pools (it lives on in _PAIRS exactly as long as they do).
+_LAST_PAIR: tuple[weakref.ref[Any], weakref.ref[Any], weakref.ref[_PairLayout]] | None = None
 
 
 def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayout | None:
