@@ -334,6 +334,20 @@ def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool
         cache.check_invariants()
 
 
+def test_an_eviction_before_the_step_keeps_the_batch_on_an_inline_write_engine_too() -> None:
+    """The batch an eviction starts stays in flight, kept on the device, until the step
+    acknowledges it, even where the copy itself ran inline at once."""
+    dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
+    host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
+    ctrl = HiCacheController(dev, host, inline_writes=True)
+    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+        cache.insert(np.arange(32), cache.alloc_device(32))
+        assert cache.evict(32) == 0 and cache.protected_size() == 32  # in flight: kept
+        cache.check_hicache_events()
+        assert cache.tree.host_size() == 32 and cache.evict(32) == 32
+        cache.check_invariants()
+
+
 def test_failed_load_is_repaired_before_the_chain_is_unlocked() -> None:
     failures = []
 

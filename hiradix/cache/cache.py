@@ -414,9 +414,12 @@ class HiRadixCache:
             return 0
         return self._write_backup_nodes([node])
 
-    def start_pending_backups(self) -> int:
+    def start_pending_backups(self, *, now: bool = False) -> int:
         """Start the backups inserts asked for since the last call (``batch_backups``), as
-        one submission; returns the tokens whose copy was started. A node that was evicted,
+        one submission; returns the tokens whose copy was started. ``now``: the caller
+        acknowledges finished backups right after (a step's events, a flush), so an inline
+        write engine may copy and commit them at once (:meth:`_write_backup_nodes`); an
+        eviction leaves them in flight, kept on the device. A node that was evicted,
         backed up or put in flight meanwhile is skipped (its handle may even name a newer
         node by now: the checks are on whatever it names, which is as good a candidate).
         Parents go before their children, whatever order the inserts came in (an insert
@@ -428,7 +431,7 @@ class HiRadixCache:
             return 0
         self._pending_backups = []
         nodes, sizes = self.tree.backup_order(pending)
-        return self._write_backup_nodes(nodes, sizes, now=True) if nodes else 0
+        return self._write_backup_nodes(nodes, sizes, now=now) if nodes else 0
 
     def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None, *,
                             now: bool = False) -> int:
@@ -443,11 +446,11 @@ class HiRadixCache:
         the tree begins every backup in one call (``begin_backups``) and the controller
         gets one batch.
 
-        ``now`` (the step's batch, started right before :meth:`writing_check`): with an
-        inline write engine and no observer, the controller copies at once
-        (:meth:`HiCacheController.write_now`) and the nodes are committed here, as
-        :meth:`writing_check` would commit them moments later, without a handle, an ack
-        or the in-flight map."""
+        ``now`` (a batch whose caller acknowledges backups right after it, as a step's
+        :meth:`check_hicache_events` does): with an inline write engine and no observer,
+        the controller copies at once (:meth:`HiCacheController.write_now`) and the nodes
+        are committed here, as :meth:`writing_check` would commit them moments later,
+        without a handle, an ack or the in-flight map."""
         tree = self.tree
         ctrl = self.cache_controller
         if sizes is None:
@@ -499,7 +502,7 @@ class HiRadixCache:
         A failed copy leaves its nodes as they were and frees their host slots.
         Runtime: ``O(nodes acknowledged)``."""
         if write_back:
-            self.start_pending_backups()
+            self.start_pending_backups(now=True)
         acks = self.cache_controller.ack_writes(wait_all=write_back)
         if not acks:
             return
@@ -609,7 +612,7 @@ class HiRadixCache:
         storage) and loads, and free the slots of finished, terminated prefetches. With
         ``batch_backups``, first start the backups this step's inserts asked for."""
         if self._pending_backups:
-            self.start_pending_backups()
+            self.start_pending_backups(now=True)
         self.writing_check()
         self.loading_check()
         if self.l3 is not None or self.ongoing_backup:
@@ -935,7 +938,7 @@ class HiRadixCache:
 
     def flush(self) -> None:
         """Wait for every submitted copy and acknowledge it (every rank must call it)."""
-        self.start_pending_backups()
+        self.start_pending_backups(now=True)
         self.cache_controller.start_writing()
         self.cache_controller.start_loading()
         self.cache_controller.drain()
