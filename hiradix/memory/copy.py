@@ -534,20 +534,13 @@ def _compute_pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _P
     return _PairLayout(dregs, hregs, tuple(components))
 
 
-def _native_backup_layer(plan: _RowPlan, layer: int, threads: int) -> None:
-    for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
-        _gather.copy_runs(
-            h.buf, plan.host_off[c], h.base, d.buf, plan.dev_off[c], d.base, plan.run_bytes[c], plan.align, threads
-        )
-
-
-def _native_backup_layers(plan: _RowPlan, layer_num: int, threads: int) -> None:
-    """:func:`_native_backup_layer` for layers ``0 .. layer_num - 1``, the plan read once
-    (a model's tens of layers make this loop the per-step cost of a write-through)."""
+def _native_backup_layers(plan: _RowPlan, layers: range, threads: int) -> None:
+    """The compiled backup of ``layers`` (one layer per step of a queued backup, every
+    layer in one loop for :meth:`ThreadCopyEngine.backup_now`), the plan read once."""
     copy = _gather.copy_runs
     dev_off, host_off, run_bytes, align = plan.dev_off, plan.host_off, plan.run_bytes, plan.align
-    for dev, host in zip(plan.dev[:layer_num], plan.host[:layer_num], strict=True):
-        for c, (d, h) in enumerate(zip(dev, host, strict=True)):
+    for layer in layers:
+        for c, (d, h) in enumerate(zip(plan.dev[layer], plan.host[layer], strict=True)):
             copy(h.buf, host_off[c], h.base, d.buf, dev_off[c], d.base, run_bytes[c], align, threads)
 
 
@@ -695,12 +688,13 @@ class ThreadCopyEngine(CopyEngine):
                 raise
 
     def _backup_step(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any,
+        plan: _RowPlan | None,
     ) -> Callable[[int], None]:
-        """A validated backup, as its per-layer copy."""
-        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
+        """A validated backup, as its per-layer copy: the compiled one when ``plan`` (from
+        :func:`_row_plan`) is given, else torch's."""
         if plan is not None:
-            return lambda layer: _native_backup_layer(plan, layer, self.copy_threads)
+            return lambda layer: _native_backup_layers(plan, range(layer, layer + 1), self.copy_threads)
         dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
         hidx = _host_index(host, host_pool.page_size)
         return lambda layer: _backup_layer(device_pool, host_pool, dev, hidx, layer)
@@ -708,7 +702,8 @@ class ThreadCopyEngine(CopyEngine):
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
-        step = self._backup_step(device_pool, host_pool, device_indices, host_indices)
+        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
+        step = self._backup_step(device_pool, host_pool, device_indices, host_indices, plan)
         return self._submit("backup", device_pool.layer_num, step)
 
     def backup_now(
@@ -726,12 +721,11 @@ class ThreadCopyEngine(CopyEngine):
                 raise RuntimeError("copy engine is closed")
             op_id = self._next_id
             self._next_id += 1
-        if self._hook is None and self.native:
-            plan = _row_plan(device_pool, host_pool, device_indices, host_indices)
-            if plan is not None:  # every layer in one loop, without a step per layer
-                _native_backup_layers(plan, device_pool.layer_num, self.copy_threads)
-                return
-        step = self._backup_step(device_pool, host_pool, device_indices, host_indices)
+        plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
+        if plan is not None and self._hook is None:  # every layer in one loop, without a step per layer
+            _native_backup_layers(plan, range(device_pool.layer_num), self.copy_threads)
+            return
+        step = self._backup_step(device_pool, host_pool, device_indices, host_indices, plan)
         for layer in range(device_pool.layer_num):
             if self._hook is not None:
                 self._hook("backup", op_id, layer)

@@ -47,7 +47,7 @@ cdef cnp.ndarray _as_tokens(object key):
             PyBuffer_Release(&view)
         arr = np.asarray(key)     # other typecodes, or an id out of range: the checks below
     else:
-        arr = np.asarray(key)     # lists, array('q'), CPU torch tensors (__array__)
+        arr = np.asarray(key)     # lists, CPU torch tensors (__array__), other buffers
     if cnp.PyArray_NDIM(arr) != 1:
         if cnp.PyArray_SIZE(arr) == 0:
             return np.empty(0, dtype=np.int32)
@@ -74,7 +74,6 @@ cdef cnp.ndarray _as_tokens(object key):
     # it (a 1,343-token key: 1.3 us with an early exit, a fraction of that without).
     # ``t + 2**31`` fits 32 bits exactly when ``t`` fits int32, so any high bit in the OR
     # of the shifted values marks a token out of range.
-    high = 0
     if n >= NOGIL_MIN:
         with nogil:
             high = _narrow(src, dst, n)
