@@ -1092,6 +1092,32 @@ def test_int32_extremes_are_valid_tokens(tree_cls):
     assert tree.key(node).tolist() == key.tolist()
 
 
+@pytest.mark.parametrize("n", [7, 8, 9, 17, 1_100])
+@pytest.mark.parametrize("as_input", [lambda a: a, lambda a: array.array("q", a.tobytes())],
+                         ids=["ndarray", "array q"])
+def test_narrowing_checks_every_position_of_a_long_key(tree_cls, n, as_input):
+    # The compiled narrowing runs in blocks of 8 with a scalar tail, prefetching 512 ids
+    # ahead: a bad id in the first block, the middle, the tail or the last one is caught,
+    # and every id of a good key is kept exactly.
+    rng = np.random.default_rng(n)
+    good = rng.integers(-(2**31), 2**31, size=n, dtype=np.int64)
+    good[0], good[-1] = 2**31 - 1, -(2**31)
+    tree = tree_cls(1)
+    for pos in sorted({0, n // 2, n - 2, n - 1}):
+        for bad in (2**31, -(2**31) - 1):
+            key = good.copy()
+            key[pos] = bad
+            with pytest.raises(OverflowError):
+                tree.insert(as_input(key), idx(0, n))
+            with pytest.raises(OverflowError):
+                tree.match_prefix(as_input(key))
+    assert tree.num_nodes() == 0
+    node = tree.insert(as_input(good), idx(0, n)).last_node
+    assert tree.key(node).tolist() == good.tolist()
+    assert tree.match_prefix(as_input(good)).device_indices.tolist() == idx(0, n).tolist()
+    tree.check_invariants()
+
+
 @pytest.mark.parametrize("n_values", [2, 4])
 def test_a_value_of_the_wrong_length_is_refused(tree_cls, n_values):
     tree = tree_cls(1)

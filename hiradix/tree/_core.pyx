@@ -61,6 +61,7 @@ cdef extern from "_platform.h" nogil:
     void hr_buf_free(void* p, size_t bytes)
     void hr_copy_stream(void* dst, const void* src, size_t n)
     void hr_stream_fence()
+    uint64_t hr_narrow(const int64_t* src, int32_t* dst, size_t n)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}

@@ -40,7 +40,7 @@ cdef cnp.ndarray _as_tokens(object key):
             if view.itemsize == 8 and view.format[0] in b"ql" and view.format[1] == 0:
                 n = view.len // 8
                 out = _empty(n, cnp.NPY_INT32)
-                high = _narrow(<const int64_t*>view.buf, <int32_t*>cnp.PyArray_DATA(out), n)
+                high = hr_narrow(<const int64_t*>view.buf, <int32_t*>cnp.PyArray_DATA(out), n)
                 if not high:
                     return out
         finally:
@@ -76,23 +76,12 @@ cdef cnp.ndarray _as_tokens(object key):
     # of the shifted values marks a token out of range.
     if n >= NOGIL_MIN:
         with nogil:
-            high = _narrow(src, dst, n)
+            high = hr_narrow(src, dst, n)
     else:
-        high = _narrow(src, dst, n)
+        high = hr_narrow(src, dst, n)
     if high:
         raise OverflowError(f"token id out of int32 range: min {int(arr.min())}, max {int(arr.max())}")
     return out
-
-
-cdef inline uint64_t _narrow(const int64_t* src, int32_t* dst, Py_ssize_t n) noexcept nogil:
-    """``dst[k] = src[k]`` as int32; the OR of every ``(src[k] + 2**31) >> 32``, which is
-    zero exactly when all of them fit."""
-    cdef uint64_t high = 0
-    cdef Py_ssize_t k
-    for k in range(n):
-        dst[k] = <int32_t>src[k]
-        high |= (<uint64_t>src[k] + <uint64_t>2147483648) >> 32
-    return high
 
 
 cdef cnp.ndarray _as_indices(object value, str name):
