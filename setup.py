@@ -31,6 +31,7 @@ EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix.peer._verify", ["hiradix/peer/_verify.pyx"]),
     ("hiradix.peer._hash", ["hiradix/peer/_hash.pyx"]),
     ("hiradix.transport._tcpio", ["hiradix/transport/_tcpio.pyx"]),
+    ("hiradix.sglang._match", ["hiradix/sglang/_match.pyx"]),
 ]
 
 

@@ -42,6 +42,9 @@ TWINS: tuple[Twin, ...] = (
          "per-slot loop in hiradix.peer.reader"),
     Twin("hiradix.transport._tcpio", "hiradix.transport.tcp.read_frames_py", "tests/test_transport_specific.py",
          "TcpTransport(native=False): the same bytes through socket calls"),
+    Twin("hiradix.sglang._match", "hiradix.sglang.cache.HiRadixCacheBase.match_prefix",
+         "tests/sglang/test_match_compiled.py",
+         "the Python method; the compiled one serves plain keys, on the instance"),
     Twin("hiradix.transport._verbs", None, "tests/test_transport_rdma.py",
          "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable"),
 )

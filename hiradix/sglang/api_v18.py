@@ -9,6 +9,7 @@ slots, and ``init_load_back`` the slots it loads into.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,21 +17,14 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from hiradix.sglang.cache import HiRadixCacheBase
+from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
 from hiradix.sglang.nodes import TreeNode
 
 __all__ = ["HiRadixCache"]
 
+# SGLang's field order; the fields after these have defaults (namedtuple_tail).
 _HEAD = ("device_indices", "last_device_node", "last_host_node", "best_match_node", "host_hit_length")
-# MatchResult is a NamedTuple whose generated __new__ fills the fields after these five
-# from their defaults, a Python-level call on every match: when the head is as expected,
-# the match builds the tuple directly with the defaults' tail, computed once here.
-_TAIL: tuple[Any, ...] | None = (
-    tuple(MatchResult._field_defaults[f] for f in MatchResult._fields[5:])
-    if issubclass(MatchResult, tuple) and tuple(MatchResult._fields[:5]) == _HEAD
-    and all(f in MatchResult._field_defaults for f in MatchResult._fields[5:])
-    else None
-)
+_TAIL = namedtuple_tail(MatchResult, _HEAD)
 
 
 class HiRadixCache(HiRadixCacheBase):
@@ -48,6 +42,12 @@ class HiRadixCache(HiRadixCacheBase):
         """More ``InsertParams`` fields of a request's insert: none in 0.5.15 to 0.5.18
         (0.5.20 adds the request's ``session_id``, which its KV events name)."""
         return {}
+
+    def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
+        # A CPU tensor of the slots; on an accelerator the Python method moves them there.
+        if _TAIL is None or not self._on_cpu:
+            return None
+        return torch.from_numpy, MatchResult, _TAIL
 
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:

@@ -22,7 +22,7 @@ option (:func:`check_supported_v23`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,12 +35,15 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from hiradix.sglang.cache import HiRadixCacheBase
+from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
 from hiradix.sglang.nodes import TreeNode
 
 __all__ = ["HiRadixCache", "ServerSince020", "check_supported_v23"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+# SGLang's field order; the fields after these have defaults (namedtuple_tail).
+_HEAD = ("device_prefix_len", "last_device_node", "last_host_node", "best_match_node", "host_hit_length")
+_TAIL = namedtuple_tail(MatchResult, _HEAD)
 # SGLang's defaults for its L3 re-issue options; hiradix never re-issues (0 is the same).
 _RETRY_DEFAULT = 8
 
@@ -135,6 +138,12 @@ class ServerSince020(HiRadixCacheBase):
 class HiRadixCache(ServerSince020):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
     registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
+
+    def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
+        # The result names the device prefix by its length, wherever the slots live.
+        if _TAIL is None:
+            return None
+        return len, MatchResult, _TAIL
 
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
                       host_hit_length: int) -> MatchResult:

@@ -80,6 +80,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 import hiradix
+from hiradix._native import load
 from hiradix.cache import HiRadixCache as CoreCache
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
@@ -345,6 +346,21 @@ def _key_tokens(key: Any) -> np.ndarray | array:
     return _raw_tokens(key)
 
 
+def namedtuple_tail(cls: type, head: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The defaults of the fields after ``head`` of SGLang's ``MatchResult`` (a
+    ``NamedTuple``), when its first fields are ``head`` and all the others have defaults;
+    else ``None``. Its generated ``__new__`` fills those defaults with a Python-level call
+    on every match: with the tail at hand, a match builds the tuple directly,
+    ``tuple.__new__(cls, head_values + tail)``."""
+    fields = getattr(cls, "_fields", ())
+    defaults = getattr(cls, "_field_defaults", {})
+    if not issubclass(cls, tuple) or tuple(fields[: len(head)]) != head:
+        return None
+    if not all(f in defaults for f in fields[len(head):]):
+        return None
+    return tuple(defaults[f] for f in fields[len(head):])
+
+
 def _head(tokens: np.ndarray | array, n: int) -> np.ndarray:
     """The first ``n`` tokens, as a view (an ``array('q')`` slice would copy)."""
     if isinstance(tokens, array):
@@ -492,7 +508,33 @@ class HiRadixCacheBase(BasePrefixCache):
             from hiradix.sglang.events import KVEventLog
 
             self._events = KVEventLog(self, params)
+        self._install_matcher()
         atexit.register(self.shutdown)
+
+    def _install_matcher(self) -> None:
+        """Put the compiled ``match_prefix`` (:mod:`hiradix.sglang._match`) in front of the
+        method, on this instance, where it applies: built (not ``HIRADIX_PUREPYTHON``), no
+        EAGLE bigrams, the subclass keeps this class's method, and the installed SGLang's
+        ``MatchResult`` is as :meth:`_compiled_match_spec` expects. It serves plain keys
+        and hands every other to the method; the results are the same."""
+        compiled = load("hiradix.sglang._match")
+        spec = self._compiled_match_spec()
+        if compiled is None or spec is None or self.is_eagle or not compiled.applies_to(self.tree):
+            return
+        if type(self).match_prefix is not HiRadixCacheBase.match_prefix:
+            return  # a subclass's own match_prefix is the one to call
+        wrap, result, tail = spec
+        # An instance attribute, looked up before the class's method (which mypy does not
+        # let one assign to): the scheduler's call then goes straight to C.
+        self.__dict__["match_prefix"] = compiled.Matcher(self, HiRadixCacheBase.match_prefix, TreeNode, wrap,
+                                                         result, tail)
+
+    def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
+        """``(wrap, MatchResult, tail)`` for the compiled matcher: the result's first field
+        from the matched device slots, SGLang's result type and the defaults of its fields
+        after the first five (:func:`namedtuple_tail`); ``None`` where only the Python
+        method may serve. The subclass for the installed SGLang knows which."""
+        return None
 
     def _l3_keys(
         self, params: Any, server_args: Any, host_pool: HostKVPool

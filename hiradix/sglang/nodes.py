@@ -33,6 +33,8 @@ class TreeNode:
     ``root_node`` reaches every node. Each field costs one call into the tree.
     """
 
+    # A view is these two fields and nothing else: the compiled matcher
+    # (hiradix.sglang._match) makes its views without __init__.
     __slots__ = ("_cache", "id")
 
     def __init__(self, cache: HiRadixCache, handle: int) -> None:

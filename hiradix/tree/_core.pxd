@@ -145,3 +145,8 @@ cdef class HiRadixTree:
     cdef int64_t _num_nodes
     cdef readonly int64_t nodes_allocated
     cdef readonly int64_t nodes_freed
+
+    # match_prefix's work for compiled callers (hiradix.sglang._match), without the result
+    # object: returns the device indices, ``out`` gets the last device node, the last
+    # backed-up node, the host hit length and the last matched node
+    cdef object match_into(self, object key, object extra_key, int64_t* out)

@@ -222,6 +222,18 @@ cdef class HiRadixTree:
 
     def match_prefix(self, key, extra_key=None):
         """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""
+        cdef int64_t out[4]
+        cdef MatchResult r = MatchResult.__new__(MatchResult)
+        r.device_indices = self.match_into(key, extra_key, out)
+        r.last_device_node = out[0]
+        r.last_host_node = out[1]
+        r.host_hit_length = out[2]
+        r.last_node = out[3]
+        return r
+
+    cdef object match_into(self, object key, object extra_key, int64_t* out):
+        # match_prefix, its result's fields in ``out`` (last device node, last host node,
+        # host hit length, last node) and the device indices returned (_core.pxd).
         cdef cnp.ndarray toks = _as_tokens(key)
         cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
         cdef int64_t n = cnp.PyArray_SIZE(toks)
@@ -242,13 +254,11 @@ cdef class HiRadixTree:
         last_host = last_dev
         while not self.nodes[last_host].backed_up:
             last_host = self.nodes[last_host].parent
-        cdef MatchResult r = MatchResult.__new__(MatchResult)
-        r.device_indices = _gather(self, root, last_dev, False)
-        r.last_device_node = _handle(&self.nodes[last_dev], last_dev)
-        r.last_host_node = _handle(&self.nodes[last_host], last_host)
-        r.host_hit_length = host_hit
-        r.last_node = _handle(&self.nodes[node], node)
-        return r
+        out[0] = _handle(&self.nodes[last_dev], last_dev)
+        out[1] = _handle(&self.nodes[last_host], last_host)
+        out[2] = host_hit
+        out[3] = _handle(&self.nodes[node], node)
+        return _gather(self, root, last_dev, False)
 
     def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False):
         """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``."""

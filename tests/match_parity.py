@@ -1,0 +1,100 @@
+"""The compiled ``match_prefix`` (``hiradix.sglang._match``) against the Python method it
+stands in front of, on one cache: a randomized run of inserts, evictions (host-only
+tails), lock changes and matches of every kind of key, both answers compared field by
+field and the tree's invariants checked after every step.
+
+Shared by ``tests/sglang`` (SGLang 0.5.18 and 0.5.20, whose results carry the device slots)
+and ``tests/sglang23`` (0.5.23, the device prefix's length); both put ``tests/`` on
+``sys.path``.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang_pools import insert
+
+from hiradix._native import load
+from hiradix.sglang.cache import HiRadixCacheBase
+
+COMPILED = load("hiradix.sglang._match")
+
+
+def python_match(cache: Any, params: Any) -> Any:
+    """The twin: the class's method, whatever the instance has in front of it."""
+    return HiRadixCacheBase.match_prefix(cache, params)
+
+
+def same_result(a: Any, b: Any) -> None:
+    """Two ``MatchResult`` are the same: type, every field (nodes by handle, tensors by value)."""
+    assert type(a) is type(b)
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.device == y.device, i
+            assert torch.equal(x, y), f"field {i}: {x.tolist()} != {y.tolist()}"
+        else:
+            assert type(x) is type(y) and x == y, f"field {i}: {x!r} != {y!r}"
+
+
+def keys_of(tokens: list[int], rng: random.Random) -> list[RadixKey]:
+    """The shapes of key a scheduler (or a caller) hands over: the common one (an
+    ``array('q')``) and every one the compiled matcher passes on."""
+    n = len(tokens)
+    return [
+        RadixKey(array("q", tokens)),
+        RadixKey(array("q", tokens), limit=rng.randrange(0, n + 2)),
+        RadixKey(array("q", tokens), extra_key=rng.choice(["a", "b"])),
+        RadixKey(array("q", tokens), cache_salt="salt"),
+        RadixKey(list(tokens)),
+        RadixKey(array("l", tokens)),
+        RadixKey(array("q", tokens[: rng.randrange(0, 3)])),  # shorter than a page, or empty
+    ]
+
+
+def run(env: Any, *, seed: int, steps: int) -> int:
+    """Drive ``env.cache``; every match is answered by both paths and compared. Returns
+    the number of host hits seen (a run without any tests less than it should)."""
+    cache = env.cache
+    assert "match_prefix" in vars(cache), "the compiled matcher is not installed"
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    held: list[Any] = []
+    host_hits = 0
+    for _ in range(steps):
+        stem = rng.choice(stems)
+        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000)
+                                                           for _ in range(rng.randrange(0, 24))]
+        op = rng.random()
+        if op < 0.35 and env.allocator.available_size() > len(tokens) + 64:
+            ns = rng.choice([None, None, "a"])
+            insert(env, tokens, **({} if ns is None else {"extra_key": ns}))
+            if rng.random() < 0.5:
+                cache.check_hicache_events()
+        elif op < 0.45:
+            cache.core.flush()
+            cache.check_hicache_events()  # backups acknowledged: evictions leave host copies
+            cache.evict(EvictParams(num_tokens=rng.randrange(1, 64)))
+        elif op < 0.52 and held:
+            cache.dec_lock_ref(held.pop(rng.randrange(len(held))))
+        else:
+            for key in keys_of(tokens, rng):
+                params = MatchPrefixParams(key=key)
+                calls = [lambda p=params: cache.match_prefix(p), lambda p=params: python_match(cache, p)]
+                rng.shuffle(calls)  # a match may split a node: either may come first
+                a, b = calls[0](), calls[1]()
+                same_result(a, b)
+                host_hits += a.host_hit_length > 0
+                if rng.random() < 0.1 and len(held) < 4 and a.last_device_node != cache.root_node:
+                    cache.inc_lock_ref(a.last_device_node)
+                    held.append(a.last_device_node)
+        cache.check_invariants()
+    for node in held:
+        cache.dec_lock_ref(node)
+    cache.check_invariants()
+    return host_hits
