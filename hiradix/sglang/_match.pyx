@@ -6,9 +6,10 @@ layers around the tree's match were 40% of its cost: reading the params, two nod
 the slots' tensor and the result tuple took 1.9 us around a 2.7 us tree match of a
 1,343-token key (``bench/sglang_api.py``, page 1). :class:`Matcher` does that work in C
 for a key with nothing special about it (an ``array('q')`` of tokens, no namespace, no
-``limit``, no bigrams) and calls the tree's ``match_into`` directly, without its result
-object; any other key goes to the Python method it stands in front of. Both give the same
-``MatchResult`` for every key (``tests/sglang/test_match_compiled.py``).
+bigrams; a ``limit``, which the scheduler always sets, the tree honours) and calls the
+tree's ``match_into`` directly, without its result object; any other key goes to the
+Python method it stands in front of. Both give the same ``MatchResult`` for every key
+(``tests/sglang/test_match_compiled.py``).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.match_prefix` itself: with
 ``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is installed and the method serves.
@@ -38,8 +39,9 @@ cdef inline void _put(object tup, Py_ssize_t i, object item):
 
 
 cdef class Matcher:
-    """``cache.match_prefix`` for plain keys: ``Matcher(cache, general, node, wrap,
-    result, tail)(params)`` returns what ``general(cache, params)`` would.
+    """``cache.match_prefix`` for plain keys, a ``limit`` or not: ``Matcher(cache,
+    general, node, wrap, result, tail)(params)`` returns what ``general(cache, params)``
+    would.
 
     - ``general``: the Python ``match_prefix``, for every other key (and a disabled cache);
     - ``node``: the node view type, :class:`hiradix.sglang.nodes.TreeNode`, whose two
@@ -70,13 +72,20 @@ cdef class Matcher:
         cache = self.cache
         key = params.key
         ids = key.token_ids
+        limit = key.limit  # the scheduler's: the prompt's length less one
         if (type(ids) is not array or (<array>ids).ob_descr.typecode != b"q" or key.is_bigram
-                or key.extra_key is not None or key.cache_salt is not None or key.limit is not None
-                or len(ids) < self.tree.page_size or cache.disable):
+                or key.extra_key is not None or key.cache_salt is not None
+                or (limit is not None and (type(limit) is not int or limit < 0)) or cache.disable):
             return self.general(cache, params)
-        # The tree matches whole pages only: the tokens go as they are.
+        cdef Py_ssize_t n = len(ids)
+        cdef Py_ssize_t cap = -1 if limit is None else limit
+        if 0 <= cap < n:
+            n = cap
+        if n < self.tree.page_size:
+            return self.general(cache, params)
+        # The tree matches whole pages only, and reads no token past the limit.
         cdef int64_t out[4]  # last device node, last host node, host hit length, last node
-        indices = self.tree.match_into(ids, None, out)
+        indices = self.tree.match_into(ids, None, out, cap)
         # The deepest backed-up matched node, as the Python method picks it: the end of an
         # evicted tail, else the tree's anchor at or above the device part.
         cdef int64_t host = out[3] if out[2] else out[1]

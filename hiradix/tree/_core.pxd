@@ -147,6 +147,7 @@ cdef class HiRadixTree:
     cdef readonly int64_t nodes_freed
 
     # match_prefix's work for compiled callers (hiradix.sglang._match), without the result
-    # object: returns the device indices, ``out`` gets the last device node, the last
-    # backed-up node, the host hit length and the last matched node
-    cdef object match_into(self, object key, object extra_key, int64_t* out)
+    # object, on the first ``limit`` tokens of ``key`` (all when negative): returns the
+    # device indices, ``out`` gets the last device node, the last backed-up node, the host
+    # hit length and the last matched node
+    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit)

@@ -224,17 +224,18 @@ cdef class HiRadixTree:
         """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""
         cdef int64_t out[4]
         cdef MatchResult r = MatchResult.__new__(MatchResult)
-        r.device_indices = self.match_into(key, extra_key, out)
+        r.device_indices = self.match_into(key, extra_key, out, -1)
         r.last_device_node = out[0]
         r.last_host_node = out[1]
         r.host_hit_length = out[2]
         r.last_node = out[3]
         return r
 
-    cdef object match_into(self, object key, object extra_key, int64_t* out):
-        # match_prefix, its result's fields in ``out`` (last device node, last host node,
-        # host hit length, last node) and the device indices returned (_core.pxd).
-        cdef cnp.ndarray toks = _as_tokens(key)
+    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit):
+        # match_prefix of the first ``limit`` tokens of ``key`` (all when negative), its
+        # result's fields in ``out`` (last device node, last host node, host hit length,
+        # last node) and the device indices returned (_core.pxd).
+        cdef cnp.ndarray toks = _as_tokens(key, limit)
         cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
         cdef int64_t n = cnp.PyArray_SIZE(toks)
         cdef node_t root = _ns_root(self, extra_key)

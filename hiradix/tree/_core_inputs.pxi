@@ -21,8 +21,10 @@ cdef int64_t _as_int64(object x, str name) except? -1:
     return v
 
 
-cdef cnp.ndarray _as_tokens(object key):
-    """Token ids as a C-contiguous 1-D int32 array, without per-token Python work."""
+cdef cnp.ndarray _as_tokens(object key, Py_ssize_t limit=-1):
+    """Token ids as a C-contiguous 1-D int32 array, without per-token Python work; only
+    the first ``limit`` of them when ``limit`` is not negative (SGLang's ``RadixKey.limit``:
+    the rest is not read)."""
     cdef cnp.ndarray arr
     cdef cnp.ndarray out
     cdef const int64_t* src
@@ -39,6 +41,8 @@ cdef cnp.ndarray _as_tokens(object key):
         try:
             if view.itemsize == 8 and view.format[0] in b"ql" and view.format[1] == 0:
                 n = view.len // 8
+                if 0 <= limit < n:
+                    n = limit
                 out = _empty(n, cnp.NPY_INT32)
                 high = hr_narrow(<const int64_t*>view.buf, <int32_t*>cnp.PyArray_DATA(out), n)
                 if not high:
@@ -52,6 +56,8 @@ cdef cnp.ndarray _as_tokens(object key):
         if cnp.PyArray_SIZE(arr) == 0:
             return np.empty(0, dtype=np.int32)
         raise ValueError(f"token ids must be 1-D, got shape {(<object>arr).shape}")
+    if 0 <= limit < cnp.PyArray_SIZE(arr):
+        arr = arr[:limit]
     if cnp.PyArray_TYPE(arr) == cnp.NPY_INT32 and cnp.PyArray_ISNOTSWAPPED(arr):
         if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
             arr = np.ascontiguousarray(arr)

@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_pools import insert
 
 import hiradix.sglang as hs
+from hiradix.sglang.nodes import TreeNode
 
 compiled = pytest.mark.skipif(match_parity.COMPILED is None,
                               reason="hiradix.sglang._match is not built (HIRADIX_PUREPYTHON or no compiler)")
@@ -41,6 +42,33 @@ def test_compiled_match_survives_reset_and_disable(make_env) -> None:
     env.cache.disable = True  # read on every call, as the method does
     match_parity.same_result(env.cache.match_prefix(params), match_parity.python_match(env.cache, params))
     assert len(env.cache.match_prefix(params).device_indices) == 0
+
+
+@compiled
+def test_the_schedulers_keys_stay_in_c(make_env) -> None:
+    # Plain keys, with the limit SGLang's scheduler always sets, never reach the Python
+    # method; a namespace, a list of tokens or a key shorter than a page do.
+    env = make_env(4)
+    tokens = list(range(1, 42))
+    insert(env, tokens)
+    calls: list[object] = []
+
+    def general(cache, params):
+        calls.append(params.key)
+        return match_parity.python_match(cache, params)
+
+    matcher = match_parity.COMPILED.Matcher(env.cache, general, TreeNode, *env.cache._compiled_match_spec())
+    ids = array("q", tokens)
+    for limit in (None, 0, 3, 4, 40, 41, 100):
+        key = RadixKey(ids, limit=limit)
+        match_parity.same_result(matcher(MatchPrefixParams(key=key)),
+                                 match_parity.python_match(env.cache, MatchPrefixParams(key=key)))
+    assert [k.limit for k in calls] == [0, 3]  # shorter than a page: the method's empty result
+    del calls[:]
+    for key in (RadixKey(ids, extra_key="x"), RadixKey(ids, cache_salt="s"), RadixKey(tokens),
+                RadixKey(ids, limit=-1)):
+        matcher(MatchPrefixParams(key=key))
+    assert len(calls) == 4
 
 
 def test_installed_only_where_it_applies(make_env, monkeypatch) -> None:
