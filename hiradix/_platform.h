@@ -121,8 +121,8 @@ static inline void hr_stream_fence(void) {}
  * (src[k] + 2**31) >> 32, which is zero exactly when all of them fit. No branch in the
  * inner loop, so it vectorizes. A match reads its key once, cold (the scheduler built
  * it elsewhere), and the hardware prefetchers stop at 4 KiB page boundaries: each page
- * of a long key would start with a miss. Prefetching one page ahead hides that (0.25 us
- * of a 1,343-token match, 10%; bench/RESULTS_sglang_api.md run 13). */
+ * of a long key would start with a miss. Prefetching one page ahead hides that: a
+ * 1,343-token match 2.50 -> 2.29 us (bench/RESULTS_sglang_api.md, run 13). */
 #define HR_NARROW_AHEAD 512 /* int64 ids: one 4 KiB page */
 static inline uint64_t hr_narrow(const int64_t *src, int32_t *dst, size_t n)
 {
