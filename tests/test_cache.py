@@ -17,6 +17,7 @@ from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
+from hiradix.tree import LockError
 
 SHAPES = {"mha": MHAShape(3, 2, 4), "mla": MLAShape(3, 8, 4)}
 
@@ -188,10 +189,12 @@ def test_batched_backups_start_at_the_step_parents_first() -> None:
         cache.check_invariants()
 
 
-def test_batched_backups_start_before_an_eviction_and_skip_dropped_nodes() -> None:
+def test_batched_backups_start_before_an_eviction_and_are_protected_while_waiting() -> None:
     """An eviction before the step starts the waiting backups first, so it keeps those
-    nodes as an unbatched cache would (a node being backed up is not a victim); a waiting
-    node that was dropped meanwhile is skipped, not backed up."""
+    nodes as an unbatched cache would (a node being backed up is not a victim). Waiting,
+    they are protected already, as a backup in flight is: the insert's last node is locked
+    (the scheduler admits requests by evictable_size()), nothing can drop them, and the
+    step's backups release that lock."""
     for batch in (False, True):
         with make_cache(batch_backups=batch) as cache:
             p = np.arange(32)
@@ -206,11 +209,36 @@ def test_batched_backups_start_before_an_eviction_and_skip_dropped_nodes() -> No
         slots = cache.alloc_device(32)
         cache.insert(np.arange(32), slots)
         (node,) = cache._pending_backups
-        cache._free_device(cache.tree.drop(node))
-        free = cache.host_pool.available_size()
+        tree = cache.tree
+        assert (tree.evictable_size(), tree.protected_size()) == (0, 32)
+        with pytest.raises(LockError):
+            tree.drop(node)
+        cache.check_invariants()
+        cache.check_hicache_events()  # started: the backup in flight holds its own lock
+        assert not cache._held and cache.ongoing_write_through
+        cache.flush()
+        assert tree.host_size() == 32 and tree.lock_ref(node) == 0
+        assert (tree.evictable_size(), tree.protected_size()) == (32, 0)
+        cache.check_invariants()
+
+
+def test_a_match_that_splits_a_waiting_node_loses_no_backup() -> None:
+    """A match that splits a node whose batched backup has not started makes a parent no
+    insert asked for: the step backs it up too (its child's backup needs it), and every
+    byte comes back from the host."""
+    with make_cache(batch_backups=True) as cache:
+        p = np.arange(32)
+        slots = cache.alloc_device(32)
+        fill(cache.device_pool, slots, prefix_seeds(p))
+        cache.insert(p, slots)
+        assert len(cache.match_prefix(p[:16]).device_indices) == 16  # splits the waiting node
+        assert cache.tree.num_nodes() == 2 and len(cache._pending_backups) == 1
         cache.check_hicache_events()
-        assert cache.host_pool.available_size() == free and not cache.ongoing_write_through
-        assert cache.tree.host_size() == 0 and cache.available_device_size() == cache.device_allocator.size
+        cache.flush()
+        assert cache.tree.host_size() == 32 and cache.stats["host_alloc_failed_tokens"] == 0
+        assert cache.evict(32) == 32
+        scribble(cache.device_pool, torch.arange(cache.device_pool.total_slots))
+        assert compute(cache, p)[1] == 32  # every byte back from the host
         cache.check_invariants()
 
 
@@ -292,6 +320,12 @@ def test_failed_backup_copy_leaves_the_tree_untouched() -> None:
         cache.check_invariants()
 
 
+def _without_locks(snapshot: list[Any]) -> list[Any]:
+    """A tree snapshot without the nodes' lock counts."""
+    return [({k: v for k, v in row[0].items() if k not in ("lock_ref", "own_lock_ref")}, *row[1:])
+            for row in snapshot]
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool) -> None:
     """With an inline write engine a step's batch is copied and committed inside
@@ -316,14 +350,15 @@ def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool
             fill(dev, new, prefix_seeds(p)[len(m.device_indices) :])
             prefix = cache.insert(p, torch.cat((m.device_indices, new)))
             cache._free_device(new[: prefix - len(m.device_indices)])
-        snapshot = tree_snapshot(cache.tree)
+        # (but for the locks the inserts took until the step: protected_size() below)
+        snapshot = _without_locks(tree_snapshot(cache.tree))
         host_free = host.available_size()
         cache.check_hicache_events()
         assert copies == [48], "the step's batch is one synchronous copy"
         assert not cache.ongoing_write_through and not ctrl._writes.acks, "nothing in flight after the step"
         assert cache.protected_size() == 0 and cache.stats["backup_started_tokens"] == 48
         if fail:
-            assert tree_snapshot(cache.tree) == snapshot and host.available_size() == host_free
+            assert _without_locks(tree_snapshot(cache.tree)) == snapshot and host.available_size() == host_free
             assert cache.stats["backup_failed_tokens"] == 48 and cache.tree.host_size() == 0
         else:
             assert cache.stats["backup_done_tokens"] == 48 and cache.tree.host_size() == 48

@@ -319,13 +319,16 @@ class ParityMachine(RuleBasedStateMachine):
         self.refused(expected, name, *args, **kwargs)
 
     # -- writes
-    @rule(data=st.data(), ns=namespaces, priority=priorities, chunked=st.sampled_from([False, False, False, True]))
-    def insert(self, data: st.DataObject, ns: str | None, priority: int, chunked: bool) -> None:
+    @rule(data=st.data(), ns=namespaces, priority=priorities, chunked=st.sampled_from([False, False, False, True]),
+          hold=st.booleans())
+    def insert(self, data: st.DataObject, ns: str | None, priority: int, chunked: bool, hold: bool) -> None:
         key = data.draw(keys(self.page_size), label="key")
-        ok, res = self.both("insert", key, self.dev(len(key)), ns, priority=priority, chunked=chunked)
+        ok, res = self.both("insert", key, self.dev(len(key)), ns, priority=priority, chunked=chunked, hold=hold)
         self.use_ns(ns)
         if ok:
             self.remember(res.last_node)
+            if hold and res.backup_nodes:  # the insert locked its last node: released by dec_lock_refs
+                self.locks.append(res.last_node)
             if data.draw(st.booleans(), label="back up now?"):
                 for h in res.backup_nodes:  # parents first, as a scheduler would
                     if not self.begin_backup(h):
@@ -368,6 +371,21 @@ class ParityMachine(RuleBasedStateMachine):
         h = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
         ok, _ = self.both("dec_lock_ref", h)
         assert ok, "a held lock could not be released"
+
+    @rule(data=st.data())
+    def dec_lock_refs(self, data: st.DataObject) -> None:
+        """A batch of releases; now and then with one more handle, which is refused (a
+        LockError, nothing released) unless it holds a lock of its own to spare."""
+        batch = self.locks[: data.draw(st.integers(0, len(self.locks)))]
+        extra = bool(self.handles) and data.draw(st.booleans())
+        if extra:
+            batch = [*batch, self.draw_handle(data)]
+        ok, _ = self.both("dec_lock_refs", batch)
+        assert ok or extra, "held locks could not be released"
+        if ok:
+            for h in batch:
+                if h in self.locks:
+                    self.locks.remove(h)
 
     @rule(data=st.data())
     def inc_host_ref(self, data: st.DataObject) -> None:

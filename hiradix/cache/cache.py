@@ -219,8 +219,9 @@ class HiRadixCache:
         next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
         :meth:`writing_check` needs them started), rather than one submission per insert:
         one host allocation, one agreement and one copy for all of a step's inserts.
-        Until then those nodes are on the device only, as with a backup that has not
-        finished. Default ``False`` (each insert starts its own).
+        Until then those nodes are on the device only and protected (each insert's last
+        node is locked until its backups start), as they are while a backup is in flight.
+        Default ``False`` (each insert starts its own).
     """
 
     def __init__(
@@ -278,6 +279,7 @@ class HiRadixCache:
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
         self.batch_backups = batch_backups
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
+        self._held: list[int] = []  # their inserts' last nodes, locked until the backups start
         self._stats = zeros(CacheStats)  # counted here; read as a snapshot (stats)
         # L3 (storage) state; see attach_storage_backend.
         self.enable_hash = enable_hash
@@ -351,10 +353,16 @@ class HiRadixCache:
         """Insert ``key`` with device slots ``value``; returns the length of the prefix
         that was already cached (the caller frees its own slots for it). Nodes that the
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
-        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked)
+        batch = self.batch_backups
+        # hold: with nodes to back up, the tree locks the last node, so that they are
+        # protected from the insert on, as a backup in flight is (the scheduler admits
+        # requests by evictable_size(), and an eviction would start these backups rather
+        # than free them); released once their backups have started.
+        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked, hold=batch)
         if result.backup_nodes:
-            if self.batch_backups:
+            if batch:
                 self._pending_backups.extend(result.backup_nodes)
+                self._held.append(result.last_node)
             else:
                 self._write_backup_nodes(result.backup_nodes)
         return int(result.prefix_len)
@@ -419,19 +427,25 @@ class HiRadixCache:
         one submission; returns the tokens whose copy was started. ``now``: the caller
         acknowledges finished backups right after (a step's events, a flush), so an inline
         write engine may copy and commit them at once (:meth:`_write_backup_nodes`); an
-        eviction leaves them in flight, kept on the device. A node that was evicted,
-        backed up or put in flight meanwhile is skipped (its handle may even name a newer
-        node by now: the checks are on whatever it names, which is as good a candidate).
-        Parents go before their children, whatever order the inserts came in (an insert
+        eviction leaves them in flight, kept on the device. The waiting nodes were locked
+        by their inserts (none was evicted meanwhile) and are released here, once their
+        backups hold locks of their own; one backed up or put in flight meanwhile is
+        skipped. Parents go before their children, whatever order the inserts came in (an insert
         that splits a waiting node asks for the new parent after the child): the tree's
         ``backup_order``. Runtime: ``O(sum of the nodes' depths among the waiting ones)``
         plus the backup."""
         pending = self._pending_backups
         if not pending:
             return 0
+        held = self._held
         self._pending_backups = []
-        nodes, sizes = self.tree.backup_order(pending)
-        return self._write_backup_nodes(nodes, sizes, now=now) if nodes else 0
+        self._held = []
+        tree = self.tree
+        try:
+            nodes, sizes = tree.backup_order(pending)
+            return self._write_backup_nodes(nodes, sizes, now=now) if nodes else 0
+        finally:
+            tree.dec_lock_refs(held)  # each backup in flight has its own lock by now
 
     def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None, *,
                             now: bool = False) -> int:
@@ -498,10 +512,11 @@ class HiRadixCache:
         return tokens
 
     def writing_check(self, write_back: bool = False) -> None:
-        """Complete the backups every rank has finished (all of them with ``write_back``).
-        A failed copy leaves its nodes as they were and frees their host slots.
-        Runtime: ``O(nodes acknowledged)``."""
-        if write_back:
+        """Complete the backups every rank has finished (all of them with ``write_back``),
+        after starting those that batched inserts left waiting (``batch_backups``), so a
+        caller sees what it would see without batching. A failed copy leaves its nodes as
+        they were and frees their host slots. Runtime: ``O(nodes acknowledged)``."""
+        if self._pending_backups:
             self.start_pending_backups(now=True)
         acks = self.cache_controller.ack_writes(wait_all=write_back)
         if not acks:

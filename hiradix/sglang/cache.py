@@ -477,9 +477,10 @@ class HiRadixCacheBase(BasePrefixCache):
             key_suffix=key_suffix,
             prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
             # Opt-in (HIRADIX_BATCH_BACKUPS=1): the backups a step's inserts ask for start
-            # at the step's check_hicache_events, as one submission. Off by default: until
-            # then those nodes count as evictable, where SGLang's write-through has them
-            # protected from the insert on, and the scheduler's memory checks read that.
+            # at the step's check_hicache_events, as one submission; until then the tree
+            # holds those nodes locked, protected from the insert on as SGLang's
+            # write-through has them. Off by default: a step's backups then complete in
+            # another order than SGLang's (parents first), and so do their KV events.
             batch_backups=os.environ.get("HIRADIX_BATCH_BACKUPS", "0") == "1",
         )
         self.tree = self.core.tree

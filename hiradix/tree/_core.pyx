@@ -261,7 +261,7 @@ cdef class HiRadixTree:
         out[3] = _handle(&self.nodes[node], node)
         return _gather(self, root, last_dev, False)
 
-    def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False):
+    def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False, bint hold=False):
         """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``."""
         cdef int64_t prio = _as_int64(priority, "priority")
         cdef cnp.ndarray toks = _as_tokens(key)
@@ -322,6 +322,9 @@ cdef class HiRadixTree:
         r.last_node = _handle(&self.nodes[node], node)
         if self.write_through_threshold > 0 and not chunked:
             r.backup_nodes = _report_path(self, root, node)
+            if hold and r.backup_nodes:  # kept protected until the caller's backups start
+                self.nodes[node].own_locks += 1
+                _lock(self, node, 1)
         else:
             r.backup_nodes = ()
         return r
@@ -393,6 +396,32 @@ cdef class HiRadixTree:
                 f"(lock_ref {n.lock_ref}, io_status {IO_NAMES[n.io_status]})")
         n.own_locks -= 1
         return _lock(self, i, -1)
+
+    def dec_lock_refs(self, nodes):
+        """``dec_lock_ref`` of each of ``nodes``, all or nothing; see the twin.
+        ``O(sum of depths)``."""
+        cdef list handles = list(nodes)
+        cdef dict need = {}
+        cdef node_t i
+        cdef Node* n
+        for h in handles:
+            i = _node(self, h)
+            if not self.nodes[i].is_root:
+                need[h] = need.get(h, 0) + 1
+        for h, k in need.items():
+            n = &self.nodes[_node(self, h)]
+            if n.own_locks < k:
+                raise LockError(
+                    f"dec_lock_refs on node {h}, named {k} times, which holds {n.own_locks} lock(s) of its own "
+                    f"(lock_ref {n.lock_ref}, io_status {IO_NAMES[n.io_status]})")
+        cdef int64_t total = 0
+        for h in handles:
+            i = _node(self, h)
+            if self.nodes[i].is_root:
+                continue
+            self.nodes[i].own_locks -= 1
+            total += _lock(self, i, -1)
+        return total
 
     def inc_host_ref(self, node):
         """Protect a node's host copy. ``O(log n)``."""
@@ -536,8 +565,9 @@ cdef class HiRadixTree:
         return _gather(self, self.nodes[i].parent, i, False)
 
     def backup_order(self, nodes):
-        """Of ``nodes``, those a backup can start on now, each once, parents first, with
-        their lengths; see the twin. ``O(sum of the chosen nodes' depths among them)``."""
+        """Of ``nodes``, those a backup can start on now and their ancestors that can too,
+        each once, parents first, with their lengths; see the twin.
+        ``O(sum of the chosen nodes' depths among them)``."""
         cdef node_t i
         cdef Node* n
         waiting = {}
@@ -546,11 +576,15 @@ cdef class HiRadixTree:
                 i = _node(self, h)
             except (KeyError, TypeError):
                 continue
-            n = &self.nodes[i]
-            if n.is_root or not n.on_device or n.backed_up or n.io_status != IO_IDLE:
-                continue
-            if h not in waiting:
+            while True:
+                n = &self.nodes[i]
+                if n.is_root or not n.on_device or n.backed_up or n.io_status != IO_IDLE:
+                    break
+                h = _handle(n, i)
+                if h in waiting:
+                    break
                 waiting[h] = i
+                i = n.parent
         ordered = {}
         sizes = []
         cdef list chain

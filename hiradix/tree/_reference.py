@@ -638,12 +638,16 @@ class HiRadixTree:
         *,
         priority: int = 0,
         chunked: bool = False,
+        hold: bool = False,
     ) -> InsertResult:
         """Insert ``key`` with device indices ``value`` (same length).
 
         Only the page-aligned prefix is inserted. Evicted nodes on the path take the new
         indices (re-materialization) instead of being duplicated. Runtime complexity:
         ``O(len(key))``. ``priority`` is an int64 (``TypeError``/``OverflowError``).
+        ``hold``: when the result names nodes to back up, also take a lock owned by its
+        ``last_node`` (as :meth:`inc_lock_ref`), which keeps them protected until the
+        caller has started their backups and releases it (:meth:`dec_lock_refs`).
         """
         priority = as_int64(priority, "priority")
         tokens = as_tokens(key)
@@ -689,6 +693,8 @@ class HiRadixTree:
             self._refresh(parent)
             if self._changes is not None:
                 self._record(Change.INSERTED, node, -1, n - pos)
+        if hold and backup:
+            self.inc_lock_ref(node.handle)
         return InsertResult(prefix_len, node.handle, tuple(backup))
 
     def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult:
@@ -765,6 +771,26 @@ class HiRadixTree:
         target.own_locks -= 1
         return self._lock(target, -1)
 
+
+    def dec_lock_refs(self, nodes: Iterable[int]) -> int:
+        """:meth:`dec_lock_ref` of each of ``nodes`` (a node named twice releases two of
+        its locks); returns the total change of ``evictable_size``. All or nothing:
+        :class:`LockError`, before anything is released, if a node holds fewer locks of
+        its own than it is named. Runtime complexity: ``O(sum of depths)``."""
+        handles = list(nodes)
+        need: dict[int, int] = {}
+        for h in handles:
+            t = self._node(h)
+            if not t.is_root:
+                need[h] = need.get(h, 0) + 1
+        for h, k in need.items():
+            t = self._node(h)
+            if t.own_locks < k:
+                raise LockError(
+                    f"dec_lock_refs on node {h}, named {k} times, which holds {t.own_locks} lock(s) of its own "
+                    f"(lock_ref {t.lock_ref}, io_status {_IO_NAMES[t.io_status]})"
+                )
+        return sum(self.dec_lock_ref(h) for h in handles)
     def inc_host_ref(self, node: int) -> None:
         """Protect a node's host copy (e.g. a prefetch mount point). ``O(1)``."""
         walk = self._node(node)
@@ -952,23 +978,26 @@ class HiRadixTree:
     def backup_order(self, nodes: Iterable[int]) -> tuple[list[int], list[int]]:
         """Of ``nodes`` (handles in any order; repeats and stale handles allowed), those a
         backup can start on now: alive, on the device, not backed up, no transfer in
-        flight. Each once, every parent before its children among them (a step's inserts
-        ask for nodes in insert order, and a split asks for the new parent after its
-        child), with their lengths. Decides only: nothing changes.
+        flight; with each one's ancestors that are so too (a match that splits a waiting
+        node makes a parent nobody asked for, and a child's backup needs its parent's).
+        Each once, every parent before its children among them (a step's inserts ask for
+        nodes in insert order, and a split asks for the new parent after its child), with
+        their lengths. Decides only: nothing changes.
         Runtime complexity: ``O(sum of the chosen nodes' depths among them)``."""
         waiting: dict[int, _Node] = {}
         for h in nodes:
             try:
-                n = self._node(h)
+                cur: _Node | None = self._node(h)
             except (KeyError, TypeError):
                 continue
-            if n.is_root or n.value is None or n.host_value is not None or n.io_status != IO_IDLE:
-                continue
-            waiting.setdefault(h, n)
+            while (cur is not None and not cur.is_root and cur.value is not None and cur.host_value is None
+                   and cur.io_status == IO_IDLE and cur.handle not in waiting):
+                waiting[cur.handle] = cur
+                cur = cur.parent
         ordered: dict[int, _Node] = {}
         for n in waiting.values():
             chain: list[_Node] = []
-            cur: _Node | None = n
+            cur = n
             while cur is not None and cur.handle in waiting and cur.handle not in ordered:
                 chain.append(cur)
                 cur = cur.parent
