@@ -430,9 +430,9 @@ class HiRadixCache:
         eviction leaves them in flight, kept on the device. The waiting nodes were locked
         by their inserts (none was evicted meanwhile) and are released here, once their
         backups hold locks of their own; one backed up or put in flight meanwhile is
-        skipped. Parents go before their children, whatever order the inserts came in (an insert
-        that splits a waiting node asks for the new parent after the child): the tree's
-        ``backup_order``. Runtime: ``O(sum of the nodes' depths among the waiting ones)``
+        skipped. Parents go before their children, whatever order the inserts came in,
+        and a parent no insert asked for (split off a waiting node by a match) goes too:
+        the tree's ``backup_order``. Runtime: ``O(sum of the nodes' depths among the waiting ones)``
         plus the backup."""
         pending = self._pending_backups
         if not pending:
