@@ -400,25 +400,24 @@ cdef class HiRadixTree:
     def dec_lock_refs(self, nodes):
         """``dec_lock_ref`` of each of ``nodes``, all or nothing; see the twin.
         ``O(sum of depths)``."""
-        cdef list handles = list(nodes)
-        cdef dict need = {}
+        cdef list idx = []   # each handle's arena index, resolved once
+        cdef dict need = {}  # arena index -> times named
         cdef node_t i
         cdef Node* n
-        for h in handles:
+        for h in nodes:
             i = _node(self, h)
             if not self.nodes[i].is_root:
-                need[h] = need.get(h, 0) + 1
-        for h, k in need.items():
-            n = &self.nodes[_node(self, h)]
+                idx.append(i)
+                need[i] = need.get(i, 0) + 1
+        for j, k in need.items():
+            n = &self.nodes[<node_t>j]
             if n.own_locks < k:
                 raise LockError(
-                    f"dec_lock_refs on node {h}, named {k} times, which holds {n.own_locks} lock(s) of its own "
-                    f"(lock_ref {n.lock_ref}, io_status {IO_NAMES[n.io_status]})")
+                    f"dec_lock_refs on node {_handle(n, j)}, named {k} times, which holds {n.own_locks} lock(s) "
+                    f"of its own (lock_ref {n.lock_ref}, io_status {IO_NAMES[n.io_status]})")
         cdef int64_t total = 0
-        for h in handles:
-            i = _node(self, h)
-            if self.nodes[i].is_root:
-                continue
+        for j in idx:
+            i = j
             self.nodes[i].own_locks -= 1
             total += _lock(self, i, -1)
         return total
