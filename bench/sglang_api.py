@@ -639,10 +639,6 @@ def main(argv: list[str] | None = None) -> int:
     BACKUP_COPY = args.backup_copy
     if args.step < 1:
         ap.error("--step must be >= 1")
-    if args.step > 1:
-        # hiradix.sglang starts a step's backups as one submission only when asked to
-        # (off by default: see hiradix/sglang/cache.py); SGLang's cache has no such mode.
-        os.environ["HIRADIX_BATCH_BACKUPS"] = "1"
     args.impls = args.impls.split(",")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

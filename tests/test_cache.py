@@ -17,7 +17,7 @@ from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
-from hiradix.tree import LockError
+from hiradix.tree import Change, LockError
 
 SHAPES = {"mha": MHAShape(3, 2, 4), "mla": MLAShape(3, 8, 4)}
 
@@ -380,6 +380,31 @@ def test_an_eviction_before_the_step_keeps_the_batch_on_an_inline_write_engine_t
         assert cache.evict(32) == 0 and cache.protected_size() == 32  # in flight: kept
         cache.check_hicache_events()
         assert cache.tree.host_size() == 32 and cache.evict(32) == 32
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("step", ["check_hicache_events", "flush"])
+def test_a_steps_backups_commit_after_those_already_in_flight(step: str) -> None:
+    """A batch an eviction started is still in flight at the step: the step's own batch,
+    copied inline at once, commits after it, in the order the inserts asked (SGLang's
+    KV events, made from these commits, come in that order)."""
+    dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
+    host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
+    ctrl = HiCacheController(dev, host, inline_writes=True)
+    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+        tree = cache.tree
+        tree.track_changes = True
+        cache.insert(np.arange(32), cache.alloc_device(32))
+        (first,) = cache._pending_backups
+        assert cache.evict(8) == 0 and cache.ongoing_write_through  # started, in flight
+        cache.insert(np.arange(100, 116), cache.alloc_device(16))
+        cache.insert(np.arange(200, 208), cache.alloc_device(8))
+        later = list(cache._pending_backups)
+        tree.take_changes()
+        getattr(cache, step)()
+        backed = [int(node) for kind, node, _, _ in tree.take_changes().tolist() if kind == Change.BACKED_UP]
+        assert backed == [first, *later]
+        assert tree.host_size() == 56 and cache.protected_size() == 0
         cache.check_invariants()
 
 

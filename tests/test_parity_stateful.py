@@ -327,8 +327,8 @@ class ParityMachine(RuleBasedStateMachine):
         self.use_ns(ns)
         if ok:
             self.remember(res.last_node)
-            if hold and res.backup_nodes:  # the insert locked its last node: released by dec_lock_refs
-                self.locks.append(res.last_node)
+            if hold and res.backup_nodes:  # the insert locked the deepest of them: released by dec_lock_refs
+                self.locks.append(res.backup_nodes[-1])
             if data.draw(st.booleans(), label="back up now?"):
                 for h in res.backup_nodes:  # parents first, as a scheduler would
                     if not self.begin_backup(h):

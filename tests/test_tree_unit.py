@@ -340,6 +340,23 @@ def test_backup_nodes_come_parents_first_and_include_unbacked_ancestors(tree_cls
     assert res.backup_nodes == (top, res.last_node)
 
 
+def test_hold_locks_the_deepest_node_to_back_up_and_nothing_below_it(tree_cls):
+    """``insert(hold=True)`` protects the nodes it asks to back up until the caller
+    releases them, as their backups' own locks would, and no more: with selective
+    write-through the hot node can sit above the new leaf, which stays evictable."""
+    tree = tree_cls(1, write_policy="write_through_selective")
+    tree.insert([1, 2, 3, 4], idx(0, 4))
+    res = tree.insert([1, 2, 7], idx(10, 3), hold=True)  # splits: [1, 2] now has two hits
+    (top,) = res.backup_nodes
+    assert tree.key(top).tolist() == [1, 2] and res.last_node != top
+    assert (tree.protected_size(), tree.evictable_size()) == (2, 3)
+    tree.dec_lock_refs([top])
+    assert (tree.protected_size(), tree.evictable_size()) == (0, 5)
+    res = tree.insert([5, 6], idx(20, 2), hold=True)  # one hit: nothing to back up, nothing held
+    assert res.backup_nodes == () and tree.protected_size() == 0
+    tree.check_invariants()
+
+
 def test_selective_write_through_reports_the_ancestor_chain_of_a_hot_node(tree_cls):
     tree = tree_cls(1, write_policy="write_through_selective")
     tree.insert([1, 2, 3, 4], idx(0, 4))

@@ -219,9 +219,11 @@ class HiRadixCache:
         next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
         :meth:`writing_check` needs them started), rather than one submission per insert:
         one host allocation, one agreement and one copy for all of a step's inserts.
-        Until then those nodes are on the device only and protected (each insert's last
-        node is locked until its backups start), as they are while a backup is in flight.
-        Default ``False`` (each insert starts its own).
+        Until then those nodes are on the device only and protected (the deepest node
+        each insert asks to back up is locked until its backups start), as they are while
+        a backup is in flight, and they complete in the order the inserts asked for them
+        (after the backups already in flight). Default ``False`` (each insert starts its
+        own); :mod:`hiradix.sglang` turns it on.
     """
 
     def __init__(
@@ -354,7 +356,7 @@ class HiRadixCache:
         that was already cached (the caller frees its own slots for it). Nodes that the
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
         batch = self.batch_backups
-        # hold: with nodes to back up, the tree locks the last node, so that they are
+        # hold: with nodes to back up, the tree locks the deepest of them, so that they are
         # protected from the insert on, as a backup in flight is (the scheduler admits
         # requests by evictable_size(), and an eviction would start these backups rather
         # than free them); released once their backups have started.
@@ -362,7 +364,7 @@ class HiRadixCache:
         if result.backup_nodes:
             if batch:
                 self._pending_backups.extend(result.backup_nodes)
-                self._held.append(result.last_node)
+                self._held.append(result.backup_nodes[-1])  # the node insert(hold=True) locked
             else:
                 self._write_backup_nodes(result.backup_nodes)
         return int(result.prefix_len)
@@ -426,8 +428,10 @@ class HiRadixCache:
         """Start the backups inserts asked for since the last call (``batch_backups``), as
         one submission; returns the tokens whose copy was started. ``now``: the caller
         acknowledges finished backups right after (a step's events, a flush), so an inline
-        write engine may copy and commit them at once (:meth:`_write_backup_nodes`); an
-        eviction leaves them in flight, kept on the device. The waiting nodes were locked
+        write engine may copy and commit them at once (:meth:`_write_backup_nodes`), unless
+        older backups are still in flight: those are acknowledged first, and these queue
+        behind them (commits, and their KV events, come in start order); an eviction
+        leaves them in flight, kept on the device. The waiting nodes were locked
         by their inserts (none was evicted meanwhile) and are released here, once their
         backups hold locks of their own; one backed up or put in flight meanwhile is
         skipped. Parents go before their children, whatever order the inserts came in,
@@ -443,7 +447,9 @@ class HiRadixCache:
         tree = self.tree
         try:
             nodes, sizes = tree.backup_order(pending)
-            return self._write_backup_nodes(nodes, sizes, now=now) if nodes else 0
+            if not nodes:
+                return 0
+            return self._write_backup_nodes(nodes, sizes, now=now and not self.ongoing_write_through)
         finally:
             tree.dec_lock_refs(held)  # each backup in flight has its own lock by now
 
@@ -514,10 +520,16 @@ class HiRadixCache:
     def writing_check(self, write_back: bool = False) -> None:
         """Complete the backups every rank has finished (all of them with ``write_back``),
         after starting those that batched inserts left waiting (``batch_backups``), so a
-        caller sees what it would see without batching. A failed copy leaves its nodes as
+        caller sees what it would see without batching: the backups in flight before them
+        are acknowledged first, as they would have been. A failed copy leaves its nodes as
         they were and frees their host slots. Runtime: ``O(nodes acknowledged)``."""
         if self._pending_backups:
+            if self.ongoing_write_through:  # the older backups first: commits (and events) in start order
+                self._ack_writes(write_back)
             self.start_pending_backups(now=True)
+        self._ack_writes(write_back)
+
+    def _ack_writes(self, write_back: bool) -> None:
         acks = self.cache_controller.ack_writes(wait_all=write_back)
         if not acks:
             return
@@ -625,9 +637,8 @@ class HiRadixCache:
     def check_hicache_events(self) -> None:
         """One scheduler step's bookkeeping: acknowledge finished backups (to host and to
         storage) and loads, and free the slots of finished, terminated prefetches. With
-        ``batch_backups``, first start the backups this step's inserts asked for."""
-        if self._pending_backups:
-            self.start_pending_backups(now=True)
+        ``batch_backups``, :meth:`writing_check` starts the backups this step's inserts
+        asked for."""
         self.writing_check()
         self.loading_check()
         if self.l3 is not None or self.ongoing_backup:

@@ -476,12 +476,14 @@ class HiRadixCacheBase(BasePrefixCache):
             tp_rank=self.storage_config.tp_rank,
             key_suffix=key_suffix,
             prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
-            # Opt-in (HIRADIX_BATCH_BACKUPS=1): the backups a step's inserts ask for start
-            # at the step's check_hicache_events, as one submission; until then the tree
-            # holds those nodes locked, protected from the insert on as SGLang's
-            # write-through has them. Off by default: a step's backups then complete in
-            # another order than SGLang's (parents first), and so do their KV events.
-            batch_backups=os.environ.get("HIRADIX_BATCH_BACKUPS", "0") == "1",
+            # The backups a step's inserts ask for start at the step's check_hicache_events
+            # (the scheduler calls it at the top of every loop iteration, before its idle
+            # checks), as one submission; until then the tree holds those nodes locked,
+            # protected from the insert on as SGLang's write-through has them, and they
+            # complete, with their KV events, in SGLang's order. One difference: a full host
+            # pool evicts for them at the step, where SGLang evicts inside the insert.
+            # HIRADIX_BATCH_BACKUPS=0 starts each insert's backups in the insert instead.
+            batch_backups=os.environ.get("HIRADIX_BATCH_BACKUPS", "1") != "0",
         )
         self.tree = self.core.tree
         # The tree holds at most the device and the host pool's tokens: size and touch its

@@ -323,6 +323,7 @@ cdef class HiRadixTree:
         if self.write_through_threshold > 0 and not chunked:
             r.backup_nodes = _report_path(self, root, node)
             if hold and r.backup_nodes:  # kept protected until the caller's backups start
+                node = _node(self, r.backup_nodes[len(r.backup_nodes) - 1])  # the deepest covers them all
                 self.nodes[node].own_locks += 1
                 _lock(self, node, 1)
         else:

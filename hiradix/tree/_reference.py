@@ -645,8 +645,9 @@ class HiRadixTree:
         Only the page-aligned prefix is inserted. Evicted nodes on the path take the new
         indices (re-materialization) instead of being duplicated. Runtime complexity:
         ``O(len(key))``. ``priority`` is an int64 (``TypeError``/``OverflowError``).
-        ``hold``: when the result names nodes to back up, also take a lock owned by its
-        ``last_node`` (as :meth:`inc_lock_ref`), which keeps them protected until the
+        ``hold``: when the result names nodes to back up, also take a lock owned by the
+        last of them, the deepest (as :meth:`inc_lock_ref`), which keeps them all
+        protected, and nothing below them (as their backups' own locks will), until the
         caller has started their backups and releases it (:meth:`dec_lock_refs`).
         """
         priority = as_int64(priority, "priority")
@@ -694,7 +695,7 @@ class HiRadixTree:
             if self._changes is not None:
                 self._record(Change.INSERTED, node, -1, n - pos)
         if hold and backup:
-            self.inc_lock_ref(node.handle)
+            self.inc_lock_ref(next(reversed(backup)))  # the deepest: its lock covers them all
         return InsertResult(prefix_len, node.handle, tuple(backup))
 
     def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult:

@@ -18,6 +18,7 @@ import hashlib
 from array import array
 
 import pytest
+import torch
 from sglang_env import NO_KV_EVENTS, SGLANG_020
 
 if SGLANG_020:  # before the imports of 0.5.18's event classes, which 0.5.20 no longer has
@@ -30,7 +31,7 @@ from sglang.srt.disaggregation.kv_events import (
     BlockStoredWithMetadata,
     StorageMedium,
 )
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 from sglang_env import build, build_sglang, patch_sglang_for_parity
@@ -161,6 +162,48 @@ def test_write_back_stores_the_host_copy_before_removing_the_device_copy(make_en
     assert m.host_hit_length == 3
 
 
+def test_batched_backups_evict_a_full_host_pool_at_the_step(make_env) -> None:
+    """Batched backups (the default) take their host slots at the step's
+    ``check_hicache_events``: an insert that needs host room evicts nothing itself
+    (SGLang's would, inside the insert), its node stays protected until the step, and
+    then the host-only KV is removed before the new node is stored; its copy is the
+    inserted KV (loaded back and read per layer)."""
+    env = make_env(size=16, hicache_ratio=1.5, kv_events=True)  # 25 host slots (SGLang counts 17 device ones)
+    assert env.cache.core.batch_backups and env.cache.token_to_kv_pool_host.size == 25
+
+    def put(tokens: list[int]) -> None:
+        slots = env.allocator.alloc(len(tokens))
+        env.write_kv(slots, torch.tensor(tokens), torch.arange(len(tokens)))
+        assert env.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots)).prefix_len == 0
+
+    a, b = list(range(1, 17)), list(range(101, 113))
+    put(a)
+    settle(env)
+    assert env.cache.evict(EvictParams(num_tokens=16)).num_tokens_evicted == 16  # a: host-only, 16 slots
+    env.cache.take_events()
+    put(b)  # 12 tokens, 9 host slots free
+    assert [(type(e), e.medium) for e in env.cache.take_events()] == [(BlockStored, GPU)]
+    assert env.cache.protected_size() == 12 and env.cache.evictable_size() == 0  # waiting for the step
+    assert env.cache.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 0
+    settle(env)
+    removed, stored = env.cache.take_events()
+    assert (type(removed), removed.medium, len(removed.block_hashes)) == (BlockRemoved, CPU, 16)
+    assert (type(stored), stored.medium, stored.token_ids) == (BlockStored, CPU, b)
+    assert env.cache.protected_size() == 0 and env.cache.evictable_size() == 12
+    assert env.cache.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12
+    m = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", b))))
+    assert m.host_hit_length == 12 and len(m.device_indices) == 0
+    got, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                         host_hit_length=m.host_hit_length))
+    assert len(got) == 12
+    env.cache.ready_to_load_host_cache()
+    settle(env)
+    m = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", b))))
+    want = env.expected_kv(torch.tensor(b), torch.arange(12))
+    for layer, w in zip(env.layers(), want, strict=True):
+        assert torch.equal(layer[m.device_indices.long()], w)
+
+
 # ---------------------------------------------------------------------------- parity with SGLang
 def test_a_scripted_life_cycle_matches_sglang(twin_of) -> None:
     twin = twin_of(2)
@@ -205,12 +248,16 @@ def test_random_operations_emit_sglangs_events(twin_of, page_size: int, write_po
     assert s["requests"] > 10 and s["chunks"] > 3 and s["hit tokens"] > 0 and s["host hit tokens"] > 0, s
 
 
-def test_a_full_host_pool_evicts_at_the_same_steps_as_sglang(twin_of) -> None:
+def test_a_full_host_pool_evicts_at_the_same_steps_as_sglang(twin_of, monkeypatch) -> None:
     """Host KV evicted to make room for new nodes' backups, the host pool barely larger
     than the device pool. (Not with chunked requests: their nodes are backed up only by a
     later insert through them, which SGLang does mid-walk, evicting host KV before it
     stores the insert's new node, and hiradix after the insert, for all its backups at
-    once, agreed across ranks; then the CPU removals come in another order.)"""
+    once, agreed across ranks; then the CPU removals come in another order.) With each
+    insert's backups started in the insert (``HIRADIX_BATCH_BACKUPS=0``): batched, they
+    start at the step, and so do the host evictions they need
+    (:func:`test_batched_backups_evict_a_full_host_pool_at_the_step`)."""
+    monkeypatch.setenv("HIRADIX_BATCH_BACKUPS", "0")
     twin = twin_of(1, hicache_ratio=1.1)
     s = run(twin, seed=11, steps=300, chunks=False)
     assert s["host evictions for backups"] > 3 and s["requests"] > 10, s
