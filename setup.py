@@ -32,6 +32,7 @@ EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix.peer._hash", ["hiradix/peer/_hash.pyx"]),
     ("hiradix.transport._tcpio", ["hiradix/transport/_tcpio.pyx"]),
     ("hiradix.sglang._match", ["hiradix/sglang/_match.pyx"]),
+    ("hiradix.sglang._insert", ["hiradix/sglang/_insert.pyx"]),
 ]
 
 

@@ -45,6 +45,9 @@ TWINS: tuple[Twin, ...] = (
     Twin("hiradix.sglang._match", "hiradix.sglang.cache.HiRadixCacheBase.match_prefix",
          "tests/sglang/test_match_compiled.py",
          "the Python method; the compiled one serves plain keys, on the instance"),
+    Twin("hiradix.sglang._insert", "hiradix.sglang.cache.HiRadixCacheBase.insert",
+         "tests/sglang/test_insert_compiled.py",
+         "the Python method; the compiled one serves the scheduler's calls, on the instance"),
     Twin("hiradix.transport._verbs", None, "tests/test_transport_rdma.py",
          "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable"),
 )

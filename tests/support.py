@@ -13,6 +13,7 @@ import errno
 import importlib
 import os
 import socket
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -116,6 +117,27 @@ class CoarseClock:
 HUNG_UP = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN})
 
 
+def _rank_entry(target: Callable[..., None], *args: Any) -> None:
+    """A :func:`run_ranks` process: ``target(*args)``, then out at once, its exit code
+    saying whether it returned. By then the rank has written its result and destroyed its
+    process groups, but interpreter finalization can still abort in gloo's C++ teardown
+    (a group object that a cache still refers to dies with a worker thread joinable:
+    "terminate called without an active exception", SIGABRT; seen once in a 2-rank run
+    whose work had all succeeded, pytorch/pytorch#179291 describes the mechanism)."""
+    import traceback
+
+    try:
+        target(*args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: dict[str, Any],
               timeout_s: float) -> list[dict[str, Any]]:
     """Run ``target(rank, world, rendezvous, out_dir, config)`` in ``world`` spawned
@@ -131,7 +153,8 @@ def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: di
 
     ctx = mp.get_context("spawn")
     rendezvous = f"file://{out_dir / 'rendezvous'}"
-    procs = [ctx.Process(target=target, args=(r, world, rendezvous, str(out_dir), config), daemon=True)
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, rendezvous, str(out_dir), config),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

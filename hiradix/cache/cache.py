@@ -355,19 +355,26 @@ class HiRadixCache:
         """Insert ``key`` with device slots ``value``; returns the length of the prefix
         that was already cached (the caller frees its own slots for it). Nodes that the
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
-        batch = self.batch_backups
         # hold: with nodes to back up, the tree locks the deepest of them, so that they are
         # protected from the insert on, as a backup in flight is (the scheduler admits
         # requests by evictable_size(), and an eviction would start these backups rather
         # than free them); released once their backups have started.
-        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked, hold=batch)
+        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked,
+                                  hold=self.batch_backups)
         if result.backup_nodes:
-            if batch:
-                self._pending_backups.extend(result.backup_nodes)
-                self._held.append(result.backup_nodes[-1])  # the node insert(hold=True) locked
-            else:
-                self._write_backup_nodes(result.backup_nodes)
+            self._backups_asked(result.backup_nodes)
         return int(result.prefix_len)
+
+    def _backups_asked(self, nodes: Sequence[int]) -> None:
+        """The nodes an insert asked to back up (parents first; with ``batch_backups`` the
+        tree's insert locked the last of them, ``hold=True``): noted for the step, or
+        started now. Also the entry of :mod:`hiradix.sglang._insert`, which calls the
+        tree itself. ``O(len(nodes))`` plus the backups."""
+        if self.batch_backups:
+            self._pending_backups.extend(nodes)
+            self._held.append(nodes[-1])  # the node insert(hold=True) locked
+        else:
+            self._write_backup_nodes(nodes)
 
     def cache_finished_req(self, req: Req) -> None:
         """Insert a finished request's KV, free its duplicate and unaligned slots, and

@@ -512,6 +512,7 @@ class HiRadixCacheBase(BasePrefixCache):
 
             self._events = KVEventLog(self, params)
         self._install_matcher()
+        self._install_inserter()
         atexit.register(self.shutdown)
 
     def _install_matcher(self) -> None:
@@ -531,6 +532,20 @@ class HiRadixCacheBase(BasePrefixCache):
         # let one assign to): the scheduler's call then goes straight to C.
         self.__dict__["match_prefix"] = compiled.Matcher(self, HiRadixCacheBase.match_prefix, TreeNode, wrap,
                                                          result, tail)
+
+    def _install_inserter(self) -> None:
+        """Put the compiled ``insert`` (:mod:`hiradix.sglang._insert`) in front of the
+        method, on this instance, where it applies: built (not ``HIRADIX_PUREPYTHON``), no
+        EAGLE bigrams, and the subclass keeps this class's method. It serves the
+        scheduler's calls (plain tokens, CPU slots, no KV events) and hands every other to
+        the method; the cache ends in the same state either way."""
+        compiled = load("hiradix.sglang._insert")
+        if compiled is None or self.is_eagle or not compiled.applies_to(self.tree):
+            return
+        if type(self).insert is not HiRadixCacheBase.insert:
+            return  # a subclass's own insert is the one to call
+        self.__dict__["insert"] = compiled.Inserter(self, HiRadixCacheBase.insert, InsertResult, torch.Tensor,
+                                                    torch.int64, torch.int32)
 
     def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
         """``(wrap, MatchResult, tail)`` for the compiled matcher: the result's first field
@@ -737,8 +752,10 @@ class HiRadixCacheBase(BasePrefixCache):
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write
-        policy asks for start. Returns the length that was already cached (its slots are
-        the caller's to free), in slots (bigrams with ``is_eagle``). ``O(len(key))``."""
+        policy asks for start (at the step, batched). Returns the length that was already
+        cached (its slots are the caller's to free), in slots (bigrams with ``is_eagle``).
+        The scheduler's calls are served in C (:mod:`hiradix.sglang._insert`, installed
+        on the instance), every other by this method, with the same effect. ``O(len(key))``."""
         if self.disable:
             return InsertResult(prefix_len=0)
         key = params.key

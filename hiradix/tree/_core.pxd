@@ -151,3 +151,9 @@ cdef class HiRadixTree:
     # device indices, ``out`` gets the last device node, the last backed-up node, the host
     # hit length and the last matched node
     cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit)
+    # insert's work for compiled callers (hiradix.sglang._insert), without the result
+    # object: the first ``n`` tokens of ``key`` (a multiple of the page size, at most its
+    # length) with the device indices ``values[:n]``; ``out`` gets the prefix length and
+    # the last node, and the nodes to back up are returned (``hold`` as insert's)
+    cdef tuple insert_into(self, object key, const index_t* values, Py_ssize_t n, object extra_key,
+                           int64_t priority, bint chunked, bint hold, int64_t* out)

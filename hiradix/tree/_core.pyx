@@ -120,6 +120,69 @@ cdef int _start_writing(HiRadixTree self, node_t i, const index_t* hosts) except
     return 0
 
 
+cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, object extra_key, int64_t prio,
+                   bint chunked, bint hold, int64_t* out):
+    # insert's work on narrowed tokens and their device indices (as many): ``out`` gets
+    # the prefix length and the last node's handle; returns the nodes to back up.
+    cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
+    cdef int64_t n = cnp.PyArray_SIZE(toks)
+    n -= n % self.page_size
+    cdef node_t root = _ns_root(self, extra_key)
+    cdef double now = _tick(self)
+    cdef node_t node = root, child, parent
+    cdef int64_t pos = 0, plen = 0, prefix_len = 0
+    cdef Node* c
+    with nogil:
+        if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
+            _compact(self)
+        while pos < n:
+            child = _step(self, node, ptr + pos, n - pos, now, &plen)
+            if child == NO_NODE:
+                break
+            c = &self.nodes[child]
+            if prio > c.priority:
+                c.priority = prio
+            if not c.on_device:
+                # re-materialize: the recomputed KV replaces the evicted copy
+                memcpy(self.dev + c.key_off, vptr + pos, plen * sizeof(index_t))
+                _set_device(self, child, 1)
+                _size_delta(self, child, plen)
+                _refresh(self, c.parent)
+                if self._track:
+                    _record(self, CHANGE_REFILLED, child, -1, plen)
+            else:
+                prefix_len += plen
+                if not chunked:
+                    c.hit_count += 1
+            _refresh(self, child)
+            node = child
+            pos += plen
+        if pos < n:
+            parent = node
+            node = _new_child(self, parent, ptr + pos, n - pos, now)
+            c = &self.nodes[node]
+            memcpy(self.dev + c.key_off, vptr + pos, (n - pos) * sizeof(index_t))
+            c.priority = prio
+            if not chunked:
+                c.hit_count = 1
+            _set_device(self, node, 1)
+            self._evictable += n - pos
+            _refresh(self, node)
+            _refresh(self, parent)
+            if self._track:
+                _record(self, CHANGE_INSERTED, node, -1, n - pos)
+    out[0] = prefix_len
+    out[1] = _handle(&self.nodes[node], node)
+    if self.write_through_threshold <= 0 or chunked:
+        return ()
+    cdef tuple backup = _report_path(self, root, node)
+    if hold and backup:  # kept protected until the caller's backups start
+        node = _node(self, backup[len(backup) - 1])  # the deepest covers them all
+        self.nodes[node].own_locks += 1
+        _lock(self, node, 1)
+    return backup
+
+
 cdef class HiRadixTree:
     """Triple-state radix tree over token ids (compiled core).
 
@@ -269,66 +332,22 @@ cdef class HiRadixTree:
         if cnp.PyArray_SIZE(vals) != cnp.PyArray_SIZE(toks):
             raise ValueError(
                 f"value has {cnp.PyArray_SIZE(vals)} indices for {cnp.PyArray_SIZE(toks)} tokens")
-        cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
-        cdef const index_t* vptr = <const index_t*>cnp.PyArray_DATA(vals)
-        cdef int64_t n = cnp.PyArray_SIZE(toks)
-        n -= n % self.page_size
-        cdef node_t root = _ns_root(self, extra_key)
-        cdef double now = _tick(self)
-        cdef node_t node = root, child, parent
-        cdef int64_t pos = 0, plen = 0, prefix_len = 0
-        cdef Node* c
-        with nogil:
-            if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
-                _compact(self)
-            while pos < n:
-                child = _step(self, node, ptr + pos, n - pos, now, &plen)
-                if child == NO_NODE:
-                    break
-                c = &self.nodes[child]
-                if prio > c.priority:
-                    c.priority = prio
-                if not c.on_device:
-                    # re-materialize: the recomputed KV replaces the evicted copy
-                    memcpy(self.dev + c.key_off, vptr + pos, plen * sizeof(index_t))
-                    _set_device(self, child, 1)
-                    _size_delta(self, child, plen)
-                    _refresh(self, c.parent)
-                    if self._track:
-                        _record(self, CHANGE_REFILLED, child, -1, plen)
-                else:
-                    prefix_len += plen
-                    if not chunked:
-                        c.hit_count += 1
-                _refresh(self, child)
-                node = child
-                pos += plen
-            if pos < n:
-                parent = node
-                node = _new_child(self, parent, ptr + pos, n - pos, now)
-                c = &self.nodes[node]
-                memcpy(self.dev + c.key_off, vptr + pos, (n - pos) * sizeof(index_t))
-                c.priority = prio
-                if not chunked:
-                    c.hit_count = 1
-                _set_device(self, node, 1)
-                self._evictable += n - pos
-                _refresh(self, node)
-                _refresh(self, parent)
-                if self._track:
-                    _record(self, CHANGE_INSERTED, node, -1, n - pos)
+        cdef int64_t out[2]
+        backup = _insert(self, toks, <const index_t*>cnp.PyArray_DATA(vals), extra_key, prio, chunked, hold, out)
         cdef InsertResult r = InsertResult.__new__(InsertResult)
-        r.prefix_len = prefix_len
-        r.last_node = _handle(&self.nodes[node], node)
-        if self.write_through_threshold > 0 and not chunked:
-            r.backup_nodes = _report_path(self, root, node)
-            if hold and r.backup_nodes:  # kept protected until the caller's backups start
-                node = _node(self, r.backup_nodes[len(r.backup_nodes) - 1])  # the deepest covers them all
-                self.nodes[node].own_locks += 1
-                _lock(self, node, 1)
-        else:
-            r.backup_nodes = ()
+        r.prefix_len = out[0]
+        r.last_node = out[1]
+        r.backup_nodes = backup
         return r
+
+    cdef tuple insert_into(self, object key, const index_t* values, Py_ssize_t n, object extra_key,
+                           int64_t priority, bint chunked, bint hold, int64_t* out):
+        # insert of the first ``n`` tokens of ``key`` (a multiple of the page size, at
+        # most its length) with the device indices ``values[:n]`` (_core.pxd).
+        cdef cnp.ndarray toks = _as_tokens(key, n)
+        if cnp.PyArray_SIZE(toks) != n:
+            raise ValueError(f"insert_into: {n} tokens asked of a key of {cnp.PyArray_SIZE(toks)}")
+        return _insert(self, toks, values, extra_key, priority, chunked, hold, out)
 
     def insert_host(self, node, key, host_value):
         """Attach host-only KV below the backed-up ``node``; see the twin. ``O(len(key))``."""

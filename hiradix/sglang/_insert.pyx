@@ -1,0 +1,114 @@
+# cython: language_level=3
+"""``insert`` of :mod:`hiradix.sglang`, compiled for the scheduler's common call.
+
+Every finished request (and every chunk of a chunked prefill) goes through the cache's
+``insert``. Around the tree's 3.8 us insert of a 1,343-token key, the Python layers took
+3.4 us: reading the params and the key, turning the slots' tensor into a numpy array
+(0.7 us), the core cache's method and SGLang's ``InsertResult`` (``bench/sglang_api.py``,
+page 1). :class:`Inserter` does that work in C for a call with nothing special about it
+(the tokens an ``array('q')`` or a list, no namespace, no bigrams, the slots a CPU int64
+or int32 tensor, no KV events to record) and calls the tree's ``insert_into`` directly,
+reading the slots in place; any other call goes to the Python method it stands in front
+of. Both leave the cache in the same state and return the same ``InsertResult``
+(``tests/sglang/test_insert_compiled.py``).
+
+Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.insert` itself: with
+``HIRADIX_PUREPYTHON=1`` or no compiler, no inserter is installed and the method serves.
+"""
+
+from cpython.array cimport array
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdlib cimport free, realloc
+
+from hiradix.tree._core cimport HiRadixTree, index_t
+
+
+def applies_to(tree):
+    """Whether a cache on ``tree`` can take an :class:`Inserter`: the compiled tree only
+    (the twin serves under ``HIRADIX_PUREPYTHON``, where no inserter is built either)."""
+    return isinstance(tree, HiRadixTree)
+
+
+cdef class Inserter:
+    """``cache.insert`` for the scheduler's calls: ``Inserter(cache, general, result,
+    tensor, int64, int32)(params)`` does and returns what ``general(cache, params)``
+    would.
+
+    - ``general``: the Python ``insert``, for every other call (and a disabled cache);
+    - ``result``: SGLang's ``InsertResult``, made as ``result(prefix_len, total_len)``;
+    - ``tensor``, ``int64``, ``int32``: ``torch.Tensor`` and the two slot dtypes read in
+      place (int32 slots, as SGLang's ``req_to_token`` rows hold them, are widened into a
+      buffer the inserter keeps), so this module does not import torch.
+
+    The nodes the insert asks to back up go to the core cache's ``_backups_asked``, as
+    its own ``insert`` hands them on.
+    """
+
+    cdef HiRadixTree tree
+    cdef object cache, core, general, result, tensor, int64, int32
+    cdef int64_t* wide
+    cdef Py_ssize_t wide_cap
+
+    def __init__(self, cache, general, result, tensor, int64, int32):
+        self.cache = cache
+        self.core = cache.core
+        self.tree = cache.tree  # the cache's one tree for its life (reset empties it in place)
+        self.general = general
+        self.result = result
+        self.tensor = tensor
+        self.int64 = int64
+        self.int32 = int32
+
+    def __dealloc__(self):
+        free(self.wide)
+
+    def __call__(self, params):
+        cache = self.cache
+        key = params.key
+        ids = key.token_ids
+        limit = key.limit
+        value = params.value
+        if ((type(ids) is not array or (<array>ids).ob_descr.typecode != b"q") and type(ids) is not list
+                or key.is_bigram or key.extra_key is not None or key.cache_salt is not None
+                or (limit is not None and (type(limit) is not int or limit < 0))
+                or type(value) is not self.tensor or cache.disable or cache._events is not None):
+            return self.general(cache, params)
+        cdef Py_ssize_t n = len(ids)
+        if limit is not None and <Py_ssize_t>limit < n:
+            n = limit
+        n -= n % self.tree.page_size
+        dtype = value.dtype
+        if (n == 0 or (dtype is not self.int64 and dtype is not self.int32) or not value.is_cpu
+                or value.dim() != 1 or not value.is_contiguous() or value.numel() < n):
+            return self.general(cache, params)  # (a short value: the method's error)
+        priority = params.priority
+        chunked = getattr(params, "chunked", False)  # 0.5.18's; 0.5.23 has no such flag
+        if (priority is not None and type(priority) is not int) or (chunked is not False and chunked is not True):
+            return self.general(cache, params)
+        cdef int64_t prio
+        try:
+            prio = 0 if priority is None else priority
+        except OverflowError:
+            return self.general(cache, params)  # the method's error
+        cdef const index_t* slots = <const index_t*><uintptr_t>value.data_ptr()
+        if dtype is self.int32:
+            slots = self._widen(<const int32_t*>slots, n)
+        core = self.core
+        cdef int64_t out[2]  # prefix length, last node
+        backup = self.tree.insert_into(ids, slots, n, None, prio, chunked, core.batch_backups, out)
+        if backup:
+            core._backups_asked(backup)
+        return self.result(out[0], n)
+
+    cdef const index_t* _widen(self, const int32_t* src, Py_ssize_t n) except NULL:
+        cdef Py_ssize_t i
+        cdef int64_t* buf
+        if n > self.wide_cap:
+            buf = <int64_t*>realloc(self.wide, n * sizeof(int64_t))
+            if buf == NULL:
+                raise MemoryError()
+            self.wide = buf
+            self.wide_cap = n
+        for i in range(n):
+            self.wide[i] = src[i]
+        return self.wide
