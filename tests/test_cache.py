@@ -573,6 +573,48 @@ def test_companion_pools_follow_every_backup_and_load() -> None:
         ctrl.close()
 
 
+class _FirstStagesCount(LocalAgreement):
+    """A later pipeline stage's agreement: counts come from the first stage, whose copies
+    finished while this stage's (held at their first layer by ``gate``) have not."""
+
+    def __init__(self, count: int, gate: threading.Event) -> None:
+        self.count, self.gate = count, gate
+
+    def min_int(self, value: int) -> int:
+        self.gate.set()  # this stage's copy may go on: _ack must wait for it
+        return self.count
+
+
+def test_a_later_stage_waits_for_its_own_copies_to_reach_the_first_stages_count() -> None:
+    gate = threading.Event()
+
+    def hook(kind: str, op_id: int, layer: int) -> None:
+        if kind == "backup" and layer == 0:
+            assert gate.wait(60), "the ack never asked for the count"
+
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    ctrl = HiCacheController(dev, host, layer_hook=hook, agreement=_FirstStagesCount(1, gate))
+    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
+    seeds = prefix_seeds(np.arange(100, 112))
+    try:
+        fill(dev, slots, seeds)
+        ctrl.write(slots, host_slots)
+        ack = ctrl.start_writing()
+        assert ack is not None and not ack.done()  # held at its first layer
+        ((got, ok),) = ctrl.ack_writes()  # the first stage's count: 1, this stage's own: 0
+        assert got is ack and ok and ack.done()
+        scribble(dev, slots)
+        ctrl.load(host_slots, slots)
+        ctrl.start_loading()
+        ((_, ok),) = ctrl.ack_loads(wait_all=True)
+        assert ok and mismatches(dev, slots, seeds) == 0  # the host copy was whole when acknowledged
+        with pytest.raises(RuntimeError, match="agreed on 1 backup acks; this rank has 0"):
+            ctrl.ack_writes()  # a count past the queue: the stages diverged
+    finally:
+        ctrl.close()
+
+
 def test_companion_loads_finish_before_the_main_loads_first_layer() -> None:
     """The forward pass waits on the main load's layer events only, so the companion's
     load is submitted first on the same FIFO engine: once layer 0 is usable, it is done."""

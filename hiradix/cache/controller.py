@@ -585,6 +585,14 @@ class HiCacheController:
         n = self.agreement.min_int(local)
         if n == 0:
             return []
+        if n > local:
+            # A pipeline stage after the first takes the first stage's count, which its own
+            # copies may not have reached yet: wait for them (they are submitted; a count
+            # past the queue means the stages diverged, which must not be papered over).
+            if n > len(q.acks):
+                raise RuntimeError(f"the ranks agreed on {n} {kind} acks; this rank has {len(q.acks)} queued")
+            for i in range(local, n):
+                q.acks[i].wait()
         popped = [q.acks.popleft() for _ in range(n)]
         agreed = self.agreement.all_true([a.ok for a in popped])
         done_key, failed_key = _STAT_KEYS[kind]
@@ -599,7 +607,9 @@ class HiCacheController:
                 ack.wait()
 
     def close(self) -> None:
-        """Finish submitted copies and stop the engines this controller created."""
+        """Finish submitted copies, stop the engines this controller created and finish
+        what the agreement still owes the other ranks (:meth:`RankAgreement.close`)."""
         for engine in self._owned:
             engine.close()
         self._owned.clear()
+        self.agreement.close()

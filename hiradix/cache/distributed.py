@@ -50,6 +50,12 @@ class RankAgreement(ABC):
         """Element-wise AND of ``flags`` over the ranks (``len(flags)`` may be 0, in which
         case no communication happens: the length is agreed by construction)."""
 
+    def close(self) -> None:
+        """Finish whatever this rank still owes the others (an agreement that hands its
+        values on without waiting, as a pipeline stage does, sends the last one here);
+        every rank calls it once, when its cache closes. No-op by default."""
+        return None
+
 
 class LocalAgreement(RankAgreement):
     """One rank: every value is already agreed.

@@ -99,6 +99,14 @@ class SGLangAgreement(MinReduceAgreement):
         clone.reduce_groups = _same_rank_groups(self.reduce_groups)
         return clone
 
+    def close(self) -> None:
+        """Wait for the hand-downs still in flight: a stage that exited with its last one
+        unsent would leave the next stage waiting in a receive (a reset connection, or
+        a hang)."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+
     @property
     def single_rank(self) -> bool:
         return not self.reduce_groups and self.pp_group is None

@@ -31,8 +31,17 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     from test_sglang_scheduler_loop import Loop
 
     group = torch.distributed.group.WORLD if config["agree"] else None
-    env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"], tp_group=group)
-    faults = HostAllocFaults(env.cache.core.host_pool, seed=99) if rank == 1 else None  # this rank alone
+    if config.get("pp"):
+        # the ranks as pipeline stages, as SGLang's scheduler builds them: the first stage
+        # decides, the later ones take its decisions, so its faults are the ones to agree on
+        env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"],
+                    params={"pp_cache_group": group, "pp_rank": rank, "pp_size": world})
+        faulty = 0
+    else:
+        env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"],
+                    tp_group=group)
+        faulty = 1
+    faults = HostAllocFaults(env.cache.core.host_pool, seed=99) if rank == faulty else None  # this rank alone
     loop = Loop(env, seed=config["seed"])
     for _ in range(config["steps"]):
         loop.step()

@@ -36,6 +36,19 @@ def test_two_tp_ranks_agree_through_sglangs_group(tmp_path: Path, write_policy: 
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_two_pipeline_stages_take_the_first_stages_decisions(tmp_path: Path, write_policy: str) -> None:
+    # SGLang's pp_cache_group / pp_rank / pp_size in CacheInitParams: the first stage's host
+    # allocations fail at random; the second receives every agreed outcome from it (under
+    # SGLang's PP-sync tag) and ends with the same tree.
+    r0, r1 = _run(tmp_path, write_policy=write_policy, pp=True)
+    assert r0["failures"] > 0 and r1["failures"] == 0, "faults were asymmetric"
+    assert r0["calls"] == r1["calls"] > 0, "the stages made different hand-downs"
+    assert r0["fingerprint"] == r1["fingerprint"], "trees diverged"
+    assert r0["stats"] == r1["stats"]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
 def test_without_the_tp_group_the_same_faults_diverge(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, agree=False)
     assert r1["failures"] > 0 and r0["fingerprint"] != r1["fingerprint"]

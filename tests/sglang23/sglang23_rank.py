@@ -43,6 +43,9 @@ def cache_groups(rank: int, world: int, shape: str) -> dict[str, Any]:
     ``"attn_tp_cp"``
         Four ranks: attention TP groups ``{0,1}``, ``{2,3}`` and attention CP groups
         ``{0,2}``, ``{1,3}`` inside one TP group of all four.
+    ``"pp"``
+        Every rank a pipeline stage of its own (``pp_cache_group``, ``pp_rank``,
+        ``pp_size``): the first stage decides, the later ones take its decisions.
     ``"none"``
         No group at all (the control: every rank decides alone).
 
@@ -52,6 +55,8 @@ def cache_groups(rank: int, world: int, shape: str) -> dict[str, Any]:
         return {}
     if shape == "tp":
         return {"tp_cache_group": dist.group.WORLD}
+    if shape == "pp":
+        return {"pp_cache_group": dist.group.WORLD, "pp_rank": rank, "pp_size": world}
     if shape == "attn_tp_cp":
         if world != 4:
             raise ValueError(f"shape 'attn_tp_cp' needs 4 ranks, got {world}")

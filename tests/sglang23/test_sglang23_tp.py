@@ -65,6 +65,19 @@ def test_four_ranks_agree_over_attention_tp_and_cp_groups(tmp_path: Path) -> Non
     _assert_agreed(results)
 
 
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_two_pipeline_stages_take_the_first_stages_decisions(tmp_path: Path, write_policy: str) -> None:
+    # SGLang's pp_cache_group / pp_rank / pp_size: the first stage's L3 misses pages the
+    # second hits and its host allocations fail at random; the second stage receives every
+    # agreed outcome from it (under SGLang's PP-sync tag) and ends with the same tree
+    results = _run(tmp_path, shape="pp", write_policy=write_policy, host_faults_rank=0, l3_faults_rank=0)
+    r0, r1 = results
+    assert r0["l3_cuts"] > 0 and r0["host_failures"] > 0, "the first stage's faults did not happen"
+    assert r1["l3_cuts"] == r1["host_failures"] == 0
+    _assert_agreed(results)
+    assert r0["stats"]["l3_loaded"] > 0, r0["stats"]
+
+
 def test_without_the_groups_the_same_differences_diverge(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, shape="none", host_ratio=[2.0, 1.5])
     assert (r0["l3_cuts"] > 0 or r1["host_failures"] > 0) and r0["fingerprint"] != r1["fingerprint"]
