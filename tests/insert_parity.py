@@ -17,6 +17,7 @@ from array import array
 from typing import Any
 
 import torch
+from match_parity import token_source
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from support import tree_snapshot
@@ -83,13 +84,11 @@ def run(a: Any, b: Any, *, seed: int, steps: int) -> dict[str, int]:
     del b.cache.__dict__["insert"]  # the class's method serves b
     rng = random.Random(seed)
     ps = a.page_size
-    stems = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    draw = token_source(rng)
     held: list[tuple[Any, Any]] = []
     seen = {"inserts": 0, "prefix hits": 0, "backups asked": 0}
     for step in range(steps):
-        stem = rng.choice(stems)
-        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000)
-                                                           for _ in range(rng.randrange(0, 24))]
+        tokens = draw()
         op = rng.random()
         if op < 0.5 and a.allocator.available_size() > len(tokens) + 64:
             key = keys_of(tokens, rng)

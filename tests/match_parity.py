@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,19 +58,30 @@ def keys_of(tokens: list[int], rng: random.Random) -> list[RadixKey]:
     ]
 
 
+def token_source(rng: random.Random) -> Callable[[], list[int]]:
+    """Prompts that share prefixes: each draw is one of six stems cut anywhere, plus up to
+    23 fresh tokens."""
+    stems = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+
+    def draw() -> list[int]:
+        stem = rng.choice(stems)
+        return stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000)
+                                                         for _ in range(rng.randrange(0, 24))]
+
+    return draw
+
+
 def run(env: Any, *, seed: int, steps: int) -> int:
     """Drive ``env.cache``; every match is answered by both paths and compared. Returns
     the number of host hits seen (a run without any tests less than it should)."""
     cache = env.cache
     assert "match_prefix" in vars(cache), "the compiled matcher is not installed"
     rng = random.Random(seed)
-    stems = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    draw = token_source(rng)
     held: list[Any] = []
     host_hits = 0
     for _ in range(steps):
-        stem = rng.choice(stems)
-        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000)
-                                                           for _ in range(rng.randrange(0, 24))]
+        tokens = draw()
         op = rng.random()
         if op < 0.35 and env.allocator.available_size() > len(tokens) + 64:
             ns = rng.choice([None, None, "a"])
