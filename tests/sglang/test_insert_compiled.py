@@ -25,6 +25,15 @@ def test_compiled_insert_is_the_python_insert(make_env, page_size: int, seed: in
     assert seen["prefix hits"] > 10 and seen["backups asked"] > 10, seen
 
 
+@compiled
+def test_compiled_insert_is_the_python_insert_with_backups_in_the_insert(make_env, monkeypatch) -> None:
+    monkeypatch.setenv("HIRADIX_BATCH_BACKUPS", "0")  # each insert starts its own backups
+    a, b = make_env(1, size=2048), make_env(1, size=2048)
+    assert not a.cache.core.batch_backups
+    seen = insert_parity.run(a, b, seed=5, steps=300)
+    assert seen["prefix hits"] > 10, seen
+
+
 def spy(env) -> tuple[object, list[object]]:
     """An inserter on ``env``'s cache whose Python fallback records what reaches it."""
     calls: list[object] = []
