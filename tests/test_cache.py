@@ -192,9 +192,9 @@ def test_batched_backups_start_at_the_step_parents_first() -> None:
 def test_batched_backups_start_before_an_eviction_and_are_protected_while_waiting() -> None:
     """An eviction before the step starts the waiting backups first, so it keeps those
     nodes as an unbatched cache would (a node being backed up is not a victim). Waiting,
-    they are protected already, as a backup in flight is: the insert's last node is locked
-    (the scheduler admits requests by evictable_size()), nothing can drop them, and the
-    step's backups release that lock."""
+    they are protected already, as a backup in flight is: the deepest node the insert
+    asks to back up is locked (the scheduler admits requests by evictable_size()),
+    nothing can drop them, and the step's backups release that lock."""
     for batch in (False, True):
         with make_cache(batch_backups=batch) as cache:
             p = np.arange(32)
