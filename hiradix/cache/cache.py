@@ -281,7 +281,7 @@ class HiRadixCache:
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
         self.batch_backups = batch_backups
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
-        self._held: list[int] = []  # their inserts' last nodes, locked until the backups start
+        self._held: list[int] = []  # the node each insert(hold=True) locked, until the backups start
         self._stats = zeros(CacheStats)  # counted here; read as a snapshot (stats)
         # L3 (storage) state; see attach_storage_backend.
         self.enable_hash = enable_hash
@@ -436,8 +436,8 @@ class HiRadixCache:
         one submission; returns the tokens whose copy was started. ``now``: the caller
         acknowledges finished backups right after (a step's events, a flush), so an inline
         write engine may copy and commit them at once (:meth:`_write_backup_nodes`), unless
-        older backups are still in flight: those are acknowledged first, and these queue
-        behind them (commits, and their KV events, come in start order); an eviction
+        older backups are still in flight: then these queue behind them, so commits (and
+        their KV events) come in start order; an eviction
         leaves them in flight, kept on the device. The waiting nodes were locked
         by their inserts (none was evicted meanwhile) and are released here, once their
         backups hold locks of their own; one backed up or put in flight meanwhile is
@@ -527,16 +527,11 @@ class HiRadixCache:
     def writing_check(self, write_back: bool = False) -> None:
         """Complete the backups every rank has finished (all of them with ``write_back``),
         after starting those that batched inserts left waiting (``batch_backups``), so a
-        caller sees what it would see without batching: the backups in flight before them
-        are acknowledged first, as they would have been. A failed copy leaves its nodes as
-        they were and frees their host slots. Runtime: ``O(nodes acknowledged)``."""
+        caller sees what it would see without batching: they are acknowledged after the
+        backups in flight before them, as they would have been. A failed copy leaves its
+        nodes as they were and frees their host slots. Runtime: ``O(nodes acknowledged)``."""
         if self._pending_backups:
-            if self.ongoing_write_through:  # the older backups first: commits (and events) in start order
-                self._ack_writes(write_back)
-            self.start_pending_backups(now=True)
-        self._ack_writes(write_back)
-
-    def _ack_writes(self, write_back: bool) -> None:
+            self.start_pending_backups(now=True)  # queued behind any older ones still in flight
         acks = self.cache_controller.ack_writes(wait_all=write_back)
         if not acks:
             return

@@ -772,7 +772,6 @@ class HiRadixTree:
         target.own_locks -= 1
         return self._lock(target, -1)
 
-
     def dec_lock_refs(self, nodes: Iterable[int]) -> int:
         """:meth:`dec_lock_ref` of each of ``nodes`` (a node named twice releases two of
         its locks); returns the total change of ``evictable_size``. All or nothing:
@@ -792,6 +791,7 @@ class HiRadixTree:
                     f"(lock_ref {t.lock_ref}, io_status {_IO_NAMES[t.io_status]})"
                 )
         return sum(self.dec_lock_ref(h) for h in handles)
+
     def inc_host_ref(self, node: int) -> None:
         """Protect a node's host copy (e.g. a prefetch mount point). ``O(1)``."""
         walk = self._node(node)
