@@ -32,8 +32,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "device_len", "insert", "key", "match",
-           "mtp_draft_round_trip", "only_in_l3", "settle", "sglang_pools", "transfer_kv_direct", "wait_queue"]
+__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "attention_waits_for_load", "device_len",
+           "forward_read", "insert", "key", "match", "mtp_draft_round_trip", "only_in_l3", "settle", "sglang_pools",
+           "transfer_kv_direct", "wait_queue"]
 
 LAYERS = 3
 HEADS = 2
@@ -70,6 +71,91 @@ def sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
                                             kvcache=kv, need_sort=False)
     req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
     return kv, alloc, req_to_token
+
+
+def forward_read(kv: Any, worker_counter: Any, consumer: int, layers: range | None = None) -> list[torch.Tensor]:
+    """SGLang's forward pass as the KV pool sees it, never a stand-in for the waits: SGLang's
+    TP worker sets the batch's consumer index (``hicache_consumer_index``) on the counter
+    the cache factory registered with it (``worker_counter``), then the attention backend
+    reads each layer through the pool's ``get_key_buffer`` / ``get_value_buffer`` (MLA:
+    ``get_key_buffer``), which wait for that layer's load only on a counter registered with
+    the pool itself. The buffers as read, in :meth:`KVBuffers.layers`'s order (K layers,
+    then V layers; MLA: one per layer), for the ``layers`` given (default: all)."""
+    if worker_counter is not None:
+        worker_counter.set_consumer(consumer)
+    layers = range(kv.layer_num) if layers is None else layers
+    keys, values = [], []
+    for layer in layers:
+        keys.append(kv.get_key_buffer(layer))
+        if hasattr(kv, "v_buffer"):
+            values.append(kv.get_value_buffer(layer))
+    return keys + values
+
+
+def attention_waits_for_load(env: Any, tokens: list[int],
+                             loaded_slots: Callable[[Any, Any], torch.Tensor] = lambda loaded, node: loaded) -> None:
+    """The pool's attention read waits for a load from host: with the load's first layer
+    held back (the copy engine's layer hook blocks it), a reader thread's
+    ``get_key_buffer(0)`` must not return until the layer is released, and must then read
+    the loaded bytes. Without the layer-done counter registered with SGLang's pool, the
+    read returns at once with the slots' stale bytes (what served wrong outputs in a real
+    server). ``env`` is a hiradix cache environment with room for ``tokens``;
+    ``loaded_slots(loaded, node)`` reads ``init_load_back``'s answer in its SGLang
+    version's form as the slots loaded into."""
+    import threading
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    cache = env.cache
+    n = len(tokens)
+    slots = env.allocator.alloc(n)
+    env.write_kv(slots, torch.tensor(tokens), torch.arange(n))
+    assert cache.insert(InsertParams(key=key(tokens), value=slots)).prefix_len == 0
+    settle(env)
+    assert cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == n
+    for buf in env.layers():
+        buf.zero_()
+    m = match(env, tokens)
+    assert device_len(m) == 0 and m.host_hit_length == n
+
+    entered, release = threading.Event(), threading.Event()
+    engine = cache.cache_controller.load_engine
+
+    def hold_first_layer(kind: str, op_id: int, layer: int) -> None:
+        if kind == "load" and layer == 0:
+            entered.set()
+            assert release.wait(60), "the test never released the load"
+
+    engine.layer_hook = hold_first_layer
+    try:
+        loaded = loaded_slots(*cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                                        host_hit_length=m.host_hit_length)))
+        consumer = cache.ready_to_load_host_cache()
+        assert entered.wait(60), "the load never started"
+        read: list[Any] = []
+
+        def attention() -> None:  # the forward pass, on its own thread
+            got = forward_read(env.kv, env.worker.counter, consumer, range(1))[0]
+            read.append(release.is_set())
+            read.append(got)
+
+        reader = threading.Thread(target=attention)
+        reader.start()
+        # A bound, not an order: a reader that does not wait returns within it.
+        reader.join(timeout=2.0)
+        returned_early = not reader.is_alive()
+        release.set()
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the attention read never returned after the load finished"
+        assert not returned_early and read[0], (
+            "get_key_buffer returned while the load of its layer was held back: the layer-done counter is not "
+            "registered with SGLang's KV pool")
+        want = env.expected_kv(torch.tensor(tokens), torch.arange(n))[0]
+        assert torch.equal(read[1][loaded.long()], want)
+    finally:
+        release.set()
+        engine.layer_hook = None
+        settle(env)
 
 
 class KVBuffers:
@@ -239,12 +325,14 @@ def mtp_draft_round_trip(env: Any, draft: MTPDraft, loaded_slots: Callable[[Any,
     new = loaded_slots(*env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
                                                                      host_hit_length=m.host_hit_length)))
     assert not torch.equal(new.sort().values, slots.sort().values)
-    counter = env.cache.cache_controller.layer_done_counter
     consumer = env.cache.ready_to_load_host_cache()
-    counter.set_consumer(consumer)
-    counter.wait_until(0)  # the forward pass's wait for the first target layer
+    # The target's first layer, read as attention reads it (waiting for its load) ...
+    forward_read(env.kv, env.worker.counter, consumer, range(1))
+    # ... and the draft's, through the draft's own pool: its layer wait is registered too.
+    assert draft.pool.layer_transfer_counter is not None
+    draft.pool.get_key_buffer(draft.pool.start_layer)
     assert draft.holds(new, torch.tensor(tokens[:n]))
-    counter.wait_until(LAYERS - 1)
+    read = forward_read(env.kv, None, consumer)
     want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
-    assert all(torch.equal(buf[new], w) for buf, w in zip(env.layers(), want, strict=True))
+    assert all(torch.equal(buf[new], w) for buf, w in zip(read, want, strict=True))
     return consumer

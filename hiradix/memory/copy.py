@@ -601,8 +601,9 @@ class ThreadCopyEngine(CopyEngine):
     engine for CPU pools and for CI).
 
     ``layer_hook`` (see :data:`LayerHook`) is a test seam called by the worker before each
-    layer. An exception in an operation (from a copy or the hook) fails that operation
-    only: its waiters are released with a :class:`CopyError` and the next operation runs.
+    layer (an attribute of the same name: a test may set it between operations). An
+    exception in an operation (from a copy or the hook) fails that operation only: its
+    waiters are released with a :class:`CopyError` and the next operation runs.
 
     ``native`` picks how CPU pools are copied: ``None`` (the default) uses the compiled
     GIL-free row copy when it is built (:data:`NATIVE_AVAILABLE`), ``False`` always uses
@@ -650,7 +651,7 @@ class ThreadCopyEngine(CopyEngine):
                 "(not built, or HIRADIX_PUREPYTHON is set)"
             )
         self.native = NATIVE_AVAILABLE if native is None else bool(native)
-        self._hook = layer_hook
+        self.layer_hook = layer_hook
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed/_next_id; submission order = queue order
         self._closed = False
@@ -678,8 +679,8 @@ class ThreadCopyEngine(CopyEngine):
         """Run one operation layer by layer; a failure goes to the handle's waiters."""
         try:
             for layer in range(handle.layer_num):
-                if self._hook is not None:
-                    self._hook(handle.kind, handle.op_id, layer)
+                if self.layer_hook is not None:
+                    self.layer_hook(handle.kind, handle.op_id, layer)
                 step(layer)
                 handle._mark_layer(layer)
         except BaseException as exc:  # handed to the waiters, never swallowed
@@ -722,13 +723,13 @@ class ThreadCopyEngine(CopyEngine):
             op_id = self._next_id
             self._next_id += 1
         plan = _row_plan(device_pool, host_pool, device_indices, host_indices) if self.native else None
-        if plan is not None and self._hook is None:  # every layer in one loop, without a step per layer
+        if plan is not None and self.layer_hook is None:  # every layer in one loop, without a step per layer
             _native_backup_layers(plan, range(device_pool.layer_num), self.copy_threads)
             return
         step = self._backup_step(device_pool, host_pool, device_indices, host_indices, plan)
         for layer in range(device_pool.layer_num):
-            if self._hook is not None:
-                self._hook("backup", op_id, layer)
+            if self.layer_hook is not None:
+                self.layer_hook("backup", op_id, layer)
             step(layer)
 
     def load(

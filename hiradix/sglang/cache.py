@@ -107,20 +107,63 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 _EMPTY_NP = np.empty(0, dtype=np.int64)
 
 
+class DraftLayerWait:
+    """The layer counter a draft model's KV pool waits on: any draft layer is usable once
+    the target's first layer is, because the draft's copies are submitted before the
+    target's on the same engine (:meth:`HiCacheController.add_companion`). A draft's layer
+    ids need not lie in the target's range (EAGLE-3 and MTP drafts number theirs after the
+    target's), so the wait is for layer 0, whatever layer the pool asks for."""
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+
+    @property
+    def consumer_index(self) -> int:
+        return int(self._counter.consumer_index)
+
+    def wait_until(self, threshold: int, timeout: float | None = None) -> None:
+        self._counter.wait_until(0, timeout)
+
+
+def register_layer_wait(sglang_pool: Any, counter: Any) -> None:
+    """Make SGLang's KV pool wait on ``counter`` before its attention reads a layer, as
+    SGLang's own ``HiCacheController`` does at start-up
+    (``mem_pool_device.register_layer_transfer_counter``): the pool's ``get_key_buffer`` /
+    ``get_value_buffer`` wait for the layer only when a counter is registered, and without
+    it the forward pass reads slots a load is still filling (wrong outputs). ``TypeError``
+    for a pool without the hook, rather than a cache that serves unloaded KV."""
+    register = getattr(sglang_pool, "register_layer_transfer_counter", None)
+    if register is None:
+        raise TypeError(f"hiradix.sglang: {type(sglang_pool).__name__} has no register_layer_transfer_counter; "
+                        "its attention could read KV before a load from host finishes")
+    register(counter)
+
+
 class SGLangCacheController(HiCacheController):
     """The core's controller with the names SGLang's scheduler and metrics read from
     ``tree_cache.cache_controller``: ``mem_pool_host``, ``mem_pool_device``,
-    ``write_policy``, ``io_backend``, ``page_size``, ``storage_backend_type``,
-    ``layer_done_counter`` and ``reset``."""
+    ``write_policy``, ``io_backend``, ``page_size``, ``storage_backend``,
+    ``storage_backend_type``, ``layer_done_counter`` and ``reset``.
+
+    ``sglang_pool`` is SGLang's device KV pool that ``device_pool`` wraps: the layer-done
+    counter is registered with it here (:func:`register_layer_wait`), as SGLang's
+    controller registers its own, so every way of building the cache (the plugin's factory,
+    a fork's ``HiRadixCache(params, server_args)``) makes attention wait for loads."""
 
     def __init__(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, *, write_policy: str, io_backend: str, **kwargs: Any
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, *, write_policy: str, io_backend: str,
+        sglang_pool: Any = None, **kwargs: Any
     ) -> None:
         super().__init__(device_pool, host_pool, **kwargs)
         self.write_policy = write_policy
         self.io_backend = io_backend
         self.page_size = device_pool.page_size
         self.storage_backend_type: str | None = None
+        #: The attached L3 backend (SGLang reads its class name for metrics and the
+        #: ``cached_tokens_details`` of a request, and 0.5.23's scheduler its layout).
+        self.storage_backend: Any = None
+        if sglang_pool is not None:
+            register_layer_wait(sglang_pool, self.layer_done_counter)
 
     @property
     def mem_pool_host(self) -> HostKVPool:
@@ -145,6 +188,7 @@ class SGLangCacheController(HiCacheController):
         kind hiradix cannot wrap. ``O(draft host pool)`` to allocate.
         """
         self.add_draft(device_pool_from_sglang(draft_device_pool), type(draft_device_pool).__name__)
+        register_layer_wait(draft_device_pool, DraftLayerWait(self.layer_done_counter))
 
     def add_draft(self, device: DeviceKVPool, name: str) -> None:
         """Make ``device`` (a draft model's KV, indexed by the target's token slots) follow
@@ -452,7 +496,7 @@ class HiRadixCacheBase(BasePrefixCache):
             io_backend=server_args.hicache_io_backend, agreement=agreement,
             # On CPU pools a thread hand-off per step cost the scheduler more than the copy
             # itself (bench/RESULTS_sglang_api.md, run 9); loads keep their thread either way.
-            inline_writes=self.backup_copy == "inline",
+            inline_writes=self.backup_copy == "inline", sglang_pool=self.kv_cache,
         )
         for i, (draft, name) in enumerate(drafts):
             try:
@@ -460,6 +504,7 @@ class HiRadixCacheBase(BasePrefixCache):
             except ValueError as e:
                 raise ValueError(f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's "
                                  f"KV: {e}") from e
+            register_layer_wait(params.mtp_draft_device_pools[i], DraftLayerWait(controller.layer_done_counter))
         backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
             device_pool,
@@ -876,6 +921,9 @@ class HiRadixCacheBase(BasePrefixCache):
         if not ok:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
         self.cache_controller.storage_backend_type = backend
+        # SGLang names the backend by its object's class (stock: HiCacheFile, MooncakeStore):
+        # SGLang's own backend where one serves, else hiradix's.
+        self.cache_controller.storage_backend = storage.inner if isinstance(storage, SGLangBackend) else storage
         self.cache_controller.warn_draft_l3()
         self.enable_storage = True
         logger.info("hiradix: %s", msg)
@@ -913,6 +961,7 @@ class HiRadixCacheBase(BasePrefixCache):
         if ok:
             self.enable_storage = False
             self.cache_controller.storage_backend_type = None
+            self.cache_controller.storage_backend = None
             assert l3 is not None
             l3.backend.close()
         return ok, msg

@@ -12,7 +12,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import Env, PageTransfers
-from sglang_pools import LAYERS, wait_queue
+from sglang_pools import LAYERS, forward_read, wait_queue
 
 PAGE = 4
 N = 32  # tokens per test: 8 pages
@@ -79,10 +79,7 @@ def read(env: Env, tokens: list[int], extra_key: str | None = None, rid: str = "
         buf.zero_()
     loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=N))
     assert len(loaded) == N
-    counter = cache.cache_controller.layer_done_counter
-    counter.set_consumer(cache.ready_to_load_host_cache())
-    for layer in range(LAYERS):
-        counter.wait_until(layer)
+    read = forward_read(env.kv, env.worker.counter, cache.ready_to_load_host_cache())
     want = env.expected_kv(torch.tensor(tokens), torch.arange(N))
-    for i, (buf, w) in enumerate(zip(env.layers(), want, strict=True)):
+    for i, (buf, w) in enumerate(zip(read, want, strict=True)):
         assert torch.equal(buf[loaded], w), f"buffer {i} (layer {i % LAYERS}) differs"

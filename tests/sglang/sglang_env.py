@@ -357,9 +357,13 @@ class SharedStorage(hss.MemoryStorage):
 # ---------------------------------------------------------------------------- parity with SGLang's own cache
 # SGLang's HiRadixCache beside hiradix.sglang's on MHA layer_first pools, io backend direct,
 # with a deterministic clock (tests/sglang/twin.py: KV events, EAGLE).
-def _parity_pools_and_args(page_size: int, size: int, layout: str, write_policy: str, mla: bool,
-                           storage: str | None, extra_config: str | None, eviction_policy: str, hicache_ratio: float,
-                           prefetch_policy: str) -> tuple[Any, Any, Any, Any]:
+def parity_pools_and_args(page_size: int, size: int, layout: str = "layer_first",
+                          write_policy: str = "write_through", mla: bool = False, storage: str | None = None,
+                          extra_config: str | None = None, eviction_policy: str = "lru", hicache_ratio: float = 2.0,
+                          prefetch_policy: str = "best_effort") -> tuple[Any, Any, Any, Any]:
+    """SGLang's CPU pools and a ``ServerArgs`` for a cache built by hand, as a fork's
+    scheduler builds ``HiRadixCache(params, server_args)``: ``(kv, allocator,
+    req_to_token, server_args)``."""
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -426,7 +430,7 @@ def build_sglang(page_size: int = 1, *, size: int = 512, write_policy: str = "wr
     ``direct``): the reference of the parity tests. Needs :func:`patch_sglang_for_parity`."""
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
-    kv, alloc, req_to_token, server_args = _parity_pools_and_args(
+    kv, alloc, req_to_token, server_args = parity_pools_and_args(
         page_size, size, "layer_first", write_policy, False, None, None, eviction_policy, hicache_ratio,
         "best_effort")
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,

@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang_env import build, needs_sglang_020, record
-from sglang_pools import LAYERS, insert, match, settle
+from sglang_pools import LAYERS, attention_waits_for_load, forward_read, insert, match, settle
 
 import hiradix.sglang as hs
 
@@ -29,11 +29,36 @@ def test_built_by_sglangs_registry_as_a_prefix_cache(make_env) -> None:
     env = make_env()
     assert isinstance(env.cache, hs.HiRadixCache) and isinstance(env.cache, BasePrefixCache)
     assert env.worker.counter is env.cache.cache_controller.layer_done_counter
+    # ... and with SGLang's KV pool, whose attention reads wait on it (SGLang's own
+    # controller registers its counter there; without it, load-backs served wrong outputs)
+    assert env.kv.layer_transfer_counter is env.cache.cache_controller.layer_done_counter
     assert env.cache.token_to_kv_pool_allocator is env.allocator
     # sized as SGLang sizes it: ratio x device, in pages, plus one page
     assert env.cache.cache_controller.mem_pool_host.size == 2 * env.allocator.size + env.page_size
     assert env.cache.is_tree_cache() and not env.cache.is_chunk_cache()
     env.cache.check_invariants()
+
+
+def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
+    """A fork's scheduler builds ``HiRadixCache(params, server_args)`` itself, with no
+    factory and no TP worker: SGLang's pool must wait on the counter all the same."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang_env import parity_pools_and_args
+
+    kv, alloc, req_to_token, server_args = parity_pools_and_args(1, 256)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
+                             page_size=1, eviction_policy="lru")
+    cache = hs.HiRadixCache(params, server_args)
+    try:
+        assert kv.layer_transfer_counter is cache.cache_controller.layer_done_counter
+    finally:
+        cache.shutdown()
+        cache.core.close()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_attention_read_waits_for_a_load_from_host(make_env, mla: bool) -> None:
+    attention_waits_for_load(make_env(mla=mla), list(range(500, 540)))
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -222,16 +247,11 @@ def test_evicted_backed_up_prefix_is_a_host_hit_and_loads_back_bytes_equal(make_
     loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
                                                                host_hit_length=m.host_hit_length))
     assert len(loaded) == 40 and node == m.best_match_node
-    counter = env.cache.cache_controller.layer_done_counter
     consumer = env.cache.ready_to_load_host_cache()
-    counter.set_consumer(consumer)
     want = env.expected_kv(torch.tensor(tokens), torch.arange(40))
-    per_layer = len(env.layers()) // LAYERS
-    for layer in range(LAYERS):
-        counter.wait_until(layer)  # the forward pass's per-layer wait, as SGLang's backends do
-        for c in range(per_layer):
-            i = c * LAYERS + layer
-            assert torch.equal(env.layers()[i][loaded], want[i])
+    # The forward pass reads through SGLang's pool, which waits for each layer's load.
+    for i, buf in enumerate(forward_read(env.kv, env.worker.counter, consumer)):
+        assert torch.equal(buf[loaded], want[i])
     assert env.cache.is_load_back_event_done(consumer)
     assert len(match(env, tokens).device_indices) == 40
     env.cache.check_invariants()
@@ -342,12 +362,9 @@ def test_storage_backup_prefetch_round_trip(make_env) -> None:
     m = match(env, tokens)
     assert m.host_hit_length == 32
     loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=32))
-    counter = cache.cache_controller.layer_done_counter
-    counter.set_consumer(cache.ready_to_load_host_cache())
     want = env.expected_kv(torch.tensor(tokens), torch.arange(32))
-    for layer in range(LAYERS):
-        counter.wait_until(layer)
-    for buf, w in zip(env.layers(), want, strict=True):
+    read = forward_read(env.kv, env.worker.counter, cache.ready_to_load_host_cache())
+    for buf, w in zip(read, want, strict=True):
         assert torch.equal(buf[loaded], w)
     settle(env)
     cache.check_invariants()

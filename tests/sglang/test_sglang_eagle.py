@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_env import build, build_sglang, needs_sglang_020, patch_sglang_for_parity, record
-from sglang_pools import LAYERS, MTPDraft, mtp_draft_round_trip, settle
+from sglang_pools import MTPDraft, forward_read, mtp_draft_round_trip, settle
 from twin import Twin, run
 
 
@@ -178,11 +178,8 @@ def test_bigram_pages_round_trip_through_storage(make_env) -> None:
     m = match(env, tokens)
     assert m.host_hit_length == 32
     loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=32))
-    counter = cache.cache_controller.layer_done_counter
-    counter.set_consumer(cache.ready_to_load_host_cache())
-    for layer in range(LAYERS):
-        counter.wait_until(layer)
-    for buf, w in zip(env.layers(), env.expected_kv(torch.tensor(tokens[:32]), torch.arange(32)), strict=True):
+    read = forward_read(env.kv, env.worker.counter, cache.ready_to_load_host_cache())
+    for buf, w in zip(read, env.expected_kv(torch.tensor(tokens[:32]), torch.arange(32)), strict=True):
         assert torch.equal(buf[loaded], w)
     env.cache.core.flush()
     cache.check_hicache_events()
@@ -237,12 +234,12 @@ def test_a_draft_models_kv_follows_the_targets_through_host_and_back(make_env, s
     assert len(m.device_indices) == 0 and m.host_hit_length == n
     loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
                                                             host_hit_length=m.host_hit_length))
-    counter = controller.layer_done_counter
-    counter.set_consumer(env.cache.ready_to_load_host_cache())
-    counter.wait_until(LAYERS - 1)
+    read = forward_read(env.kv, env.worker.counter, env.cache.ready_to_load_host_cache())
     want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
-    assert all(torch.equal(buf[loaded], w) for buf, w in zip(env.layers(), want, strict=True))
-    for buf in (draft.k_buffer[0], draft.v_buffer[0]):
+    assert all(torch.equal(buf[loaded], w) for buf, w in zip(read, want, strict=True))
+    # The draft model's attention reads its own pool, which waits on the load too.
+    assert draft.layer_transfer_counter is not None
+    for buf in (draft.get_key_buffer(draft.start_layer), draft.get_value_buffer(draft.start_layer)):
         assert torch.equal(buf[loaded], draft_kv(torch.tensor(tokens[:n])))
     env.cache.check_invariants()
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
 from sglang_env import Env, record
-from sglang_pools import LAYERS
+from sglang_pools import forward_read
 
 
 class Loop:
@@ -46,12 +46,14 @@ class Loop:
         ps = self.env.page_size
         return -(-int(req.kv_allocated) // ps) * ps - int(record(req).cache_protected_len)
 
-    def verify(self, req, upto: int) -> None:
+    def verify(self, req, upto: int, read: list[torch.Tensor] | None = None) -> None:
+        """The request's first ``upto`` tokens' KV is what was computed for them, in the
+        buffers as the forward pass read them (``read``; default the pool's own)."""
         env = self.env
         tokens = torch.tensor(list(req.full_untruncated_fill_ids[:upto]))
         slots = env.req_to_token.req_to_token[record(req).req_pool_idx, :upto].long()
         want = env.expected_kv(tokens, torch.arange(upto))
-        for buf, w in zip(env.layers(), want, strict=True):
+        for buf, w in zip(env.layers() if read is None else read, want, strict=True):
             assert torch.equal(buf[slots], w), f"request {req.rid}: reused KV differs"
         self.stats["verified"] += upto
 
@@ -86,14 +88,13 @@ class Loop:
         self.running.append((req, prefix, end))
 
     def forward(self, consumer: int) -> None:
-        """The model's forward pass: wait for each layer of this step's load, read it."""
-        counter = self.env.cache.cache_controller.layer_done_counter
-        counter.set_consumer(consumer)
-        for layer in range(LAYERS):
-            counter.wait_until(layer)
+        """The model's forward pass as SGLang runs it: the TP worker sets the step's
+        consumer index, and attention reads each layer through SGLang's KV pool, which
+        waits for that layer of the step's load (:func:`forward_read`)."""
+        read = forward_read(self.env.kv, self.env.worker.counter, consumer)
         for req, prefix, end in self.running:
             if prefix:
-                self.verify(req, prefix)  # the reused prefix, device or loaded back
+                self.verify(req, prefix, read)  # the reused prefix, device or loaded back
             tokens = torch.tensor(list(req.full_untruncated_fill_ids[prefix:end]))
             slots = self.env.req_to_token.req_to_token[record(req).req_pool_idx, prefix:end].long()
             self.env.write_kv(slots, tokens, torch.arange(prefix, end))

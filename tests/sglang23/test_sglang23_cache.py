@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
-from sglang_pools import LAYERS, insert, key, match, only_in_l3, settle
+from sglang_pools import LAYERS, attention_waits_for_load, forward_read, insert, key, match, only_in_l3, settle
 from sglang_unified_env import build_hiradix
 
 import hiradix.sglang as hs
@@ -73,6 +73,9 @@ def test_built_by_sglangs_registry_as_a_prefix_cache() -> None:
     assert isinstance(env.cache, hs.HiRadixCache) and isinstance(env.cache, BasePrefixCache)
     assert get_radix_cache_factory(hs.BACKEND_NAME) is hs.create_cache
     assert env.worker.counter is env.cache.cache_controller.layer_done_counter
+    # ... and with SGLang's KV pool, whose attention reads wait on it (SGLang's own
+    # controller registers its counter there; without it, load-backs served wrong outputs)
+    assert env.kv.layer_transfer_counter is env.cache.cache_controller.layer_done_counter
     assert env.cache.token_to_kv_pool_allocator is env.allocator
     # sized as SGLang sizes it: ratio x device, in pages, plus one page
     assert env.cache.cache_controller.mem_pool_host.size == 2 * env.allocator.size + env.page_size
@@ -81,6 +84,17 @@ def test_built_by_sglangs_registry_as_a_prefix_cache() -> None:
     assert not (env.cache.ongoing_write_through or env.cache.ongoing_load_back or env.cache.ongoing_prefetch
                 or env.cache.ongoing_backup)
     env.cache.check_invariants()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_attention_read_waits_for_a_load_from_host(mla: bool) -> None:
+    env = build_hiradix(mla=mla)
+
+    def loaded_slots(loaded: int, node: object) -> torch.Tensor:  # 0.5.23: the count loaded, the node
+        assert loaded == 40
+        return env.cache.path_device_indices(node)
+
+    attention_waits_for_load(env, list(range(500, 540)), loaded_slots)
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -216,16 +230,11 @@ def test_evicted_backed_up_prefix_is_a_host_hit_and_loads_back_bytes_equal() -> 
                                                                host_hit_length=m.host_hit_length))
     assert loaded == 40 and node == m.best_match_node  # all of the promised tokens, as 0.5.23 requires
     slots = env.cache.path_device_indices(node)
-    counter = env.cache.cache_controller.layer_done_counter
     consumer = env.cache.ready_to_load_host_cache()
-    counter.set_consumer(consumer)
     want = env.expected_kv(torch.tensor(tokens), torch.arange(40))
-    per_layer = len(env.layers()) // LAYERS
-    for layer in range(LAYERS):
-        counter.wait_until(layer)  # the forward pass's per-layer wait, as SGLang's backends do
-        for c in range(per_layer):
-            i = c * LAYERS + layer
-            assert torch.equal(env.layers()[i][slots], want[i])
+    # The forward pass reads through SGLang's pool, which waits for each layer's load.
+    for i, buf in enumerate(forward_read(env.kv, env.worker.counter, consumer)):
+        assert torch.equal(buf[slots], want[i])
     assert env.cache.is_load_back_event_done(consumer)
     assert match(env, tokens).device_prefix_len == 40
     env.cache.check_invariants()
@@ -344,12 +353,9 @@ def test_storage_backup_prefetch_round_trip_by_request_handle() -> None:
     assert m.host_hit_length == 32
     loaded, node = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=32))
     assert loaded == 32
-    counter = cache.cache_controller.layer_done_counter
-    counter.set_consumer(cache.ready_to_load_host_cache())
-    for layer in range(LAYERS):
-        counter.wait_until(layer)
+    read = forward_read(env.kv, env.worker.counter, cache.ready_to_load_host_cache())
     slots = cache.path_device_indices(node)
-    for buf, w in zip(env.layers(), env.expected_kv(torch.tensor(tokens), torch.arange(32)), strict=True):
+    for buf, w in zip(read, env.expected_kv(torch.tensor(tokens), torch.arange(32)), strict=True):
         assert torch.equal(buf[slots], w)
     # an attempt that ends aborted gives its prefetch back
     other = env.new_req(list(range(300, 332)))
