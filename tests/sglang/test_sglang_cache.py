@@ -385,7 +385,7 @@ def test_plugin_entry_point_is_discovered_by_sglang() -> None:
         distribution("hiradix")
     except PackageNotFoundError:
         pytest.skip("hiradix is imported from a path entry, not installed: no entry point to discover "
-                    "(.ci/run's second SGLang venv takes the checkout through a .pth)")
+                    "(pip install -e ., or .ci/link_checkout.py as .ci/run does)")
     (ep,) = [e for e in entry_points(group=GENERAL_PLUGINS_GROUP) if e.name == "hiradix"]
     assert ep.load() is register
     plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)

@@ -1,0 +1,201 @@
+"""A real ``python -m sglang.launch_server`` as a test fixture: started as a subprocess on
+127.0.0.1, waited for on ``/health`` with a deadline, stopped by its process group, its
+log shown when a test fails.
+
+The server runs on this machine's CPU (SGLang's CPU engine with its torch-native attention
+and sampling), from a folder that is not the checkout root (the checkout's ``hiradix/``
+would shadow the installed package there), with ``tests/e2e/stubs`` (a CPU
+``sgl_kernel``) and ``tests/e2e/inject`` (fault injection, off unless asked) on its
+``PYTHONPATH``. HTTP goes through ``urllib``: no client library between the test and the
+server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+#: What gets SGLang's server running on a CPU (verified on 0.5.18, 0.5.20 and 0.5.23).
+CPU_ARGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--skip-server-warmup", "--dtype", "float32",
+    # An idle scheduler otherwise polls at 100% of a core (and its detokenizer at 40%).
+    "--sleep-on-idle",
+)
+START_TIMEOUT_S = 240.0  # about 40 s on 2 idle cores; more beside another suite
+REQUEST_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerError(RuntimeError):
+    """The server died, did not come up in time, or answered an error."""
+
+
+class Server:
+    """One SGLang server process. ``args`` are the server's own options after the model
+    and the CPU options; ``env`` adds to the environment. Use as a context manager or call
+    :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, model: Path, args: Sequence[str], workdir: Path, *, env: dict[str, str] | None = None,
+                 name: str = "server") -> None:
+        self.model = Path(model)
+        self.args = [str(a) for a in args]
+        self.workdir = Path(workdir)
+        self.extra_env = dict(env or {})
+        self.name = name
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.workdir / f"{name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
+                "--host", "127.0.0.1", "--port", str(self.port), *CPU_ARGS, *self.args]
+
+    def start(self) -> Server:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        env = dict(os.environ)
+        path = [str(HERE / "stubs"), str(HERE.parent / "stubs"), str(HERE / "inject"), env.get("PYTHONPATH", "")]
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(p for p in path if p),
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(self.extra_env)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it until stop()
+        try:
+            self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.name} exited with {self.proc.returncode} at start-up:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            # Polling a process that is starting, not ordering events: nothing to wait on.
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"{self.name} did not answer /health in {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def kill9(self) -> None:
+        """``kill -9`` of the whole server (every process of its group), at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 20 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._reap_group()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+        self._reap_group()
+
+    def _reap_group(self) -> None:
+        # Children (the scheduler, the detokenizer) may outlive the launcher: end them too.
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ HTTP
+    def request(self, path: str, body: Any = None, *, method: str | None = None,
+                timeout: float = REQUEST_TIMEOUT_S) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.name} {path}: HTTP {e.code}: {e.read()[:2000]!r}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise ServerError(f"{self.name} {path}: {e}\n{self.log_tail(40)}") from e
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+        """Greedy generation of exactly ``max_new_tokens`` tokens (EOS ignored) for token ids."""
+        body = {"input_ids": list(input_ids),
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+                **extra}
+        out = self.request("/generate", body)
+        if not isinstance(out, dict):
+            raise ServerError(f"{self.name} /generate answered {out!r}")
+        return out
+
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """``POST /flush_cache`` until it succeeds: SGLang refuses (HTTP 400) while its
+        scheduler still holds a request, which it may for a moment after the answer was
+        sent."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.request("/flush_cache", {})
+                return
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise
+            # Polling the server's state: no event of its to wait on from here.
+            time.sleep(0.2)
+
+    def metrics(self) -> str:
+        req = urllib.request.Request(self.url + "/metrics")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.read().decode()

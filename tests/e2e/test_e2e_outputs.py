@@ -1,0 +1,91 @@
+"""hiradix inside a real SGLang server (``python -m sglang.launch_server``): greedy outputs
+equal the same server's with no prefix cache, while prefixes go to host and come back.
+
+The device pool holds 2,048 tokens and the workloads cycle over 8 prefixes of 300 tokens,
+so from the second cycle on every request loads its prefix back from host
+(``cached_tokens_details`` says so). Each load takes 0.1 s a layer longer than it would
+(``HIRADIX_E2E_SLOW_LOAD_S``, ``inject/sitecustomize.py``): a forward pass that does not
+wait for the layer-done counter reads KV before it lands on every such request, not now and
+then (without the counter registered with SGLang's pool, all 32 of 32 load-backs of the
+sequential workload were wrong). Run with the overlap scheduler on (SGLang's default) and
+off.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+from workload import serve_all, shared_prefixes, tier_hits, wrong
+
+HIRADIX = ("--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--max-total-tokens", "2048",
+           "--hicache-ratio", "2", "--enable-cache-report", "--enable-metrics")
+SLOW_LOADS = {"HIRADIX_E2E_SLOW_LOAD_S": "0.1"}
+
+
+@pytest.fixture(scope="module", params=["overlap", "no-overlap"])
+def hiradix_server(module_servers, request):
+    extra = () if request.param == "overlap" else ("--disable-overlap-schedule",)
+    server = module_servers.start((*HIRADIX, *extra), name=f"hiradix-{request.param}", env=SLOW_LOADS)
+    yield server
+    server.stop()  # before the next parameter's server starts (its log stays for a failure report)
+
+
+def test_plugin_cache_serves(hiradix_server) -> None:
+    log = hiradix_server.log_text()
+    assert "hiradix: hierarchical radix cache on the" in log, "the plugin's cache was not built"
+
+
+def test_outputs_equal_no_cache_as_prefixes_load_back(hiradix_server, reference) -> None:
+    w = shared_prefixes(seed=0)
+    answers = serve_all(hiradix_server, w.prompts, w.max_new_tokens)
+    assert wrong(answers, reference(w.prompts, w.max_new_tokens)) == []
+    hits = tier_hits(answers)
+    # every request after the first cycle found its 300-token prefix on host only
+    assert hits["host"] >= (len(w.prompts) - 8) * 300, hits
+
+
+def test_outputs_equal_no_cache_with_requests_in_flight(hiradix_server, reference) -> None:
+    w = shared_prefixes(seed=1, n_requests=32)
+    answers = serve_all(hiradix_server, w.prompts, w.max_new_tokens, concurrency=4)
+    assert wrong(answers, reference(w.prompts, w.max_new_tokens)) == []
+    assert tier_hits(answers)["host"] > 0
+
+
+def test_flush_cache_empties_it_and_outputs_stay_exact(hiradix_server, reference) -> None:
+    w = shared_prefixes(seed=2, n_requests=8)
+    want = reference(w.prompts, w.max_new_tokens)
+    assert wrong(serve_all(hiradix_server, w.prompts, w.max_new_tokens), want) == []
+    hiradix_server.flush_cache()
+    again = serve_all(hiradix_server, w.prompts[:1], w.max_new_tokens)
+    assert wrong(again, want[:1]) == []
+    assert tier_hits(again)["cached"] == 0  # nothing left in any tier
+
+
+def test_abort_in_flight_then_outputs_stay_exact(hiradix_server, reference) -> None:
+    w = shared_prefixes(seed=3, n_requests=16)
+    body = {"input_ids": list(w.prompts[0]), "rid": "e2e-abort",
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
+    req = urllib.request.Request(hiradix_server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    finish: list[object] = []
+
+    def read_stream(resp) -> None:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                finish.append(json.loads(line[5:])["meta_info"].get("finish_reason"))
+
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        first = resp.readline()  # the request is running once its first chunk is out
+        assert first.startswith(b"data:"), first
+        hiradix_server.request("/abort_request", {"rid": "e2e-abort"})
+        reader = threading.Thread(target=read_stream, args=(resp,))
+        reader.start()
+        reader.join(timeout=120)
+        assert not reader.is_alive(), "the aborted stream never ended"
+    assert finish and isinstance(finish[-1], dict) and finish[-1].get("type") == "abort", finish[-1:]
+    answers = serve_all(hiradix_server, w.prompts, w.max_new_tokens, concurrency=2)
+    assert wrong(answers, reference(w.prompts, w.max_new_tokens)) == []
