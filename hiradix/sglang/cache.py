@@ -89,6 +89,7 @@ from hiradix.sglang.distributed import SGLangAgreement
 from hiradix.sglang.foreign import SGLangBackend, is_sglang_backend
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
+from hiradix.sglang.storage import native_backend
 from hiradix.storage.base import StorageBackend, StorageConfig
 from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
@@ -905,6 +906,7 @@ class HiRadixCacheBase(BasePrefixCache):
         and attach it. SGLang's backends append their own key suffix, so they get bare
         page keys; hiradix's get :attr:`_key_suffix`."""
         storage: StorageBackend
+        backend, extra = native_backend(backend, extra)
         try:
             if is_sglang_backend(backend, extra):
                 storage = SGLangBackend.create(backend, self.storage_config, extra, self.token_to_kv_pool_host,

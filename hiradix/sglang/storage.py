@@ -132,6 +132,9 @@ class _SGLangStorage(HiCacheStorage):
         Seconds, for the bandwidth metrics (injectable for tests).
     """
 
+    #: The backend's name in hiradix's registry (:func:`native_backend`).
+    native_name: str = ""
+
     @staticmethod
     @abstractmethod
     def open_backend(config: StorageConfig) -> StorageBackend:
@@ -460,8 +463,26 @@ def _nbytes(v: Any) -> int:
     return int(v.nbytes) if isinstance(v, torch.Tensor | np.ndarray) else memoryview(v).nbytes
 
 
+def native_backend(name: str, extra: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(name, extra)`` of hiradix's own backend for ``--hicache-storage-backend name``
+    with its extra config, as hiradix's cache builds it: ``dynamic`` naming one of this
+    module's classes (the form stock SGLang loads them in, which its argument parser
+    accepts) is that class's backend by its hiradix name (``memory``, ``file``, ``peer``),
+    without SGLang's loader keys; any other choice is returned as given. So one extra
+    config serves stock SGLang nodes and hiradix nodes, and hiradix's nodes run the backend
+    natively rather than through SGLang's page interface. ``O(keys)``."""
+    if name != "dynamic" or extra.get("module_path") != __name__:
+        return name, dict(extra)
+    cls = globals().get(str(extra.get("class_name")))
+    if not (isinstance(cls, type) and issubclass(cls, _SGLangStorage)) or cls is _SGLangStorage:
+        return name, dict(extra)
+    return cls.native_name, {k: v for k, v in extra.items() if k not in SGLANG_LOADER_KEYS}
+
+
 class MemoryStorage(_SGLangStorage):
     """:class:`hiradix.storage.MemoryStorage` for SGLang (extra config: ``capacity_bytes``)."""
+
+    native_name = "memory"
 
     @staticmethod
     def open_backend(config: StorageConfig) -> StorageBackend:
@@ -475,6 +496,8 @@ class FileStorage(_SGLangStorage):
     """:class:`hiradix.storage.FileStorage` for SGLang (extra config: ``path``,
     ``capacity_bytes``, ``compression``, ``fsync``, ... as for hiradix's ``file``)."""
 
+    native_name = "file"
+
     @staticmethod
     def open_backend(config: StorageConfig) -> StorageBackend:
         """A :class:`hiradix.storage.FileStorage` (one subdirectory per TP rank)."""
@@ -486,6 +509,8 @@ class FileStorage(_SGLangStorage):
 class PeerStorage(_SGLangStorage):
     """:class:`hiradix.peer.store.PeerCacheStore` for SGLang (extra config: the peer
     node's settings, e.g. ``discovery_addr``, ``pool_size``, ``seeds``)."""
+
+    native_name = "peer"
 
     @staticmethod
     def open_backend(config: StorageConfig) -> StorageBackend:
