@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 from server import free_port
 from workload import serve_all, shared_prefixes, tier_hits, wrong
 

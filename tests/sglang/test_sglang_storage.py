@@ -305,3 +305,28 @@ def test_per_pool_v2_calls_on_sglangs_host_pool(make_storage: Any, mla: bool, la
     from sglang_v2_check import check_pool_pages_round_trip
 
     check_pool_pages_round_trip(make_storage(mla=mla), host_pool(mla, layout), mla=mla)
+
+
+@pytest.mark.parametrize(("class_name", "native"), [("MemoryStorage", "memory"), ("FileStorage", "file")])
+def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(make_env, tmp_path: Path, class_name: str,
+                                                                       native: str) -> None:
+    """``--hicache-storage-backend dynamic`` (the form SGLang's parser accepts) with one of
+    ``hiradix.sglang.storage``'s classes: hiradix's cache builds hiradix's own backend,
+    not the SGLang-interface wrapper (which wants SGLang's host pool, and failed the
+    server's start-up), and pages go through L3 into a second cache and back (file)."""
+    from l3_roundtrip import PAGE, read, tokens_of, write
+
+    from hiradix.storage.base import StorageBackend
+
+    extra = json.dumps({"backend_name": f"hiradix-{native}", "module_path": "hiradix.sglang.storage",
+                        "class_name": class_name, "interface_v1": 1, "path": str(tmp_path / "l3"),
+                        "prefetch_threshold": 0})
+    env = make_env(PAGE, storage="dynamic", extra_config=extra)
+    controller = env.cache.cache_controller
+    assert controller.storage_backend_type == native
+    assert isinstance(controller.storage_backend, StorageBackend)  # SGLang names it in metrics
+    if native == "memory":
+        return  # one process's memory: nothing for a second cache to read
+    write(env, tokens_of(1))
+    env.cache.shutdown()  # the file backend locks its directory: one cache at a time
+    read(make_env(PAGE, storage="dynamic", extra_config=extra), tokens_of(1))
