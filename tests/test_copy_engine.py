@@ -472,6 +472,36 @@ def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
         assert torch.equal(_bytes(sums[layer]), expected[layer])
 
 
+@needs_cuda
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernel", _cuda_paths())
+def test_cuda_backup_waits_for_the_fence_stream(kernel: bool) -> None:
+    """A backup submitted while another stream (a forward pass under SGLang's overlap
+    scheduler) is still writing the KV copies what that stream wrote: the engine's copy
+    stream waits for ``fence_stream`` as well as for the submitting thread's stream."""
+    shape = MHAShape(layer_num=2, head_num=8, head_dim=128)
+    dev, host = _pools(shape, 16, torch.float16, "page_first_direct", device="cuda")
+    idx = _page_slots([1, 2], 16)
+    h_idx = _page_slots([0, 3], 16)
+    forward = torch.cuda.Stream()
+    with make_copy_engine("cuda", kernel=kernel) as eng:
+        eng.fence_stream = forward
+        with torch.cuda.stream(forward):
+            torch.cuda._sleep(200_000_000)  # the forward pass is still busy ...
+            for layer in range(shape.layer_num):
+                for buf in dev.layer_buffers(layer):
+                    buf[idx.cuda()] = 7  # ... and writes the KV last
+        eng.backup(dev, host, idx, h_idx).wait()
+    torch.cuda.synchronize()
+    back = _pools(shape, 16, torch.float16, "page_first_direct", device="cuda")[0]
+    with make_copy_engine("cuda", kernel=kernel) as eng:
+        eng.load(host, back, h_idx, idx.cuda()).wait()
+    torch.cuda.synchronize()
+    for layer in range(shape.layer_num):
+        for buf in back.layer_buffers(layer):
+            assert bool((buf[idx.cuda()] == 7).all()), "the backup copied KV before the forward stream wrote it"
+
+
 def test_planning_caches_keep_no_pool_alive() -> None:
     """The copy planner's caches (per pool pair, and the pair planned last) hold the pools'
     storage only as long as the pools themselves live."""

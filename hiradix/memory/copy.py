@@ -561,7 +561,17 @@ def _default_copy_threads() -> int:
 # ----------------------------------------------------------------------------- engines
 class CopyEngine(ABC):
     """Moves KV pages between a device pool and a host pool, asynchronously and in
-    submission order. Use as a context manager or call :meth:`close`."""
+    submission order. Use as a context manager or call :meth:`close`.
+
+    ``fence_stream``: a CUDA stream each later operation also waits for before it starts,
+    besides the submitting thread's current stream: the stream a model's forward pass runs
+    on when that is not the scheduler's own (SGLang's overlap scheduler sets its
+    controller's ``load_fence_stream`` / ``write_fence_stream`` to it, so a backup never
+    copies KV a forward is still writing, and a load never overwrites slots a forward
+    still reads). ``None`` (the default): no other stream. Engines of CPU pools copy on
+    the caller's order alone and ignore it."""
+
+    fence_stream: Any = None
 
     @abstractmethod
     def backup(
@@ -895,6 +905,8 @@ class CudaCopyEngine(CopyEngine):
         op_id = self._next_id
         self._next_id += 1
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.fence_stream is not None:
+            self._stream.wait_stream(self.fence_stream)
         return op_id
 
     def _on_copy_stream(self, dev: torch.Tensor) -> torch.Tensor:

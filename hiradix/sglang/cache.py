@@ -174,6 +174,24 @@ class SGLangCacheController(HiCacheController):
     def mem_pool_device(self) -> DeviceKVPool:
         return self.device_pool
 
+    # SGLang's scheduler sets both to the model runner's forward stream at start-up (0.5.20
+    # and 0.5.23): the copy engines then also wait for that stream before each operation.
+    @property
+    def load_fence_stream(self) -> Any:
+        return self.load_engine.fence_stream
+
+    @load_fence_stream.setter
+    def load_fence_stream(self, stream: Any) -> None:
+        self.load_engine.fence_stream = stream
+
+    @property
+    def write_fence_stream(self) -> Any:
+        return self.write_engine.fence_stream
+
+    @write_fence_stream.setter
+    def write_fence_stream(self, stream: Any) -> None:
+        self.write_engine.fence_stream = stream
+
     @property
     def has_draft(self) -> bool:
         """Whether a draft model's KV pool follows the target's (:meth:`set_draft_kv_pool`)."""

@@ -56,6 +56,26 @@ def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
         cache.core.close()
 
 
+def test_fence_streams_reach_the_copy_engines(make_env) -> None:
+    """SGLang 0.5.20's and 0.5.23's schedulers set the controller's ``load_fence_stream``
+    and ``write_fence_stream`` to the forward stream: the copy engines wait for it."""
+    controller = make_env().cache.cache_controller
+    assert controller.load_fence_stream is None and controller.write_fence_stream is None
+    stream = object()
+    controller.load_fence_stream = stream
+    controller.write_fence_stream = stream
+    assert controller.load_engine.fence_stream is stream and controller.write_engine.fence_stream is stream
+
+
+def test_has_everything_sglangs_server_reads_from_a_tree_cache(make_env) -> None:
+    """Every attribute and method the installed SGLang's scheduler, metrics and entry
+    points read from ``tree_cache`` and its ``cache_controller`` (scanned from its source),
+    or a path hiradix's cache never takes (:data:`sglang_contract.NOT_APPLICABLE`)."""
+    from sglang_contract import missing_names
+
+    assert missing_names(make_env().cache) == []
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_attention_read_waits_for_a_load_from_host(make_env, mla: bool) -> None:
     attention_waits_for_load(make_env(mla=mla), list(range(500, 540)))

@@ -86,6 +86,16 @@ def test_built_by_sglangs_registry_as_a_prefix_cache() -> None:
     env.cache.check_invariants()
 
 
+def test_has_everything_sglangs_server_reads_from_a_tree_cache() -> None:
+    """Every attribute and method 0.5.23's scheduler, metrics and entry points read from
+    ``tree_cache`` and its ``cache_controller`` (scanned from its source; its start-up read
+    of ``cache_controller.storage_backend`` stopped every server before it was there), or a
+    path hiradix's cache never takes (:data:`sglang_contract.NOT_APPLICABLE`)."""
+    from sglang_contract import missing_names
+
+    assert missing_names(build_hiradix().cache) == []
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_attention_read_waits_for_a_load_from_host(mla: bool) -> None:
     env = build_hiradix(mla=mla)
