@@ -887,6 +887,21 @@ class HiRadixCacheBase(BasePrefixCache):
         self.update_eviction_metrics(freed, start)
         return EvictResult(num_tokens_evicted=freed)
 
+    def write_backup(self, node: Any, write_back: bool = False) -> int:
+        """SGLang 0.5.18's ``HiRadixCache.write_backup``: start copying a device node's KV
+        to host (evicting host KV for room once if needed) and return the tokens whose copy
+        started; 0 when the node's parent is neither backed up nor being backed up (no gap
+        in the backed-up chain), the node is on host already or in flight, or the host has
+        no room. The copy completes, and the node counts as backed up, at a later
+        ``writing_check`` / ``check_hicache_events``. ``write_back`` is accepted for
+        SGLang's signature; unlike SGLang, hiradix keeps the parent rule under it too
+        (its write-back evictions back a chain up parents first). ``O(tokens)``."""
+        if self.disable:
+            return 0
+        started = self.core.write_backup(self._handle(node))
+        self._sync_events()
+        return started
+
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host-only tokens if possible. ``O(k log n)``."""
         freed = self.core.evict_host(num_tokens)

@@ -56,6 +56,28 @@ def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
         cache.core.close()
 
 
+def test_write_backup_as_sglangs_unit_tests_call_it(make_env) -> None:
+    """SGLang 0.5.18's public ``write_backup(node, write_back=False)``: a device node whose
+    parent is backed up is copied to host (its token count returned); a child of a node not
+    on host is refused with 0, as SGLang refuses a gap in the backed-up chain."""
+    env = make_env(write_policy="write_back")  # nothing backs up by itself
+    cache = env.cache
+    insert(env, list(range(40)))
+    insert(env, list(range(20)) + list(range(100, 120)))  # splits: [0..20) and two children
+    m = match(env, list(range(20)) + list(range(100, 120)))
+    child = m.last_device_node
+    parent = child.parent
+    assert not parent.backuped and not child.backuped
+    assert cache.write_backup(child) == 0  # its parent is not on host
+    assert cache.write_backup(parent) == 20
+    settle(env)
+    assert parent.backuped
+    assert cache.write_backup(child, write_back=True) == 20
+    settle(env)
+    assert child.backuped and cache.write_backup(child) == 0  # on host already
+    cache.check_invariants()
+
+
 def test_fence_streams_reach_the_copy_engines(make_env) -> None:
     """SGLang 0.5.20's and 0.5.23's schedulers set the controller's ``load_fence_stream``
     and ``write_fence_stream`` to the forward stream: the copy engines wait for it."""
