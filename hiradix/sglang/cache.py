@@ -466,6 +466,8 @@ class HiRadixCacheBase(BasePrefixCache):
         self.eviction_policy = str(params.eviction_policy).lower()
         self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
+        self.metrics_collector = None
+        self._reported = (0, 0)  # backup and load tokens reported to metrics_collector
         if params.enable_metrics:
             self.init_metrics_collector()
 
@@ -924,14 +926,39 @@ class HiRadixCacheBase(BasePrefixCache):
 
     def loading_check(self) -> None:
         self.core.loading_check()
+        self._report_transfers()
 
     def writing_check(self, write_back: bool = False) -> None:
         self.core.writing_check(write_back=write_back)
         self._sync_events()
+        self._report_transfers()
 
     def check_hicache_events(self) -> None:
         self.core.check_hicache_events()
         self._sync_events()
+        self._report_transfers()
+
+    def _report_transfers(self) -> None:
+        """With ``--enable-metrics``, SGLang's HiCache transfer metrics
+        (``sglang:hicache_backup_tokens_total`` / ``_bytes_total``,
+        ``sglang:load_back_tokens_total`` / ``_bytes_total``, pool ``kv``): the tokens of the
+        backups and loads acknowledged since the last report, as SGLang counts them at its
+        acks (the target's KV; a draft's mirror is not counted). ``O(1)``."""
+        collector = self.metrics_collector
+        if collector is None:
+            return
+        stats = self.cache_controller.get_stats()
+        backed, loaded = stats.backup_tokens - self._reported[0], stats.load_tokens - self._reported[1]
+        if backed <= 0 and loaded <= 0:
+            return
+        self._reported = (stats.backup_tokens, stats.load_tokens)
+        per_token = self.cache_controller.device_pool.bytes_per_token
+        if backed > 0:
+            collector.increment_backup_num_tokens(num_tokens=backed, pool="kv")
+            collector.increment_backup_num_bytes(backed * per_token)
+        if loaded > 0:
+            collector.increment_load_back_num_tokens(num_tokens=loaded, pool="kv")
+            collector.increment_load_back_num_bytes(loaded * per_token)
 
     # ------------------------------------------------------------------ storage (L3)
     def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig) -> None:

@@ -188,6 +188,14 @@ class Server:
             # Polling the server's state: no event of its to wait on from here.
             time.sleep(0.2)
 
+    def metric(self, name: str) -> float:
+        """The sum of ``name``'s samples in ``/metrics`` (over its labels); 0 if absent."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def metrics(self) -> str:
         req = urllib.request.Request(self.url + "/metrics")
         with urllib.request.urlopen(req, timeout=30) as r:

@@ -45,6 +45,11 @@ def test_outputs_equal_no_cache_as_prefixes_load_back(hiradix_server, reference)
     hits = tier_hits(answers)
     # every request after the first cycle found its 300-token prefix on host only
     assert hits["host"] >= (len(w.prompts) - 8) * 300, hits
+    # SGLang's own metrics show the tiers and the transfers, under SGLang's names
+    assert hiradix_server.metric("sglang:cached_tokens_total") >= hits["host"]
+    assert hiradix_server.metric("sglang:load_back_tokens_total") >= hits["host"]
+    assert hiradix_server.metric("sglang:hicache_backup_tokens_total") > 0
+    assert hiradix_server.metric("sglang:hicache_backup_bytes_total") > 0
 
 
 def test_outputs_equal_no_cache_with_requests_in_flight(hiradix_server, reference) -> None:
