@@ -38,6 +38,7 @@ def _skip_reason() -> str | None:
 _REASON = _skip_reason()
 
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _REASON is None:
         return

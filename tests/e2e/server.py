@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 #: What gets SGLang's server running on a CPU (verified on 0.5.18, 0.5.20 and 0.5.23).
@@ -44,6 +46,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version (``"0.5.18"``, ...)."""
+    from importlib.metadata import version
+
+    return version("sglang").split("+")[0]
+
+
+def only_on(versions: tuple[str, ...], why: str) -> None:
+    """Skip the calling test unless the installed SGLang is one of ``versions``: checks
+    whose hiradix code path does not depend on the version run on fewer versions, to keep
+    CI's real-server minutes down (a server takes 20-40 s to start here)."""
+    v = sglang_version()
+    if v not in versions:
+        pytest.skip(f"runs on SGLang {', '.join(versions)} only ({v} installed): {why}")
 
 
 class ServerError(RuntimeError):
