@@ -20,6 +20,9 @@ streaming, after ``--warmup`` requests that are not counted. Per cache and concu
   ``sglang::scheduler``, before and after the measured requests);
 - outputs equal between the two caches (every request, token for token).
 
+Each (cache, concurrency) runs ``--repeats`` times (default 3) on a fresh server, the two
+caches alternating which goes first; the table gives the medians and their ratios.
+
 Usage: ``python bench/e2e_server.py [--requests 1000] [--out bench/RESULTS_e2e_server.md]``
 from the main venv (SGLang 0.5.18) or ``.venv-sglang23`` (the report names the version).
 """
@@ -116,32 +119,44 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=64, help="uncounted requests first, per server")
     ap.add_argument("--prefixes", type=int, default=16, help="shared 300-token prefixes")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each (cache, concurrency); medians reported")
     ap.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
     args = ap.parse_args()
-    if args.requests < 1 or args.warmup < 0 or args.prefixes < 1 or args.concurrency < 1:
-        ap.error("--requests, --prefixes and --concurrency must be positive, --warmup not negative")
+    if min(args.requests, args.prefixes, args.concurrency, args.repeats) < 1 or args.warmup < 0:
+        ap.error("--requests, --prefixes, --concurrency and --repeats must be positive, --warmup not negative")
 
     work = Path(tempfile.mkdtemp(prefix="hiradix-e2e-bench-"))
     model = tiny_model.build(work / "model")
     w = shared_prefixes(n_prefixes=args.prefixes, n_requests=args.warmup + args.requests, max_new_tokens=4, seed=7)
     warm, measured = list(w.prompts[: args.warmup]), list(w.prompts[args.warmup:])
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
-    for conc in (1, args.concurrency):
-        for name, (flags, env) in CACHES.items():
-            server = Server(model, (*COMMON, *flags), work / f"{name}-{conc}", env=env, name=f"{name}-{conc}")
-            server.start()
-            try:
-                run_phase(server, warm, w.max_new_tokens, conc)
-                rows[(name, conc)] = run_phase(server, measured, w.max_new_tokens, conc)
-            finally:
-                server.stop()
-            r = rows[(name, conc)]
-            print(f"{name:8s} c={conc:<3d} {r['rps']:7.1f} req/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                  f"p99 {r['ttft_p99_ms']:7.1f} ms  scheduler CPU {r['cpu_ms_per_req']:6.2f} ms/req", flush=True)
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for conc in (1, args.concurrency):
+            # Alternate which cache goes first, so that drift of the shared machine
+            # does not favour one.
+            for name in (list(CACHES) if repeat % 2 == 0 else list(reversed(CACHES))):
+                flags, env = CACHES[name]
+                tag = f"{name}-{conc}-{repeat}"
+                server = Server(model, (*COMMON, *flags), work / tag, env=env, name=tag)
+                server.start()
+                try:
+                    run_phase(server, warm, w.max_new_tokens, conc)
+                    r = run_phase(server, measured, w.max_new_tokens, conc)
+                finally:
+                    server.stop()
+                runs.setdefault((name, conc), []).append(r)
+                print(f"{name:8s} c={conc:<3d} #{repeat} {r['rps']:7.1f} req/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                      f"p99 {r['ttft_p99_ms']:7.1f} ms  scheduler CPU {r['cpu_ms_per_req']:6.2f} ms/req", flush=True)
+    figures = ("rps", "ttft_p50_ms", "ttft_p99_ms", "cpu_ms_per_req")
+    rows = {key: {f: statistics.median(r[f] for r in rs) for f in figures} for key, rs in runs.items()}
+    same = {conc: sum(a == b for s_run, h_run in zip(runs[("stock", conc)], runs[("hiradix", conc)], strict=True)
+                      for a, b in zip(s_run["outputs"], h_run["outputs"], strict=True))
+            for conc in (1, args.concurrency)}
 
     lines = [
         f"### SGLang {sglang_version()}, {args.requests} requests a phase ({args.warmup} warm-up), "
-        f"{args.prefixes} prefixes, {platform.machine()} {os.cpu_count()} vCPUs, {time.strftime('%Y-%m-%d')}",
+        f"{args.prefixes} prefixes, medians of {args.repeats} runs, {platform.machine()} {os.cpu_count()} vCPUs, "
+        f"{time.strftime('%Y-%m-%d')}",
         "",
         "| concurrency | cache | requests/s | TTFT p50 (ms) | TTFT p99 (ms) | scheduler CPU (ms/request) |",
         "|---|---|---|---|---|---|",
@@ -152,10 +167,10 @@ def main() -> None:
             lines.append(f"| {conc} | {name} | {r['rps']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
                          f"{r['cpu_ms_per_req']:.2f} |")
         s, h = rows[("stock", conc)], rows[("hiradix", conc)]
-        same = sum(a == b for a, b in zip(s["outputs"], h["outputs"], strict=True))
         lines.append(f"| {conc} | hiradix / stock | {h['rps'] / s['rps']:.2f}x | "
                      f"{h['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x | {h['ttft_p99_ms'] / s['ttft_p99_ms']:.2f}x | "
-                     f"{h['cpu_ms_per_req'] / s['cpu_ms_per_req']:.2f}x ({same}/{len(measured)} outputs equal) |")
+                     f"{h['cpu_ms_per_req'] / s['cpu_ms_per_req']:.2f}x ({same[conc]}/{len(measured) * args.repeats} "
+                     f"outputs equal) |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out is not None:
