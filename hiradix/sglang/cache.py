@@ -468,6 +468,7 @@ class HiRadixCacheBase(BasePrefixCache):
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
         self.metrics_collector = None
         self._reported = (0, 0)  # backup and load tokens reported to metrics_collector
+        self._reported_evictions = 0  # device tokens evicted, reported to it
         if params.enable_metrics:
             self.init_metrics_collector()
 
@@ -886,7 +887,9 @@ class HiRadixCacheBase(BasePrefixCache):
         start = time.perf_counter()
         freed = self.core.evict(int(params.num_tokens))
         self._sync_events()
-        self.update_eviction_metrics(freed, start)
+        if self.metrics_collector is not None:
+            self.update_eviction_metrics(freed, start)
+            self._reported_evictions += freed
         return EvictResult(num_tokens_evicted=freed)
 
     def write_backup(self, node: Any, write_back: bool = False) -> int:
@@ -943,10 +946,17 @@ class HiRadixCacheBase(BasePrefixCache):
         (``sglang:hicache_backup_tokens_total`` / ``_bytes_total``,
         ``sglang:load_back_tokens_total`` / ``_bytes_total``, pool ``kv``): the tokens of the
         backups and loads acknowledged since the last report, as SGLang counts them at its
-        acks (the target's KV; a draft's mirror is not counted). ``O(1)``."""
+        acks (the target's KV; a draft's mirror is not counted); and the device evictions
+        made outside :meth:`evict` in ``sglang:evicted_tokens_total``. ``O(1)``."""
         collector = self.metrics_collector
         if collector is None:
             return
+        # Device evictions the cache made on its own (room for a load back) count in
+        # sglang:evicted_tokens_total as SGLang's own load back counts them (it calls evict()).
+        evicted = self.core.get_stats().device_evicted_tokens - self._reported_evictions
+        if evicted > 0:
+            collector.increment_eviction_num_tokens(evicted)
+            self._reported_evictions += evicted
         stats = self.cache_controller.get_stats()
         backed, loaded = stats.backup_tokens - self._reported[0], stats.load_tokens - self._reported[1]
         if backed <= 0 and loaded <= 0:

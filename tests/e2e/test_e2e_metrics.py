@@ -1,0 +1,34 @@
+"""SGLang's own cache metrics from hiradix's cache equal stock SGLang's, in real servers on
+the same workload: the sequential load-back workload of ``test_e2e_outputs.py`` on stock's
+hierarchical cache and on hiradix's, in the same server build (``layer_first``, ``direct``
+I/O: how stock's host pool copies on a CPU, with the stand-ins of
+``inject/sitecustomize.py``), one after the other."""
+
+from __future__ import annotations
+
+from server import only_on
+from workload import serve_all, shared_prefixes, wrong
+
+COMMON = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2",
+          "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct", "--enable-cache-report",
+          "--enable-metrics")
+#: SGLang's names, for what stock's cache and hiradix's both report.
+METRICS = ("sglang:cached_tokens_total", "sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total",
+           "sglang:load_back_tokens_total", "sglang:load_back_bytes_total", "sglang:evicted_tokens_total")
+
+
+def test_transfer_and_eviction_metrics_equal_stocks(servers, reference) -> None:
+    only_on(("0.5.18", "0.5.23"), "0.5.20's stock cache is 0.5.23's UnifiedRadixCache, run here on 0.5.23")
+    w = shared_prefixes(seed=20)
+    want = reference(w.prompts, w.max_new_tokens)
+    seen = {}
+    for name, flags, env in (("stock", (), {"HIRADIX_E2E_STOCK_ON_CPU": "1"}),
+                             ("hiradix", ("--radix-cache-backend", "hiradix"), {})):
+        server = servers.start((*COMMON, *flags), name=f"metrics-{name}", env=env)
+        assert wrong(serve_all(server, w.prompts, w.max_new_tokens), want) == []
+        for token in (5, 6):  # two more scheduler steps: the last acknowledgements are counted
+            server.generate([token], 1)
+        seen[name] = {m: server.metric(m) for m in METRICS}
+        server.stop()
+    assert seen["hiradix"] == seen["stock"]
+    assert seen["hiradix"]["sglang:load_back_tokens_total"] >= 32 * 300  # the prefixes did load back
