@@ -57,6 +57,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -253,7 +254,10 @@ def parse_extra_config(source: str | None) -> dict[str, Any]:
                 with open(path) as f:
                     data = json.load(f)
             elif ext == ".toml":
-                import tomllib
+                if sys.version_info >= (3, 11):
+                    import tomllib
+                else:  # pragma: no cover - Python 3.10 (pyproject.toml installs tomli there)
+                    import tomli as tomllib
 
                 with open(path, "rb") as f:
                     data = tomllib.load(f)

@@ -330,3 +330,19 @@ def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(make_env, 
     write(env, tokens_of(1))
     env.cache.shutdown()  # the file backend locks its directory: one cache at a time
     read(make_env(PAGE, storage="dynamic", extra_config=extra), tokens_of(1))
+
+
+@pytest.mark.parametrize("ext", [".json", ".toml"])
+def test_extra_config_from_a_file(tmp_path: Path, ext: str) -> None:
+    """``--hicache-storage-backend-extra-config @path``, JSON or TOML (tomllib, or tomli on
+    Python 3.10), as SGLang reads it; a file of another type is a clear error."""
+    from hiradix.sglang.cache import parse_extra_config
+
+    path = tmp_path / f"extra{ext}"
+    path.write_text('{"prefetch_threshold": 64, "l3_format": "hiradix"}' if ext == ".json"
+                    else 'prefetch_threshold = 64\nl3_format = "hiradix"\n')
+    assert parse_extra_config(f"@{path}") == {"prefetch_threshold": 64, "l3_format": "hiradix"}
+    bad = tmp_path / "extra.ini"
+    bad.write_text("x = 1")
+    with pytest.raises(ValueError, match="unsupported config file type"):
+        parse_extra_config(f"@{bad}")
