@@ -207,10 +207,9 @@ class SGLangCacheController(HiCacheController):
         hiradix pools; it is freed when SGLang drops it). ``ValueError`` for a draft pool
         kind hiradix cannot wrap. ``O(draft host pool)`` to allocate.
         """
-        self.add_draft(device_pool_from_sglang(draft_device_pool), type(draft_device_pool).__name__)
-        register_layer_wait(draft_device_pool, DraftLayerWait(self.layer_done_counter))
+        self.add_draft(device_pool_from_sglang(draft_device_pool), type(draft_device_pool).__name__, draft_device_pool)
 
-    def add_draft(self, device: DeviceKVPool, name: str) -> None:
+    def add_draft(self, device: DeviceKVPool, name: str, sglang_pool: Any = None) -> None:
         """Make ``device`` (a draft model's KV, indexed by the target's token slots) follow
         the target's KV: a hiradix host pool with the target host pool's slots and layout
         is its L2 copy, and every later backup and load moves it at the same slots,
@@ -218,10 +217,13 @@ class SGLangCacheController(HiCacheController):
         reports a target layer before the draft's KV is in place (:meth:`add_companion`).
         L3 carries the target's KV only (:meth:`warn_draft_l3`). ``ValueError`` when the
         draft's page size or slot count differs from the target's. ``name`` is for the
-        log. ``O(draft host pool)`` to allocate."""
+        log; ``sglang_pool``, SGLang's pool that ``device`` wraps, gets a layer wait
+        (:class:`DraftLayerWait`). ``O(draft host pool)`` to allocate."""
         host = HostKVPool(device.shape, self.host_pool.size, device.page_size, device.dtype,  # type: ignore[arg-type]
                           self.host_pool.layout)
         self.add_companion(device, host)
+        if sglang_pool is not None:  # SGLang's pool ``device`` wraps: its attention waits too
+            register_layer_wait(sglang_pool, DraftLayerWait(self.layer_done_counter))
         logger.info("hiradix: draft KV pool registered (%s, %d host slots)", name, host.size)
         self.warn_draft_l3()
 
@@ -526,11 +528,10 @@ class HiRadixCacheBase(BasePrefixCache):
         )
         for i, (draft, name) in enumerate(drafts):
             try:
-                controller.add_draft(draft, name)
+                controller.add_draft(draft, name, params.mtp_draft_device_pools[i])
             except ValueError as e:
                 raise ValueError(f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's "
                                  f"KV: {e}") from e
-            register_layer_wait(params.mtp_draft_device_pools[i], DraftLayerWait(controller.layer_done_counter))
         backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
             device_pool,
