@@ -424,18 +424,23 @@ def run(mode: str, page_size: int, policy: str, write_policy: str, steps: int, s
     core's modes its span buffers are also compacted every few steps (``_test_compact``):
     compaction must move nothing but offsets."""
     rng = random.Random(seed_of(page_size, policy, write_policy, shape))
+    hashed = rng.random() < 0.5
+    # A tree built without hashes turns them on midway, as when an L3 attaches at runtime.
+    hash_at = -1 if hashed else rng.randrange(steps)
     tree = make_tree(
         mode,
         page_size=page_size,
         eviction_policy=policy,
         write_policy=write_policy,
-        enable_hash=rng.random() < 0.5,
+        enable_hash=hashed,
     )
     core_tree = {"lockstep": getattr(tree, "core", None), "core": tree}.get(mode)
     compact = getattr(core_tree, "_test_compact", None)
     sched = Scheduler(tree, rng, page_size, f"stress ({mode})", shape)
     for step in range(steps):
         sched.step()
+        if step == hash_at:
+            tree.enable_hashing()
         if compact is not None and step % 7 == 3:
             compact()
         sched.check()

@@ -8,6 +8,7 @@ a test pins one of its examples.
 from __future__ import annotations
 
 import array
+import random
 
 import numpy as np
 import pytest
@@ -988,6 +989,35 @@ def test_hash_value_is_none_without_enable_hash(tree_cls):
     tree = tree_cls(1)
     node = tree.insert([1, 2], idx(0, 2)).last_node
     assert tree.hash_value(node) is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_enable_hashing_hashes_what_the_tree_holds_as_if_hashed_from_the_start(tree_cls, page_size):
+    # An L3 attached at runtime to a cache built without hashes turns them on.
+    rng = random.Random(page_size)
+    keys = [[rng.randrange(6) for _ in range(page_size * rng.randrange(1, 9))] for _ in range(40)]
+    spaces = [None, "tenant-a", None, "tenant-b"]
+    plain, hashed = tree_cls(page_size), tree_cls(page_size, enable_hash=True)
+    for k, key in enumerate(keys):
+        for tree in (plain, hashed):
+            tree.insert(key, idx(100 * k, len(key)), extra_key=spaces[k % 4])
+    assert plain.hash_value(plain.match_prefix(keys[0]).last_node) is None
+    plain.enable_hashing()
+    plain.check_invariants()
+    for k, key in enumerate(keys):
+        a = plain.match_prefix(key, extra_key=spaces[k % 4]).last_node
+        b = hashed.match_prefix(key, extra_key=spaces[k % 4]).last_node
+        while not plain.is_root(a):
+            assert plain.hash_value(a) == hashed.hash_value(b)
+            a, b = plain.parent(a), hashed.parent(b)
+    # What is inserted afterwards is hashed too, splits included.
+    key = keys[0][:page_size] + [7] * page_size
+    for tree in (plain, hashed):
+        tree.insert(key, idx(9000, len(key)))
+    node = plain.match_prefix(key).last_node
+    assert plain.hash_value(plain.parent(node)) + plain.hash_value(node) == hash_chain(key, page_size)
+    plain.enable_hashing()  # a second call changes nothing
+    plain.check_invariants()
 
 
 # ----------------------------------------------------------------------------- clock

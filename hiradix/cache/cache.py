@@ -669,14 +669,18 @@ class HiRadixCache:
         (one that appends its own, as SGLang's do, takes ``""``); ``pass_prefix_keys``
         hands the backend, with each call, the keys of the pages before those of the
         call (SGLang's ``hicache_storage_pass_prefix_keys``, for backends that place pages
-        by prefix). ``O(1)`` plus starting the three L3 threads."""
+        by prefix). ``O(1)`` plus starting the three L3 threads, and ``O(cached
+        tokens)`` once in a cache built with ``enable_hash=False``, whose tree then
+        hashes the pages it holds."""
         if self.l3 is not None:
             return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
+        if key_suffix is not None and not isinstance(key_suffix, str):
+            raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
         if not self.enable_hash:
-            return False, "the tree was built with enable_hash=False: L3 keys are page hashes"
+            # L3 keys are page hashes: a tree built without them hashes what it holds now.
+            self.tree.enable_hashing()
+            self.enable_hash = True
         if key_suffix is not None:
-            if not isinstance(key_suffix, str):
-                raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
             self.key_suffix = key_suffix
         self.pass_prefix_keys = bool(pass_prefix_keys)
         kwargs: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}

@@ -537,7 +537,7 @@ class HiRadixCacheBase(BasePrefixCache):
             device_pool,
             host_pool,
             # Page hashes are the L3 keys; as SGLang, they are computed only when there is an
-            # L3 (a backend attached at runtime then needs a cache started with one).
+            # L3 (one attached at runtime hashes what the tree holds then, once).
             enable_hash=backend is not None,
             eviction_policy=self.eviction_policy,
             write_policy=write_policy,

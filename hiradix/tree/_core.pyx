@@ -35,7 +35,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.ref cimport Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, qsort, realloc
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 import hashlib
@@ -890,6 +890,55 @@ cdef class HiRadixTree:
         if self.nodes[i].is_root or not self.nodes[i].backed_up:
             return None
         return _gather(self, self.nodes[i].parent, i, True)
+
+    def enable_hashing(self):
+        """Turn page hashes on in a tree built without them (an L3 attached at runtime
+        keys its pages by them): hash every page the tree holds, each node's chain
+        continuing from its parent's. No-op when they are on. ``O(cached tokens)``."""
+        if self.enable_hash:
+            return
+        cdef int64_t hash_bytes = (self.buf_cap // self.page_size + 1) * DIGEST
+        cdef void* p
+        if hash_bytes > self.hash_bytes:
+            p = hr_buf_grow(self.hashes, self.hash_bytes, hash_bytes)
+            if p == NULL:
+                raise MemoryError()
+            self.hashes = <uint8_t*>p
+            self.hash_bytes = hash_bytes
+        cdef uint8_t* done = <uint8_t*>calloc(self.n_used + 1, 1)
+        cdef node_t* path = <node_t*>malloc((self.n_used + 1) * sizeof(node_t))
+        cdef node_t i, j, par
+        cdef int64_t k, depth
+        cdef const uint8_t* prev
+        if done == NULL or path == NULL:
+            free(done)
+            free(path)
+            raise MemoryError()
+        with nogil:
+            for i in range(self.n_used):
+                if not self.nodes[i].alive or self.nodes[i].is_root or done[i]:
+                    continue
+                # Walk up to the nearest hashed node (or root), then hash back down.
+                depth = 0
+                j = i
+                while not self.nodes[j].is_root and not done[j]:
+                    path[depth] = j
+                    depth += 1
+                    j = self.nodes[j].parent
+                for k in range(depth - 1, -1, -1):
+                    j = path[k]
+                    par = self.nodes[j].parent
+                    if self.nodes[par].is_root:
+                        prev = _seed(self, self.nodes[par].ns)
+                    else:
+                        prev = self.hashes + (
+                            (self.nodes[par].key_off + self.nodes[par].key_len) // self.page_size - 1) * DIGEST
+                    hr_hash_pages(self.tokens + self.nodes[j].key_off, self.nodes[j].key_len // self.page_size,
+                                  self.page_size, prev, self.hashes + self.nodes[j].key_off // self.page_size * DIGEST)
+                    done[j] = 1
+        free(done)
+        free(path)
+        self.enable_hash = 1
 
     def hash_value(self, node):
         cdef node_t i = _node(self, node)

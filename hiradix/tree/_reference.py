@@ -1278,6 +1278,22 @@ class HiRadixTree:
         n = self._node(node)
         return None if n.is_root or n.host_value is None else n.host_value.copy()
 
+    def enable_hashing(self) -> None:
+        """Turn page hashes on in a tree built without them (an L3 attached at runtime
+        keys its pages by them): hash every page the tree holds, each node's chain
+        continuing from its parent's. No-op when they are on. ``O(cached tokens)``."""
+        if self.enable_hash:
+            return
+        roots = [self._root, *self._namespaces.values()]
+        stack = [c for r in roots for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            parent = node.parent
+            prev = parent.seed if parent.is_root else parent.hashes[-1]
+            node.hashes = _page_digests(node.key, self.page_size, prev)
+            stack.extend(node.children.values())
+        self.enable_hash = True
+
     def hash_value(self, node: int) -> list[str] | None:
         h = self._node(node).hashes
         return None if h is None else [d.hex() for d in h]

@@ -83,6 +83,8 @@ class Server:
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / f"{name}.log"
+        # SGLang's admin endpoints (runtime L3 attach and detach) need the admin key.
+        self.admin_key = self.args[self.args.index("--admin-api-key") + 1] if "--admin-api-key" in self.args else None
 
     @property
     def url(self) -> str:
@@ -167,8 +169,11 @@ class Server:
     def request(self, path: str, body: Any = None, *, method: str | None = None,
                 timeout: float = REQUEST_TIMEOUT_S) -> Any:
         data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
         req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data else "GET"),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read()
@@ -205,6 +210,18 @@ class Server:
                     raise
             # Polling the server's state: no event of its to wait on from here.
             time.sleep(0.2)
+
+    def attach_storage(self, backend: str, extra_config: dict[str, Any] | None = None, **options: str) -> str:
+        """Attach an L3 at runtime through SGLang's admin endpoint (``PUT
+        /hicache/storage-backend``; the server needs ``--admin-api-key``); its answer."""
+        body = {"hicache_storage_backend": backend, **options}
+        if extra_config is not None:
+            body["hicache_storage_backend_extra_config_json"] = json.dumps(extra_config)
+        return str(self.request("/hicache/storage-backend", body, method="PUT"))
+
+    def detach_storage(self) -> str:
+        """Detach the L3 through SGLang's admin endpoint (``DELETE /hicache/storage-backend``)."""
+        return str(self.request("/hicache/storage-backend", method="DELETE"))
 
     def metric(self, name: str) -> float:
         """The sum of ``name``'s samples in ``/metrics`` (over its labels); 0 if absent."""

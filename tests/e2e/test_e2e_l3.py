@@ -5,8 +5,9 @@ one cluster, one cluster token), selected as SGLang's own parser accepts it:
 ``--hicache-storage-backend dynamic`` with hiradix's ``PeerStorage`` class. Prompts served
 by A are then served by B from A's pages (storage hits), with outputs equal to the same
 build's with no prefix cache; with A killed (``kill -9``), B keeps serving exact outputs
-from misses, never wrong bytes and never a hang. Then the same with hiradix's ``file`` L3
-handed from one server to the next (the backend locks its directory: one server at a time).
+from misses, never wrong bytes and never a hang. Then hiradix's ``file`` L3, attached to a
+running server through SGLang's admin endpoint, handed from it to the next server (the
+backend locks its directory: one server at a time).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import json
 import time
 
 from server import free_port, only_on
-from workload import serve_all, shared_prefixes, tier_hits, wrong
+from workload import other_suffixes, serve_all, shared_prefixes, tier_hits, wrong
 
 BASE = ("--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--max-total-tokens", "2048",
         "--hicache-ratio", "2", "--enable-cache-report")
 TOKEN = {"HIRADIX_CLUSTER_TOKEN": "e2e-cluster-token"}
+ADMIN_KEY = "e2e-admin-key"
 
 
 def _dynamic(class_name: str, **settings: object) -> tuple[str, ...]:
@@ -66,52 +68,42 @@ def test_peer_l3_one_server_computes_another_reuses_then_its_peer_dies(servers, 
     assert time.monotonic() - start < 120
 
 
-def test_file_l3_handed_from_one_server_to_the_next(servers, reference, tmp_path) -> None:
-    only_on(("0.5.18",), "hiradix's file backend runs the same under every version (the peer test covers 0.5.23)")
-    store = _dynamic("FileStorage", path=str(tmp_path / "l3"))
-    w = shared_prefixes(seed=12, n_requests=8)
-    want = reference(w.prompts, w.max_new_tokens)
-    a = servers.start((*BASE, *store), name="file-a")
-    assert wrong(serve_all(a, w.prompts, w.max_new_tokens), want) == []
-    a.flush_cache()
+def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, reference, tmp_path) -> None:
+    """A starts without an L3 and caches some prefixes; hiradix's ``file`` L3 is attached
+    through SGLang's admin endpoint, so A's tree hashes what it holds then. A serves the
+    same prefixes with new suffixes (their pages go to L3 chained on those hashes) and
+    fresh prompts, flushes, detaches (closing the backend and its directory lock) and
+    stops. B starts on the same directory: it reads A's fresh prompts from L3, and, once it
+    has computed the old prefixes itself, the new suffixes A wrote after them, which it
+    finds only if A's hashes at attach are the chain B computes."""
+    path = str(tmp_path / "l3")
+    settings = {"path": path, "prefetch_threshold": 4}
+    old = shared_prefixes(n_prefixes=4, n_requests=8, seed=12)
+    after = other_suffixes(old, seed=13)
+    fresh = shared_prefixes(n_prefixes=4, n_requests=8, seed=14)
+    want = {id(w): reference(w.prompts, w.max_new_tokens) for w in (old, after, fresh)}
+
+    a = servers.start((*BASE, "--admin-api-key", ADMIN_KEY), name="attach-a")
+    assert wrong(serve_all(a, old.prompts, old.max_new_tokens), want[id(old)]) == []
+    extra = {"backend_name": "hiradix-FileStorage", "module_path": "hiradix.sglang.storage",
+             "class_name": "FileStorage", "interface_v1": 1, **settings}
+    answer = a.attach_storage("dynamic", extra)
+    assert "attached" in answer, answer
+    for w in (after, fresh):
+        assert wrong(serve_all(a, w.prompts, w.max_new_tokens), want[id(w)]) == []
+    a.flush_cache()  # returns once A's writes to L3 are done (the flush drains them)
+    answer = a.detach_storage()
+    assert "detached" in answer, answer
     a.stop()
-    b = servers.start((*BASE, *store), name="file-b")
-    answers = serve_all(b, w.prompts, w.max_new_tokens)
-    assert wrong(answers, want) == []
-    assert tier_hits(answers)["storage"] > 0
 
-
-STOCK = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2", "--enable-cache-report",
-         "--enable-metrics",
-         # stock's host pool copies on CPU with SGLang's direct I/O in layer_first only
-         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
-#: Stand-ins for stock SGLang's CUDA-only host-pool steps (inject/sitecustomize.py).
-STOCK_ON_CPU = {"HIRADIX_E2E_STOCK_ON_CPU": "1"}
-
-
-def test_stock_sglang_on_the_peer_l3_one_server_computes_another_reuses(servers, reference) -> None:
-    """Stock SGLang's own hierarchical cache (0.5.18's HiRadixCache, 0.5.20's and 0.5.23's
-    UnifiedRadixCache) with hiradix's peer cache as L3 through SGLang's ``dynamic`` loader:
-    the second server reads the first's pages, outputs exact; then the first is killed
-    and the second still serves exact outputs."""
-    only_on(L3_VERSIONS, "0.5.20's stock cache is 0.5.23's UnifiedRadixCache, run here on 0.5.23")
-    port_a = free_port()
-    env = {**TOKEN, **STOCK_ON_CPU}
-    a = servers.start((*STOCK, *_peer(port_a, [])), name="stock-peer-a", env=env)
-    b = servers.start((*STOCK, *_peer(0, [f"127.0.0.1:{port_a}"])), name="stock-peer-b", env=env)
-    assert "hiradix: hierarchical radix cache" not in a.log_text()  # stock's cache, not the plugin's
-    w = shared_prefixes(seed=13, n_requests=8)
-    want = reference(w.prompts, w.max_new_tokens)
-    assert wrong(serve_all(a, w.prompts, w.max_new_tokens), want) == []
-    # Stock's flush drops L3 writes still queued; its scheduler counts each one done at a
-    # step (sglang:backuped_tokens_total): one-token requests make the steps, bounded.
-    deadline = time.monotonic() + 120
-    while a.metric("sglang:backuped_tokens_total") < 8 * 300:
-        assert time.monotonic() < deadline, "stock's L3 writes never completed"
-        a.generate([5], 1)
-    answers = serve_all(b, w.prompts, w.max_new_tokens)
-    assert wrong(answers, want) == []
-    assert tier_hits(answers)["storage"] > 0, tier_hits(answers)
-    a.kill9()
-    w2 = shared_prefixes(seed=14, n_requests=8)
-    assert wrong(serve_all(b, w2.prompts, w2.max_new_tokens), reference(w2.prompts, w2.max_new_tokens)) == []
+    b = servers.start((*BASE, *_dynamic("FileStorage", **settings), "--hicache-storage-prefetch-policy",
+                       "wait_complete"), name="attach-b")
+    answers = serve_all(b, fresh.prompts, fresh.max_new_tokens)
+    assert wrong(answers, want[id(fresh)]) == []
+    assert tier_hits(answers)["storage"] > 0, f"B read nothing A wrote after the attach: {tier_hits(answers)}"
+    assert wrong(serve_all(b, old.prompts, old.max_new_tokens), want[id(old)]) == []
+    answers = serve_all(b, after.prompts, after.max_new_tokens)
+    assert wrong(answers, want[id(after)]) == []
+    hits = tier_hits(answers)
+    # Each new suffix (16 tokens) follows a prefix B holds: from L3 only under A's chain.
+    assert hits["storage"] >= len(after.prompts) * 8, f"A's suffix pages not found under B's chain: {hits}"

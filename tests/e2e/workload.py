@@ -41,6 +41,14 @@ def shared_prefixes(n_prefixes: int = 8, prefix_len: int = 300, n_requests: int 
     return Workload(prefixes, tuple(prompts), tuple(owner), max_new_tokens)
 
 
+def other_suffixes(work: Workload, seed: int, suffix_len: int = 16) -> Workload:
+    """``work``'s prefixes, in the same order, each prompt with a new suffix."""
+    rng = np.random.default_rng(seed)
+    prompts = tuple(work.prefixes[p] + tuple(int(t) for t in rng.integers(LOW, HIGH, suffix_len))
+                    for p in work.prefix_of)
+    return Workload(work.prefixes, prompts, work.prefix_of, work.max_new_tokens)
+
+
 def serve_all(server: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               concurrency: int = 1) -> list[dict[str, Any]]:
     """Send ``prompts`` to ``server`` (``concurrency`` requests in flight, the answers in

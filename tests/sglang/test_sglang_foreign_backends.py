@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 from l3_roundtrip import MODEL, PAGE, N, radix_key, read, tokens_of, write
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
+from sglang.srt.mem_cache.utils import get_hash_str
 
 from hiradix.memory.pools import HostKVPool, MHAShape
 from hiradix.sglang.foreign import SGLangBackend, SGLangHostPoolView, is_sglang_backend
@@ -97,6 +98,39 @@ def test_sglang_backends_attach_clear_and_detach_at_runtime(make_env, make_sglan
     ok, msg = cache.detach_storage_backend()
     assert ok, msg
     assert not cache.enable_storage and cache.cache_controller.storage_backend_type is None
+
+
+def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by_sglangs_chain(
+        make_env, make_sglang, hicache_dir: Path) -> None:
+    """Stock SGLang accepts an L3 attached at runtime to a cache started without one; so
+    does hiradix: the tree, built without page hashes (as SGLang's, they cost only with an
+    L3), hashes what it holds when the backend attaches, by SGLang's own chain, and the
+    pages go to L3 under those keys."""
+    env = make_env(PAGE, model=MODEL, prefetch_policy="wait_complete", extra_config=json.dumps({"l3_format": "sglang"}))
+    cache = env.cache
+    assert not cache.enable_storage and not cache.core.enable_hash
+    held = tokens_of(15)
+    slots = env.allocator.alloc(N)
+    env.write_kv(slots, torch.tensor(held), torch.arange(N))
+    cache.insert(InsertParams(key=radix_key(held, None), value=slots))
+    ok, msg = cache.attach_storage_backend("sglang:file", json.dumps({"prefetch_threshold": PAGE,
+                                                                     "l3_format": "sglang"}), MODEL, "wait_complete")
+    assert ok, msg
+    node = cache.match_prefix(MatchPrefixParams(key=radix_key(held, None))).last_device_node
+    chain, prior = [], None
+    for start in range(0, N, PAGE):
+        prior = get_hash_str(held[start:start + PAGE], prior)
+        chain.append(prior)
+    assert cache.core.prefix_hashes(node.id) == chain
+    cache.core.tree.check_invariants()
+    # The held pages' backup (started at the step, after the attach) goes on to L3 under
+    # those keys, where stock SGLang reads them.
+    cache.core.flush()
+    cache.check_hicache_events()
+    assert all(op.done.wait(60) for op in list(cache.core.ongoing_backup))
+    cache.check_hicache_events()
+    assert cache.core.l3.stats["backup_pages"] == N // PAGE
+    read(make_sglang(PAGE, model=MODEL, prefetch_policy="wait_complete", **flags("sglang")), held)
 
 
 def test_dynamic_takes_sglang_storage_classes(make_env, make_sglang, hicache_dir: Path) -> None:
