@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -376,6 +377,7 @@ class HiCacheController:
         self._ack_ids = itertools.count()
         self._companions: list[tuple[DeviceKVPool, HostKVPool]] = []
         self._stats = zeros(ControllerStats)  # counted here; read as a snapshot (stats)
+        self._durations: dict[str, deque[float]] = {k: deque(maxlen=1024) for k in ("backup", "load")}
 
     def get_stats(self) -> ControllerStats:
         """A snapshot of the acknowledged transfers' counters
@@ -518,6 +520,7 @@ class HiCacheController:
         engine = self.write_engine
         assert isinstance(engine, ThreadCopyEngine)
         ok = True
+        start = time.perf_counter()
         try:
             for d, h in self._companions:
                 engine.backup_now(d, h, dev, host)
@@ -525,9 +528,12 @@ class HiCacheController:
         except Exception:  # a failed copy is a failed backup, never an error in the scheduler
             logger.warning("hiradix: a backup of %d tokens failed", host.shape[0], exc_info=True)
             ok = False
+        elapsed = time.perf_counter() - start
         ok = self.agreement.all_true([ok])[0]
         done_key, failed_key = _STAT_KEYS["backup"]
         self._stats[done_key if ok else failed_key] += int(host.shape[0])
+        if ok:
+            self._durations["backup"].append(elapsed)
         return ok
 
     def ack_writes(self, wait_all: bool = False) -> list[tuple[TransferAck, bool]]:
@@ -598,7 +604,18 @@ class HiCacheController:
         done_key, failed_key = _STAT_KEYS[kind]
         for ack, ok in zip(popped, agreed, strict=True):
             self._stats[done_key if ok else failed_key] += ack.tokens
+            if ok and ack.handle.duration_s is not None:
+                self._durations[kind].append(ack.handle.duration_s)
         return list(zip(popped, agreed, strict=True))
+
+    def pop_durations(self, kind: str) -> list[float]:
+        """The copy times (seconds) of the ``"backup"`` or ``"load"`` acks acknowledged
+        since the last call, where the copy engine times its copies (the thread engine;
+        the last 1,024 kept). For metrics. ``O(acks)``."""
+        q = self._durations[kind]
+        out = list(q)
+        q.clear()
+        return out
 
     def drain(self) -> None:
         """Wait for every submitted copy to finish (their acks stay queued)."""

@@ -44,6 +44,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -109,6 +110,12 @@ class CopyHandle(ABC):
     def error(self) -> BaseException | None:
         """The failure of a finished operation, or ``None``."""
 
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from the copy's first layer starting to its last landing, once it has
+        finished; ``None`` before, or where the engine does not time its copies."""
+        return None
+
 
 class LoadHandle(CopyHandle):
     """A host -> device load, signalled layer by layer (SGLang's ``LayerDoneCounter``)."""
@@ -140,12 +147,14 @@ class _ThreadHandle(LoadHandle):
         self._landed = 0  # layers 0 .. _landed - 1 are in the destination
         self._finished = False
         self._error: BaseException | None = None
+        self._started = self._ended = 0.0  # perf_counter() at the first layer and the finish
 
     # ---- worker side
     def _mark_layer(self, layer: int) -> None:
         with self._cond:
             self._landed = layer + 1
             if self._landed == self.layer_num:
+                self._ended = time.perf_counter()
                 self._finished = True
             self._cond.notify_all()
 
@@ -164,6 +173,11 @@ class _ThreadHandle(LoadHandle):
     def error(self) -> BaseException | None:
         with self._cond:
             return self._error
+
+    @property
+    def duration_s(self) -> float | None:
+        with self._cond:
+            return self._ended - self._started if self._ended else None
 
     def _raise(self) -> None:
         raise CopyError(f"{self.kind} #{self.op_id} failed: {self._error!r}") from self._error
@@ -687,6 +701,7 @@ class ThreadCopyEngine(CopyEngine):
 
     def _execute(self, handle: _ThreadHandle, step: Callable[[int], None]) -> None:
         """Run one operation layer by layer; a failure goes to the handle's waiters."""
+        handle._started = time.perf_counter()
         try:
             for layer in range(handle.layer_num):
                 if self.layer_hook is not None:

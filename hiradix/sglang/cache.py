@@ -88,6 +88,7 @@ from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.sglang.distributed import SGLangAgreement
 from hiradix.sglang.foreign import SGLangBackend, is_sglang_backend
+from hiradix.sglang.metrics import MetricsReporter
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.pools import device_pool_from_sglang, host_pool_for
 from hiradix.sglang.storage import native_backend
@@ -339,6 +340,20 @@ def _group_rank(group: Any) -> tuple[int, int]:
     return int(dist.get_rank(group=group)), int(dist.get_world_size(group=group))
 
 
+def _attention_dp_rank() -> int:
+    """This rank's attention-DP rank, as SGLang's controller labels its storage metrics
+    (0 without DP attention)."""
+    from sglang.srt.layers import dp_attention
+
+    if not dp_attention.is_dp_attention_enabled():
+        return 0
+    if hasattr(dp_attention, "get_attention_dp_rank"):  # SGLang 0.5.18 and 0.5.20
+        return int(dp_attention.get_attention_dp_rank())
+    from sglang.srt.runtime_context import get_parallel  # 0.5.23
+
+    return int(get_parallel().attn_dp_rank)
+
+
 def check_supported(params: Any, server_args: Any) -> None:
     """Refuse, naming the option, what this adapter does not do (yet), instead of
     falling back silently."""
@@ -473,10 +488,12 @@ class HiRadixCacheBase(BasePrefixCache):
         self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
         self.metrics_collector = None
-        self._reported = (0, 0)  # backup and load tokens reported to metrics_collector
-        self._reported_evictions = 0  # device tokens evicted, reported to it
+        self.metrics: MetricsReporter | None = None
+        self._dp_rank = _attention_dp_rank()
+        self._extra_metric_labels = getattr(server_args, "extra_metric_labels", None)
         if params.enable_metrics:
             self.init_metrics_collector()
+            self.metrics = MetricsReporter(self.metrics_collector)
 
         allocator = params.token_to_kv_pool_allocator
         self.kv_cache = allocator.get_kvcache()
@@ -892,9 +909,9 @@ class HiRadixCacheBase(BasePrefixCache):
         start = time.perf_counter()
         freed = self.core.evict(int(params.num_tokens))
         self._sync_events()
-        if self.metrics_collector is not None:
+        if self.metrics is not None:
             self.update_eviction_metrics(freed, start)
-            self._reported_evictions += freed
+            self.metrics.note_evicted(freed)
         return EvictResult(num_tokens_evicted=freed)
 
     def write_backup(self, node: Any, write_back: bool = False) -> int:
@@ -947,33 +964,10 @@ class HiRadixCacheBase(BasePrefixCache):
         self._report_transfers()
 
     def _report_transfers(self) -> None:
-        """With ``--enable-metrics``, SGLang's HiCache transfer metrics
-        (``sglang:hicache_backup_tokens_total`` / ``_bytes_total``,
-        ``sglang:load_back_tokens_total`` / ``_bytes_total``, pool ``kv``): the tokens of the
-        backups and loads acknowledged since the last report, as SGLang counts them at its
-        acks (the target's KV; a draft's mirror is not counted); and the device evictions
-        made outside :meth:`evict` in ``sglang:evicted_tokens_total``. ``O(1)``."""
-        collector = self.metrics_collector
-        if collector is None:
-            return
-        # Device evictions the cache made on its own (room for a load back) count in
-        # sglang:evicted_tokens_total as SGLang's own load back counts them (it calls evict()).
-        evicted = self.core.get_stats().device_evicted_tokens - self._reported_evictions
-        if evicted > 0:
-            collector.increment_eviction_num_tokens(evicted)
-            self._reported_evictions += evicted
-        stats = self.cache_controller.get_stats()
-        backed, loaded = stats.backup_tokens - self._reported[0], stats.load_tokens - self._reported[1]
-        if backed <= 0 and loaded <= 0:
-            return
-        self._reported = (stats.backup_tokens, stats.load_tokens)
-        per_token = self.cache_controller.device_pool.bytes_per_token
-        if backed > 0:
-            collector.increment_backup_num_tokens(num_tokens=backed, pool="kv")
-            collector.increment_backup_num_bytes(backed * per_token)
-        if loaded > 0:
-            collector.increment_load_back_num_tokens(num_tokens=loaded, pool="kv")
-            collector.increment_load_back_num_bytes(loaded * per_token)
+        """With ``--enable-metrics``, what the cache did since the last report, in
+        SGLang's own metrics (:mod:`hiradix.sglang.metrics`). ``O(acks)``."""
+        if self.metrics is not None:
+            self.metrics.report(self.core)
 
     # ------------------------------------------------------------------ storage (L3)
     def _attach(self, backend: str, extra: dict[str, Any], prefetch: PrefetchConfig) -> None:
@@ -981,6 +975,7 @@ class HiRadixCacheBase(BasePrefixCache):
         and attach it. SGLang's backends append their own key suffix, so they get bare
         page keys; hiradix's get :attr:`_key_suffix`."""
         storage: StorageBackend
+        requested = backend  # the --hicache-storage-backend name, which labels the metrics
         backend, extra = native_backend(backend, extra)
         try:
             if is_sglang_backend(backend, extra):
@@ -1003,6 +998,11 @@ class HiRadixCacheBase(BasePrefixCache):
         self.cache_controller.storage_backend = storage.inner if isinstance(storage, SGLangBackend) else storage
         self.cache_controller.warn_draft_l3()
         self.enable_storage = True
+        if self.metrics is not None:
+            cfg = self.storage_config
+            self.metrics.attach_storage(requested, {
+                "tp_rank": cfg.tp_rank, "dp_rank": self._dp_rank, "pp_rank": cfg.pp_rank, "pp_size": cfg.pp_size,
+                "attn_cp_rank": self._cp[0], "attn_cp_size": self._cp[1], **(self._extra_metric_labels or {})})
         logger.info("hiradix: %s", msg)
 
     def attach_storage_backend(self, storage_backend: str, storage_backend_extra_config_json: str | None = None,

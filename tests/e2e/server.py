@@ -196,32 +196,37 @@ class Server:
             raise ServerError(f"{self.name} /generate answered {out!r}")
         return out
 
-    def flush_cache(self, timeout: float = 60.0) -> None:
-        """``POST /flush_cache`` until it succeeds: SGLang refuses (HTTP 400) while its
-        scheduler still holds a request, which it may for a moment after the answer was
-        sent."""
+    def _when_idle(self, path: str, body: Any = None, *, method: str | None = None, timeout: float = 60.0) -> Any:
+        """An admin request, repeated until it succeeds: SGLang refuses (HTTP 400) while
+        its scheduler still holds a request, which it may for a moment after the answer
+        was sent."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.request("/flush_cache", {})
-                return
+                return self.request(path, body, method=method)
             except ServerError:
                 if time.monotonic() > deadline:
                     raise
             # Polling the server's state: no event of its to wait on from here.
             time.sleep(0.2)
 
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """``POST /flush_cache`` (once the scheduler is idle)."""
+        self._when_idle("/flush_cache", {}, timeout=timeout)
+
     def attach_storage(self, backend: str, extra_config: dict[str, Any] | None = None, **options: str) -> str:
         """Attach an L3 at runtime through SGLang's admin endpoint (``PUT
-        /hicache/storage-backend``; the server needs ``--admin-api-key``); its answer."""
+        /hicache/storage-backend``, once the scheduler is idle; the server needs
+        ``--admin-api-key``); its answer. A refusal for another reason raises
+        :class:`ServerError` after the retries."""
         body = {"hicache_storage_backend": backend, **options}
         if extra_config is not None:
             body["hicache_storage_backend_extra_config_json"] = json.dumps(extra_config)
-        return str(self.request("/hicache/storage-backend", body, method="PUT"))
+        return str(self._when_idle("/hicache/storage-backend", body, method="PUT"))
 
     def detach_storage(self) -> str:
         """Detach the L3 through SGLang's admin endpoint (``DELETE /hicache/storage-backend``)."""
-        return str(self.request("/hicache/storage-backend", method="DELETE"))
+        return str(self._when_idle("/hicache/storage-backend", method="DELETE"))
 
     def metric(self, name: str) -> float:
         """The sum of ``name``'s samples in ``/metrics`` (over its labels); 0 if absent."""

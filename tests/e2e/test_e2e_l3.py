@@ -83,7 +83,7 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
     fresh = shared_prefixes(n_prefixes=4, n_requests=8, seed=14)
     want = {id(w): reference(w.prompts, w.max_new_tokens) for w in (old, after, fresh)}
 
-    a = servers.start((*BASE, "--admin-api-key", ADMIN_KEY), name="attach-a")
+    a = servers.start((*BASE, "--admin-api-key", ADMIN_KEY, "--enable-metrics"), name="attach-a")
     assert wrong(serve_all(a, old.prompts, old.max_new_tokens), want[id(old)]) == []
     extra = {"backend_name": "hiradix-FileStorage", "module_path": "hiradix.sglang.storage",
              "class_name": "FileStorage", "interface_v1": 1, **settings}
@@ -92,18 +92,27 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
     for w in (after, fresh):
         assert wrong(serve_all(a, w.prompts, w.max_new_tokens), want[id(w)]) == []
     a.flush_cache()  # returns once A's writes to L3 are done (the flush drains them)
+    a.generate([5], 1)  # one more scheduler step: the last L3 acknowledgements are reported
+    # SGLang's storage metrics, labelled with the attached backend's name as stock's are.
+    backed_up = a.metric("sglang:backuped_tokens_total")
+    new_tokens = sum(map(len, fresh.prefixes)) + 16 * (len(fresh.prompts) + len(after.prompts))
+    assert 'storage_backend="dynamic"' in a.metrics() and backed_up >= new_tokens, (backed_up, new_tokens)
     answer = a.detach_storage()
     assert "detached" in answer, answer
     a.stop()
 
     b = servers.start((*BASE, *_dynamic("FileStorage", **settings), "--hicache-storage-prefetch-policy",
-                       "wait_complete"), name="attach-b")
+                       "wait_complete", "--enable-metrics"), name="attach-b")
     answers = serve_all(b, fresh.prompts, fresh.max_new_tokens)
     assert wrong(answers, want[id(fresh)]) == []
-    assert tier_hits(answers)["storage"] > 0, f"B read nothing A wrote after the attach: {tier_hits(answers)}"
+    first_hits = tier_hits(answers)
+    assert first_hits["storage"] > 0, f"B read nothing A wrote after the attach: {first_hits}"
     assert wrong(serve_all(b, old.prompts, old.max_new_tokens), want[id(old)]) == []
     answers = serve_all(b, after.prompts, after.max_new_tokens)
     assert wrong(answers, want[id(after)]) == []
     hits = tier_hits(answers)
     # Each new suffix (16 tokens) follows a prefix B holds: from L3 only under A's chain.
     assert hits["storage"] >= len(after.prompts) * 8, f"A's suffix pages not found under B's chain: {hits}"
+    # SGLang's storage metric counts the tokens the prefetches brought, as the answers do.
+    b.generate([5], 1)
+    assert b.metric("sglang:prefetched_tokens_total") == first_hits["storage"] + hits["storage"]

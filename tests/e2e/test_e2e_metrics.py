@@ -15,13 +15,15 @@ COMMON = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicach
 #: SGLang's names, for what stock's cache and hiradix's both report.
 METRICS = ("sglang:cached_tokens_total", "sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total",
            "sglang:load_back_tokens_total", "sglang:load_back_bytes_total", "sglang:evicted_tokens_total")
+#: SGLang's histograms of the copies' durations.
+DURATIONS = ("sglang:load_back_duration_seconds", "sglang:hicache_backup_duration_seconds")
 
 
 def test_transfer_and_eviction_metrics_equal_stocks(servers, reference) -> None:
     only_on(("0.5.18", "0.5.23"), "0.5.20's stock cache is 0.5.23's UnifiedRadixCache, run here on 0.5.23")
     w = shared_prefixes(seed=20)
     want = reference(w.prompts, w.max_new_tokens)
-    seen = {}
+    seen, timed = {}, {}
     for name, flags, env in (("stock", (), {"HIRADIX_E2E_STOCK_ON_CPU": "1"}),
                              ("hiradix", ("--radix-cache-backend", "hiradix"), {})):
         server = servers.start((*COMMON, *flags), name=f"metrics-{name}", env=env)
@@ -29,6 +31,11 @@ def test_transfer_and_eviction_metrics_equal_stocks(servers, reference) -> None:
         for token in (5, 6):  # two more scheduler steps: the last acknowledgements are counted
             server.generate([token], 1)
         seen[name] = {m: server.metric(m) for m in METRICS}
+        timed[name] = {m: (server.metric(m + "_count"), server.metric(m + "_sum")) for m in DURATIONS}
         server.stop()
     assert seen["hiradix"] == seen["stock"]
     assert seen["hiradix"]["sglang:load_back_tokens_total"] >= 32 * 300  # the prefixes did load back
+    # Copy durations: stock's are CUDA-event timings (none on a CPU); hiradix's come from
+    # its copy engines' clocks, one per acknowledged copy.
+    for m, (count, total) in timed["hiradix"].items():
+        assert count > 0 and total > 0, f"{m}: {count} observations, {total} s"

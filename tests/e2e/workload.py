@@ -75,3 +75,59 @@ def tier_hits(answers: Sequence[dict[str, Any]]) -> dict[str, int]:
 def wrong(answers: Sequence[dict[str, Any]], want: Sequence[Sequence[int]]) -> list[int]:
     """Indices of the answers whose output tokens differ from ``want``'s."""
     return [i for i, (a, w) in enumerate(zip(answers, want, strict=True)) if list(a["output_ids"]) != list(w)]
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Multi-turn chats behind shared system prompts: conversation ``c`` starts with
+    ``prefixes[prefix_of[c]]``, and its turn ``t`` sends the whole conversation so far (the
+    prefix, every earlier user message and the server's answer to it) followed by
+    ``messages[c][t]``. ``order`` names the conversation of each request, in order (a
+    conversation's turns come in turn order).
+
+    First tokens are distinct: among the prefixes, and among the first messages of all
+    conversations. So two prompts share exactly their system prompt, or, within one
+    conversation, all of the earlier turn: the prompts diverge only where a prefix ends.
+    """
+
+    prefixes: tuple[tuple[int, ...], ...]
+    prefix_of: tuple[int, ...]
+    messages: tuple[tuple[tuple[int, ...], ...], ...]
+    order: tuple[int, ...]
+    max_new_tokens: int
+
+
+def conversations(n_prefixes: int = 6, prefix_len: int = 512, n_conversations: int = 12, turns: int = 3,
+                  message_len: int = 32, max_new_tokens: int = 8, seed: int = 0) -> Conversations:
+    """``n_conversations`` chats of ``turns`` turns, each behind one of ``n_prefixes``
+    system prompts (drawn uniformly), their turns interleaved in a seeded random order."""
+    rng = np.random.default_rng(seed)
+    firsts = [int(t) for t in rng.permutation(np.arange(LOW, HIGH))[: n_prefixes + n_conversations]]
+
+    def tokens(first: int | None, n: int) -> tuple[int, ...]:
+        rest = tuple(int(t) for t in rng.integers(LOW, HIGH, n - (first is not None)))
+        return rest if first is None else (first, *rest)
+
+    prefixes = tuple(tokens(firsts[p], prefix_len) for p in range(n_prefixes))
+    prefix_of = tuple(int(p) for p in rng.integers(0, n_prefixes, n_conversations))
+    messages = tuple(tuple(tokens(firsts[n_prefixes + c] if t == 0 else None, message_len) for t in range(turns))
+                     for c in range(n_conversations))
+    order = [c for c in range(n_conversations) for _ in range(turns)]
+    rng.shuffle(order)  # the turns of one conversation are taken in order whatever their slots
+    return Conversations(prefixes, prefix_of, messages, tuple(order), max_new_tokens)
+
+
+def serve_conversations(server: Any, work: Conversations) -> tuple[list[tuple[int, ...]], list[dict[str, Any]]]:
+    """Serve ``work``'s requests one at a time, in order, each turn carrying the server's
+    earlier answers of its conversation; returns the prompts sent and the answers."""
+    history = [list(work.prefixes[p]) for p in work.prefix_of]
+    turn = [0] * len(history)
+    prompts, answers = [], []
+    for c in work.order:
+        prompt = history[c] + list(work.messages[c][turn[c]])
+        answer = server.generate(prompt, work.max_new_tokens)
+        history[c] = prompt + list(answer["output_ids"])
+        turn[c] += 1
+        prompts.append(tuple(prompt))
+        answers.append(answer)
+    return prompts, answers
