@@ -72,6 +72,7 @@ with warnings.catch_warnings():
     import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
 
+import sglang_args
 from sglang_pools import LAYERS, KVBuffers, Worker, sglang_pools, transfer_kv_direct, wait_queue
 
 from hiradix.peer.node import InProcessCluster
@@ -216,6 +217,9 @@ class _Published:
             hicache_storage_prefetch_policy="wait_complete",
         )
         flags.update(more)
+        # SGLang's own command line accepts them (a refused flag fails here), then they
+        # are published as SGLang's tests publish theirs.
+        sglang_args.parse(sglang_args.command_line({"model_path": "dummy", **flags})[0])
         override = get_context().override_server_args(**flags)
         self.server_args = override.install()
         self.stack.callback(override.restore)  # LIFO: every publish undone, the last first

@@ -195,6 +195,29 @@ def test_below_threshold_no_prefetch_and_revocation() -> None:
         cache.check_invariants()
 
 
+def test_a_full_host_pool_makes_room_for_a_prefetch_from_its_least_recent_pages() -> None:
+    """As SGLang's cache, a prefetch that finds the host pool full evicts host-only pages
+    for its slots (else, in steady state, L3 would never be read again); the node it
+    continues from stays (the match has just touched it, and it is protected meanwhile)."""
+    with make(MemoryStorage(), host=160, threshold=16) as cache:
+        rng = np.random.default_rng(7)
+        a = rng.integers(0, 1000, 96)
+        compute(cache, a)
+        evict_l1_l2(cache)  # a is in L3 only
+        compute(cache, a[:48])  # a's first half back on the host: the prefetch's mount
+        for _ in range(2):
+            compute(cache, rng.integers(1000, 2000, 48))
+        cache.flush()
+        while cache.ongoing_backup:
+            cache.ongoing_backup[0].done.wait(30)
+            cache.check_hicache_events()
+        cache.evict(10**9)  # everything host-only
+        assert cache.host_pool.available_size() < 48
+        assert fetch(cache, a) == (48, 96)
+        assert cache.stats["host_evicted_tokens"] >= 32 and cache.stats["prefetch_skipped_no_host"] == 0
+        cache.check_invariants()
+
+
 def test_capacity_below_threshold_is_refused() -> None:
     with pytest.raises(ValueError, match="no prefetch could ever run"):
         make_cfg = PrefetchConfig(threshold_tokens=256, capacity_tokens=128)

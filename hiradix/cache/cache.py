@@ -742,8 +742,8 @@ class HiRadixCache:
         into freshly allocated host slots; returns whether a prefetch was started.
 
         Nothing starts without storage, for fewer than ``threshold_tokens`` page-aligned
-        tokens, past the prefetch capacity or without host room (each counted in
-        :attr:`stats`). ``last_hash`` defaults to :meth:`prior_hash` of the node (the
+        tokens, past the prefetch capacity or without host room once host-only pages
+        were evicted for it (each counted in :attr:`stats`). ``last_hash`` defaults to :meth:`prior_hash` of the node (the
         hash of its last page, or its root's seed). Every rank must call it alike.
         Runtime: ``O(1)`` here; the work runs on the L3 threads.
         """
@@ -762,12 +762,18 @@ class HiRadixCache:
         if in_flight + n > l3.capacity_tokens:
             self._stats["prefetch_skipped_capacity"] += n
             return False
+        self.tree.inc_host_ref(last_host_node)  # the mount stays while room is made below
         (host,) = self.cache_controller.alloc_host([n])
         if host is None:
+            # As SGLang's, room for a prefetch is taken from the host's least recently used
+            # pages (every rank alike: the same tree evicts the same nodes).
+            self.evict_host(n)
+            (host,) = self.cache_controller.alloc_host([n])
+        if host is None:
+            self.tree.dec_host_ref(last_host_node)
             self._stats["prefetch_skipped_no_host"] += n
             return False
         prior = last_hash if last_hash is not None else self.prior_hash(last_host_node)
-        self.tree.inc_host_ref(last_host_node)
         prefix = self.prefix_hashes(last_host_node) if self.pass_prefix_keys else None
         op = l3.prefetch(req_id, host, tokens[:n], prior, prefix)
         self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)

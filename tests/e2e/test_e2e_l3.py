@@ -5,7 +5,8 @@ one cluster, one cluster token), selected as SGLang's own parser accepts it:
 ``--hicache-storage-backend dynamic`` with hiradix's ``PeerStorage`` class. Prompts served
 by A are then served by B from A's pages (storage hits), with outputs equal to the same
 build's with no prefix cache; with A killed (``kill -9``), B keeps serving exact outputs
-from misses, never wrong bytes and never a hang. Then hiradix's ``file`` L3, attached to a
+from misses, never wrong bytes and never a hang. hiradix's ``memory`` L3 serves one server
+what its host pool evicted. Then hiradix's ``file`` L3, attached to a
 running server through SGLang's admin endpoint, handed from it to the next server (the
 backend locks its directory: one server at a time).
 """
@@ -66,6 +67,21 @@ def test_peer_l3_one_server_computes_another_reuses_then_its_peer_dies(servers, 
     assert b.alive()
     # Misses cost B at most its peer timeouts, never a hang (each request is bounded too).
     assert time.monotonic() - start < 120
+
+
+def test_memory_l3_in_one_server_serves_what_its_host_pool_evicted(servers, reference) -> None:
+    """hiradix's ``memory`` L3 (one process's memory) in one server: 16 prefixes of 300
+    tokens cycle through a 2,048-token device pool and a 4,096-token host pool, so by the
+    second cycle the host has evicted the first prefixes and they come back from L3, with
+    outputs equal to no cache."""
+    only_on(L3_VERSIONS, L3_WHY)
+    server = servers.start((*BASE, *_dynamic("MemoryStorage", capacity_bytes=256 << 20, prefetch_threshold=4),
+                            "--hicache-storage-prefetch-policy", "wait_complete"), name="memory-l3")
+    w = shared_prefixes(n_prefixes=16, n_requests=32, seed=15)
+    answers = serve_all(server, w.prompts, w.max_new_tokens)
+    assert wrong(answers, reference(w.prompts, w.max_new_tokens)) == []
+    hits = tier_hits(answers[16:])
+    assert hits["storage"] >= 8 * 300, f"the second cycle's prefixes did not come from L3: {hits}"
 
 
 def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, reference, tmp_path) -> None:

@@ -1,6 +1,7 @@
-"""hiradix.sglang caches built exactly as SGLang's scheduler builds them: ``ServerArgs`` with
-``radix_cache_backend="hiradix"``, SGLang's own CPU ``MHATokenToKVPool`` /
-``MLATokenToKVPool``, ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` and
+"""hiradix.sglang caches built exactly as SGLang's scheduler builds them: ``ServerArgs`` from
+SGLang's own command line (:mod:`sglang_args`) with ``--radix-cache-backend hiradix``,
+SGLang's own CPU ``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``TokenToKVPoolAllocator`` /
+``PagedTokenToKVPoolAllocator`` and
 ``ReqToTokenPool``, and SGLang's ``create_tree_cache``. Skips, saying why, without a
 supported SGLang (the import itself skips the importing test module).
 
@@ -51,11 +52,11 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.server_args import ServerArgs
 
     import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
 
+import sglang_args
 from sglang_pools import KVBuffers, Worker, copy_rows, sglang_pools, transfer_kv_direct
 
 from hiradix.peer.node import InProcessCluster
@@ -159,10 +160,11 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             # once it is built (the cache keeps the object).
             from sglang.srt.runtime_context import get_context
 
+            sglang_args.parse(sglang_args.command_line(flags)[0])  # SGLang's command line accepts them
             published = get_context().override_server_args(**flags)
             server_args = published.install()
         else:
-            server_args = ServerArgs(**flags)
+            server_args = sglang_args.server_args(flags)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
                              enable_kv_cache_events=kv_events, is_eagle=eagle, **(params or {}))
@@ -367,13 +369,13 @@ def parity_pools_and_args(page_size: int, size: int, layout: str = "layer_first"
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = ServerArgs(
+        server_args = sglang_args.server_args(dict(
             model_path="dummy", device="cpu", enable_hierarchical_cache=True, radix_cache_backend="hiradix",
             page_size=page_size, hicache_mem_layout=layout, hicache_io_backend="direct",
             hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
             hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
             hicache_storage_prefetch_policy=prefetch_policy,
-        )
+        ))
     return kv, alloc, req_to_token, server_args
 
 

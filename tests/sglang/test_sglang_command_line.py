@@ -1,0 +1,18 @@
+"""README's server flags through SGLang 0.5.18's and 0.5.20's command line
+(:mod:`sglang_command_line`)."""
+
+from __future__ import annotations
+
+import sglang_env  # noqa: F401 - skips this module without a supported SGLang
+from sglang_command_line import (
+    check_hiradix_only_names_are_refused_by_sglangs_parser,
+    check_readmes_flags_pass_as_printed,
+)
+
+
+def test_readmes_flags_pass_as_printed() -> None:
+    check_readmes_flags_pass_as_printed()
+
+
+def test_hiradix_only_names_are_refused_by_sglangs_parser() -> None:
+    check_hiradix_only_names_are_refused_by_sglangs_parser()
