@@ -743,8 +743,9 @@ class HiRadixCache:
 
         Nothing starts without storage, for fewer than ``threshold_tokens`` page-aligned
         tokens, past the prefetch capacity or without host room once host-only pages
-        were evicted for it (each counted in :attr:`stats`). ``last_hash`` defaults to :meth:`prior_hash` of the node (the
-        hash of its last page, or its root's seed). Every rank must call it alike.
+        were evicted for it (each counted in :attr:`stats`). ``last_hash`` defaults to
+        :meth:`prior_hash` of the node (the hash of its last page, or its root's seed).
+        Every rank must call it alike.
         Runtime: ``O(1)`` here; the work runs on the L3 threads.
         """
         l3 = self.l3

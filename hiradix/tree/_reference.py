@@ -1289,7 +1289,8 @@ class HiRadixTree:
         while stack:
             node = stack.pop()
             parent = node.parent
-            prev = parent.seed if parent.is_root else parent.hashes[-1]
+            assert parent is not None and (parent.is_root or parent.hashes)
+            prev = parent.seed if parent.is_root else parent.hashes[-1]  # type: ignore[index]
             node.hashes = _page_digests(node.key, self.page_size, prev)
             stack.extend(node.children.values())
         self.enable_hash = True
