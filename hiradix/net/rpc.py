@@ -476,9 +476,6 @@ class RpcServer:
             error, result = self._call(method, args, kwargs)
             self._reply(conn, req_id, error, result)
 
-    def _dispatch(self, req: Request) -> tuple[tuple[str, str] | None, Any]:
-        return self._call(req.method, req.args, req.kwargs)
-
     def _call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[tuple[str, str] | None, Any]:
         found = self._methods.get(method)  # one dict read: atomic, no lock needed
         if found is None:

@@ -269,10 +269,6 @@ class Membership:
         with self._lock:
             return compute_masters(self._live.values(), self.head, self.max_masters)
 
-    def is_master(self) -> bool:
-        """Whether this node is an active master."""
-        return self.me.node_id in self.masters()
-
     def info(self, node_id: str) -> NodeInfo | None:
         """A live member's record, or ``None``. Runtime complexity: ``O(1)``."""
         return self._live.get(node_id)

@@ -95,6 +95,7 @@ from hiradix.sglang.storage import native_backend
 from hiradix.storage.base import StorageBackend, StorageConfig
 from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
+from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 if TYPE_CHECKING:
     from hiradix.sglang.events import KVEventLog
@@ -103,9 +104,7 @@ __all__ = ["L3_FORMATS", "HiRadixCacheBase", "SGLangCacheController", "check_sup
 
 logger = logging.getLogger(__name__)
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 L3_FORMATS = ("hiradix", "sglang")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "sieve")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _EMPTY_NP = np.empty(0, dtype=np.int64)
 
@@ -371,8 +370,8 @@ def check_supported(params: Any, server_args: Any) -> None:
     if write not in WRITE_POLICIES:
         refuse(f"--hicache-write-policy {write!r}", f"use one of {WRITE_POLICIES}")
     policy = str(params.eviction_policy).lower()
-    if policy not in EVICTION_POLICIES:
-        refuse(f"--radix-eviction-policy {policy!r}", f"use one of {EVICTION_POLICIES}")
+    if policy not in policy_names():  # the registry: a policy added with register_policy is taken
+        refuse(f"--radix-eviction-policy {policy!r}", f"use one of {tuple(policy_names())}")
     prefetch = getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
     if prefetch not in PREFETCH_POLICIES:
         refuse(f"--hicache-storage-prefetch-policy {prefetch!r}", f"use one of {PREFETCH_POLICIES}")
