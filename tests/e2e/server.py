@@ -68,6 +68,10 @@ class ServerError(RuntimeError):
     """The server died, did not come up in time, or answered an error."""
 
 
+class PortTaken(ServerError):
+    """Another process had the server's port first."""
+
+
 class Server:
     """One SGLang server process. ``args`` are the server's own options after the model
     and the CPU options; ``env`` adds to the environment. Use as a context manager or call
@@ -95,6 +99,19 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), *CPU_ARGS, *self.args]
 
     def start(self) -> Server:
+        """Start the server and wait until it answers. A port taken meanwhile (another
+        process may take it between :func:`free_port` and the server's bind, tens of
+        seconds later) means another try on a fresh port, up to three."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except PortTaken:
+                self.stop()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         env = dict(os.environ)
@@ -116,10 +133,13 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                if "address already in use" in self.log_text().lower():
+                    raise PortTaken(f"{self.name}: port {self.port} was taken before the server bound it")
                 raise ServerError(f"{self.name} exited with {self.proc.returncode} at start-up:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        self._check_it_is_ours()
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -127,6 +147,15 @@ class Server:
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"{self.name} did not answer /health in {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def _check_it_is_ours(self) -> None:
+        """The server answering on the port serves this server's model (each test session
+        builds its model in a folder of its own), not another process's server that took
+        the port first."""
+        with urllib.request.urlopen(self.url + "/get_server_info", timeout=30) as r:
+            info = json.loads(r.read())
+        if Path(str(info.get("model_path"))) != self.model:
+            raise PortTaken(f"{self.name}: port {self.port} answers for {info.get('model_path')!r}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -74,7 +74,6 @@ def test_memory_l3_in_one_server_serves_what_its_host_pool_evicted(servers, refe
     tokens cycle through a 2,048-token device pool and a 4,096-token host pool, so by the
     second cycle the host has evicted the first prefixes and they come back from L3, with
     outputs equal to no cache."""
-    only_on(L3_VERSIONS, L3_WHY)
     server = servers.start((*BASE, *_dynamic("MemoryStorage", capacity_bytes=256 << 20, prefetch_threshold=4),
                             "--hicache-storage-prefetch-policy", "wait_complete"), name="memory-l3")
     w = shared_prefixes(n_prefixes=16, n_requests=32, seed=15)

@@ -6,7 +6,6 @@ I/O: how stock's host pool copies on a CPU, with the stand-ins of
 
 from __future__ import annotations
 
-from server import only_on
 from workload import serve_all, shared_prefixes, wrong
 
 COMMON = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2",
@@ -20,7 +19,6 @@ DURATIONS = ("sglang:load_back_duration_seconds", "sglang:hicache_backup_duratio
 
 
 def test_transfer_and_eviction_metrics_equal_stocks(servers, reference) -> None:
-    only_on(("0.5.18", "0.5.23"), "0.5.20's stock cache is 0.5.23's UnifiedRadixCache, run here on 0.5.23")
     w = shared_prefixes(seed=20)
     want = reference(w.prompts, w.max_new_tokens)
     seen, timed = {}, {}
