@@ -1,6 +1,6 @@
-"""The server flags README documents, through SGLang's own command line (shared by the
-0.5.18/0.5.20 and the 0.5.23 suites): what README prints is accepted as printed, and what
-SGLang's parser refuses fails (:mod:`sglang_args`)."""
+"""The server flags README documents, through SGLang's own command line (tests collected by
+the 0.5.18/0.5.20 and the 0.5.23 suites): what README prints is accepted as printed, and
+what SGLang's parser refuses fails (:mod:`sglang_args`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ STORAGE = {
 }
 
 
-def check_readmes_flags_pass_as_printed() -> None:
+def test_readmes_flags_pass_as_printed() -> None:
     args = parse([*BASE, *HEADLINE])
     assert (args.radix_cache_backend, args.hicache_mem_layout) == ("hiradix", "page_first")
     for name, flags in STORAGE.items():
@@ -32,7 +32,7 @@ def check_readmes_flags_pass_as_printed() -> None:
         assert json.loads(args.hicache_storage_backend_extra_config)["backend_name"] == f"hiradix-{name}"
 
 
-def check_hiradix_only_names_are_refused_by_sglangs_parser() -> None:
+def test_hiradix_only_names_are_refused_by_sglangs_parser() -> None:
     """README says so: ``memory``, ``peer`` and ``sglang:NAME`` work only where
     ``ServerArgs`` is built in Python; on a command line, ``dynamic`` (above)."""
     for name in ("peer", "memory", "sglang:file"):
