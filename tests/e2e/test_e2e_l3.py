@@ -8,7 +8,8 @@ build's with no prefix cache; with A killed (``kill -9``), B keeps serving exact
 from misses, never wrong bytes and never a hang. hiradix's ``memory`` L3 serves one server
 what its host pool evicted. Then hiradix's ``file`` L3, attached to a
 running server through SGLang's admin endpoint, handed from it to the next server (the
-backend locks its directory: one server at a time).
+backend locks its directory: one server at a time). And stock SGLang's own hierarchical
+cache on the peer L3, with the same two-server checks.
 """
 
 from __future__ import annotations
@@ -36,12 +37,7 @@ def _peer(rpc_port: int, seeds: list[str]) -> tuple[str, ...]:
                     connect_timeout_s=1.0, rpc_timeout_s=2.0, read_timeout_s=2.0, join_timeout_s=60.0)
 
 
-L3_VERSIONS = ("0.5.18", "0.5.23")
-L3_WHY = "0.5.20 attaches L3 with 0.5.23's storage options and serves with 0.5.18's request calls, both run here"
-
-
 def test_peer_l3_one_server_computes_another_reuses_then_its_peer_dies(servers, reference) -> None:
-    only_on(L3_VERSIONS, L3_WHY)
     port_a = free_port()
     a = servers.start((*BASE, *_peer(port_a, [])), name="peer-a", env=TOKEN)
     b = servers.start((*BASE, *_peer(0, [f"127.0.0.1:{port_a}"])), name="peer-b", env=TOKEN)
@@ -131,3 +127,39 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
     # SGLang's storage metric counts the tokens the prefetches brought, as the answers do.
     b.generate([5], 1)
     assert b.metric("sglang:prefetched_tokens_total") == first_hits["storage"] + hits["storage"]
+
+
+STOCK = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2", "--enable-cache-report",
+         "--enable-metrics",
+         # stock's host pool copies on CPU with SGLang's direct I/O in layer_first only
+         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
+#: Stand-ins for stock SGLang's CUDA-only host-pool steps (inject/sitecustomize.py).
+STOCK_ON_CPU = {"HIRADIX_E2E_STOCK_ON_CPU": "1"}
+
+
+def test_stock_sglang_on_the_peer_l3_one_server_computes_another_reuses(servers, reference) -> None:
+    """Stock SGLang's own hierarchical cache (0.5.18's HiRadixCache, 0.5.20's and 0.5.23's
+    UnifiedRadixCache) with hiradix's peer cache as L3 through SGLang's ``dynamic`` loader:
+    the second server reads the first's pages, outputs exact; then the first is killed
+    and the second still serves exact outputs."""
+    only_on(("0.5.18", "0.5.23"), "0.5.20's stock cache is 0.5.23's UnifiedRadixCache, run here on 0.5.23")
+    port_a = free_port()
+    env = {**TOKEN, **STOCK_ON_CPU}
+    a = servers.start((*STOCK, *_peer(port_a, [])), name="stock-peer-a", env=env)
+    b = servers.start((*STOCK, *_peer(0, [f"127.0.0.1:{port_a}"])), name="stock-peer-b", env=env)
+    assert "hiradix: hierarchical radix cache" not in a.log_text()  # stock's cache, not the plugin's
+    w = shared_prefixes(seed=13, n_requests=8)
+    want = reference(w.prompts, w.max_new_tokens)
+    assert wrong(serve_all(a, w.prompts, w.max_new_tokens), want) == []
+    # Stock's flush drops L3 writes still queued; its scheduler counts each one done at a
+    # step (sglang:backuped_tokens_total): one-token requests make the steps, bounded.
+    deadline = time.monotonic() + 120
+    while a.metric("sglang:backuped_tokens_total") < 8 * 300:
+        assert time.monotonic() < deadline, "stock's L3 writes never completed"
+        a.generate([5], 1)
+    answers = serve_all(b, w.prompts, w.max_new_tokens)
+    assert wrong(answers, want) == []
+    assert tier_hits(answers)["storage"] > 0, tier_hits(answers)
+    a.kill9()
+    w2 = shared_prefixes(seed=14, n_requests=8)
+    assert wrong(serve_all(b, w2.prompts, w2.max_new_tokens), reference(w2.prompts, w2.max_new_tokens)) == []
