@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hiradix.cli import default_trace
 from hiradix.sim.curve import CapacityCurve, format_size, plot_curve, stack_positions
 from hiradix.sim.generators import MooncakeWorkload
 from hiradix.sim.report import png_bytes
@@ -55,7 +56,12 @@ def block_curve(trace: Path) -> tuple[np.ndarray, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=Path, default=Path("/work/shared/traces/conversation_trace.jsonl"))
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=default_trace(),
+        help="default: as hiradix sim ($HIRADIX_TRACE, ../shared, bundled)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replays", action="store_true", help="also replay through the cache (~30 s each)")
     parser.add_argument("--plot", type=Path)

@@ -195,10 +195,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--recv-mib", type=int, default=64, help="consumer receive region")
     ap.add_argument("--exists-reps", type=int, default=1000)
+    # The other systems' venvs: $PEERCACHE_PYTHON / $MOONCAKE_PYTHON, else under
+    # $HIRADIX_BENCH_VENVS (default .bench-venvs in the checkout, as bench/setup_sglang.sh).
+    venvs = Path(os.environ.get("HIRADIX_BENCH_VENVS") or Path(__file__).resolve().parent.parent / ".bench-venvs")
     ap.add_argument(
-        "--peercache-python", default=os.environ.get("PEERCACHE_PYTHON", "/work/venvs/peercache/bin/python")
+        "--peercache-python", default=os.environ.get("PEERCACHE_PYTHON", str(venvs / "peercache/bin/python"))
     )
-    ap.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", "/work/venvs/mooncake/bin/python"))
+    ap.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", str(venvs / "mooncake/bin/python")))
     ap.add_argument("--others-timeout", type=float, default=600.0)
     ap.add_argument("--no-others", action="store_true", help="hiradix only (no PeerCache / Mooncake runs)")
     ap.add_argument("--json", type=Path)

@@ -5,8 +5,8 @@ installed (never the hiradix venv for these two; neither is a hiradix dependency
 ``hiradix-mooncake`` (hiradix's Mooncake backend against Mooncake's own client) with the
 hiradix venv, which has the pinned wheel::
 
-    /work/venvs/peercache/bin/python bench/peer_others.py peercache --pages 16384 65536
-    /work/venvs/mooncake/bin/python bench/peer_others.py mooncake
+    .bench-venvs/peercache/bin/python bench/peer_others.py peercache --pages 16384 65536
+    .bench-venvs/mooncake/bin/python bench/peer_others.py mooncake
     .venv/bin/python -m hiradix._netns .venv/bin/python bench/peer_others.py hiradix-mooncake
 
 Same shape as our bench: a producer process publishes ``--total-mib`` of random pages per

@@ -5,10 +5,11 @@
 #   bash bench/setup_sglang.sh 0.5.18     # only one version
 #
 # Environment overrides:
-#   SGLANG_VENV_ROOT   parent folder of the venvs         (default /work/venvs)
-#   SGLANG_018_VENV    venv for sglang 0.5.18             (default $SGLANG_VENV_ROOT/sglang-0.5.18)
-#   SGLANG_023_VENV    venv for sglang 0.5.23             (default $SGLANG_VENV_ROOT/sglang-0.5.23)
-#   SGLANG_STUBS       folder holding the torchvision stub (default $SGLANG_VENV_ROOT/stubs)
+#   HIRADIX_BENCH_VENVS parent folder of the venvs        (default .bench-venvs in the checkout;
+#                      bench/tree_ops.py and bench/peer.py look there too)
+#   SGLANG_018_VENV    venv for sglang 0.5.18             (default $HIRADIX_BENCH_VENVS/sglang-0.5.18)
+#   SGLANG_023_VENV    venv for sglang 0.5.23             (default $HIRADIX_BENCH_VENVS/sglang-0.5.23)
+#   SGLANG_STUBS       folder holding the torchvision stub (default $HIRADIX_BENCH_VENVS/stubs)
 #   PYTHON             base interpreter                    (default python3)
 #
 # Idempotent: an existing venv is reused, and pip skips what is already installed.
@@ -17,7 +18,7 @@
 # sglang itself is installed with --no-deps; only its import-time dependencies are added.
 set -euo pipefail
 
-ROOT="${SGLANG_VENV_ROOT:-/work/venvs}"
+ROOT="${HIRADIX_BENCH_VENVS:-$(cd "$(dirname "$0")/.." && pwd)/.bench-venvs}"
 V018="${SGLANG_018_VENV:-$ROOT/sglang-0.5.18}"
 V023="${SGLANG_023_VENV:-$ROOT/sglang-0.5.23}"
 STUBS="${SGLANG_STUBS:-$ROOT/stubs}"

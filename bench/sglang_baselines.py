@@ -3,7 +3,7 @@
 Run with the python of an SGLang virtual environment (see
 ``bench/setup_sglang.sh`` and ``bench/README_sglang.md``), one impl at a time::
 
-    PYTHONPATH=/work/venvs/stubs /work/venvs/sglang-0.5.18/bin/python \\
+    PYTHONPATH=.bench-venvs/stubs .bench-venvs/sglang-0.5.18/bin/python \\
         bench/sglang_baselines.py --impl radix --page-size 1 --repeats 3 --json out.json
 
 Implementations (``--impl``):

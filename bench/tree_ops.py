@@ -50,7 +50,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from workload import describe, make_long_key, make_workload  # noqa: E402
 
-VENVS = Path(os.environ.get("HIRADIX_SGLANG_VENVS", "/work/venvs"))
+# The SGLang baseline venvs that bench/setup_sglang.sh makes (same variable, same default).
+VENVS = Path(os.environ.get("HIRADIX_BENCH_VENVS") or HERE.parent / ".bench-venvs")
 SGLANG_IMPLS = {
     # name: (venv, --impl of sglang_baselines.py)
     "sglang-0.5.18 RadixCache": ("sglang-0.5.18", "radix"),

@@ -40,11 +40,23 @@ from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
 from hiradix.storage.base import StorageError
 from hiradix.tree.policy import WRITE_POLICIES
 
-__all__ = ["DEFAULT_TRACE", "TRACE_ENV", "build_parser", "main"]
+__all__ = ["BUNDLED_TRACE", "SHARED_TRACE", "TRACE_ENV", "build_parser", "default_trace", "main"]
 
-# ``../shared/traces/`` next to the repository root (the project's data folder).
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+# The full Mooncake conversation trace where a source checkout has it: ``../shared/traces/``
+# beside the repository root (the project's data folder).
+SHARED_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+# Its first 1,000 requests, installed with the package (``hiradix/sim/data/README.md``).
+BUNDLED_TRACE = Path(__file__).resolve().parent / "sim" / "data" / "conversation_excerpt.jsonl"
 TRACE_ENV = "HIRADIX_TRACE"
+
+
+def default_trace() -> Path:
+    """The trace read when ``--trace`` is not given: ``$HIRADIX_TRACE``, else the full trace
+    beside a source checkout, else the bundled excerpt."""
+    env = os.environ.get(TRACE_ENV)
+    if env:
+        return Path(env)
+    return SHARED_TRACE if SHARED_TRACE.is_file() else BUNDLED_TRACE
 
 
 def _size(text: str) -> Size:
@@ -127,7 +139,8 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help=(
             f"trace file: for --workload trace one JSON request per line (default: ${TRACE_ENV}, "
-            f"else {DEFAULT_TRACE}); for azure-* the Azure CSV (default: beside it)"
+            "else ../shared/traces/conversation_trace.jsonl beside a source checkout, else the "
+            "bundled excerpt of its first 1,000 requests); for azure-* the Azure CSV (default: beside it)"
         ),
     )
     group.add_argument(
@@ -438,11 +451,16 @@ def _fail(command: str, message: str) -> int:
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    env = os.environ.get(TRACE_ENV)
-    default = Path(env) if env else DEFAULT_TRACE
+    default = default_trace()
     path = args.trace
     if args.workload == "trace":
         path = path or default
+        if path == BUNDLED_TRACE:
+            print(
+                "hiradix: note: reading the bundled excerpt of the Mooncake conversation trace (its first "
+                f"1,000 requests); pass --trace PATH or set ${TRACE_ENV} for the full trace",
+                file=sys.stderr,
+            )
     elif args.workload in AZURE_FILES:
         path = path or default.parent / AZURE_FILES[args.workload]
     if path is not None and not path.is_file():

@@ -23,7 +23,8 @@ import pytest
 from support import require_core
 
 import hiradix
-from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
+from hiradix import cli
+from hiradix.cli import SHARED_TRACE, TRACE_ENV, main
 from hiradix.sim import (
     BLOCK_TOKENS,
     MAX_BLOCK_ID,
@@ -36,7 +37,7 @@ from hiradix.sim.config import Size
 from hiradix.tree import _reference
 
 REPO = Path(__file__).resolve().parent.parent
-TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
+TRACE = Path(os.environ.get(TRACE_ENV) or SHARED_TRACE)
 needs_trace = pytest.mark.skipif(
     not TRACE.is_file(), reason=f"the Mooncake conversation trace is not at {TRACE} (set ${TRACE_ENV})"
 )
@@ -318,6 +319,24 @@ def test_cli_reads_the_trace_named_by_the_environment(
     monkeypatch.setenv(TRACE_ENV, str(synthetic([request([0, 1]), request([0, 2])], tmp_path)))
     assert main(["sim", "--no-progress", "--device-tokens", "inf", "--host-tokens", "0", "--l3-backend", "none"]) == 0
     assert "trace.jsonl, 2 requests" in capsys.readouterr().out
+
+
+def test_without_a_trace_the_cli_reads_the_bundled_excerpt_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As from an installed wheel: no $HIRADIX_TRACE, no ../shared beside a checkout.
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    monkeypatch.setattr(cli, "SHARED_TRACE", tmp_path / "absent.jsonl")
+    assert cli.default_trace() == cli.BUNDLED_TRACE and cli.BUNDLED_TRACE.is_file()
+    assert main(["sim", "--no-progress", "--limit", "40", "--l3-backend", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "conversation_excerpt.jsonl, 40 requests" in captured.out
+    assert "bundled excerpt" in captured.err and f"${TRACE_ENV}" in captured.err
+    # The excerpt is the trace's first lines, unchanged.
+    if TRACE.is_file():
+        with TRACE.open() as full:
+            head = [next(full) for _ in range(1000)]
+        assert cli.BUNDLED_TRACE.read_text().splitlines(keepends=True) == head
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from hiradix.cache import HiRadixCache
-from hiradix.cli import DEFAULT_TRACE, TRACE_ENV, main
+from hiradix.cli import SHARED_TRACE, TRACE_ENV, main
 from hiradix.sim import MooncakeTrace, Replayer
 from hiradix.sim.generators import ChatWorkload
 from hiradix.sim.report import PLOTS
 
-TRACE = Path(os.environ.get(TRACE_ENV) or DEFAULT_TRACE)
+TRACE = Path(os.environ.get(TRACE_ENV) or SHARED_TRACE)
 needs_trace = pytest.mark.skipif(
     not TRACE.is_file(), reason=f"the Mooncake conversation trace is not at {TRACE} (set ${TRACE_ENV})"
 )

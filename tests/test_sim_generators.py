@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hiradix.cli import DEFAULT_TRACE
+from hiradix.cli import SHARED_TRACE
 from hiradix.sim import BLOCK_TOKENS, Replayer, TraceError, parse_line
 from hiradix.sim.generators import (
     AZURE_FILES,
@@ -32,7 +32,7 @@ from hiradix.sim.generators import (
     read_azure_csv,
 )
 
-AZURE_DIR = DEFAULT_TRACE.parent
+AZURE_DIR = SHARED_TRACE.parent
 
 AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

@@ -12,7 +12,7 @@ import pytest
 from test_storage_contract import PAGE, key, payload
 
 from hiradix.storage import FileStorage, StorageConfig, StorageError, create_backend
-from hiradix.storage.file import _HDR_SIZE, MAGIC
+from hiradix.storage.file import _HDR_SIZE, MAGIC, default_path
 
 REC = _HDR_SIZE + 64 + PAGE  # one uncompressed record of a PAGE-byte page under a 64-char key
 
@@ -292,3 +292,15 @@ def test_batch_read_of_a_run_with_a_corrupt_middle_record(tmp_path: Path) -> Non
         got = s.batch_get([key(0), key(1), key(3)])
         assert [g is not None for g in got] == [True, True, False]
         assert s.get_stats().corrupt == 2 and s.get_stats().pages == 2
+
+
+def test_the_default_directory_is_the_users_cache_not_a_shared_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_path() == tmp_path / "cache" / "hiradix" / "l3"
+    store = FileStorage()
+    try:
+        assert store.path == tmp_path / "cache" / "hiradix" / "l3" and store.path.is_dir()
+    finally:
+        store.close()

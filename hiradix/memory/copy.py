@@ -478,7 +478,8 @@ def _row_plan(
     return _RowPlan(layout.dev, layout.host, dev_off, host_off, run_bytes, device_pool.itemsize)
 
 
-@dataclass(frozen=True, slots=True, weakref_slot=True)
+# No slots: ``weakref_slot`` is Python 3.11+, and a weak reference to it is kept in _LAST_PAIR.
+@dataclass(frozen=True)
 class _PairLayout:
     """What every plan between one device pool and one host pool shares: their regions,
     and per component the strides of its rows and the earlier component whose offset

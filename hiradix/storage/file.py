@@ -94,6 +94,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, ClassVar
 
+import platformdirs
+
 from hiradix.storage.base import (
     MAX_KEY_BYTES,
     Capabilities,
@@ -103,7 +105,7 @@ from hiradix.storage.base import (
     _option,
 )
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "FSYNC_MODES", "FileStorage"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "FSYNC_MODES", "FileStorage", "default_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +242,21 @@ def _header_ok(hdr: bytes | bytearray | memoryview, kb: bytes | bytearray | memo
     return _CRC.unpack_from(hdr, _BODY.size)[0] == _crc32(kb, _crc32(body))
 
 
+def default_path() -> Path:
+    """The store's directory when none is given: ``l3`` under the user's cache directory
+    (``platformdirs``; ``$XDG_CACHE_HOME/hiradix/l3``, by default ``~/.cache/hiradix/l3``, on
+    Linux), not a shared temporary folder that other users can write to."""
+    return Path(platformdirs.user_cache_dir("hiradix")) / "l3"
+
+
 class FileStorage(StorageBackend):
     """Pages in append-only segment files under ``path`` (module docstring).
 
     Options (keyword, else ``config.extra_config``, else default):
 
     ``path``
-        The directory (created if missing; default ``/tmp/hiradix_l3``).
+        The directory (created if missing; default :func:`default_path`: ``l3`` in the
+        user's cache directory, e.g. ``~/.cache/hiradix/l3`` on Linux).
     ``capacity_bytes``
         Bound on live record bytes, LRU eviction beyond it (default ``None``: unbounded).
     ``compression``
@@ -326,7 +336,7 @@ class FileStorage(StorageBackend):
         self.fsync: str = mode
         self.fsync_interval: float = float(interval)
         self.fsync_bytes: int = sync_bytes
-        root = Path(_option(cfg, None if path is None else os.fspath(path), "path", "/tmp/hiradix_l3"))
+        root = Path(_option(cfg, None if path is None else os.fspath(path), "path", None) or default_path())
         if cfg.tp_size > 1:
             root = root / f"tp{cfg.tp_rank}of{cfg.tp_size}"
         self.path = root
