@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hiradix.peer.config import ConfigError, PeerConfig, parse_size
+from hiradix.peer.config import ConfigError, PeerConfig
+from hiradix.settings import parse_size
 
 
 def test_defaults_match_the_seed() -> None:
@@ -111,7 +112,7 @@ def test_file_errors(tmp_path: Path) -> None:
 
 
 def test_advertised_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hiradix.peer import config as config_mod
+    from hiradix.net import address as config_mod
 
     assert PeerConfig().advertised_host() == "127.0.0.1"
     assert PeerConfig(bind_host="10.1.2.3", cluster_token="t" * 32).advertised_host() == "10.1.2.3"

@@ -16,7 +16,7 @@ import pytest
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.node import PeerNode
 from hiradix.peer.pool import SLOT_HEADER_SIZE
-from hiradix.peer.reader import _ReceiveRegion
+from hiradix.peer.reader import ReceiveRegion
 from hiradix.transport import FakeFabric
 from hiradix.transport.fake import FakeTransport
 
@@ -105,7 +105,7 @@ def test_a_receive_region_closes_only_once_its_leased_lanes_are_back() -> None:
     meanwhile; with the lane back, the memory goes."""
     transport = FakeTransport(FakeFabric(), "a")
     try:
-        region = _ReceiveRegion(transport, 4 << 16, 4)
+        region = ReceiveRegion(transport, 4 << 16, 4)
         leased, release, closed = threading.Event(), threading.Event(), threading.Event()
 
         def reader() -> None:

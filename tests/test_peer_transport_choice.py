@@ -1,5 +1,5 @@
 """Which transport a peer node runs: ``PeerConfig.transport``, the one factory
-(:func:`hiradix.transport.factory.make_transport`), injection into ``PeerNode`` and the
+(:func:`hiradix.peer.transports.make_transport`), injection into ``PeerNode`` and the
 ``--transport`` flag of ``hiradix peer serve``."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-import hiradix.transport.factory as factory
+import hiradix.peer.transports as factory
 from hiradix.peer.cli import _config, build_parser, main
 from hiradix.peer.config import ConfigError, PeerConfig
 from hiradix.peer.node import PeerNode
+from hiradix.peer.transports import make_transport, rdma_unavailable
 from hiradix.transport import FakeFabric, FakeTransport, TcpTransport, Transport, TransportError, TransportUnavailable
-from hiradix.transport.factory import make_transport, rdma_unavailable
 
 TOKEN = secrets.token_hex(16)
 NO_RDMA = rdma_unavailable()
@@ -233,7 +233,7 @@ def test_the_real_rdma_transport_takes_the_settings_the_factory_passes() -> None
     (binding only: no RDMA device here to build one)."""
     import inspect
 
-    from hiradix.transport.factory import _settings
+    from hiradix.peer.transports import _settings
     from hiradix.transport.rdma import RdmaTransport
 
     inspect.signature(RdmaTransport).bind(b"t" * 16, **_settings(cfg()))

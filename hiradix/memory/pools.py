@@ -756,8 +756,6 @@ class HostKVPool(_KVPoolBase):
         # With the compiled row copy: one GIL-free copy_rows per piece, between the pool
         # and the page rows, each piece cut into its contiguous runs (one per page, or
         # per page, token and layer for SGLang's page_first order). False: not built.
-        from hiradix.memory.copy import _gather
-
         if _gather is None:
             return False
         pool_bytes = self._buf.view(torch.uint8).numpy()

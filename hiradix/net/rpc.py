@@ -49,6 +49,7 @@ from typing import Any
 
 import msgpack
 
+from hiradix.net.address import parse_peer
 from hiradix.net.auth import AuthError, HandshakeTimeout, load_token
 from hiradix.net.listener import (
     AuthListener,
@@ -59,7 +60,7 @@ from hiradix.net.listener import (
     set_send_timeout,
     still_open,
 )
-from hiradix.transport.base import ChannelPool, parse_peer
+from hiradix.net.pool import ChannelPool
 
 __all__ = [
     "DEFAULT_MAX_FRAME",

@@ -19,140 +19,29 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import ipaddress
 import json
 import math
 import os
 import re
-import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hiradix.net.address import WILDCARD_HOSTS, default_advertise_host, is_ipv6, is_loopback
+from hiradix.settings import ConfigError, GiB, parse_size
+
 __all__ = [
     "TRANSPORTS",
-    "WILDCARD_HOSTS",
     "ConfigError",
     "PeerConfig",
-    "default_advertise_host",
-    "is_loopback",
-    "parse_size",
 ]
 
-GiB = 1 << 30
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "KB": 10**3,
-    "M": 10**6,
-    "MB": 10**6,
-    "G": 10**9,
-    "GB": 10**9,
-    "T": 10**12,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # binds that listen on every interface
-#: The data-plane transports a node can run (see :func:`hiradix.transport.factory.make_transport`).
+#: The data-plane transports a node can run (see :func:`hiradix.peer.transports.make_transport`).
 TRANSPORTS = ("auto", "tcp", "rdma", "fake")
-# Where route lookups aim: TEST-NET addresses (RFC 5737 / RFC 3849). Connecting a UDP socket
-# sends nothing; the kernel only picks the route and with it the source address.
-_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
-
-
-class ConfigError(ValueError):
-    """A configuration value or file is invalid."""
-
-
-def parse_size(value: int | str, name: str = "size") -> int:
-    """Bytes from an int or a string like ``"64KiB"``/``"100GB"``.
-
-    >>> parse_size("1.5KiB"), parse_size(4096)
-    (1536, 4096)
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).upper() if m else None
-        if m and unit in _UNITS:
-            n = float(m.group(1)) * _UNITS[unit]
-            if n != int(n):
-                raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
-            return int(n)
-        raise ConfigError(f"{name}: cannot parse size {value!r} (examples: 4096, '64KiB', '100GB')")
-    raise ConfigError(f"{name}: expected an int or a size string, got {type(value).__name__}")
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return False
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this machine's loopback. ``O(1)``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _route_source(family: socket.AddressFamily) -> str | None:
-    """The source address the kernel would use towards the default route, or ``None``."""
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((_ROUTE_PROBES[family], 9))
-            addr = str(s.getsockname()[0])
-    except OSError:  # no route (no default route, or the family is off)
-        return None
-    ip = ipaddress.ip_address(addr.split("%")[0])
-    return None if ip.is_unspecified or ip.is_loopback else addr
-
-
-def default_advertise_host(bind_host: str) -> str:
-    """The address other nodes should dial for a node bound to ``bind_host``.
-
-    A specific address is its own answer. For a wildcard bind (``0.0.0.0``, ``::``) it is the
-    address of the interface the default route leaves by, else what the hostname resolves to,
-    never a wildcard or (when other hosts are meant to reach it) a loopback address;
-    :class:`ConfigError` when neither gives one (set ``advertise_addr``).
-    Runtime complexity: ``O(1)`` (one route lookup, maybe one name lookup).
-
-    >>> default_advertise_host("127.0.0.1")
-    '127.0.0.1'
-    """
-    if bind_host not in WILDCARD_HOSTS:
-        return bind_host
-    family = socket.AF_INET6 if bind_host == "::" else socket.AF_INET
-    found = _route_source(family)
-    if found is None:
-        try:
-            infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
-        except OSError:
-            infos = []
-        addrs = [str(i[4][0]) for i in infos]
-        found = next((a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback), None)
-    if found is None:
-        raise ConfigError(
-            f"bind_host {bind_host!r} listens on every interface and no address to advertise was found "
-            "(no default route, and the hostname resolves to loopback only): set advertise_addr (--advertise-addr)"
-        )
-    return found
 
 
 _SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
@@ -299,7 +188,7 @@ class PeerConfig:
         need_str("advertise_addr", optional=True)
         if self.advertise_addr is not None and (
             self.advertise_addr in WILDCARD_HOSTS
-            or not (_HOST_RE.match(self.advertise_addr) or _is_ipv6(self.advertise_addr))
+            or not (_HOST_RE.match(self.advertise_addr) or is_ipv6(self.advertise_addr))
         ):
             raise ConfigError(
                 f"advertise_addr: expected the host name or address other nodes dial (no port, "

@@ -49,7 +49,7 @@ the RPC server and client are its own; the pages it publishes are a
 read path is a :class:`~hiradix.peer.reader.Reader`'s (local, promoted and remote pages,
 READ in place into a local receive region or staged through the receive region, verified).
 Both are described there. The transport is injected (``transport=``, an instance or a
-factory), else built by :func:`~hiradix.transport.factory.make_transport` from
+factory), else built by :func:`~hiradix.peer.transports.make_transport` from
 ``config.transport``.
 
 :class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
@@ -72,9 +72,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from hiradix.net.address import WILDCARD_HOSTS, with_host
 from hiradix.net.auth import load_token
 from hiradix.net.rpc import FrameError, PendingCall, RpcClient, RpcError, RpcServer
-from hiradix.peer.config import WILDCARD_HOSTS, PeerConfig
+from hiradix.peer.config import PeerConfig
 from hiradix.peer.directory import (
     DIR_METHODS,
     MISS,
@@ -90,10 +91,10 @@ from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInf
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, PublishedPool
 from hiradix.peer.producer import Producer, size_class
-from hiradix.peer.reader import Reader, _ReceiveRegion
+from hiradix.peer.reader import Reader, ReceiveRegion
 from hiradix.peer.ring import HashRing
-from hiradix.transport.base import MAX_ITEM_BYTES, Transport, with_host
-from hiradix.transport.factory import make_transport
+from hiradix.peer.transports import make_transport
+from hiradix.transport.base import MAX_ITEM_BYTES, Transport
 from hiradix.transport.fake import FakeFabric
 
 __all__ = ["InProcessCluster", "PeerNode", "PortInUseError", "TransportFactory", "size_class"]
@@ -172,7 +173,7 @@ class PeerNode:
     transport:
         The data-plane transport, injected: a :class:`Transport` (the node owns it from
         then on and closes it) or a factory called with the node id. ``None``:
-        :func:`~hiradix.transport.factory.make_transport` of ``config.transport``.
+        :func:`~hiradix.peer.transports.make_transport` of ``config.transport``.
     heartbeat_s, ttl_s:
         Heartbeat period of the background thread, and how long a silent member lives
         (default ``3 * heartbeat_s``). Remembered peers that are not members are probed
@@ -884,7 +885,7 @@ class PeerNode:
         return self.reader.stale_reads
 
     @property
-    def recv(self) -> _ReceiveRegion:
+    def recv(self) -> ReceiveRegion:
         """The receive region remote READs land in (lanes leased one per read)."""
         return self.reader.recv
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from hiradix.peer.metrics import PeerMetrics
     from hiradix.peer.producer import Producer
 
-__all__ = ["Reader"]
+__all__ = ["Reader", "ReceiveRegion"]
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _verify_inplace(
     return stale
 
 
-class _ReceiveRegion:
+class ReceiveRegion:
     """The registered buffer remote READs land in, cut into lanes leased one per read.
 
     Registered as a *local receive* region (``remote=False``): it is a destination for this
@@ -378,7 +378,7 @@ class Reader:
         self.metrics = metrics
         self._lock = threading.Lock()
         self.stale_reads = 0  # remote slots fetched that failed verification
-        self.recv = _ReceiveRegion(transport, recv_bytes, recv_lanes)
+        self.recv = ReceiveRegion(transport, recv_bytes, recv_lanes)
         #: Local receive regions (the caller's host KV pool): ``(start, end, handle)``.
         #: Payloads are READ straight into them; they are never served to peers.
         self._receive_spans: list[tuple[int, int, int]] = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hiradix._sglang_plugin import SUPPORTED_VERSIONS, TESTED_VERSIONS, UnsupportedSGLang, check_sglang_version
+from hiradix._sglang_versions import SUPPORTED_VERSIONS, TESTED_VERSIONS, UnsupportedSGLang, check_sglang_version
 
 _CACHE_NAMES = ("BACKEND_NAME", "SGLANG_VERSION", "HiRadixCache", "SGLangCacheController", "TreeNode",
                 "create_cache", "register")

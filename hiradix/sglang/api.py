@@ -9,7 +9,7 @@ in its KV record ``req.kv`` (:mod:`hiradix.sglang.api_v20`); 0.5.23 calls ``chec
 SGLang's ``BasePrefixCache``: whether it declares ``checkpoint``, else whether it declares
 ``free_kv_row(kv, ranges)``, the base method that frees a request's row through that KV
 record and came with it. Which versions may load at all is
-:data:`~hiradix._sglang_plugin.SUPPORTED_VERSIONS`. Everything else is
+:data:`~hiradix._sglang_versions.SUPPORTED_VERSIONS`. Everything else is
 :class:`~hiradix.sglang.cache.HiRadixCacheBase`, shared by all three.
 """
 

@@ -129,4 +129,4 @@ class HiRadixCache(HiRadixCacheBase):
         handle = self._handle(params.best_match_node)
         loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
         self._sync_events()
-        return loaded.to(self.device), self._node(node)
+        return loaded.to(self.device), self.node_view(node)

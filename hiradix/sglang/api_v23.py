@@ -220,7 +220,7 @@ class HiRadixCache(ServerSince020):
         handle = self._handle(params.best_match_node)
         loaded, node = self.core.init_load_back(handle, int(params.host_hit_length), params.mem_quota)
         self._sync_events()
-        return len(loaded), self._node(node)
+        return len(loaded), self.node_view(node)
 
     def load_back_is_cache_owned(self) -> bool:
         return True

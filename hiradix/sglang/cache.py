@@ -675,7 +675,8 @@ class HiRadixCacheBase(BasePrefixCache):
         return replace(config, namespace=namespace), chain_seed, ""
 
     # ------------------------------------------------------------------ nodes and keys
-    def _node(self, handle: int) -> TreeNode:
+    def node_view(self, handle: int) -> TreeNode:
+        """The SGLang-facing view (:class:`~hiradix.sglang.nodes.TreeNode`) of tree node ``handle``."""
         return TreeNode(self, handle)
 
     def _handle(self, node: Any) -> int:
@@ -730,7 +731,7 @@ class HiRadixCacheBase(BasePrefixCache):
             root = parent
         return self._ns_by_root.get(root)
 
-    def _raw_key(self, handle: int) -> np.ndarray:
+    def node_tokens(self, handle: int) -> np.ndarray:
         """A node's key tokens as SGLang holds them: with bigram keys, the token before
         the node (its parent's last, or the namespace's first) comes first."""
         tree = self.tree
@@ -741,10 +742,11 @@ class HiRadixCacheBase(BasePrefixCache):
         prev = self.namespace_parts(parent)[2] if tree.parent(parent) == -1 else int(tree.key(parent)[-1])
         return np.concatenate((np.array([prev], dtype=np.int64), key))
 
-    def _radix_key(self, handle: int) -> Any:
+    def node_radix_key(self, handle: int) -> Any:
+        """Node ``handle``'s key as SGLang's ``RadixKey`` (its tokens, namespace and bigram flag)."""
         ns = self._namespace_of(handle)
         extra_key, cache_salt = (None, None) if ns is None else json.loads(ns)[:2]
-        tokens = array("q", self._raw_key(handle).tobytes())
+        tokens = array("q", self.node_tokens(handle).tobytes())
         return RadixKey(tokens, extra_key, is_bigram=self.is_eagle and len(tokens) > 0, cache_salt=cache_salt)
 
     def is_root(self, node: Any) -> bool:
@@ -801,7 +803,7 @@ class HiRadixCacheBase(BasePrefixCache):
 
     # ------------------------------------------------------------------ match / insert
     def _empty(self, root: int) -> MatchResult:
-        r = self._node(root)
+        r = self.node_view(root)
         return self._match_result(_EMPTY_NP, r, r, 0)
 
     def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,

@@ -64,7 +64,7 @@ class TreeNode:
         global root, as SGLang's per-namespace subtrees hang from its one root."""
         p = self._tree.parent(self.id)
         if p != -1:
-            return self._cache._node(p)
+            return self._cache.node_view(p)
         return None if self.id == self._cache.root_handle else self._cache.root_node
 
     @property
@@ -78,21 +78,21 @@ class TreeNode:
         out: dict[Any, TreeNode] = {}
         for c in tree.children(self.id):
             if cache.is_eagle:
-                raw = cache._raw_key(c)[: ps + 1].tolist()
+                raw = cache.node_tokens(c)[: ps + 1].tolist()
                 first: list[Any] = list(pairwise(raw))
             else:
                 first = tree.key(c)[:ps].tolist()
-            out[first[0] if ps == 1 else tuple(first)] = cache._node(c)
+            out[first[0] if ps == 1 else tuple(first)] = cache.node_view(c)
         if self.id == self._cache.root_handle:
             for name, handle in self._cache.namespace_roots().items():
-                out[("namespace", name)] = self._cache._node(handle)
+                out[("namespace", name)] = self._cache.node_view(handle)
         return out
 
     @property
     def key(self) -> Any:
         """The node's tokens as SGLang's ``RadixKey`` (with the namespace's extra_key and
         cache_salt). ``O(key length)``."""
-        return self._cache._radix_key(self.id)
+        return self._cache.node_radix_key(self.id)
 
     @property
     def value(self) -> torch.Tensor | None:

@@ -46,6 +46,8 @@ __all__ = [
     "StorageStats",
     "as_byte_view",
     "check_keys",
+    "memoryview_of",
+    "option_value",
 ]
 
 log = logging.getLogger(__name__)
@@ -197,15 +199,16 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _buffer(obj: Any) -> memoryview:
-    # numpy arrays and tensors' .numpy() export the buffer protocol; numpy's stubs do not say so.
+def memoryview_of(obj: Any) -> memoryview:
+    """``memoryview(obj)``, typed: numpy arrays and tensors' ``.numpy()`` export the buffer
+    protocol, which numpy's stubs do not say."""
     return memoryview(obj)
 
 
 def _row_views(rows: np.ndarray, pages: Any) -> list[memoryview]:
     """Views of rows ``pages`` of a C-contiguous 2-D uint8 array: slices of one flat
     memoryview, several times cheaper than indexing numpy row by row."""
-    flat = _buffer(rows.reshape(-1))
+    flat = memoryview_of(rows.reshape(-1))
     width = rows.shape[1]
     return [flat[p * width : p * width + width] for p in pages]
 
@@ -225,13 +228,13 @@ def as_byte_view(data: Any, *, writable: bool = False) -> memoryview:
         t = t.reshape(-1)
         if t.dtype != torch.uint8:
             t = t.view(torch.uint8)
-        return _buffer(t.numpy()).cast("B")
+        return memoryview_of(t.numpy()).cast("B")
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             if writable:
                 raise ValueError("a target array must be C-contiguous")
             data = np.ascontiguousarray(data)
-        mv = _buffer(data.reshape(-1).view(np.uint8))
+        mv = memoryview_of(data.reshape(-1).view(np.uint8))
     elif isinstance(data, bytes | bytearray | memoryview):
         mv = memoryview(data)
         if not mv.c_contiguous:
@@ -410,7 +413,7 @@ class StorageBackend(ABC):
                 if buf is not None:
                     todo.append(i)
                     bufs.append(buf)
-            oks = self._get_many_safe([keys[i] for i in todo], [_buffer(b.numpy()) for b in bufs])
+            oks = self._get_many_safe([keys[i] for i in todo], [memoryview_of(b.numpy()) for b in bufs])
             for i, buf, ok in zip(todo, bufs, oks, strict=True):
                 out[i] = buf if ok else None
         hits = sum(o is not None for o in out)
@@ -666,7 +669,7 @@ class StorageBackend(ABC):
         return f"{type(self).__name__}(tp_rank={self.config.tp_rank}, tp_size={self.config.tp_size})"
 
 
-def _option(config: StorageConfig, explicit: Any, name: str, default: Any) -> Any:
+def option_value(config: StorageConfig, explicit: Any, name: str, default: Any) -> Any:
     """An option given as a keyword argument, else in ``config.extra_config``, else the default."""
     if explicit is not None:
         return explicit

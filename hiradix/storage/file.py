@@ -102,7 +102,7 @@ from hiradix.storage.base import (
     StorageBackend,
     StorageConfig,
     StorageError,
-    _option,
+    option_value,
 )
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "FSYNC_MODES", "FileStorage", "default_path"]
@@ -302,13 +302,13 @@ class FileStorage(StorageBackend):
     ) -> None:
         super().__init__(config)
         cfg = self.config
-        cap = _option(cfg, capacity_bytes, "capacity_bytes", None)
+        cap = option_value(cfg, capacity_bytes, "capacity_bytes", None)
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {cap!r}")
-        seg_bytes = _option(cfg, segment_bytes, "segment_bytes", DEFAULT_SEGMENT_BYTES)
+        seg_bytes = option_value(cfg, segment_bytes, "segment_bytes", DEFAULT_SEGMENT_BYTES)
         if not isinstance(seg_bytes, int) or isinstance(seg_bytes, bool) or seg_bytes < 1:
             raise ValueError(f"segment_bytes must be a positive int, got {seg_bytes!r}")
-        comp = _option(cfg, compression, "compression", "none") or "none"
+        comp = option_value(cfg, compression, "compression", "none") or "none"
         if comp not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {comp!r}")
         self._lz4: Any = None
@@ -322,21 +322,21 @@ class FileStorage(StorageBackend):
         self.capacity_bytes: int | None = cap
         self.segment_bytes: int = seg_bytes
         self.compression: str = comp
-        mode = _option(cfg, fsync, "fsync", "none")
+        mode = option_value(cfg, fsync, "fsync", "none")
         if isinstance(mode, bool):
             mode = "always" if mode else "none"
         if mode not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(map(repr, FSYNC_MODES))} or a bool, got {mode!r}")
-        interval = _option(cfg, fsync_interval, "fsync_interval", DEFAULT_FSYNC_INTERVAL)
+        interval = option_value(cfg, fsync_interval, "fsync_interval", DEFAULT_FSYNC_INTERVAL)
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
             raise ValueError(f"fsync_interval must be a positive number of seconds, got {interval!r}")
-        sync_bytes = _option(cfg, fsync_bytes, "fsync_bytes", DEFAULT_FSYNC_BYTES)
+        sync_bytes = option_value(cfg, fsync_bytes, "fsync_bytes", DEFAULT_FSYNC_BYTES)
         if not isinstance(sync_bytes, int) or isinstance(sync_bytes, bool) or sync_bytes < 1:
             raise ValueError(f"fsync_bytes must be a positive int, got {sync_bytes!r}")
         self.fsync: str = mode
         self.fsync_interval: float = float(interval)
         self.fsync_bytes: int = sync_bytes
-        root = Path(_option(cfg, None if path is None else os.fspath(path), "path", None) or default_path())
+        root = Path(option_value(cfg, None if path is None else os.fspath(path), "path", None) or default_path())
         if cfg.tp_size > 1:
             root = root / f"tp{cfg.tp_rank}of{cfg.tp_size}"
         self.path = root

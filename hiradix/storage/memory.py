@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig, _option
+from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig, option_value
 
 __all__ = ["MemoryStorage"]
 
@@ -34,7 +34,7 @@ class MemoryStorage(StorageBackend):
 
     def __init__(self, config: StorageConfig | None = None, *, capacity_bytes: int | None = None) -> None:
         super().__init__(config)
-        cap = _option(self.config, capacity_bytes, "capacity_bytes", None)
+        cap = option_value(self.config, capacity_bytes, "capacity_bytes", None)
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise ValueError(f"capacity_bytes must be a positive int or None, got {cap!r}")
         self.capacity_bytes: int | None = cap

@@ -80,7 +80,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig, StorageError, _buffer, _option
+from hiradix.net.address import default_advertise_host, is_loopback
+from hiradix.settings import ConfigError, parse_size
+from hiradix.storage.base import Capabilities, StorageBackend, StorageConfig, StorageError, memoryview_of, option_value
 
 __all__ = ["MOONCAKE_INSTALL_HINT", "MooncakeMaster", "MooncakeStorage", "mooncake_available"]
 
@@ -203,33 +205,33 @@ class MooncakeStorage(StorageBackend):
         force_remove: bool | None = None,
     ) -> None:
         super().__init__(config)
-        from hiradix.peer.config import ConfigError, default_advertise_host, is_loopback, parse_size
-
         c = self.config
-        master = _option(c, master_server_addr, "master_server_addr", None)
+        master = option_value(c, master_server_addr, "master_server_addr", None)
         if not master:
             raise StorageError("the mooncake backend needs master_server_addr ('host:port' of mooncake_master)")
         host, port = _host_port(master, "master_server_addr")
-        cap = _option(c, capacity_bytes, "capacity_bytes", None)
+        cap = option_value(c, capacity_bytes, "capacity_bytes", None)
         try:
             cap = None if cap is None else parse_size(cap, "capacity_bytes")
-            seg = _option(c, global_segment_size, "global_segment_size", None)
+            seg = option_value(c, global_segment_size, "global_segment_size", None)
             if seg is None:
                 seg = 1 << 30 if cap is None else int(cap * _SEGMENT_SLACK) + (16 << 20)
             seg = parse_size(seg, "global_segment_size")
-            local_buf = parse_size(_option(c, local_buffer_size, "local_buffer_size", 16 << 20), "local_buffer_size")
+            local_buf = parse_size(
+                option_value(c, local_buffer_size, "local_buffer_size", 16 << 20), "local_buffer_size"
+            )
         except ConfigError as exc:
             raise StorageError(str(exc)) from None
         if cap is not None and cap < 1:
             raise StorageError(f"capacity_bytes must be a positive size or None, got {cap!r}")
-        batch = int(_option(c, max_batch_keys, "max_batch_keys", 512))
+        batch = int(option_value(c, max_batch_keys, "max_batch_keys", 512))
         if batch < 1:
             raise StorageError(f"max_batch_keys must be >= 1, got {batch}")
-        timeout = float(_option(c, connect_timeout_s, "connect_timeout_s", 5.0))
-        proto = str(_option(c, protocol, "protocol", "tcp"))
+        timeout = float(option_value(c, connect_timeout_s, "connect_timeout_s", 5.0))
+        proto = str(option_value(c, protocol, "protocol", "tcp"))
         if proto not in ("tcp", "rdma"):
             raise StorageError(f"protocol must be 'tcp' or 'rdma', got {proto!r}")
-        hostname = _option(c, local_hostname, "local_hostname", None)
+        hostname = option_value(c, local_hostname, "local_hostname", None)
         if hostname is None:
             hostname = "127.0.0.1" if is_loopback(host) else default_advertise_host("0.0.0.0")
         why = mooncake_available()
@@ -246,11 +248,11 @@ class MooncakeStorage(StorageBackend):
         client = MooncakeDistributedStore()
         rc = client.setup(
             str(hostname),
-            str(_option(c, metadata_server, "metadata_server", "P2PHANDSHAKE")),
+            str(option_value(c, metadata_server, "metadata_server", "P2PHANDSHAKE")),
             seg,
             local_buf,
             proto,
-            str(_option(c, rdma_devices, "rdma_devices", "")),
+            str(option_value(c, rdma_devices, "rdma_devices", "")),
             f"{host}:{port}",
         )
         if rc != 0:
@@ -262,7 +264,7 @@ class MooncakeStorage(StorageBackend):
         self.capacity_bytes: int | None = cap
         self.global_segment_size = seg
         self.max_batch_keys = batch
-        self.force_remove = bool(_option(c, force_remove, "force_remove", False))
+        self.force_remove = bool(option_value(c, force_remove, "force_remove", False))
         self._replicate = ReplicateConfig()
         self._staging = _Staging(client)
         self._pool_region: tuple[int, int] | None = None  # [lo, hi) of the registered host pool
@@ -434,7 +436,7 @@ class MooncakeStorage(StorageBackend):
                 results[i] = hit
                 if hit and buf is not None and i in offsets:
                     start = offsets[i]
-                    outs[i][:] = _buffer(buf)[start : start + len(outs[i])]
+                    outs[i][:] = memoryview_of(buf)[start : start + len(outs[i])]
         finally:
             if buf is not None:
                 self._staging.release(buf)
@@ -476,7 +478,7 @@ class MooncakeStorage(StorageBackend):
         buf = self._staging.acquire(sum(sizes[i] for i in staged)) if staged else None
         try:
             if buf is not None:
-                mv, base, off = _buffer(buf), int(buf.ctypes.data), 0
+                mv, base, off = memoryview_of(buf), int(buf.ctypes.data), 0
                 for i in staged:
                     n = sizes[i]
                     if len(views[i]) == 0:

@@ -165,29 +165,29 @@ def create_backend(
     return backend
 
 
+# The built-in backends, by where they live, each imported on its first use (the peer cache
+# pulls in msgpack, the transports and metrics; the Mooncake wheel is imported only when a
+# backend is built, with a StorageError saying how to install it when it is missing). Named,
+# not imported: the peer cache is a layer above storage (tests/test_layers.py).
+_BUILTINS: dict[str, tuple[str, str]] = {
+    "memory": ("hiradix.storage.memory", "MemoryStorage"),
+    "file": ("hiradix.storage.file", "FileStorage"),
+    "peer": ("hiradix.peer.store", "PeerCacheStore"),
+    "mooncake": ("hiradix.storage.mooncake", "MooncakeStorage"),
+}
+
+
+def _builtin(module_path: str, class_name: str) -> BackendFactory:
+    def build(config: StorageConfig, **kwargs: Any) -> StorageBackend:
+        return load_backend_class(module_path, class_name)(config, **kwargs)
+
+    build.__qualname__ = build.__name__ = f"{class_name} ({module_path})"
+    return build
+
+
 def _register_builtins() -> None:
-    from hiradix.storage.file import FileStorage
-    from hiradix.storage.memory import MemoryStorage
-
-    register_backend("memory", MemoryStorage, replace=True)
-    register_backend("file", FileStorage, replace=True)
-    register_backend("peer", _peer_backend, replace=True)
-    register_backend("mooncake", _mooncake_backend, replace=True)
-
-
-def _peer_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
-    # Imported on first use: the peer cache pulls in msgpack, the transports and metrics.
-    from hiradix.peer.store import PeerCacheStore
-
-    return PeerCacheStore(config, **kwargs)
-
-
-def _mooncake_backend(config: StorageConfig, **kwargs: Any) -> StorageBackend:
-    # Imported on first use; the Mooncake wheel itself is imported only when one is built
-    # (StorageError saying how to install it when it is missing).
-    from hiradix.storage.mooncake import MooncakeStorage
-
-    return MooncakeStorage(config, **kwargs)
+    for name, (module_path, class_name) in _BUILTINS.items():
+        register_backend(name, _builtin(module_path, class_name), replace=True)
 
 
 _register_builtins()

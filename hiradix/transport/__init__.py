@@ -2,7 +2,7 @@
 
 :class:`~hiradix.transport.base.Transport` is the seam; :class:`TcpTransport` runs
 everywhere, :class:`FakeTransport` is an in-process fake NIC for tests;
-:func:`make_transport` builds the one a peer node's config names.
+:func:`hiradix.peer.transports.make_transport` builds the one a peer node's config names.
 """
 
 from hiradix.net.auth import AuthError, load_token
@@ -16,8 +16,8 @@ from hiradix.transport.base import (
     Transport,
     TransportError,
     TransportStats,
+    TransportUnavailable,
 )
-from hiradix.transport.factory import TransportUnavailable, make_transport
 from hiradix.transport.fake import FakeClock, FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
@@ -38,5 +38,4 @@ __all__ = [
     "TransportStats",
     "TransportUnavailable",
     "load_token",
-    "make_transport",
 ]

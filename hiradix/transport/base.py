@@ -30,7 +30,6 @@ Contract, shared by every implementation:
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import enum
 import operator
@@ -40,14 +39,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from hiradix.net.address import with_host
+
 __all__ = [
     "MAX_ITEM_BYTES",
+    "BatchPlan",
     "Capabilities",
-    "ChannelPool",
     "InjectedFault",
     "Pins",
     "ReadOp",
@@ -58,11 +59,10 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportStats",
+    "TransportUnavailable",
     "buffer_span",
     "check_remote",
-    "parse_peer",
     "view_at",
-    "with_host",
 ]
 
 #: Largest single read item, in bytes. Bigger reads must be split by the caller.
@@ -150,45 +150,18 @@ class TransportError(Exception):
     """Base class of transport errors raised to callers (not per-item statuses)."""
 
 
+class TransportUnavailable(TransportError, ValueError):
+    """The configured transport cannot run here (no RDMA port, no fake fabric...); the
+    message names the transport and the reason. A ``ValueError`` too: it is a setting
+    that does not fit this machine, reported as one."""
+
+
 class RegionBusyError(TransportError):
     """``deregister`` timed out while reads were still in flight on the region."""
 
 
 class InjectedFault(TransportError):
     """Raised by a test's responder hook to make the responder fail its channel."""
-
-
-def parse_peer(peer: str | tuple[str, int]) -> tuple[str, int]:
-    """Split ``"host:port"`` (or pass a ``(host, port)`` tuple through), checking the port.
-
-    >>> parse_peer("127.0.0.1:9000")
-    ('127.0.0.1', 9000)
-    """
-    if isinstance(peer, tuple):
-        host, port = peer
-    elif isinstance(peer, str):
-        host, sep, port_s = peer.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"peer must be 'host:port', got {peer!r}")
-        try:
-            port = int(port_s)
-        except ValueError:
-            raise ValueError(f"peer port is not an integer: {peer!r}") from None
-    else:
-        raise TypeError(f"peer must be 'host:port' or (host, port), got {type(peer).__name__}")
-    if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"bad peer address {peer!r}")
-    return host, port
-
-
-def with_host(addr: str, host: str) -> str:
-    """``addr`` (``host:port``) with its host replaced: what peers are told to dial.
-
-    >>> with_host("0.0.0.0:7000", "10.0.0.5"), with_host("0.0.0.0:7000", "fe80::1")
-    ('10.0.0.5:7000', '[fe80::1]:7000')
-    """
-    _, port = parse_peer(addr)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def buffer_span(buffer: Any) -> tuple[int, memoryview]:
@@ -449,101 +422,11 @@ class RegionTable:
             return len(self._by_rkey)
 
 
-C = TypeVar("C")
-
-
-class ChannelPool(Generic[C]):
-    """Per-peer pools of channels, at most ``cap`` channels per peer.
-
-    A channel is leased for one operation and given back with ``ok=True`` (reused) or
-    ``ok=False`` (closed and discarded; the next lease opens a new one). Channels are
-    opened lazily by ``connect(peer, timeout)``; a lease beyond the cap waits for a give-back.
-    """
-
-    def __init__(self, connect: Callable[[Any, float | None], C], close: Callable[[C], None], cap: int) -> None:
-        if not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"max channels per peer must be a positive int, got {cap!r}")
-        self._connect = connect
-        self._close = close
-        self.cap = cap
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._free: dict[Any, list[C]] = {}
-        self._open: dict[Any, int] = {}
-        self._closed = False
-        self.opened = 0
-        self.discarded = 0
-
-    def open_count(self, peer: Any) -> int:
-        """Channels currently open to ``peer`` (leased or idle)."""
-        with self._lock:
-            return self._open.get(peer, 0)
-
-    def lease(self, peer: Any, timeout: float | None) -> C:
-        """A channel to ``peer``: an idle one, a new one under the cap, or the next one
-        given back. Raises ``TimeoutError`` when ``timeout`` passes first, and whatever
-        ``connect`` raises (the slot is then released).
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise TransportError("channel pool is closed")
-                free = self._free.get(peer)
-                if free:
-                    return free.pop()
-                if self._open.get(peer, 0) < self.cap:
-                    self._open[peer] = self._open.get(peer, 0) + 1
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no free channel to {peer!r}")
-                self._cond.wait(remaining)
-        try:
-            ch = self._connect(peer, None if deadline is None else max(deadline - time.monotonic(), 0.001))
-        except BaseException:
-            with self._lock:
-                self._open[peer] -= 1
-                self._cond.notify()
-            raise
-        with self._lock:
-            self.opened += 1
-        return ch
-
-    def give_back(self, peer: Any, ch: C, ok: bool) -> None:
-        """Return a leased channel; ``ok=False`` closes and discards it."""
-        with self._lock:
-            keep = ok and not self._closed
-            if keep:
-                self._free.setdefault(peer, []).append(ch)
-            else:
-                self._open[peer] -= 1
-                if not ok:
-                    self.discarded += 1
-            self._cond.notify()
-        if not keep:
-            with contextlib.suppress(OSError):
-                self._close(ch)
-
-    def close(self) -> None:
-        """Close every idle channel; leased ones are closed when given back."""
-        with self._lock:
-            self._closed = True
-            idle = [ch for chans in self._free.values() for ch in chans]
-            for peer, chans in self._free.items():
-                self._open[peer] -= len(chans)
-            self._free.clear()
-            self._cond.notify_all()
-        for ch in idle:
-            with contextlib.suppress(OSError):
-                self._close(ch)
-
-
 ResponderHook = Callable[[Sequence[int]], None]
 
 
 @dataclass
-class _BatchPlan:
+class BatchPlan:
     """The remote part of a batch, after the local checks: column arrays of its items and,
     in ``index``, each item's position in the caller's batch. Destinations are pinned."""
 
@@ -749,7 +632,7 @@ class Transport(ABC):
             status[live[~landing]] = Status.BAD_LOCAL
             sel = live[landing]
             if sel.size:
-                plan = _BatchPlan(sel, raddr[sel], rkey[sel], length[sel], laddr[sel], on_landed=notify)
+                plan = BatchPlan(sel, raddr[sel], rkey[sel], length[sel], laddr[sel], on_landed=notify)
                 if peer == self.address:
                     self._read_local(plan, status)
                 else:
@@ -762,7 +645,7 @@ class Transport(ABC):
             self.regions.release(pins)
         return status
 
-    def _read_local(self, plan: _BatchPlan, status: np.ndarray) -> None:
+    def _read_local(self, plan: BatchPlan, status: np.ndarray) -> None:
         got, pins = self.regions.acquire_remote(plan.raddr, plan.length, plan.rkey)
         try:
             status[plan.index] = got
@@ -774,7 +657,7 @@ class Transport(ABC):
         self._count(local_items=len(plan))
 
     @abstractmethod
-    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+    def _read_remote(self, peer: str, plan: BatchPlan, status: np.ndarray, deadline: float) -> None:
         """Move ``plan``'s items from ``peer``; set ``status[plan.index[k]]`` for each."""
 
     def _count(self, **deltas: int) -> None:

@@ -48,9 +48,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from hiradix.net.pool import ChannelPool
 from hiradix.transport.base import (
+    BatchPlan,
     Capabilities,
-    ChannelPool,
     InjectedFault,
     Pins,
     ReadOp,
@@ -58,7 +59,7 @@ from hiradix.transport.base import (
     ResponderHook,
     Status,
     Transport,
-    _BatchPlan,
+    TransportError,
 )
 
 __all__ = ["FakeClock", "FakeFabric", "FakeHca", "FakeMr", "FakeQp", "FakeTransport", "FakeVerbs"]
@@ -178,7 +179,9 @@ class FakeTransport(Transport):
         self._posted = 0
         self._fail_at: set[int] = set()
         self._fault_lock = threading.Lock()
-        self._pool: ChannelPool[_QP] = ChannelPool(self._connect, lambda qp: None, max_channels_per_peer)
+        self._pool: ChannelPool[_QP] = ChannelPool(
+            self._connect, lambda qp: None, max_channels_per_peer, TransportError
+        )
         self._closed = False
         self._name = fabric._attach(self, name)
 
@@ -217,7 +220,7 @@ class FakeTransport(Transport):
                 return True
             return False
 
-    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+    def _read_remote(self, peer: str, plan: BatchPlan, status: np.ndarray, deadline: float) -> None:
         start = 0
         try:
             while start < len(plan):
@@ -239,7 +242,7 @@ class FakeTransport(Transport):
                 self.stats.channels_discarded = self._pool.discarded
                 self.stats.remote_items += len(plan)
 
-    def _run_qp(self, qp: _QP, plan: _BatchPlan, status: np.ndarray, start: int, deadline: float) -> int:
+    def _run_qp(self, qp: _QP, plan: BatchPlan, status: np.ndarray, start: int, deadline: float) -> int:
         """Post ``plan.ops[start:]`` on ``qp``; the index to resume from on a fresh QP
         (``len(plan)`` when the batch is finished)."""
         end = len(plan)

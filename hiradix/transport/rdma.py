@@ -62,21 +62,21 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from hiradix._native import load, pure_python
+from hiradix.net.address import parse_peer
 from hiradix.net.auth import AuthError, load_token
 from hiradix.net.listener import AuthListener, ListenerStats, dial, hang_up, set_recv_timeout, still_open
+from hiradix.net.pool import ChannelPool
 from hiradix.transport.base import (
+    BatchPlan,
     Capabilities,
-    ChannelPool,
     Region,
     RegionBusyError,
     ResponderHook,
     Status,
     Transport,
     TransportError,
-    _BatchPlan,
     buffer_span,
     check_remote,
-    parse_peer,
 )
 
 __all__ = [
@@ -393,7 +393,9 @@ class RdmaTransport(Transport):
         self._tables_lock = threading.Lock()
         self._serving: set[VerbsQp] = set()
         self._serving_lock = threading.Lock()
-        self._pool: ChannelPool[_Channel] = ChannelPool(self._connect, self._close_channel, max_channels_per_peer)
+        self._pool: ChannelPool[_Channel] = ChannelPool(
+            self._connect, self._close_channel, max_channels_per_peer, TransportError
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
         try:
@@ -572,7 +574,7 @@ class RdmaTransport(Transport):
                 return ch
             self._pool.give_back(peer, ch, False)
 
-    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+    def _read_remote(self, peer: str, plan: BatchPlan, status: np.ndarray, deadline: float) -> None:
         n = len(plan)
         n_ch = min(self.channels_per_read, max(1, n // self.qp_depth))
         cuts = [i * n // n_ch for i in range(n_ch)] + [n]
@@ -599,7 +601,7 @@ class RdmaTransport(Transport):
                 )
             return self._executor
 
-    def _run_channel(self, peer: str, plan: _BatchPlan, a: int, b: int, status: np.ndarray, deadline: float) -> None:
+    def _run_channel(self, peer: str, plan: BatchPlan, a: int, b: int, status: np.ndarray, deadline: float) -> None:
         """Items ``a..b-1`` of ``plan`` over one leased queue pair."""
         index = plan.index[a:b]
         try:
@@ -625,7 +627,7 @@ class RdmaTransport(Transport):
                 self.stats.channels_discarded = self._pool.discarded
 
     def _post(
-        self, peer: str, ch: _Channel, plan: _BatchPlan, a: int, b: int, status: np.ndarray, deadline: float
+        self, peer: str, ch: _Channel, plan: BatchPlan, a: int, b: int, status: np.ndarray, deadline: float
     ) -> bool:
         """The state machine of one share: check against the peer's table, post, map the
         outcome, reset the QP and go on after a remote access error. Whether the channel

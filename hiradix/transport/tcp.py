@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from hiradix._native import load
+from hiradix.net.address import parse_peer
 from hiradix.net.auth import AuthError, load_token
 from hiradix.net.listener import (
     AuthListener,
@@ -49,14 +50,14 @@ from hiradix.net.listener import (
     set_send_timeout,
     still_open,
 )
+from hiradix.net.pool import ChannelPool
 from hiradix.transport.base import (
+    BatchPlan,
     Capabilities,
-    ChannelPool,
     InjectedFault,
     Status,
     Transport,
-    _BatchPlan,
-    parse_peer,
+    TransportError,
     view_at,
 )
 
@@ -307,7 +308,9 @@ class TcpTransport(Transport):
         self.idle_timeout = idle_timeout
         self.send_timeout = send_timeout
         self.max_connections = max_connections
-        self._pool: ChannelPool[_Channel] = ChannelPool(self._connect, self._close_channel, max_channels_per_peer)
+        self._pool: ChannelPool[_Channel] = ChannelPool(
+            self._connect, self._close_channel, max_channels_per_peer, TransportError
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
         self._listener = AuthListener(
@@ -396,7 +399,7 @@ class TcpTransport(Transport):
     def _close_channel(ch: _Channel) -> None:
         hang_up(ch.sock)
 
-    def _read_remote(self, peer: str, plan: _BatchPlan, status: np.ndarray, deadline: float) -> None:
+    def _read_remote(self, peer: str, plan: BatchPlan, status: np.ndarray, deadline: float) -> None:
         if self._io is not None:
             starts = self._io.plan_frames(plan.length, MAX_ITEMS, self.frame_bytes)
         else:
@@ -428,7 +431,7 @@ class TcpTransport(Transport):
             return self._executor
 
     def _run_channel(
-        self, peer: str, plan: _BatchPlan, starts: np.ndarray, a: int, b: int, status: np.ndarray, deadline: float
+        self, peer: str, plan: BatchPlan, starts: np.ndarray, a: int, b: int, status: np.ndarray, deadline: float
     ) -> None:
         """Items ``a..b-1`` of ``plan`` (whole frames of ``starts``) over one leased channel."""
         index = plan.index[a:b]

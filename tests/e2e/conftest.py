@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
         return "SGLang is not installed (CI runs tests/e2e in each of its SGLang venvs)"
-    from hiradix._sglang_plugin import UnsupportedSGLang, check_sglang_version
+    from hiradix._sglang_versions import UnsupportedSGLang, check_sglang_version
 
     try:
         check_sglang_version()

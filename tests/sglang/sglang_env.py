@@ -37,7 +37,7 @@ import torch
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed (CI installs sglang==0.5.18, see requirements/)", allow_module_level=True)
 
-from hiradix._sglang_plugin import UnsupportedSGLang, check_sglang_version
+from hiradix._sglang_versions import UnsupportedSGLang, check_sglang_version
 
 try:
     check_sglang_version()

@@ -448,11 +448,12 @@ def test_unsupported_sglang_version_is_a_warning_for_the_plugin_and_an_error_on_
     still starts: the plugin logs why it does not register; importing the adapter says which
     versions it needs."""
     import hiradix._sglang_plugin as plugin
+    import hiradix._sglang_versions as versions
 
-    monkeypatch.setattr(plugin.metadata, "version", lambda name: "0.5.14")
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "0.5.14")
     monkeypatch.delenv("HIRADIX_SGLANG_ANY_VERSION", raising=False)
-    with pytest.raises(plugin.UnsupportedSGLang, match=r"0\.5\.18, 0\.5\.20, 0\.5\.23 .*0\.5\.14 is installed"):
-        plugin.check_sglang_version()
+    with pytest.raises(versions.UnsupportedSGLang, match=r"0\.5\.18, 0\.5\.20, 0\.5\.23 .*0\.5\.14 is installed"):
+        versions.check_sglang_version()
     calls = []
     monkeypatch.setattr("hiradix.sglang.plugin.register", lambda: calls.append(1))
     with caplog.at_level("WARNING", logger="hiradix._sglang_plugin"):

@@ -21,27 +21,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hiradix.net.auth import load_token
-from hiradix.peer.config import TRANSPORTS
-from hiradix.transport.base import Transport, TransportError
+from hiradix.peer.config import TRANSPORTS, PeerConfig
+from hiradix.transport.base import Transport, TransportUnavailable
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
-
-if TYPE_CHECKING:
-    from hiradix.peer.config import PeerConfig
 
 __all__ = ["TransportUnavailable", "make_transport", "rdma_unavailable"]
 
 # The choice is the peer node's: its log line goes where the node's own lines go.
 log = logging.getLogger("hiradix.peer")
-
-
-class TransportUnavailable(TransportError, ValueError):
-    """The configured transport cannot run here (no RDMA port, no fake fabric...); the
-    message names the transport and the reason. A ``ValueError`` too: it is a setting
-    that does not fit this machine, reported as one."""
 
 
 def rdma_unavailable() -> str | None:
