@@ -35,7 +35,8 @@ NO_RESERVE = {"reserve_bytes": 0}
 
 
 def _snapshot(a: PagedSlotAllocator) -> tuple[int, list[bool], list[int]]:
-    return a.available_size(), a._allocated.tolist(), sorted(a.free_pages().tolist())
+    a.check_invariants()
+    return a.available_size(), a.allocated_pages(), sorted(a.free_pages().tolist())
 
 
 # ----------------------------------------------------------------------------- allocator
@@ -88,15 +89,16 @@ def test_batched_frees_are_pending_until_alloc_needs_them() -> None:
     a = PagedSlotAllocator(16, 4)
     idx = a.alloc(16)
     assert idx is not None and a.alloc(4) is None
-    free_list_before = a._free_pages
     for page in idx.view(-1, 4):
         a.free(page)
-    # Frees only queue: the free list tensor itself was never rebuilt.
-    assert a._free_pages is free_list_before and len(a._pending) == 4
+        a.check_invariants()
+    # Frees only queue: none was merged into the free list yet.
+    assert a.pending_frees == 4
     assert a.available_size() == 16
     again = a.alloc(16)
     assert again is not None and sorted(again.tolist()) == sorted(idx.tolist())
-    assert a._pending == []
+    assert a.pending_frees == 0
+    a.check_invariants()
 
 
 def test_free_any_slot_frees_its_page_and_duplicates_are_one_free() -> None:
@@ -149,7 +151,8 @@ def test_clear_frees_everything() -> None:
     assert idx is not None
     a.free(idx[:4])
     a.clear()
-    assert a.available_size() == 16 and not a._allocated.any() and a._pending == []
+    assert a.available_size() == 16 and a.allocated_pages() == [] and a.pending_frees == 0
+    a.check_invariants()
     with pytest.raises(ValueError, match="double free"):
         a.free(idx[4:8])
 
@@ -191,8 +194,8 @@ def test_randomized_against_set_model(page_size: int) -> None:
             with pytest.raises(ValueError):
                 a.free([page * page_size])
         assert a.available_size() == len(free_pages) * page_size
-    allocated = {i for i, v in enumerate(a._allocated.tolist()) if v}
-    assert allocated == set(range(1, n_pages + 1)) - free_pages
+        a.check_invariants()
+    assert set(a.allocated_pages()) == set(range(1, n_pages + 1)) - free_pages
 
 
 # ----------------------------------------------------------------------------- device pool
@@ -454,12 +457,18 @@ def test_host_pool_is_pinned_on_cuda() -> None:
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: str, page_size: int,
-                                                            order: str) -> None:
+def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: str, page_size: int, order: str) -> None:
     """read_pages / write_pages (the L3 path) agree byte for byte with get/set_page_bytes."""
     shape = MHAShape(3, 2, 4) if kind == "mha" else MLAShape(3, 6, 2)
-    pool = HostKVPool(shape, 8 * page_size, page_size, torch.bfloat16, layout, page_order=order,  # type: ignore[arg-type]
-                      reserve_bytes=0)
+    pool = HostKVPool(
+        shape,
+        8 * page_size,
+        page_size,
+        torch.bfloat16,
+        layout,
+        page_order=order,  # type: ignore[arg-type]
+        reserve_bytes=0,
+    )
     g = torch.Generator().manual_seed(page_size)
     pool._buf.view(torch.uint8).copy_(torch.randint(0, 256, (pool._buf.numel() * 2,), generator=g, dtype=torch.uint8))
     starts = [5 * page_size, 0, 7 * page_size, 2 * page_size]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -148,6 +149,74 @@ def test_shard_is_thread_safe() -> None:
         th.join(timeout=60)
     assert not any(th.is_alive() for th in threads)
     assert all(isinstance(e, DirEntry) for e in s.snapshot().values())
+    s.check_invariants()
+
+
+def test_random_operations_keep_the_shard_consistent_and_equal_to_a_model() -> None:
+    """Every kind of operation at random on one shard, against a dict-and-incarnations
+    model of the documented rules, with ``check_invariants()`` after every step."""
+    rng = np.random.default_rng(7)
+    s = DirectoryShard()
+    model: dict[str, DirEntry] = {}
+    newest: dict[str, int] = {}
+    keys, nodes = KEYS[:12], ["p", "q", "r"]
+
+    def model_put(k: str, e: DirEntry) -> bool:
+        known = newest.get(e.node)
+        if known != e.incarnation:
+            if known is not None and e.incarnation < known:
+                return False
+            for key in [key for key, old in model.items() if old.node == e.node]:
+                del model[key]
+            newest[e.node] = e.incarnation
+        cur = model.get(k)
+        if cur is not None and cur.node == e.node and cur.generation > e.generation:
+            return False
+        model[k] = e
+        return True
+
+    def matches(e: DirEntry, node: str | None, gen: int | None) -> bool:
+        return (node is None or e.node == node) and (gen is None or e.generation == gen)
+
+    for _ in range(3000):
+        op = int(rng.integers(6))
+        k, node = str(rng.choice(keys)), str(rng.choice(nodes))
+        gen, inc = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        cond_node = node if rng.random() < 0.7 else None
+        cond_gen = gen if rng.random() < 0.5 else None
+        if op <= 1:
+            e = DirEntry(node, 64 * gen, 7, 100, gen, bool(rng.random() < 0.7), incarnation=inc)
+            assert s.put(k, e) == model_put(k, e)
+        elif op == 2:
+            cur = model.get(k)
+            want = cur is not None and matches(cur, cond_node, cond_gen)
+            assert s.delete(k, cond_node, cond_gen) == want
+            if want:
+                del model[k]
+        elif op == 3:
+            resident = bool(rng.random() < 0.5)
+            cur = model.get(k)
+            want = cur is not None and matches(cur, cond_node, cond_gen)
+            assert s.set_resident(k, resident, cond_node, cond_gen) == want
+            if want and cur is not None:
+                model[k] = dataclasses.replace(cur, resident=resident)
+        elif op == 4:
+            gone = [key for key, e in model.items() if e.node == node]
+            assert s.retire(node, inc) == (len(gone) if newest.get(node, inc) < inc and node in newest else 0)
+            if node in newest and newest[node] < inc:
+                for key in gone:
+                    del model[key]
+                newest[node] = inc
+            elif node not in newest:
+                newest[node] = inc
+        else:
+            gone = [key for key, e in model.items() if e.node == node]
+            assert s.drop_node(node) == len(gone)
+            for key in gone:
+                del model[key]
+            newest.pop(node, None)
+        s.check_invariants()
+        assert s.snapshot() == model
 
 
 def test_newer_incarnation_replaces_whatever_the_generations() -> None:

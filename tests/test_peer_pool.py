@@ -191,7 +191,8 @@ def test_concurrent_set_same_key_publishes_once() -> None:
     assert len(pool) == 1 and pool.used_bytes == PAGE
     final = pool.location("same")
     assert final is not None and all(r == final for r in results[-1:])
-    assert len(pool._free) == 7  # the losers gave their slots back
+    assert len(pool.free_slots()) == 7  # the losers gave their slots back
+    pool.check_invariants()
 
 
 def header_claims(raw: bytes, key: str, generation: int) -> bool:
@@ -305,10 +306,9 @@ def test_torture_readers_never_see_a_wrong_page() -> None:
     assert stats["torn_or_stale"] > 0  # the race was really exercised
     assert stats["caught_by_crc"] > 0  # ... including torn payloads behind a valid header
     # the pool's own bookkeeping survived the race
-    assert len(pool) + len(pool._free) == slots and pool._writing == 0
+    assert len(pool) + len(pool.free_slots()) == slots and pool.held_slots() == []
     assert pool.used_bytes == PAGE * len(pool)
-    for loc in pool:
-        assert verify_slot(bytes(pool.slot_view(loc.slot)[: loc.read_length]), loc.key, loc.generation) is not None
+    pool.check_invariants()  # nothing being written, every published slot verifies
     print("torture:", stats, "evictions:", len(evictions))
 
 
@@ -349,18 +349,19 @@ def test_republish_writes_a_fresh_slot_and_frees_the_old_one_last() -> None:
     new = pool.set("k", page_for("k2"), hold_replaced=True)
     assert new is not None and new.slot != old.slot and new.generation > old.generation
     assert new.replaced == old.slot and pool.get("k") == page_for("k2")
-    assert len(pool) == 1 and pool.used_bytes == PAGE and old.slot not in pool._free
+    assert len(pool) == 1 and pool.used_bytes == PAGE and old.slot not in pool.free_slots()
     # A reader holding the old location still gets the old page, verified.
     raw = bytes(pool.slot_view(old.slot)[: old.read_length])
     assert verify_slot(raw, "k", old.generation) is not None
     pool.release(old.slot)
-    assert list(pool._free)[-1] == old.slot  # reused after every other free slot
+    assert pool.free_slots()[-1] == old.slot  # reused after every other free slot
+    pool.check_invariants()
     assert verify_slot(bytes(pool.slot_view(old.slot)[: old.read_length]), "k", old.generation) is not None
     with pytest.raises(ValueError, match="not held"):
         pool.release(old.slot)
     # Without hold_replaced the old slot is freed at once (still to the back, bytes intact).
     third = pool.set("k", page_for("k3"))
-    assert third is not None and third.replaced is None and list(pool._free)[-1] == new.slot
+    assert third is not None and third.replaced is None and pool.free_slots()[-1] == new.slot
     # Fill the pool: the old slots are reused last, and then the stale reader misses.
     for k in "abc":
         pool.set(k, page_for(k))

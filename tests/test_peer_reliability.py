@@ -141,9 +141,10 @@ def test_republish_never_makes_a_reader_miss(cluster: InProcessCluster, new_byte
     # Every version went to a fresh slot (new bytes) or none did (identical bytes).
     pool = a._pool_for(PAGE)
     assert len(pool) == nkeys and pool.used_bytes == nkeys * PAGE
-    assert len(pool._held) == 0
+    assert pool.held_slots() == []
     if new_bytes:
-        assert len(pool._free) == pool.num_slots - nkeys
+        assert len(pool.free_slots()) == pool.num_slots - nkeys
+    pool.check_invariants()
     # After the last round every key reads its newest version.
     outs = [bytearray(PAGE) for _ in keys]
     assert b.read_into(keys, [memoryview(o) for o in outs]) == [True] * nkeys

@@ -234,6 +234,41 @@ class PagedSlotAllocator:
         self._pending.append(pages)
         self._pending_pages += len(pages)
 
+    @property
+    def pending_frees(self) -> int:
+        """Pages freed but not yet merged into the free list (an ``alloc`` that needs them
+        merges them all at once). ``O(1)``."""
+        return self._pending_pages
+
+    def allocated_pages(self) -> list[int]:
+        """Every allocated page, ascending. ``O(num_pages)``."""
+        return [int(p) for p in np.flatnonzero(self._allocated.cpu().numpy())]
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the allocator's state is consistent: the free
+        pages (the never-used range, the merged free list and the pending frees) are
+        distinct usable pages, none of them allocated; every other usable page is
+        allocated; the reserved padding page is neither; the counters agree.
+        ``O(num_pages)``: for tests and debugging."""
+        n_all = self.num_pages + self._first_page
+        allocated = self._allocated.cpu().numpy()
+        assert allocated.shape == (n_all,), f"bitmap of {allocated.shape} pages, expected {n_all}"
+        assert self._first_page <= self._fresh_lo <= self._fresh_hi == n_all, (
+            f"never-used range [{self._fresh_lo}, {self._fresh_hi}) outside [{self._first_page}, {n_all})"
+        )
+        assert self._pending_pages == sum(len(p) for p in self._pending), "pending-page counter is off"
+        pages = self.free_pages()
+        free = pages.cpu().numpy() if isinstance(pages, torch.Tensor) else pages
+        assert len(np.unique(free)) == len(free), "a page is on the free list twice"
+        assert not len(free) or (free.min() >= self._first_page and free.max() < n_all), "a free page out of range"
+        assert not allocated[free].any(), f"free pages marked allocated: {free[allocated[free]][:8].tolist()}"
+        if self._first_page:
+            assert not allocated[0], "the reserved padding page is marked allocated"
+        assert int(allocated.sum()) + len(free) == self.num_pages, (
+            f"{int(allocated.sum())} allocated + {len(free)} free pages != {self.num_pages}"
+        )
+        assert self.available_size() == len(free) * self.page_size, "available_size disagrees with the free pages"
+
     def is_allocated(self, indices: Any) -> torch.Tensor:
         """Per index, whether its page is allocated (bool tensor). ``O(k)``."""
         idx = self._as_indices(indices)

@@ -401,6 +401,24 @@ class DirectoryShard:
             del self._codes[k]
         return len(gone)
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the shard is consistent: the existence codes
+        cover exactly the entries, each code says what its entry says (resident or on
+        disk), and every entry is of its node's newest incarnation seen (an earlier
+        incarnation's entries were dropped when the newer one appeared).
+        ``O(len(shard))``: for tests and debugging."""
+        with self._lock:
+            entries, codes, incarnations = dict(self._entries), dict(self._codes), dict(self._incarnations)
+        assert codes.keys() == entries.keys(), (
+            f"existence codes for {len(codes)} keys, entries for {len(entries)}: "
+            f"{sorted(codes.keys() ^ entries.keys())[:5]}"
+        )
+        for key, e in entries.items():
+            assert codes[key] == (RESIDENT if e.resident else ON_DISK), f"{key!r}: code {codes[key]} but {e}"
+            assert incarnations.get(e.node) == e.incarnation, (
+                f"{key!r}: entry of {e.node} incarnation {e.incarnation}, newest seen {incarnations.get(e.node)}"
+            )
+
     def snapshot(self) -> dict[str, DirEntry]:
         """A copy of all entries. Runtime complexity: ``O(len(shard))``."""
         with self._lock:

@@ -510,6 +510,45 @@ class PublishedPool:
             locs = [self._loc(k, v) for k, v in self._index.items()]
         return iter(locs)
 
+    def free_slots(self) -> list[int]:
+        """The free slots, in the order they will be reused. ``O(num_slots)``."""
+        with self._lock:
+            return list(self._free)
+
+    def held_slots(self) -> list[int]:
+        """Slots replaced by a ``set(..., hold_replaced=True)`` and not yet released,
+        ascending. ``O(held)``."""
+        with self._lock:
+            return sorted(self._held)
+
+    def check_invariants(self, *, quiescent: bool = True) -> None:
+        """Raise ``AssertionError`` unless the pool's state is consistent: every slot is
+        exactly one of published, free, held or being written; published pages fit their
+        slot and add up to :attr:`used_bytes`; with ``quiescent`` (no ``set`` running),
+        nothing is being written and every published slot verifies as its key at its
+        generation (header and CRC, as a remote reader checks it).
+        ``O(num_slots + published bytes)``: for tests and debugging."""
+        with self._lock:
+            live = list(self._index.items())
+            free, held, writing, used = list(self._free), set(self._held), self._writing, self._used
+        published = [v.slot for _, v in live]
+        every = published + free + sorted(held)
+        assert len(set(every)) == len(every), "a slot is published, free or held twice"
+        assert all(0 <= slot < self.num_slots for slot in every), "a slot number out of range"
+        assert len(every) + writing == self.num_slots, (
+            f"{len(published)} published + {len(free)} free + {len(held)} held + {writing} being written "
+            f"!= {self.num_slots} slots"
+        )
+        assert all(0 < v.length <= self.page_size and v.generation > 0 for _, v in live), "a bad page record"
+        assert used == sum(v.length for _, v in live), f"used_bytes {used} != the published pages' bytes"
+        if quiescent:
+            assert writing == 0, f"{writing} writes in flight in a quiescent pool"
+            for key, v in live:
+                raw = self.slot_view(v.slot)[: SLOT_HEADER_SIZE + v.length]
+                assert verify_slot(raw, key, v.generation, v.length) is not None, (
+                    f"slot {v.slot} does not verify as {key!r} at generation {v.generation}"
+                )
+
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None) -> None:
         """Deregister the region (waiting for reads in flight, per the transport) and refuse
