@@ -234,3 +234,18 @@ def test_pool_eviction_leaves_entry_non_resident(tmp_path: Path) -> None:
         assert shard.get("k1") is None  # gone from both tiers: the entry is deleted
     finally:
         disk.close()
+
+
+def test_a_failed_write_is_counted_dropped_and_leaves_no_file(tier: DiskTier) -> None:
+    """A write that fails (here: its directory cannot be made, a file sits in its place) is
+    logged, counted in ``write_errors`` (which the node's ``status()["disk"]`` reports), and
+    the key is a miss, not a half-written page."""
+    folder = tier._file("k9").parent
+    if folder.is_dir():
+        folder.rmdir()  # empty: nothing was written yet
+    folder.write_bytes(b"not a directory")
+    assert tier.write_async("k9", data(9))
+    assert tier.flush(timeout=30)
+    assert tier.write_errors == 1 and tier.writes == 0
+    assert not tier.exists("k9") and tier.read("k9") is None
+    assert tier.evicted == ["k9"]  # type: ignore[attr-defined]

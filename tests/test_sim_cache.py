@@ -59,7 +59,7 @@ def test_small_capacities_exercise_every_tier_with_l3(tree_cls: Any, write_polic
         4_000_000,
         "best_effort",
     )
-    assert config["cache"] == "hiradix.cache.HiRadixCache"
+    assert config["cache"] == "hiradix.cache.cache.HiRadixCache"
 
 
 @needs_trace

@@ -11,8 +11,8 @@
 - :mod:`~hiradix.cache.stats`: the frozen snapshots of their counters (:class:`CacheStats`,
   :class:`ControllerStats`, :class:`L3Stats`).
 
-``hiradix.cache.HiRadixCache`` is the public path (the names below are re-exported here and
-report this package as their module).
+``hiradix.cache.HiRadixCache`` is the public path (the names below are re-exported here; they
+keep the module they are defined in, so that ``inspect`` finds their source).
 """
 
 from hiradix.cache.cache import CacheMatchResult, CacheObserver, DeviceAllocator, HiRadixCache, OngoingPrefetch, Req
@@ -40,9 +40,3 @@ __all__ = [
     "Req",
     "TorchDistAgreement",
 ]
-
-# The public path of the cache's own classes, as repr, pickles and reports show them
-# (``hiradix.cache.HiRadixCache``); the helpers of the other modules keep theirs.
-for _cls in (CacheMatchResult, CacheObserver, DeviceAllocator, HiRadixCache, OngoingPrefetch, Req):
-    _cls.__module__ = __name__
-del _cls

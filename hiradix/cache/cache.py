@@ -47,7 +47,7 @@ from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
 from hiradix.storage.base import StorageBackend, check_keys
 from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
-from hiradix.tree._results import IOStatus
+from hiradix.tree._results import NO_NODE, IOStatus
 
 __all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
 
@@ -161,7 +161,7 @@ class Req:
     token_ids: np.ndarray
     kv_indices: torch.Tensor
     prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
-    last_node: int = -1
+    last_node: int = NO_NODE
     extra_key: str | None = None
     priority: int = 0
 
@@ -387,9 +387,9 @@ class HiRadixCache:
         new_prefix = self.insert(req.token_ids[:aligned], kv[:aligned], req.extra_key, priority=req.priority)
         self._free_device(kv[len(req.prefix_indices) : new_prefix])
         self._free_device(kv[aligned:])
-        if req.last_node != -1:
+        if req.last_node != NO_NODE:
             self.tree.dec_lock_ref(req.last_node)
-            req.last_node = -1
+            req.last_node = NO_NODE
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert a running request's KV so far and move its lock to the new prefix:
@@ -410,7 +410,7 @@ class HiRadixCache:
         if len(new_indices) != aligned:
             raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
         self.tree.inc_lock_ref(m.last_device_node)
-        if req.last_node != -1:
+        if req.last_node != NO_NODE:
             self.tree.dec_lock_ref(req.last_node)
         req.kv_indices = torch.cat((new_indices, kv[aligned:]))
         req.prefix_indices = new_indices  # the cached, page-aligned part; the tail stays the request's
@@ -716,7 +716,7 @@ class HiRadixCache:
     def prior_hash(self, node: int) -> str | None:
         """The hash the chain of pages below ``node`` continues from: its last page's,
         or at a (namespace) root the chain's seed (``None``: unseeded). ``O(1)``."""
-        if self.tree.parent(node) == -1:
+        if self.tree.parent(node) == NO_NODE:
             return self.tree.root_seed(node)  # type: ignore[no-any-return]
         hashes = self.tree.hash_value(node)
         assert hashes, f"node {node} has no page hashes"
@@ -726,7 +726,7 @@ class HiRadixCache:
         """The page hashes from ``node``'s (namespace) root down to ``node`` inclusive,
         in order: the prefix keys of what follows it. ``O(depth + pages)``."""
         parts: list[list[str]] = []
-        while self.tree.parent(node) != -1:
+        while self.tree.parent(node) != NO_NODE:
             parts.append(self.tree.hash_value(node) or [])
             node = self.tree.parent(node)
         return [h for part in reversed(parts) for h in part]
@@ -791,7 +791,7 @@ class HiRadixCache:
         while not tree.is_root(node) and not tree.is_backed_up(node):
             node = tree.parent(node)
         length, walk = 0, node
-        while tree.parent(walk) != -1:
+        while tree.parent(walk) != NO_NODE:
             length += tree.key_len(walk)
             walk = tree.parent(walk)
         return node, length

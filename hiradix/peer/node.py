@@ -969,7 +969,14 @@ class PeerNode:
             },
             "disk": None
             if disk is None
-            else {"pages": len(disk), "used_bytes": disk.used_bytes, "capacity_bytes": disk.capacity_bytes},
+            else {
+                "pages": len(disk),
+                "used_bytes": disk.used_bytes,
+                "capacity_bytes": disk.capacity_bytes,
+                "writes": disk.writes,
+                "dropped_writes": disk.dropped_writes,
+                "write_errors": disk.write_errors,
+            },
             "directory_entries": len(self.shard),
             "published": len(self.producer),
             "hit_rate": self.metrics.hit_rate(),

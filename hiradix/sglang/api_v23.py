@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
 from hiradix.sglang.nodes import TreeNode
+from hiradix.tree import NO_NODE
 
 __all__ = ["HiRadixCache", "ServerSince020", "check_supported_v23"]
 
@@ -158,7 +159,7 @@ class HiRadixCache(ServerSince020):
         tree = self.tree
         h = self._handle(node)
         parts: list[np.ndarray] = []
-        while tree.parent(h) != -1:
+        while tree.parent(h) != NO_NODE:
             v = tree.value(h)
             if v is None:
                 raise ValueError(f"path_device_indices: node {h} is not on the device")

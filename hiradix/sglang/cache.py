@@ -95,6 +95,7 @@ from hiradix.sglang.storage import native_backend
 from hiradix.storage.base import StorageBackend, StorageConfig
 from hiradix.storage.keys import KeyNamespace, sglang_key_suffix
 from hiradix.storage.registry import StorageConfigError, create_backend
+from hiradix.tree import NO_NODE
 from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 if TYPE_CHECKING:
@@ -727,7 +728,7 @@ class HiRadixCacheBase(BasePrefixCache):
         """The namespace whose tree holds ``handle``. ``O(depth)``."""
         tree = self.tree
         root = handle
-        while (parent := tree.parent(root)) != -1:
+        while (parent := tree.parent(root)) != NO_NODE:
             root = parent
         return self._ns_by_root.get(root)
 
@@ -737,9 +738,9 @@ class HiRadixCacheBase(BasePrefixCache):
         tree = self.tree
         key = tree.key(handle).astype(np.int64)
         parent = tree.parent(handle)
-        if not self.is_eagle or parent == -1:
+        if not self.is_eagle or parent == NO_NODE:
             return key
-        prev = self.namespace_parts(parent)[2] if tree.parent(parent) == -1 else int(tree.key(parent)[-1])
+        prev = self.namespace_parts(parent)[2] if tree.parent(parent) == NO_NODE else int(tree.key(parent)[-1])
         return np.concatenate((np.array([prev], dtype=np.int64), key))
 
     def node_radix_key(self, handle: int) -> Any:
@@ -750,7 +751,7 @@ class HiRadixCacheBase(BasePrefixCache):
         return RadixKey(tokens, extra_key, is_bigram=self.is_eagle and len(tokens) > 0, cache_salt=cache_salt)
 
     def is_root(self, node: Any) -> bool:
-        return self.tree.parent(self._handle(node)) == -1
+        return self.tree.parent(self._handle(node)) == NO_NODE
 
     def is_evicted(self, handle: int) -> bool:
         return bool(self.tree.is_evicted(handle))
@@ -1080,7 +1081,7 @@ class HiRadixCacheBase(BasePrefixCache):
         if mount == self.root_handle or not len(tokens):
             return None
         parent = tree.parent(mount)
-        boundary = self.namespace_parts(mount)[2] if parent == -1 else int(tree.key(mount)[-1])
+        boundary = self.namespace_parts(mount)[2] if parent == NO_NODE else int(tree.key(mount)[-1])
         return tokens[1:] if int(tokens[0]) == boundary else None
 
     def check_prefetch_progress(self, req_id: str) -> bool:
@@ -1159,7 +1160,7 @@ class HiRadixCacheBase(BasePrefixCache):
         while stack:
             h = stack.pop()
             v = self.tree.value(h)
-            if v is not None and self.tree.parent(h) != -1:
+            if v is not None and self.tree.parent(h) != NO_NODE:
                 out.append(v)
             stack.extend(self.tree.children(h))
         if not out:

@@ -75,7 +75,7 @@ from sglang.srt.disaggregation.kv_events import (
 )
 
 import hiradix
-from hiradix.tree._results import Change
+from hiradix.tree._results import NO_NODE, Change
 
 __all__ = ["KVEventLog", "block_ids", "event_format", "salt_seed"]
 
@@ -311,7 +311,7 @@ class KVEventLog:
             raise RuntimeError(f"hiradix.sglang events: node {node} was deleted before its events were made")
         parent = tree.parent(node)
         key = tree.key(node).astype(np.int64)
-        if tree.parent(parent) == -1:  # below a (namespace) root: the chain starts here
+        if tree.parent(parent) == NO_NODE:  # below a (namespace) root: the chain starts here
             extra_key, salt, first = cache.namespace_parts(parent)
             prior = salt_seed(salt) if salt is not None else None
             parent_id = None

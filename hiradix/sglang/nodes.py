@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hiradix.tree import NO_NODE
+
 if TYPE_CHECKING:
     from hiradix.sglang.cache import HiRadixCacheBase as HiRadixCache
 
@@ -63,7 +65,7 @@ class TreeNode:
         """The parent view; ``None`` for the global root. A namespace root's parent is the
         global root, as SGLang's per-namespace subtrees hang from its one root."""
         p = self._tree.parent(self.id)
-        if p != -1:
+        if p != NO_NODE:
             return self._cache.node_view(p)
         return None if self.id == self._cache.root_handle else self._cache.root_node
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hiradix import _native
-from hiradix.tree._results import Change, IOStatus, LockError
+from hiradix.tree._results import NO_NODE, Change, IOStatus, LockError
 from hiradix.tree.policy import EvictionPolicy, get_policy, policy_names, register_policy
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ else:
 
 __all__ = [
     "IMPLEMENTATION",
+    "NO_NODE",
     "ROOT",
     "Change",
     "EvictionPolicy",

@@ -42,6 +42,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from hiradix.tree._results import (
+    NO_NODE,
     Change,
     EvictHostResult,
     EvictResult,
@@ -1206,7 +1207,7 @@ class HiRadixTree:
     def parent(self, node: int) -> int:
         """Parent handle, or -1 for a root. ``O(1)``."""
         p = self._node(node).parent
-        return -1 if p is None else p.handle
+        return NO_NODE if p is None else p.handle
 
     def children(self, node: int) -> list[int]:
         """Child handles, oldest first: the order of SGLang's ``children`` dict (a new

@@ -17,6 +17,11 @@ import numpy.typing as npt
 IndexArray = npt.NDArray[np.int64]
 
 
+#: What :meth:`HiRadixTree.parent` answers for a root (the tree's or a namespace's), and
+#: what a request's ``last_node`` holds before it matched anything: no node.
+NO_NODE = -1
+
+
 class IOStatus(enum.IntEnum):
     """Transfer state of a node, as ``HiRadixTree.io_status`` reports it (SGLang's
     ``tree_v2`` ``IOStatus``). The values are the core's ``IO_*`` constants."""
