@@ -482,32 +482,16 @@ class HiRadixCache:
         ctrl = self.cache_controller
         if sizes is None:
             sizes = [tree.key_len(n) for n in nodes]
-        slots, whole = ctrl.alloc_host_arrays(sizes)
-        if whole is None and any(s is None for s in slots):  # agreed: the same on every rank, as the eviction
-            failed = [i for i, s in enumerate(slots) if s is None]
-            self.evict_host(sum(sizes[i] for i in failed))
-            for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed])[0], strict=True):
-                slots[i] = s
-            lost = sum(sizes[i] for i, s in enumerate(slots) if s is None)
-            if lost:
-                self._stats["host_alloc_failed_tokens"] += lost
-                keep = [i for i, s in enumerate(slots) if s is not None]
-                nodes, sizes, slots = [nodes[i] for i in keep], [sizes[i] for i in keep], [slots[i] for i in keep]
-                if not nodes:
-                    return 0
-        hosts: list[np.ndarray] = slots  # type: ignore[assignment]  # none is None from here on
-        host = whole if whole is not None else np.concatenate(hosts)
+        got = self._host_slots_for(nodes, sizes)
+        if got is None:
+            return 0
+        nodes, sizes, hosts, host = got
         device, started = tree.begin_backups(nodes, host)
         if not all(started):  # below a node that got no slots: left as it was
-            for s, go, n in zip(hosts, started, sizes, strict=True):
-                if not go:
-                    self.host_pool.free(s)
-                    self._stats["host_alloc_failed_tokens"] += n
-            keep = [i for i, go in enumerate(started) if go]
-            if not keep:
+            kept = self._drop_unstarted(nodes, sizes, hosts, started)
+            if kept is None:
                 return 0
-            nodes, sizes, hosts = [nodes[i] for i in keep], [sizes[i] for i in keep], [hosts[i] for i in keep]
-            host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+            nodes, sizes, hosts, host = kept
         tokens = sum(sizes)
         if now and not self._observers and ctrl.writes_now:
             self._stats["backup_started_tokens"] += tokens
@@ -523,6 +507,48 @@ class HiRadixCache:
         ctrl.start_writing()
         self._stats["backup_started_tokens"] += tokens
         return tokens
+
+    def _host_slots_for(
+        self, nodes: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[Sequence[int], Sequence[int], list[np.ndarray], np.ndarray] | None:
+        """Host slots for the backups of ``nodes`` (``sizes`` tokens each), agreed across
+        ranks; those that failed anywhere get one retry after evicting that many host
+        tokens, and the nodes still without slots are dropped (counted as failed). Returns
+        the nodes, sizes and slots kept and all their slots as one array, or ``None`` if no
+        node got slots."""
+        ctrl = self.cache_controller
+        slots, whole = ctrl.alloc_host_arrays(sizes)
+        if whole is None and any(s is None for s in slots):  # agreed: the same on every rank, as the eviction
+            failed = [i for i, s in enumerate(slots) if s is None]
+            self.evict_host(sum(sizes[i] for i in failed))
+            for i, s in zip(failed, ctrl.alloc_host_arrays([sizes[i] for i in failed])[0], strict=True):
+                slots[i] = s
+            lost = sum(sizes[i] for i, s in enumerate(slots) if s is None)
+            if lost:
+                self._stats["host_alloc_failed_tokens"] += lost
+                keep = [i for i, s in enumerate(slots) if s is not None]
+                if not keep:
+                    return None
+                nodes, sizes, slots = [nodes[i] for i in keep], [sizes[i] for i in keep], [slots[i] for i in keep]
+        hosts: list[np.ndarray] = slots  # type: ignore[assignment]  # none is None from here on
+        return nodes, sizes, hosts, whole if whole is not None else np.concatenate(hosts)
+
+    def _drop_unstarted(
+        self, nodes: Sequence[int], sizes: Sequence[int], hosts: list[np.ndarray], started: Sequence[bool]
+    ) -> tuple[Sequence[int], Sequence[int], list[np.ndarray], np.ndarray] | None:
+        """After ``begin_backups``: free the host slots of the backups that did not start
+        (below a node that got no slots) and count them as failed; the rest as
+        :meth:`_host_slots_for` returns them, or ``None`` if none started."""
+        for s, go, n in zip(hosts, started, sizes, strict=True):
+            if not go:
+                self.host_pool.free(s)
+                self._stats["host_alloc_failed_tokens"] += n
+        keep = [i for i, go in enumerate(started) if go]
+        if not keep:
+            return None
+        hosts = [hosts[i] for i in keep]
+        host = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+        return [nodes[i] for i in keep], [sizes[i] for i in keep], hosts, host
 
     def writing_check(self, write_back: bool = False) -> None:
         """Complete the backups every rank has finished (all of them with ``write_back``),
