@@ -4,11 +4,14 @@
 the three-tier :class:`~hiradix.cache.HiRadixCache` (L3: in-memory storage by default),
 prints hit rates per tier against the infinite-capacity ideal (see
 :mod:`hiradix.sim.replay` for the definitions) and the estimated TTFT (see
-:mod:`hiradix.sim.timing`), and optionally writes JSON, PNG plots and an HTML report.
+:mod:`hiradix.sim.timing`), with one ``finding`` line for each tier that makes TTFT worse
+than the layout without it (:mod:`hiradix.sim.advice`), and optionally writes JSON, PNG
+plots and an HTML report.
 ``hiradix sweep`` (also spelled ``hiradix sim sweep``) replays one workload over a grid
 of capacities and policies on every core. ``hiradix plan`` computes the hit rate at every
 capacity from one pass over a trace (:mod:`hiradix.sim.curve`) and the cheapest tier
-sizes for a target hit rate. ``hiradix peer serve|status`` runs or inspects a peer-cache
+sizes for a target hit rate, with each layout's estimated TTFT and the same findings.
+``hiradix peer serve|status`` runs or inspects a peer-cache
 node. Run ``hiradix sim --help``.
 
 Bad input (an unreadable or malformed trace, a bad option) ends with a one-line error on
@@ -32,6 +35,7 @@ import hiradix
 from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.sim import TraceError
+from hiradix.sim.advice import PLAN_REMEDIES, Finding, explain, ttft_metrics
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
 from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
@@ -722,8 +726,9 @@ def _add_plan_parser(commands: Any) -> None:
             "Compute the LRU hit rate of the tree at every capacity from one pass over a workload "
             "(LRU stack positions over pages; see hiradix.sim.curve for when this is exact), print it "
             "at round sizes with the knee of the curve, and the cheapest device / host / L3 sizes "
-            "that reach a target token hit rate at the given prices per GiB. Tiers are inclusive: "
-            "each holds what the tiers above it hold."
+            "that reach a target token hit rate at the given prices per GiB, with each layout's estimated "
+            "TTFT and a finding line where a tier makes it worse than the same sizes without that tier. "
+            "Tiers are inclusive: each holds what the tiers above it hold."
         ),
         epilog=_EPILOG
         + "Example: hiradix plan --trace conversation_trace.jsonl --target-hit-rate 35%% --prices l3=5 --plot c.png",
@@ -751,8 +756,10 @@ def _add_plan_parser(commands: Any) -> None:
         "--l3-link",
         choices=["rdma", "tcp", "disk"],
         default="tcp",
-        help="the L3 link for --target-p90-ttft (default: tcp, what the peer cache runs on today)",
+        help="the L3 link of the TTFT estimates and --target-p90-ttft (default: tcp, what the peer cache runs "
+        "on today)",
     )
+    group.add_argument("--l3-gbps", metavar="GB/S", type=_positive("bandwidth"), help="override the L3 link GB/s")
     group.add_argument(
         "--prices",
         metavar="TIER=PRICE,...",
@@ -807,10 +814,13 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         wall = time.perf_counter() - start
         target = args.target_hit_rate or 0.9 * curve.ideal_token_hit_rate
+        l3_link = LINKS[args.l3_link]
+        if args.l3_gbps is not None:
+            l3_link = Link(l3_link.name, args.l3_gbps, l3_link.latency_us)
+        timing = TimingModel(model=model, tp=args.tp, l3=l3_link)
         if args.target_p90_ttft is not None:
             if args.target_hit_rate is not None:
                 raise _UsageError("give --target-hit-rate or --target-p90-ttft, not both")
-            timing = TimingModel(model=model, tp=args.tp, l3=LINKS[args.l3_link])
             plans = recommend_for_ttft(
                 curve, timing, args.target_p90_ttft, bytes_per_token=bpt, prices=args.prices,
                 min_device_tokens=args.min_device_tokens,
@@ -878,21 +888,30 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(
         f"  {'layout':<15} {'device':>7} {'host':>7} {'L3':>7} {'dev hit':>8} {'host hit':>8} {'L3 hit':>7} "
-        f"{'total':>7} {'GiB dev/host/L3':>24} {'cost':>12}"
+        f"{'total':>7} {'GiB dev/host/L3':>24} {'cost':>12}  estimated TTFT (idle GPU)"
     )
-    for plan in plans:
+    checked = [_plan_ttft(curve, timing, plan) for plan in plans]
+    for plan, (metrics, _) in zip(plans, checked, strict=True):
         gibs = f"{plan.device_gib:,.0f}/{plan.host_gib:,.0f}/{plan.l3_gib:,.0f}"
         print(
             f"  {plan.layout:<15} {format_size(plan.device_tokens):>7} {format_size(plan.host_tokens):>7} "
             f"{format_size(plan.l3_tokens):>7} {plan.device_hit_rate:>8.2%} {plan.host_hit_rate:>8.2%} "
             f"{plan.l3_hit_rate:>7.2%} {plan.hit_rate:>7.2%} {gibs:>24} {plan.cost:>12,.0f}"
-            + (f"  p90 TTFT {plan.ttft_s:.3g} s" if plan.ttft_s is not None else "")
+            f"  p90 TTFT {metrics['p90']:.3g} s, mean {metrics['mean']:.3g} s"
         )
+    no_cache_ttft = ttft_metrics(curve.ttft(timing, 0))
+    print(
+        f"  {'no cache':<15} {'':>7} {'':>7} {'':>7} {'':>8} {'':>8} {'':>7} {0:>7.2%} {'':>24} {'':>12}"
+        f"  p90 TTFT {no_cache_ttft['p90']:.3g} s, mean {no_cache_ttft['mean']:.3g} s"
+    )
     best = plans[0]
     print(
         f"  recommended: {best.layout}, device {format_size(best.device_tokens)}, host "
         f"{format_size(best.host_tokens)}, L3 {format_size(best.l3_tokens)} tokens, cost {best.cost:,.0f}"
     )
+    for plan, (_, found) in zip(plans, checked, strict=True):
+        for finding in found:
+            print(f"  finding: {plan.layout}: {finding.line()}")
     try:
         if args.json is not None:
             data = {
@@ -906,7 +925,11 @@ def run_plan(args: argparse.Namespace) -> int:
                 "target_p90_ttft_s": args.target_p90_ttft,
                 "prices": prices,
                 "curve": curve.to_dict(),
-                "plans": [p.to_dict() for p in plans],
+                "no_cache_ttft_s": no_cache_ttft,
+                "plans": [
+                    {**p.to_dict(), "ttft_s_metrics": metrics, "findings": [f.to_dict() for f in found]}
+                    for p, (metrics, found) in zip(plans, checked, strict=True)
+                ],
             }
             args.json.write_text(json.dumps(data, indent=2) + "\n")
         if args.plot is not None:
@@ -918,6 +941,17 @@ def run_plan(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("plan", f"cannot write {exc.filename}: {exc.strerror or exc}")
     return 0
+
+
+def _plan_ttft(curve: Any, timing: TimingModel, plan: Any) -> tuple[dict[str, float], list[Finding]]:
+    """A plan's estimated TTFT (mean, p50, p90, p99 in seconds, :meth:`CapacityCurve.ttft`)
+    and the tiers of it that make TTFT worse than the same sizes without them
+    (:func:`hiradix.sim.advice.explain`). ``O(pages)``."""
+    device = curve.request_hit_tokens(plan.device_tokens)
+    host = curve.request_hit_tokens(max(plan.device_tokens, plan.host_tokens))
+    top = curve.request_hit_tokens(max(plan.device_tokens, plan.host_tokens, plan.l3_tokens))
+    hits = (curve.request_inputs, device, host - device, top - host)
+    return ttft_metrics(timing.ttft(*hits)), explain(timing, *hits, remedies=PLAN_REMEDIES)
 
 
 def main(argv: list[str] | None = None) -> int:

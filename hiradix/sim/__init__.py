@@ -5,7 +5,8 @@
   (system prompts, chats, agent loops) and from the Azure arrival/length traces.
 * :mod:`hiradix.sim.replay` replays requests through the tree with one slot pool per tier
   and counts hits per tier against the infinite-capacity ideal.
-* :mod:`hiradix.sim.timing` turns the hits into TTFT, throughput and bytes moved.
+* :mod:`hiradix.sim.timing` turns the hits into TTFT, throughput and bytes moved;
+  :mod:`hiradix.sim.advice` says where a tier makes TTFT worse, why, and what would change it.
 * :mod:`hiradix.sim.run` ties a workload, the replayer and the timing model together;
   :mod:`hiradix.sim.report` writes the summary, JSON, plots and HTML;
   :mod:`hiradix.sim.sweep` runs grids of configurations on every core.

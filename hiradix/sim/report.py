@@ -1,5 +1,9 @@
 """Outputs of a simulation run: the summary table, JSON, PNG plots and an HTML report.
 
+Each carries the run's findings (:func:`findings`, :mod:`hiradix.sim.advice`): one line
+for each tier that makes the estimated TTFT worse than the layout without it, with the
+reason and the options that would change it (the TTFT CDF plot in a shorter form).
+
 All functions take a :class:`~hiradix.sim.run.SimResult`. Plots use matplotlib's
 object API on the Agg canvas (no pyplot, no display, no global backend switch), so they
 work headless and in worker processes. The HTML report is one self-contained file:
@@ -19,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import hiradix
+from hiradix.sim.advice import Finding, explain
 from hiradix.sim.config import format_gib, format_tokens
 from hiradix.sim.run import SimResult
 from hiradix.sim.timing import SCENARIOS
@@ -81,9 +86,16 @@ def source_name(result: SimResult) -> str:
     return f"{w['workload']} workload (seed {w['seed']})"
 
 
+def findings(result: SimResult) -> list[Finding]:
+    """The tiers that make this run's estimated TTFT worse than the layout without them,
+    with why and what would change it (:func:`hiradix.sim.advice.explain`)."""
+    tl = result.timeline
+    return explain(result.timing.timing, tl["input_tokens"], tl["device_hit"], tl["host_hit"], tl["l3_hit"])
+
+
 def to_json(result: SimResult) -> dict[str, Any]:
     """The run as JSON-ready data: workload, configuration, counters and rates, timing
-    per scenario, bytes moved per tier, prefetch outcomes, wall time."""
+    per scenario, the findings on them, bytes moved per tier, prefetch outcomes, wall time."""
     stats, timing = result.stats, result.timing
     rates = stats.rates()
     return {
@@ -102,6 +114,7 @@ def to_json(result: SimResult) -> dict[str, Any]:
             "blocks": rates["block_hit_rate"] / rates["ideal_block_hit_rate"] if stats.ideal_hit_blocks else None,
         },
         "timing": {"model": timing.timing.describe(), "scenarios": timing.summary()},
+        "findings": [f.to_dict() for f in findings(result)],
         "bytes_moved": timing.timing.bytes_moved(stats),
         "prefetch": _prefetch(result),
         "wall_s": result.wall_s,
@@ -208,6 +221,7 @@ def _timing_lines(result: SimResult) -> list[str]:
             f"  {SCENARIO_LABELS[name]:<14}{_ms(s['p50_s']):>12}{_ms(s['p90_s']):>12}{_ms(s['p99_s']):>12}"
             f"{_ms(s['mean_s']):>12}{s['throughput_tokens_per_s']:>16,.0f}"
         )
+    lines += [f"  finding       {f.line()}" for f in findings(result)]
     moved = model.bytes_moved(result.stats)
     lines.append(
         f"  bytes moved   host to device {format_bytes(moved['host_to_device'])}, device to host "
@@ -328,6 +342,10 @@ def plot_ttft_cdf(result: SimResult) -> Any:
     if hi > 0:
         ax.set_xlim(lo * 1000 / 1.2, hi * 1000 * 1.2)
     ax.set(xlabel="estimated TTFT (ms, log scale)", ylabel="fraction of requests", ylim=(0, 1))
+    notes = [f.short() for f in findings(result)]
+    if notes:  # top left: the curves reach the top at the right
+        ax.text(0.01, 0.98, "\n".join(notes), transform=ax.transAxes, va="top", ha="left", fontsize="small",
+                wrap=True, bbox={"boxstyle": "round", "facecolor": "#fff4e5", "edgecolor": "#f0a020"})  # fmt: skip
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3, which="both")
     _titled(fig, f"TTFT CDF ({result.timing.timing.model.name}, idle-GPU service time)", result)
@@ -412,7 +430,7 @@ table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
 caption { text-align: left; font-weight: 600; padding-bottom: 0.3em; }
 td, th { padding: 0.2em 0.8em; text-align: right; font-variant-numeric: tabular-nums; }
 th { border-bottom: 1px solid #999; } td:first-child, th:first-child { text-align: left; }
-.warning { background: #fff4e5; border-left: 4px solid #f0a020; padding: 0.5em 1em; }
+.warning, .finding { background: #fff4e5; border-left: 4px solid #f0a020; padding: 0.5em 1em; }
 """
 
 _CAPTIONS = {
@@ -498,6 +516,7 @@ def html_report(result: SimResult, rendered: dict[str, bytes] | None = None) -> 
         for name, s in data["timing"]["scenarios"].items()
     ]  # fmt: skip
     warnings_html = "".join(f"<p class='warning'>Warning: {html.escape(w)}</p>" for w in result.warnings)
+    findings_html = "".join(f"<p class='finding'>Finding: {html.escape(f['text'])}</p>" for f in data["findings"])
     images = "".join(
         f"<figure><img alt='{html.escape(name.replace('_', ' '))}' "
         f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
@@ -515,6 +534,7 @@ def html_report(result: SimResult, rendered: dict[str, bytes] | None = None) -> 
         + _table("Transfers and evictions (bytes summed over ranks)", ["what", "tokens", "bytes"], transfer_rows)
         + _table(f"Estimated TTFT ({result.timing.timing.model.name}, idle GPU)",
                  ["scenario", "p50", "p90", "p99", "mean", "prefill tokens/s"], ttft_rows)
+        + findings_html
         + f"<h2>Plots</h2>{images}"
         f"<details><summary>Text summary</summary><pre>{html.escape(summary(result))}</pre></details>"
         f"<details><summary>JSON</summary><pre>{html.escape(json.dumps(data, indent=2))}</pre></details>"

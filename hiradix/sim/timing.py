@@ -66,6 +66,8 @@ and ``no_cache`` (everything recomputed). Dropping a lower tier does not change 
 device holds (a loaded-back or recomputed prefix lands on the device either way), so
 these counterfactuals are exact for the same device capacity. *Throughput* is prompt
 tokens over the summed TTFT of a scenario: what one serial prefill engine sustains.
+A lower tier pays only while moving a token's KV is faster than recomputing it: where
+one does not, :mod:`hiradix.sim.advice` says so, with the break-even link bandwidth.
 
 Bytes moved per tier are counted from the replay's totals: host -> device (load back),
 device -> host (backup), L3 -> host (L3 hits) and host -> L3 (L3 writes).
