@@ -14,6 +14,8 @@ from support import OPS
 from hiradix.cache import HiRadixCache
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape, MLAShape
 
+pytestmark = pytest.mark.slow  # long randomized cache runs with faults
+
 STEPS = 1500
 
 CASES = [

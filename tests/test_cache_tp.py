@@ -13,6 +13,8 @@ import torch.distributed as dist
 import tp_worker
 from support import OPS, run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process tensor-parallel caches
+
 WORLD = 2
 TIMEOUT_S = 240  # the run takes seconds; past this it has hung
 

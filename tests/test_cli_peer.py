@@ -6,6 +6,8 @@ import pytest
 
 from hiradix.cli import main
 
+pytestmark = pytest.mark.slow  # peer nodes as subprocesses of the command line
+
 
 def test_peer_help_is_reachable_from_hiradix(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -22,7 +22,7 @@ import pytest
 HARNESS = Path(__file__).resolve().parent.parent / "bench" / "fault_harness.py"
 HARD_DEADLINE_S = 60  # the harness's own budget is lower, so it stops first and says why
 
-pytestmark = pytest.mark.timeout(HARD_DEADLINE_S + 30)
+pytestmark = [pytest.mark.timeout(HARD_DEADLINE_S + 30), pytest.mark.slow]  # slow: the fault harness's timed scenarios
 
 
 def test_short_fault_run_reads_no_wrong_bytes_and_recovers(tmp_path: Path) -> None:

@@ -51,6 +51,8 @@ from support import (
 from hiradix.tree._results import LockError
 from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
+pytestmark = pytest.mark.slow  # hypothesis state machines, compiled core against the twin
+
 PAGE_SIZES = (1, 4, 16)
 NAMESPACES = (None, "tenant-a", "tenant-b")
 MAX_EXAMPLES = int(os.environ.get("HIRADIX_PARITY_MAX_EXAMPLES", "6"))

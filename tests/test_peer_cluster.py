@@ -30,6 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from hiradix._ports import reusable_port
 from hiradix.net.rpc import RpcClient
 
+pytestmark = pytest.mark.slow  # in-process peer clusters over TCP
+
 PAGE = 16 << 10
 LIFETIME = 90  # seconds a node process may live at most, whatever happens to the test
 HEARTBEAT = 0.2  # a silent member dies after 3 periods

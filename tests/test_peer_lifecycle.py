@@ -25,6 +25,8 @@ from hiradix.peer.node import InProcessCluster, PeerNode
 from hiradix.peer.ring import HashRing
 from hiradix.transport.fake import FakeClock
 
+pytestmark = pytest.mark.slow  # peer nodes joining, leaving and restarting
+
 PAGE = 4096
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytestmark = pytest.mark.slow  # network namespaces and subprocess nodes
+
 A_ADDR, B_ADDR = "10.213.0.1", "10.213.0.2"
 LIFETIME = 60
 

@@ -25,6 +25,8 @@ from hiradix.peer.store import PeerCacheStore
 from hiradix.transport.base import Status
 from hiradix.transport.fake import FakeFabric
 
+pytestmark = pytest.mark.slow  # peer clusters under concurrent readers, writers and failures
+
 PAGE = 4096
 
 

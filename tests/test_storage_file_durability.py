@@ -23,6 +23,8 @@ import hiradix.storage.file as file_mod
 from hiradix.storage import FileStorage, StorageConfig, StorageError, create_backend
 from hiradix.storage.file import _HDR_SIZE
 
+pytestmark = pytest.mark.slow  # crash and fsync scenarios in subprocesses
+
 REC = _HDR_SIZE + 64 + PAGE  # one uncompressed record of a PAGE-byte page under a 64-char key
 
 

@@ -21,6 +21,8 @@ from hiradix._netns import NO_NETNS, run_in_private_netns
 from hiradix.storage import StorageConfig, StorageError, backend_names, create_backend
 from hiradix.storage.mooncake import MOONCAKE_INSTALL_HINT, mooncake_available
 
+pytestmark = pytest.mark.slow  # a real mooncake_master, also in a private network namespace
+
 HERE = Path(__file__).resolve().parent
 WHY_NOT = mooncake_available()
 needs_wheel = pytest.mark.skipif(

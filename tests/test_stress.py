@@ -42,6 +42,8 @@ from support import (
 
 from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
+pytestmark = pytest.mark.slow  # long randomized tree runs, invariants after every step
+
 SCALE = float(os.environ.get("HIRADIX_STRESS_SCALE", "1"))
 STEPS = {"reference": 1200, "lockstep": 400, "core": 2000}
 LONG_STEPS = {16: 1200, 64: 400}

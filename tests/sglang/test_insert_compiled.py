@@ -12,6 +12,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+pytestmark = pytest.mark.slow  # randomized parity of the compiled insert against the Python one, thousands of steps
+
 compiled = pytest.mark.skipif(insert_parity.COMPILED is None,
                               reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)")
 

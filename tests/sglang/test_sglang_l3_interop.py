@@ -35,6 +35,8 @@ from sglang_env import SHARED
 from hiradix.peer.node import InProcessCluster
 from hiradix.storage import MemoryStorage, page_keys, sglang_key_suffix
 
+pytestmark = pytest.mark.slow  # every layout x backend round trip through stock SGLang
+
 BACKENDS = ["memory", "file", "peer"]
 SHAPES = [(mla, layout) for mla in (False, True) for layout in ("layer_first", "page_first")]
 SHAPE_IDS = [f"{'mla' if mla else 'mha'}-{layout}" for mla, layout in SHAPES]

@@ -22,6 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang_env import Env, record
 from sglang_pools import forward_read
 
+pytestmark = pytest.mark.slow  # randomized scheduler loops over every layout and policy
+
 
 class Loop:
     def __init__(self, env: Env, seed: int) -> None:

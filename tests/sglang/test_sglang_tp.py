@@ -14,6 +14,8 @@ import sglang_env  # noqa: F401  (skips this module without SGLang)
 import torch.distributed as dist
 from support import run_ranks, sglang_pp_tag_rank
 
+pytestmark = pytest.mark.slow  # two-process TP/PP runs over gloo, about a minute each
+
 WORLD = 2
 TIMEOUT_S = 240  # the run takes seconds; past this a collective has hung
 
