@@ -68,7 +68,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "hiradix/_native.py, setup.py"),
     EnvVar("HIRADIX_TRACE", "path", "../shared/traces/conversation_trace.jsonl", "runtime",
            "The Mooncake-format trace `hiradix sim`, `sweep` and `plan` replay when no `--trace` is given "
-           "(the Azure traces are looked up in the same folder).",
+           "(the Azure traces are looked up in the same folder). The default is relative to the checkout, "
+           "not to the working folder.",
            "hiradix/cli.py"),
     EnvVar("HIRADIX_CLUSTER_TOKEN", "text", None, "runtime",
            "The peer cluster's shared secret (at least 16 bytes) for the HMAC handshake of every "

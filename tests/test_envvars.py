@@ -119,5 +119,7 @@ def test_getters_read_the_process_environment_each_call(monkeypatch: pytest.Monk
 def test_the_table_lists_every_variable_once() -> None:
     table = envvars.markdown_table()
     rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert [r.split("`")[1] for r in rows] == [v.name for s in envvars.SCOPES for v in envvars.VARIABLES if v.scope == s]
+    assert [r.split("`")[1] for r in rows] == [
+        v.name for s in envvars.SCOPES for v in envvars.VARIABLES if v.scope == s
+    ]
     assert all(r.count(" | ") == 5 for r in rows)  # no stray "|" splits a cell
