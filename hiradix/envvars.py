@@ -65,12 +65,12 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Use the pure-Python twin of every compiled module (the tree, the row copy, the peer "
            "cache's hashing and slot checks, the TCP data plane, the SGLang match and insert). "
            "At build time, build no extension at all.",
-           "hiradix/_native.py, setup.py"),
+           "hiradix/_native.py, setup.py, tests/support.py"),
     EnvVar("HIRADIX_TRACE", "path", "../shared/traces/conversation_trace.jsonl", "runtime",
            "The Mooncake-format trace `hiradix sim`, `sweep` and `plan` replay when no `--trace` is given "
            "(the Azure traces are looked up in the same folder). The default is relative to the checkout, "
            "not to the working folder.",
-           "hiradix/cli.py"),
+           "hiradix/cli.py, .ci/run"),
     EnvVar("HIRADIX_CLUSTER_TOKEN", "text", None, "runtime",
            "The peer cluster's shared secret (at least 16 bytes) for the HMAC handshake of every "
            "connection. A config's `cluster_token` or `--token-file` takes precedence.",
