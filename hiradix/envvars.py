@@ -66,11 +66,11 @@ VARIABLES: tuple[EnvVar, ...] = (
            "cache's hashing and slot checks, the TCP data plane, the SGLang match and insert). "
            "At build time, build no extension at all.",
            "hiradix/_native.py, setup.py, tests/support.py"),
-    EnvVar("HIRADIX_TRACE", "path", "../shared/traces/conversation_trace.jsonl", "runtime",
+    EnvVar("HIRADIX_TRACE", "path", None, "runtime",
            "The Mooncake-format trace `hiradix sim`, `sweep` and `plan` replay when no `--trace` is given "
-           "(the Azure traces are looked up in the same folder). The default is relative to the checkout, "
-           "not to the working folder.",
-           "hiradix/cli.py, .ci/run"),
+           "(the Azure traces are looked up in the same folder). Unset: the full trace in `../shared/traces/` "
+           "beside a source checkout, else the 1,000-request excerpt installed with the package.",
+           "hiradix/cli.py, .ci/test"),
     EnvVar("HIRADIX_CLUSTER_TOKEN", "text", None, "runtime",
            "The peer cluster's shared secret (at least 16 bytes) for the HMAC handshake of every "
            "connection. A config's `cluster_token` or `--token-file` takes precedence.",
@@ -92,7 +92,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "hiradix/memory/kernel.py"),
     EnvVar("HIRADIX_SGLANG_ANY_VERSION", "flag", "0", "runtime",
            "Let the SGLang plugin and adapter load on an SGLang version they do not support.",
-           "hiradix/_sglang_plugin.py"),
+           "hiradix/_sglang_versions.py"),
     # ------------------------------------------------------------------ build
     EnvVar("HIRADIX_CYTHON_DEBUG", "flag", "0", "build",
            "Build the extensions with bounds checks, initialized checks and line tracing, at -O0 -g.",
@@ -137,16 +137,15 @@ VARIABLES: tuple[EnvVar, ...] = (
            "stock SGLang's hierarchical cache run in a CPU server.",
            "tests/e2e/inject/sitecustomize.py"),
     # ------------------------------------------------------------------ bench
-    EnvVar("HIRADIX_SGLANG_VENVS", "path", "/work/venvs", "bench",
-           "Folder of the SGLang baseline venvs `bench/tree_ops.py` runs (made by `bench/setup_sglang.sh`).",
-           "bench/tree_ops.py"),
-    EnvVar("SGLANG_VENV_ROOT", "path", "/work/venvs", "bench",
-           "Where `bench/setup_sglang.sh` makes the SGLang baseline venvs (`SGLANG_018_VENV`, "
-           "`SGLANG_023_VENV`, `SGLANG_STUBS` and `PYTHON` override single paths).",
-           "bench/setup_sglang.sh"),
-    EnvVar("PEERCACHE_PYTHON", "path", "/work/venvs/peercache/bin/python", "bench",
+    EnvVar("HIRADIX_BENCH_VENVS", "path", ".bench-venvs", "bench",
+           "Folder of the baseline venvs the benchmarks compare against (SGLang's trees for "
+           "`bench/tree_ops.py`, made by `bench/setup_sglang.sh`; PeerCache and Mooncake for `bench/peer.py`). "
+           "The default is in the checkout. `bench/setup_sglang.sh` also reads `SGLANG_018_VENV`, "
+           "`SGLANG_023_VENV`, `SGLANG_STUBS` and `PYTHON` for single paths.",
+           "bench/tree_ops.py, bench/peer.py, bench/setup_sglang.sh"),
+    EnvVar("PEERCACHE_PYTHON", "path", "$HIRADIX_BENCH_VENVS/peercache/bin/python", "bench",
            "The Python with PeerCache installed, for `bench/peer.py`'s comparison.", "bench/peer.py"),
-    EnvVar("MOONCAKE_PYTHON", "path", "/work/venvs/mooncake/bin/python", "bench",
+    EnvVar("MOONCAKE_PYTHON", "path", "$HIRADIX_BENCH_VENVS/mooncake/bin/python", "bench",
            "The Python with Mooncake installed, for `bench/peer.py`'s comparison.", "bench/peer.py"),
     EnvVar("MOONCAKE_MASTER_LOG", "path", "/tmp/mooncake_master.log", "bench",
            "Log file of the `mooncake_master` that `bench/peer_others.py` starts.", "bench/peer_others.py"),

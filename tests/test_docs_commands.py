@@ -15,7 +15,8 @@ hiradix owns is checked without running it:
 - ``python -m pytest PATH ...``: every test path shown exists.
 
 Anything else (pip, git, export, SGLang's own server, .ci/run) is not hiradix's to check.
-README's relative links are checked to exist as well.
+README's relative links, and every repository path a document names in backticks, are
+checked to exist as well.
 """
 
 from __future__ import annotations
@@ -272,6 +273,19 @@ def test_readme_links_point_at_files() -> None:
         if "://" not in target and not (REPO / target).exists():
             broken.append(target)
     assert not broken, f"README.md links to missing files: {broken}"
+
+
+def test_repository_paths_named_in_the_documents_exist() -> None:
+    """A file or folder of the repository named in backticks (`hiradix/cli.py`,
+    `tests/e2e`, `bench/RESULTS_sim.md`) exists, so moved code leaves no stale pointers."""
+    named = re.compile(r"`((?:hiradix|tests|bench|examples|requirements|\.ci|docs)/[^`\s*{<]*)`")
+    missing = []
+    for doc in _documents():
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for path in named.findall(line):
+                if not (REPO / path.rstrip("/").split("::")[0]).exists():
+                    missing.append(f"{doc.relative_to(REPO)}:{number}: {path}")
+    assert not missing, "the documents name paths that do not exist:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize(
