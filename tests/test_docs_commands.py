@@ -241,6 +241,7 @@ def test_modules_and_test_paths_exist() -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow  # imports every benchmark script in a subprocess: 10 to 20 s
 def test_scripts_parse_their_arguments_as_printed() -> None:
     scripts = [(cmd, args) for cmd, (kind, args) in CHECKED if kind == "script"]
     failures = [f"{cmd.where()}\n    no such script" for cmd, args in scripts if not (REPO / args[0]).is_file()]
