@@ -12,9 +12,10 @@ one switch, one place, for all of them.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from types import ModuleType
+
+from hiradix import envvars
 
 __all__ = ["TWINS", "Twin", "load", "pure_python"]
 
@@ -57,7 +58,7 @@ _NAMES = frozenset(t.compiled for t in TWINS)
 
 def pure_python() -> bool:
     """Whether ``HIRADIX_PUREPYTHON`` asks for the pure-Python twins everywhere."""
-    return os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0")
+    return envvars.flag("HIRADIX_PUREPYTHON")
 
 
 def load(name: str) -> ModuleType | None:

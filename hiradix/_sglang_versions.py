@@ -7,8 +7,9 @@ anything of SGLang's, and :mod:`hiradix.sglang` checks it first thing on import.
 
 from __future__ import annotations
 
-import os
 from importlib import metadata
+
+from hiradix import envvars
 
 __all__ = ["SUPPORTED_VERSIONS", "TESTED_VERSIONS", "UnsupportedSGLang", "check_sglang_version"]
 
@@ -40,7 +41,7 @@ def check_sglang_version() -> str:
             f"hiradix.sglang needs SGLang ({want}); it is not installed: pip install 'sglang=={SUPPORTED_VERSIONS[-1]}'"
         ) from None
     base = version.split("+")[0]
-    if base not in SUPPORTED_VERSIONS and os.environ.get(_OVERRIDE, "") in ("", "0"):
+    if base not in SUPPORTED_VERSIONS and not envvars.flag(_OVERRIDE):
         raise UnsupportedSGLang(
             f"hiradix.sglang supports SGLang {want} (tested: {', '.join(TESTED_VERSIONS)}); "
             f"SGLang {version} is installed. Set {_OVERRIDE}=1 to try it anyway."

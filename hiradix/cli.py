@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 import hiradix
+from hiradix import envvars
 from hiradix.cache.l3 import PREFETCH_POLICIES
 from hiradix.peer.cli import add_subparsers as add_peer_subparsers
 from hiradix.sim import TraceError
@@ -57,9 +57,9 @@ TRACE_ENV = "HIRADIX_TRACE"
 def default_trace() -> Path:
     """The trace read when ``--trace`` is not given: ``$HIRADIX_TRACE``, else the full trace
     beside a source checkout, else the bundled excerpt."""
-    env = os.environ.get(TRACE_ENV)
-    if env:
-        return Path(env)
+    env = envvars.path(TRACE_ENV)
+    if env is not None:
+        return env
     return SHARED_TRACE if SHARED_TRACE.is_file() else BUNDLED_TRACE
 
 

@@ -5,7 +5,7 @@ sglang.launch_server``): a flag SGLang's parser refuses fails the test that uses
 
 Two exceptions, values only Python can give, are set on the parsed object instead:
 hiradix's own storage names (``memory``, ``peer``, ``sglang:NAME``), which are not among
-the parser's fixed ``--hicache-storage-backend`` choices (README documents them as working
+the parser's fixed ``--hicache-storage-backend`` choices (docs/sglang/options.md documents them as working
 only where ``ServerArgs`` is built in Python), and a fractional ``--hicache-size`` (whole
 GB on the command line; the tests size host pools in kilobytes).
 """

@@ -1,6 +1,6 @@
-"""The server flags README documents, through SGLang's own command line (tests collected by
-the 0.5.18/0.5.20 and the 0.5.23 suites): what README prints is accepted as printed, and
-what SGLang's parser refuses fails (:mod:`sglang_args`)."""
+"""The server flags README and docs/ (sglang/, storage.md) document, through SGLang's own
+command line (tests collected by the 0.5.18/0.5.20 and the 0.5.23 suites): what they print
+is accepted as printed, and what SGLang's parser refuses fails (:mod:`sglang_args`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from sglang_args import ParserRefused, parse
 
 BASE = ["--model-path", "dummy", "--device", "cpu"]
-#: README's "Use it in SGLang" command, and the storage flags of its L3 section.
+#: README's "Use it in SGLang" command, and the storage flags of docs/storage.md.
 HEADLINE = ["--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--hicache-ratio", "2",
             "--hicache-mem-layout", "page_first", "--hicache-write-policy", "write_through"]
 STORAGE = {
@@ -33,7 +33,7 @@ def test_readmes_flags_pass_as_printed() -> None:
 
 
 def test_hiradix_only_names_are_refused_by_sglangs_parser() -> None:
-    """README says so: ``memory``, ``peer`` and ``sglang:NAME`` work only where
+    """docs/sglang/options.md says so: ``memory``, ``peer`` and ``sglang:NAME`` work only where
     ``ServerArgs`` is built in Python; on a command line, ``dynamic`` (above)."""
     for name in ("peer", "memory", "sglang:file"):
         with pytest.raises(ParserRefused, match="invalid choice"):

@@ -20,8 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hiradix"
 
 LAYERS: list[tuple[str, ...]] = [
+    # the one reader of environment variables (imports nothing of hiradix: setup.py and
+    # the documentation build load it by path)
+    ("envvars",),
     # helpers of the whole package: the compiled/twin switch, settings, ports, namespaces
-    ("_native", "settings", "envvars", "_ports", "_netns", "_sglang_versions"),
+    ("_native", "settings", "_ports", "_netns", "_sglang_versions"),
     # the radix tree; KV memory (pools, allocator, copy engines); authenticated connections
     ("tree", "memory", "net"),
     # the L3 storage seam and its local backends; one-sided read transports
@@ -136,3 +139,8 @@ def test_no_private_function_is_called_from_another_module() -> None:
             owners = ", ".join(sorted(str(p.relative_to(ROOT)) for p in defined[node.attr]))
             bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} (defined in {owners})")
     assert not bad, "private functions used across modules:\n" + "\n".join(bad)
+
+
+def test_the_documentation_states_the_order() -> None:
+    order = " < ".join("{" + ", ".join(names) + "}" for names in LAYERS)
+    assert order in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"), order

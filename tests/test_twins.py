@@ -1,6 +1,6 @@
 """The convention for compiled modules (``hiradix._native``): each ``.pyx`` is listed in
 ``TWINS`` with a twin that imports and a parity test that names it, ``setup.py`` builds
-exactly those, the README's table is that list, and ``load`` is the one switch."""
+exactly those, the documentation's table (docs/architecture.md) is that list, and ``load`` is the one switch."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_twin_imports_and_parity_test_names_the_module(twin: _native.Twin) -> No
     assert f"_{stem}" in test.read_text(), f"{twin.parity_test} does not use {twin.compiled}"
 
 
-def test_readme_table_is_the_list() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_docs_table_is_the_list() -> None:
+    readme = (REPO / "docs" / "architecture.md").read_text()
     for t in TWINS:
         twin = f"`{t.twin}`" if t.twin else "(none)"
         assert f"| `{t.compiled}` | {twin} | `{t.parity_test}` |" in readme, t.compiled

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hiradix import envvars
 from hiradix._native import load, pure_python
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, in_host_order, rows_contiguous, slot_offsets
 
@@ -276,7 +276,7 @@ def kernel_by_default() -> bool:
     ``bench/transfer_gpu.py`` and ``tests/test_copy_kernel.py`` are what a GPU session runs
     before turning it on.
     """
-    return os.environ.get("HIRADIX_CUDA_KERNEL", "") == "1" and cuda_kernel_available()
+    return envvars.flag("HIRADIX_CUDA_KERNEL") and cuda_kernel_available()
 
 
 def library_abi() -> int:

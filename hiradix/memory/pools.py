@@ -51,6 +51,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from hiradix import envvars
 from hiradix._native import load
 from hiradix.memory.allocator import PagedSlotAllocator
 
@@ -83,7 +84,7 @@ HUGE_PAGE = 2 << 20  # x86-64 / arm64 transparent huge page
 def huge_pages_enabled() -> bool:
     """Whether large CPU pool buffers are backed by transparent huge pages: on Linux,
     unless ``HIRADIX_HUGEPAGES=0``. Read at each allocation."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("HIRADIX_HUGEPAGES", "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and envvars.flag("HIRADIX_HUGEPAGES")
 
 
 def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False, zero: bool = False) -> torch.Tensor:
@@ -119,7 +120,7 @@ def alloc_cpu_buffer(numel: int, dtype: torch.dtype, *, pin_memory: bool = False
     raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive, as the tensor keeps raw
     skip = -raw.ctypes.data % HUGE_PAGE
     buf = raw[skip : skip + nbytes]
-    if os.environ.get("HIRADIX_PREFAULT", "1") != "0":
+    if envvars.flag("HIRADIX_PREFAULT"):
         buf[::4096] = 0
     return torch.from_numpy(buf).view(dtype)
 

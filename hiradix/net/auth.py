@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 import time
+
+from hiradix import envvars
 
 __all__ = ["TOKEN_ENV", "AuthError", "HandshakeTimeout", "client_handshake", "load_token", "server_handshake"]
 
@@ -51,7 +52,7 @@ def load_token(token: bytes | str | None = None) -> bytes:
     True
     """
     if token is None:
-        token = os.environ.get(TOKEN_ENV)
+        token = envvars.text(TOKEN_ENV)
         if not token:
             raise ValueError(f"no cluster token: pass token=... or set ${TOKEN_ENV}")
     if isinstance(token, str):

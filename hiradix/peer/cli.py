@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from hiradix import envvars
 
 __all__ = ["add_subparsers", "build_parser", "main"]
 
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _token(args: argparse.Namespace, configured: str | None = None) -> str | None:
     if getattr(args, "token_file", None) is not None:
         return args.token_file.read_text(encoding="utf-8").strip()
-    return configured or os.environ.get("HIRADIX_CLUSTER_TOKEN")
+    return configured or envvars.text("HIRADIX_CLUSTER_TOKEN")
 
 
 def _config(args: argparse.Namespace) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hiradix import envvars
 from hiradix.net.address import WILDCARD_HOSTS, default_advertise_host, is_ipv6, is_loopback
 from hiradix.settings import ConfigError, GiB, parse_size
 
@@ -220,7 +221,7 @@ class PeerConfig:
         if self.cluster_token is not None and (not isinstance(self.cluster_token, str) or not self.cluster_token):
             raise ConfigError("cluster_token: expected a non-empty string or null")
         exposed = [h for h in (self.bind_host, self.metrics_host) if h is not None and not is_loopback(h)]
-        if exposed and self.cluster_token is None and not os.environ.get(TOKEN_ENV):
+        if exposed and self.cluster_token is None and not envvars.text(TOKEN_ENV):
             raise ConfigError(
                 f"bind_host/metrics_host {exposed[0]!r} is not loopback and no cluster token is set: "
                 f"set cluster_token or ${TOKEN_ENV}, or bind 127.0.0.1"

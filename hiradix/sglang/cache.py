@@ -81,6 +81,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 import hiradix
+from hiradix import envvars
 from hiradix._native import load
 from hiradix.cache import HiRadixCache as CoreCache
 from hiradix.cache.controller import HiCacheController
@@ -572,7 +573,7 @@ class HiRadixCacheBase(BasePrefixCache):
             # complete, with their KV events, in SGLang's order. One difference: a full host
             # pool evicts for them at the step, where SGLang evicts inside the insert.
             # HIRADIX_BATCH_BACKUPS=0 starts each insert's backups in the insert instead.
-            batch_backups=os.environ.get("HIRADIX_BATCH_BACKUPS", "1") != "0",
+            batch_backups=envvars.flag("HIRADIX_BATCH_BACKUPS"),
         )
         self.tree = self.core.tree
         # The tree holds at most the device and the host pool's tokens: size and touch its

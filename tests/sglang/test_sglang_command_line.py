@@ -1,4 +1,4 @@
-"""README's server flags through SGLang 0.5.18's and 0.5.20's command line: the tests of
+"""The documented server flags through SGLang 0.5.18's and 0.5.20's command line: the tests of
 :mod:`sglang_command_line`, collected here."""
 
 from __future__ import annotations
