@@ -39,13 +39,15 @@ _REASON = _skip_reason()
 
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _REASON is None:
-        return
+    # Every real-server test is slow (servers start in tens of seconds): out of the quick loop.
     here = Path(__file__).resolve().parent
     for item in items:
         if here in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.skip(reason=_REASON))
+            item.add_marker(pytest.mark.slow)
+            if _REASON is not None:
+                item.add_marker(pytest.mark.skip(reason=_REASON))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
