@@ -23,16 +23,19 @@ option (:func:`check_supported_v23`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
     InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
     MatchResult,
+    TreeLock,
 )
+from sglang.srt.mem_cache.common import coalesce_ranges
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
@@ -136,9 +139,22 @@ class ServerSince020(HiRadixCacheBase):
         return super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash, prefix_keys)
 
 
+class _Insert:
+    """The ``InsertParams`` fields a checkpoint's insert reads (SGLang's dataclass has
+    twenty, which cost a few µs to build per call)."""
+
+    __slots__ = ("key", "priority", "session_id", "value")
+
+    def __init__(self, key: Any, value: torch.Tensor, priority: int, session_id: str | None) -> None:
+        self.key, self.value, self.priority, self.session_id = key, value, priority, session_id
+
+
 class HiRadixCache(ServerSince020):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
     registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
+
+    _rows_of: torch.Tensor | None = None  # the req_to_token table _rows are views of
+    _rows: tuple[torch.Tensor, ...] = ()
 
     def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
         # The result names the device prefix by its length, wherever the slots live.
@@ -180,6 +196,15 @@ class HiRadixCache(ServerSince020):
         return not self.disable
 
     # ------------------------------------------------------------------ requests
+    def _req_row(self, idx: int) -> torch.Tensor:
+        """Row ``idx`` of the ``req_to_token`` table: a view kept per row, taken once (a
+        two-dimensional index costs a few µs a call). ``O(1)``."""
+        table = self.req_to_token_pool.req_to_token
+        if table is not self._rows_of:  # the first call (or a table SGLang replaced)
+            self._rows = table.unbind(0)
+            self._rows_of = table
+        return self._rows[idx]
+
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Insert the request's KV up to row position ``up_to`` (its page-aligned part),
         free the row's copies of what the tree already held, point the row at the tree's
@@ -189,30 +214,57 @@ class HiRadixCache(ServerSince020):
         if self.disable:
             return
         kv = req.kv
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : len(token_ids)]
-        aligned = self._aligned_len(len(token_ids))
+        fill = req.full_untruncated_fill_ids
+        aligned = self._aligned_len(min(up_to, len(fill)))
         protected = int(kv.cache_protected_len)
-        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key, cache_salt=req.cache_salt)
-        values = row[:aligned]  # a view: the tree copies (and widens) the slots it keeps
-        end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0,
-                                       session_id=getattr(req, "session_id", None))).prefix_len
+        # the tokens as a limit, not a slice: the tree reads them in place
+        key = RadixKey(fill, req.extra_key, limit=aligned + self._bigram, cache_salt=req.cache_salt)
+        row = self._req_row(kv.req_pool_idx)
+        # the row's slots as a view: the tree copies (and widens) the slots it keeps
+        params = _Insert(key, row[:aligned], req.priority or 0, getattr(req, "session_id", None))
+        end = self.insert(cast(InsertParams, params)).prefix_len
         kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
-        # [protected, end): the tree held these before the insert; the row's copies are
-        # duplicates (page-aligned both ends, so whole pages).
+        # One walk for the new prefix's node and slots (a match's, as SGLang's checkpoint
+        # refreshes the path). [protected, end): the tree held these before the insert, the
+        # row's copies are duplicates (page-aligned both ends, so whole pages), freed and
+        # replaced by the tree's slots; from `end` on the tree took the row's own slots, so
+        # that part of the row holds them already.
+        handle, path = self._device_path(key)
+        if path.shape[0] != aligned:
+            raise RuntimeError(f"request {req.rid!r}: {path.shape[0]} of {aligned} tokens cached after insert")
         if end > protected:
             self.token_to_kv_pool_allocator.free_segment(row[protected:end], start_pos=protected)
-        m = self.match_prefix(MatchPrefixParams(key=key))
-        node = m.last_device_node
-        new_indices = self.path_device_indices(node)
-        if len(new_indices) != aligned:
-            raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
-        if aligned > protected:
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)), new_indices[protected:])
+            tree_slots = torch.from_numpy(path[protected:end])
+            # SGLang's ReqToTokenPool.write, into the row's view
+            row[protected:end] = tree_slots if self._on_cpu else tree_slots.to(self.device)
         kv.cache_protected_len = aligned
+        node = self._node(handle)
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """Give back half-open ranges of ``kv``'s row (ascending, disjoint; adjacent ones
+        merged, so a page split between two is freed once). SGLang's base method, less its
+        SWA split: this cache has no SWA component, so no position of a row is SWA-dead
+        and every range goes back whole. ``O(ranges)`` calls."""
+        row = self._req_row(kv.req_pool_idx)
+        segments = [(row[start:end], start) for start, end in coalesce_ranges(ranges)]
+        if segments:
+            self.token_to_kv_pool_allocator.free_segments(segments)
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: Any) -> TreeLock:
+        """A tree lock on ``node`` and the path above it, as SGLang's ``TreeLock``; its
+        receipt is empty (hiradix's tree keeps no per-lock record). ``O(depth)``."""
+        if not self.disable:
+            self.tree.inc_lock_ref(self._handle(node))
+        return TreeLock(node, DecLockRefParams())
+
+    def unlock(self, lock: TreeLock | None) -> None:
+        """Release a lock :meth:`lock` took. ``O(depth)``."""
+        if lock is not None and not self.disable:
+            self.tree.dec_lock_ref(self._handle(lock.node))
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
         """Start loading the host-only tail of a match into fresh device slots, all of it

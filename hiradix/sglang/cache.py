@@ -888,6 +888,24 @@ class HiRadixCacheBase(BasePrefixCache):
         slots = max(n_tokens - self._bigram, 0)
         return slots // self.page_size * self.page_size
 
+    def _device_path(self, key: Any) -> tuple[int, np.ndarray]:
+        """The deepest device node on ``key``'s cached path and the device slots from the
+        root down to it, in one walk of the compiled tree (a match's, the eviction order
+        refreshed along it): what a 0.5.23 ``checkpoint`` reads back after its insert, where
+        ``match_prefix`` and ``path_device_indices`` walk twice and build node views.
+        ``O(len(key))``."""
+        tokens: np.ndarray | array
+        if self.is_eagle:
+            ns, tokens, _ = self._bigram_key(key)
+        else:
+            ek, salt = key.extra_key, key.cache_salt
+            ns = None if ek is None and salt is None else self._ns(ek, salt)
+            tokens = _key_tokens(key)
+        if len(tokens) < self.page_size:
+            return (self.root_handle if ns is None else self._namespaces[ns]), _EMPTY_NP
+        m = self.tree.match_prefix(tokens, ns)
+        return int(m.last_device_node), m.device_indices
+
     def _free(self, indices: torch.Tensor) -> None:
         if indices.shape[0]:  # not len(): a tensor's __len__ is Python-level, several us
             self.token_to_kv_pool_allocator.free(indices)
