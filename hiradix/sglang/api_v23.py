@@ -27,15 +27,14 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from sglang.srt.mem_cache import base_prefix_cache
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefParams,
     InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
     MatchResult,
-    TreeLock,
 )
-from sglang.srt.mem_cache.common import coalesce_ranges
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
@@ -113,6 +112,22 @@ class _ResolvedArgs:
         return getattr(self._args, name)
 
 
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ascending disjoint half-open ranges with the adjacent ones merged, so that a page
+    split between two is freed once (as SGLang 0.5.23's ``free_kv_row`` merges them).
+
+    >>> _coalesce([(0, 4), (4, 6), (8, 9)])
+    [(0, 6), (8, 9)]
+    """
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
 class ServerSince020(HiRadixCacheBase):
     """What SGLang 0.5.20 and 0.5.23 share past the request API: the server's options
     (read as :class:`_ResolvedArgs`, checked by :func:`check_supported_v23`) and L3
@@ -147,6 +162,11 @@ class _Insert:
 
     def __init__(self, key: Any, value: torch.Tensor, priority: int, session_id: str | None) -> None:
         self.key, self.value, self.priority, self.session_id = key, value, priority, session_id
+
+
+# SGLang 0.5.23's lock record (``req.lock``). 0.5.20 has none, nor 0.5.18: they import this
+# module for ServerSince020 alone, and never build this class.
+_TREE_LOCK: Any = getattr(base_prefix_cache, "TreeLock", None)
 
 
 class HiRadixCache(ServerSince020):
@@ -238,7 +258,7 @@ class HiRadixCache(ServerSince020):
             # SGLang's ReqToTokenPool.write, into the row's view
             row[protected:end] = tree_slots if self._on_cpu else tree_slots.to(self.device)
         kv.cache_protected_len = aligned
-        node = self._node(handle)
+        node = self.node_view(handle)
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
@@ -249,19 +269,19 @@ class HiRadixCache(ServerSince020):
         SWA split: this cache has no SWA component, so no position of a row is SWA-dead
         and every range goes back whole. ``O(ranges)`` calls."""
         row = self._req_row(kv.req_pool_idx)
-        segments = [(row[start:end], start) for start, end in coalesce_ranges(ranges)]
+        segments = [(row[start:end], start) for start, end in _coalesce(ranges)]
         if segments:
             self.token_to_kv_pool_allocator.free_segments(segments)
 
     # ------------------------------------------------------------------ locks
-    def lock(self, node: Any) -> TreeLock:
+    def lock(self, node: Any) -> Any:
         """A tree lock on ``node`` and the path above it, as SGLang's ``TreeLock``; its
         receipt is empty (hiradix's tree keeps no per-lock record). ``O(depth)``."""
         if not self.disable:
             self.tree.inc_lock_ref(self._handle(node))
-        return TreeLock(node, DecLockRefParams())
+        return _TREE_LOCK(node, DecLockRefParams())
 
-    def unlock(self, lock: TreeLock | None) -> None:
+    def unlock(self, lock: Any) -> None:
         """Release a lock :meth:`lock` took. ``O(depth)``."""
         if lock is not None and not self.disable:
             self.tree.dec_lock_ref(self._handle(lock.node))
