@@ -176,9 +176,10 @@ def _arrays(obj: Any, depth: int, seen: set[int], out: list[Any]) -> None:
         _arrays(x, depth - 1, seen, out)
 
 
-def touch_pools(roots: list[Any]) -> int:
+def touch_pools(roots: list[Any]) -> tuple[int, int]:
     """Rewrite in place every buffer reachable from ``roots`` (values unchanged), so all
-    their pages are resident; returns their bytes (each storage once)."""
+    their pages are resident; returns their bytes (each storage once), and those of numpy
+    arrays alone (numpy reports its buffers to tracemalloc, torch does not)."""
     import numpy as np
     import torch
 
@@ -186,7 +187,7 @@ def touch_pools(roots: list[Any]) -> int:
     seen: set[int] = set()
     for r in roots:
         _arrays(r, 4, seen, found)
-    total, done = 0, set()
+    total, numpy_bytes, done = 0, 0, set()
     for a in found:
         if isinstance(a, torch.Tensor):
             st = a.untyped_storage()
@@ -207,7 +208,8 @@ def touch_pools(roots: list[Any]) -> int:
                 flat = base.reshape(-1).view(np.uint8)
                 flat += 0
             total += base.nbytes
-    return total
+            numpy_bytes += base.nbytes
+    return total, numpy_bytes
 
 
 # ----------------------------------------------------------------------------- caches
@@ -320,7 +322,7 @@ def worker(args: argparse.Namespace) -> dict:
         tracemalloc.start()
     built = builder(impl, ps, pool_size)
     cache = built.cache
-    pools = touch_pools(built.roots)
+    pools, numpy_pools = touch_pools(built.roots)
     r1 = rss()
     t1 = tracemalloc.get_traced_memory()[0] if args.tracemalloc else 0
     import importlib
@@ -366,7 +368,7 @@ def worker(args: argparse.Namespace) -> dict:
         "pools_bytes": pools,
         "built_bytes": r1 - r0 - pools,
         "grown_bytes": r2 - r1,
-        "traced_built_bytes": t1 if args.tracemalloc else None,
+        "traced_built_bytes": (t1 - numpy_pools) if args.tracemalloc else None,
         "traced_grown_bytes": (t2 - t1) if args.tracemalloc else None,
         "tracemalloc": args.tracemalloc,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -377,7 +379,8 @@ def worker(args: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- driver
 def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Namespace) -> dict:
     venv, _ = IMPLS[impl]
-    python = Path(args.venv_root) / venv / "bin" / "python"
+    python = {".venv": args.python_v18, ".venv-sglang23": args.python_v23}[venv] or (
+        Path(args.venv_root) / venv / "bin" / "python")
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", impl, "--page-size", str(ps),
            "--tokens", str(tokens), "--seed", str(args.seed)]
     if trace:
@@ -416,6 +419,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 runs[impl] = res
             check(runs)
             rows.extend(runs.values())
+            if args.json:  # after every group: a run cut short keeps what it measured
+                args.json.write_text(json.dumps({"meta": args.meta, "rows": rows}, indent=1))
     return rows
 
 
@@ -491,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                     "the run time, and the Python heap's share is the same at 10M)")
     ap.add_argument("--venv-root", default=str(Path(os.environ.get("HIRADIX_VENV_ROOT", "/work/main"))),
                     help="folder holding .venv and .venv-sglang23 (default /work/main or $HIRADIX_VENV_ROOT)")
+    ap.add_argument("--python-v18", help="the Python of SGLang 0.5.18 (default VENV_ROOT/.venv/bin/python)")
+    ap.add_argument("--python-v23", help="the Python of SGLang 0.5.23 (default VENV_ROOT/.venv-sglang23/bin/python)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     ap.add_argument("--progress", action="store_true", help="tqdm progress bars of the inserts")
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -517,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    args.meta = meta
     log(f"{meta['machine']}")
     t0 = time.perf_counter()
     rows = measure(args)
