@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -377,7 +378,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Namespace) -> dict:
+def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Namespace) -> dict | None:
+    """One cache measured in its own subprocess; ``None`` if it ran past ``--timeout``."""
     venv, _ = IMPLS[impl]
     python = {".venv": args.python_v18, ".venv-sglang23": args.python_v23}[venv] or (
         Path(args.venv_root) / venv / "bin" / "python")
@@ -390,8 +392,12 @@ def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Name
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "stubs"), env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None if args.progress else subprocess.PIPE,
-                       text=True, timeout=args.timeout)
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None if args.progress else subprocess.PIPE,
+                           text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        log(f"  {impl:15s} page {ps:2d}: not measured, over --timeout {args.timeout:.0f} s")
+        return None
     if p.returncode != 0:
         raise RuntimeError(f"{impl} page {ps} {tokens} tokens failed (rc {p.returncode}):\n{p.stderr or ''}\n"
                            f"{p.stdout[-2000:]}")
@@ -409,18 +415,26 @@ def measure(args: argparse.Namespace) -> list[dict]:
             runs: dict[str, dict] = {}
             for impl in args.impls:
                 res = run_worker(impl, ps, tokens, False, args)
+                if res is None:
+                    args.missed.append(f"{impl} at page {ps}, {tokens:,} tokens: over --timeout {args.timeout:.0f} s")
+                    continue
                 if args.tracemalloc and tokens <= args.tracemalloc_max_tokens:
                     tr = run_worker(impl, ps, tokens, True, args)
+                    if tr is None:
+                        runs[impl] = res
+                        continue
                     if tr["cached_tokens"] != res["cached_tokens"]:
                         raise AssertionError(f"{impl}: the tracemalloc run cached {tr['cached_tokens']} tokens, "
                                              f"the RSS run {res['cached_tokens']}")
                     res["traced_built_bytes"] = tr["traced_built_bytes"]
                     res["traced_grown_bytes"] = tr["traced_grown_bytes"]
                 runs[impl] = res
-            check(runs)
+            if runs:
+                check(runs)
             rows.extend(runs.values())
             if args.json:  # after every group: a run cut short keeps what it measured
-                args.json.write_text(json.dumps({"meta": args.meta, "rows": rows}, indent=1))
+                args.json.write_text(json.dumps({"meta": args.meta, "rows": rows, "not_measured": args.missed},
+                                                indent=1))
     return rows
 
 
@@ -501,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     ap.add_argument("--progress", action="store_true", help="tqdm progress bars of the inserts")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: print the table of these --json files' rows (a later file's row "
+                    "replaces an earlier one's for the same cache, page size and size)")
     # a worker: one cache, one page size, one size; prints its JSON row
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--page-size", type=int, help=argparse.SUPPRESS)
@@ -516,6 +533,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("sglang").setLevel(logging.ERROR)
         print(json.dumps(worker(args)), flush=True)
         return 0
+    if args.table_from:
+        merged: dict[tuple[int, int, str], dict] = {}
+        for f in args.table_from:
+            for r in json.loads(f.read_text())["rows"]:
+                merged[(r["target_tokens"], r["page_size"], r["impl"])] = r
+        order = list(IMPLS)
+        rows = [merged[k] for k in sorted(merged, key=lambda k: (k[0], k[1], order.index(k[2])))]
+        for _, group in itertools.groupby(rows, key=lambda r: (r["target_tokens"], r["page_size"])):
+            check({r["impl"]: r for r in group})
+        print(table(rows))
+        return 0
     args.tokens_list = [int(float(t)) for t in args.tokens.split(",")]
     args.page_sizes = [int(p) for p in args.page_sizes.split(",")]
     args.impls = args.impls.split(",")
@@ -524,15 +552,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    args.meta = meta
+    args.meta, args.missed = meta, []
     log(f"{meta['machine']}")
     t0 = time.perf_counter()
     rows = measure(args)
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     meta["load_after"] = os.getloadavg()
     print(table(rows))
+    for m in args.missed:
+        print(f"\nNot measured: {m}")
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "not_measured": args.missed}, indent=1))
     return 0
 
 
