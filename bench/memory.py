@@ -29,7 +29,9 @@ nothing an earlier cache left in the heap counts:
    cache alike) and its bytes summed (``pools``: KV, host and device free lists, the
    req-to-token rows); ``gc.collect()``; ``R1``;
 3. every key is inserted (``insert(InsertParams(RadixKey(key), slots))`` then
-   ``check_hicache_events()``, as ``bench/sglang_api.py``), the backups drained (every
+   ``check_hicache_events()``, as ``bench/sglang_api.py``; key and slots are fresh copies
+   per call, as a request's are, so that what a cache keeps a view of counts as its
+   own), the backups drained (every
    node on device and host, as a write-through server holds them); ``gc.collect()``; ``R2``.
 
 Reported: ``built`` = R1 - R0 - pools (what the cache itself holds when empty: for
@@ -341,7 +343,10 @@ def worker(args: argparse.Namespace) -> dict:
     insert, events = cache.insert, cache.check_hicache_events
     for k, v in tqdm(list(zip(keys, values, strict=True)), desc=f"{impl} page {ps}", disable=not args.progress,
                      mininterval=2.0):
-        insert(InsertParams(key=RadixKey(k), value=v))
+        # A request's own copies, as the scheduler's are: SGLang's nodes keep views of the
+        # slots (and its key slices), so what they retain is counted, not the inputs'
+        # (held throughout, in the baseline); hiradix copies both into its buffers.
+        insert(InsertParams(key=RadixKey(array("q", k)), value=v.clone()))
         events()
     built.drain()
     r2 = rss()
