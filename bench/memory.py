@@ -479,9 +479,12 @@ def table(rows: list[dict]) -> str:
             traced = r.get("traced_built_bytes")
             tm = "" if traced is None else f"{(traced + r['traced_grown_bytes']) / tok:,.1f}"
             vs = "" if smallest is None else f"{metadata(r) / smallest:.2f}"
+            # a group of caches none of which counts its nodes (the Rust core alone): unknown
+            per_node = "" if nodes is None else f"{metadata(r) / nodes:,.0f}"
+            counted = "?" if nodes is None else f"{nodes:,}{'' if r.get('nodes_counted', True) else '*'}"
             lines.append(
-                f"| {tok:,} | {ps} | {nodes:,}{'' if r.get('nodes_counted', True) else '*'} | {IMPLS[r['impl']][1]} "
-                f"| {metadata(r) / tok:,.1f} | {metadata(r) / nodes:,.0f} | {r['built_bytes'] / 2**20:,.1f} "
+                f"| {tok:,} | {ps} | {counted} | {IMPLS[r['impl']][1]} "
+                f"| {metadata(r) / tok:,.1f} | {per_node} | {r['built_bytes'] / 2**20:,.1f} "
                 f"| {r['grown_bytes'] / 2**20:,.1f} | {tm} | {vs} |"
             )
     return "\n".join(lines)
