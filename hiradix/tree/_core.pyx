@@ -1001,7 +1001,7 @@ cdef class HiRadixTree:
             # the kernel's zero pages: calloc leaves the first write to fault them in).
             self._evict_out = np.full(e, -1, dtype=np.int64)
         if n > self.buf_len:
-            _reserve_span(self, n - self.buf_len)
+            _reserve_span(self, n - self.buf_len, True)
         start = self.buf_len
         with nogil:
             memset(self.tokens + start, 0, (self.buf_cap - start) * sizeof(token_t))

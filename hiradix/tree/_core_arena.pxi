@@ -36,12 +36,17 @@ cdef int _grow_nodes(HiRadixTree self) except -1 nogil:
     return 0
 
 
-cdef int _reserve_span(HiRadixTree self, int64_t n) except -1 nogil:
+cdef int _reserve_span(HiRadixTree self, int64_t n, bint exact=False) except -1 nogil:
+    # Room for ``n`` more tokens: doubling (amortized O(1) appends), or, for a capacity
+    # hint (``exact``), exactly that many: a hint sized to the pools would otherwise hold
+    # up to twice the pools' 20 bytes a token, touched, for nothing.
     cdef int64_t cap = self.buf_cap if self.buf_cap else 4096
     cdef int64_t pages, hash_bytes
     cdef void* p
     if self.buf_len + n <= self.buf_cap and self.hashes != NULL:
         return 0
+    if exact:
+        cap = max(cap, self.buf_len + n)
     while cap < self.buf_len + n:
         cap *= 2
     pages = cap // self.page_size + 1
