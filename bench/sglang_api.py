@@ -200,8 +200,10 @@ class _Worker:
         self.counter = counter
 
 
-def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any) -> tuple[Any, FreeCounter]:
-    """A cache built through SGLang's ``create_tree_cache``, as the scheduler builds it."""
+def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any,
+                params: dict[str, Any] | None = None) -> tuple[Any, FreeCounter]:
+    """A cache built through SGLang's ``create_tree_cache``, as the scheduler builds it;
+    ``params`` are more ``CacheInitParams`` fields (``is_eagle``: ``bench/long_context.py``)."""
     kv = MHATokenToKVPool(
         size=pool_size,
         page_size=page_size,
@@ -239,7 +241,8 @@ def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any) ->
             ),
         )
     params = CacheInitParams(
-        disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size
+        disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size,
+        **(params or {}),
     )
     ctx = TreeCacheBuildContext(
         server_args=server_args,
