@@ -39,7 +39,8 @@ and the calling thread's CPU time, ``time.thread_time``):
              keys of a shared 16-token prefix and 4 tokens of their own, inserted (untimed)
              with ``check_hicache_events()`` every 256, every backup acknowledged; then
              ``--evict-calls`` calls of ``evict(EvictParams(num_tokens=1))`` (one page at
-             page size 1), each timed; the median per call.
+             page size 1), each timed, fewer (at least 5) for a cache whose calls take
+             over ``--evict-budget`` seconds; the median per call.
 
 Checked (a fast but wrong cache fails the run), between all caches of a run: after the
 prefill, the tokens cached (evictable + protected), the length of a full-key match, the
@@ -49,7 +50,7 @@ evictable. Each call's own results are checked too (cached tokens grow by the ch
 
 Usage::
 
-    PYTHONPATH=tests/stubs .venv/bin/python bench/long_context.py --quick          # seconds
+    PYTHONPATH=tests/stubs .venv/bin/python bench/long_context.py --quick          # a smoke run, seconds
     PYTHONPATH=tests/stubs .venv/bin/python bench/long_context.py --json lc18.json  # the table
     PYTHONPATH=tests/stubs .venv-sglang23/bin/python bench/long_context.py --json lc23.json
     .venv/bin/python bench/long_context.py --plot bench/long_context.png lc18.json lc23.json
@@ -121,7 +122,8 @@ class SGLang:
             self.labels = {"hiradix": "hiradix.sglang", "sglang": f"SGLang {self.version} HiRadixCache"}
         elif REQUEST_API == "checkpoint":
             self.impls = ("hiradix", "sglang", "sglang-rust")
-            self.labels = {"hiradix": "hiradix.sglang", "sglang": f"SGLang {self.version} UnifiedRadixCache (Python core)",
+            self.labels = {"hiradix": "hiradix.sglang",
+                           "sglang": f"SGLang {self.version} UnifiedRadixCache (Python core)",
                            "sglang-rust": f"SGLang {self.version} UnifiedRadixCache (Rust core)"}
         else:
             raise SystemExit(f"SGLang {self.version}: this benchmark drives 0.5.18's and 0.5.23's request APIs")
@@ -293,8 +295,9 @@ def prefill(sg: SGLang, impl: str, tokens: array, chunk: int, eagle: bool) -> di
             "events_cpu": events_t.cpu, "state": state}
 
 
-def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int) -> dict:
-    """A tree of ``n_leaves`` evictable leaves, then ``calls`` one-page evictions."""
+def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int, budget_s: float) -> dict:
+    """A tree of ``n_leaves`` evictable leaves, then ``calls`` one-page evictions (fewer,
+    at least 5, where they take more than ``budget_s`` seconds of wall time in all)."""
     torch = sg.torch
     n_tokens = PREFIX + LEAF * n_leaves
     cache, _, freed = sg.build(impl, n_tokens + 2, 64)
@@ -322,7 +325,10 @@ def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int) -> dict:
     evict, EvictParams = cache.evict, sg.EvictParams
     gc.collect()
     gc.freeze()
-    for _ in progress(range(calls), desc=f"{impl} evict at {n_leaves:,} leaves"):
+    deadline = time.perf_counter() + budget_s
+    for i in progress(range(calls), desc=f"{impl} evict at {n_leaves:,} leaves"):
+        if i >= 5 and time.perf_counter() > deadline:
+            break
         evicted.append(int(t.run(lambda: evict(EvictParams(num_tokens=1))).num_tokens_evicted))
     gc.unfreeze()
     left = cache.evictable_size()
@@ -332,7 +338,7 @@ def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int) -> dict:
     if impl == "hiradix":
         cache.core.tree.check_invariants()
     sg.close(impl, cache)
-    del cache, insert, events, evict
+    del cache, insert, events
     gc.collect()
     return {"wall": t.wall, "cpu": t.cpu, "evicted": evicted, "left": left}
 
@@ -374,16 +380,19 @@ def bench_prefill(sg: SGLang, args: argparse.Namespace, eagle: bool) -> dict:
 
 
 def bench_evict(sg: SGLang, args: argparse.Namespace) -> dict:
-    out: dict[str, Any] = {"leaves": args.leaves, "calls": args.evict_calls}
+    out: dict[str, Any] = {"leaves": args.leaves, "calls": args.evict_calls, "budget_s": args.evict_budget}
     for n in args.leaves:
         res = {}
         for impl in args.impls:
-            res[impl] = evict_run(sg, impl, n, args.evict_calls)
-            log(f"  {n:,} leaves {impl}: median {statistics.median(res[impl]['cpu']) * 1e6:.1f} us cpu per evict")
-        agree(res, f"evict at {n} leaves", "evicted")
-        agree(res, f"evict at {n} leaves", "left")
+            res[impl] = evict_run(sg, impl, n, args.evict_calls, args.evict_budget)
+            log(f"  {n:,} leaves {impl}: median {statistics.median(res[impl]['cpu']) * 1e6:.1f} us cpu per evict "
+                f"({len(res[impl]['cpu'])} calls)")
+        # every cache evicted the same tokens call by call (over the calls all of them made)
+        k = min(len(r["evicted"]) for r in res.values())
+        agree({impl: {"evicted": r["evicted"][:k]} for impl, r in res.items()}, f"evict at {n} leaves", "evicted")
         out[str(n)] = {impl: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
-                              "wall_runs": r["wall"], "cpu_runs": r["cpu"], "evicted": sum(r["evicted"])}
+                              "wall_runs": r["wall"], "cpu_runs": r["cpu"], "evicted": sum(r["evicted"][:k]),
+                              "calls": len(r["cpu"])}
                        for impl, r in res.items()}
     return out
 
@@ -434,7 +443,8 @@ def report(results: dict, meta: dict) -> str:
     if "evict" in results:
         r = results["evict"]
         lines += ["", f"**evict**: one page (`evict(EvictParams(num_tokens=1))`, page 1) with N evictable leaves, "
-                  f"µs per call (thread CPU / wall; median of {r['calls']} calls):", "",
+                  f"µs per call (thread CPU / wall; median of up to {r['calls']} calls, fewer for a cache whose "
+                  f"calls took over {r.get('budget_s', '?')} s):", "",
                   "| leaves | " + " | ".join(labels[i] for i in impls) + " | "
                   + " | ".join(f"SGLang / hiradix ({i})" for i in impls[1:]) + " |",
                   "|---" * (2 * len(impls)) + "|"]
@@ -499,11 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1 << 20, help="tokens of the long request (default 1M)")
     ap.add_argument("--chunk", type=int, default=8192, help="tokens per prefill chunk (default 8K)")
     ap.add_argument("--leaves", default="10000,30000,100000,300000")
-    ap.add_argument("--evict-calls", type=int, default=50)
+    ap.add_argument("--evict-calls", type=int, default=50, help="evictions per cache and tree (default 50)")
+    ap.add_argument("--evict-budget", type=float, default=30.0,
+                    help="seconds of wall time after which a cache's evictions stop (at least 5; default 30)")
     ap.add_argument("--repeats", type=int, default=3, help="prefills per cache (default 3; medians)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed prefills per cache first (default 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 64K context, 1K and 3K leaves, 1 repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (seconds): 16K context, 200 and 500 leaves, 5 evictions, 1 repeat")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plot", nargs="+", type=Path, metavar=("PNG", "JSON"),
                     help="plot runs' JSON files into PNG and exit")
@@ -514,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot[0], args.plot[1:])
         return 0
     if args.quick:
-        args.context, args.leaves, args.evict_calls, args.repeats, args.warmup = 1 << 16, "1000,3000", 10, 1, 0
+        args.context, args.leaves, args.evict_calls, args.repeats, args.warmup = 1 << 14, "200,500", 5, 1, 0
     args.scenarios = args.scenarios.split(",")
     args.leaves = [int(x) for x in args.leaves.split(",")]
     if args.repeats < 1 or args.chunk < 1 or args.context < 2 * args.chunk:

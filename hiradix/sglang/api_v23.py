@@ -184,15 +184,34 @@ class HiRadixCache(ServerSince020):
         free the row's copies of what the tree already held, point the row at the tree's
         slots, move ``req.lock`` / ``req.last_node`` to the new prefix and advance
         ``req.kv.cache_protected_len``. The rest of the row stays the request's (SGLang's
-        ``release_kv_cache`` frees it). ``O(up_to)``."""
+        ``release_kv_cache`` frees it). ``O(up_to)``; a chunked prefill's next chunk
+        ``O(chunk)`` plus ``O(depth)`` nodes."""
         if self.disable:
             return
         kv = req.kv
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : len(token_ids)]
-        aligned = self._aligned_len(len(token_ids))
+        ids = req.full_untruncated_fill_ids
+        n = max(0, min(up_to, len(ids)))
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :n]
+        aligned = self._aligned_len(n)
         protected = int(kv.cache_protected_len)
-        key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key, cache_salt=req.cache_salt)
+        # limit, not a slice: an array('q') slice copies the whole prefix
+        key = RadixKey(ids, req.extra_key, cache_salt=req.cache_salt, limit=aligned + self._bigram)
+        # A chunked prefill's next chunk continues from the request's locked node and
+        # reads and writes no more than the chunk (HiRadixCacheBase._insert_continuing).
+        done = self._insert_continuing(req.last_node, protected, key, aligned, row, req.priority or 0, False)
+        if done is not None:
+            end, last, tail = done
+            kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
+            if end > protected:
+                self.token_to_kv_pool_allocator.free_segment(row[protected:end], start_pos=protected)
+            if aligned > protected:
+                self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)), torch.from_numpy(tail))
+            kv.cache_protected_len = aligned
+            node = self._node(last)
+            self.unlock(req.lock)
+            req.lock = self.lock(node)
+            req.last_node = node
+            return
         values = row[:aligned]  # a view: the tree copies (and widens) the slots it keeps
         end = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0,
                                        session_id=getattr(req, "session_id", None))).prefix_len
