@@ -54,22 +54,29 @@ class PrefixBuffers:
         self._bufs: dict[Any, torch.Tensor] = {}
         self._limit = max(int(limit), 1)
 
-    def extend(self, req: Any, row: torch.Tensor, unchanged: int) -> torch.Tensor:
-        """``row`` (the request's ``req_to_token`` row so far) as int64, a view of the
-        request's buffer: the first ``unchanged`` slots are copied only when the
-        request's ``prefix_indices`` is not that buffer's view already (a first chunk,
-        or SGLang replaced it). ``O(len(row) - unchanged)`` then, ``O(len(row))`` else."""
+    def extend(self, req: Any, row: torch.Tensor, unchanged: int, head: torch.Tensor | None = None) -> torch.Tensor:
+        """The request's new ``prefix_indices``, as SGLang's ``cache_unfinished_req``
+        makes them: ``head`` (the matched prefix's slots), then ``row`` (the request's
+        ``req_to_token`` row so far) after it, int64, in a view of the request's buffer.
+        Without ``head``, ``row`` from the start, whose first ``unchanged`` slots are
+        copied only when the request's ``prefix_indices`` is not that buffer's view
+        already (a first chunk, or SGLang replaced it): ``O(len(row) - unchanged)`` then,
+        ``O(len(row))`` else."""
         n = row.shape[0]
         buf = self._bufs.get(req.rid)
         old = req.prefix_indices
-        if (buf is None or buf.shape[0] < n or type(old) is not torch.Tensor or old.shape[0] < unchanged
-                or old.data_ptr() != buf.data_ptr()):
-            if len(self._bufs) >= self._limit:
-                self._bufs.clear()
-            full = getattr(req, "full_untruncated_fill_ids", None)
-            buf = torch.empty(max(n, len(full) if full is not None else n), dtype=torch.int64)
-            self._bufs[req.rid] = buf
+        if (head is not None or buf is None or buf.shape[0] < n or type(old) is not torch.Tensor
+                or old.shape[0] < unchanged or old.data_ptr() != buf.data_ptr()):
+            if buf is None or buf.shape[0] < n:
+                if len(self._bufs) >= self._limit:
+                    self._bufs.clear()
+                full = getattr(req, "full_untruncated_fill_ids", None)
+                buf = torch.empty(max(n, len(full) if full is not None else n), dtype=torch.int64)
+                self._bufs[req.rid] = buf
             unchanged = 0
+            if head is not None:
+                unchanged = head.shape[0]
+                buf[:unchanged].copy_(head)
         buf[unchanged:n].copy_(row[unchanged:])
         return buf[:n]
 
@@ -192,7 +199,7 @@ class HiRadixCache(HiRadixCacheBase):
         self.inc_lock_ref(m.last_device_node)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
-        req.prefix_indices = self._prefix_indices.extend(req, kv, 0)
+        req.prefix_indices = self._prefix_indices.extend(req, kv, 0, new_indices)
         req.last_node = m.last_device_node
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:

@@ -670,11 +670,9 @@ class HiRadixTree:
             raise ValueError(f"value has {len(values)} indices for {len(tokens)} tokens")
         tokens = self._aligned(tokens)
         n = len(tokens)
+        root = self._namespace_root(extra_key) if start_node is None else start_node
         now = self._tick()
-        if start_node is None:
-            root = self._namespace_root(extra_key)
-        else:
-            root = start_node
+        if start_node is not None:
             up = start_node
             while not up.is_root:
                 self._touch(up, now)
