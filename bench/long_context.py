@@ -54,6 +54,7 @@ Usage::
     PYTHONPATH=tests/stubs .venv/bin/python bench/long_context.py --json lc18.json  # the table
     PYTHONPATH=tests/stubs .venv-sglang23/bin/python bench/long_context.py --json lc23.json
     .venv/bin/python bench/long_context.py --plot bench/long_context.png lc18.json lc23.json
+    .venv/bin/python bench/long_context.py --report lc18.json   # the tables again
 """
 
 from __future__ import annotations
@@ -409,10 +410,13 @@ def machine() -> dict:
 
 
 def flat_ratio(ends: list[int], ys: list[float]) -> float:
-    """Cost at the largest context over cost at the smallest (medians of the first and
-    last four chunks): 1 for a cost independent of the context."""
-    k = min(4, len(ys) // 2) or 1
-    return statistics.median(ys[-k:]) / statistics.median(ys[:k])
+    """Cost at the largest contexts over cost at the smallest: the median of the last
+    four chunks over that of the four after the first (the first chunk of a request is
+    its admission's: nothing to continue from yet); 1 for a cost independent of the
+    context."""
+    k = min(4, (len(ys) - 1) // 2) or 1
+    first = ys[1:1 + k] if len(ys) > 1 else ys
+    return statistics.median(ys[-k:]) / statistics.median(first)
 
 
 def report(results: dict, meta: dict) -> str:
@@ -438,8 +442,8 @@ def report(results: dict, meta: dict) -> str:
             ratios = [f"{r[impl]['call_cpu'][i] / r['hiradix']['call_cpu'][i]:.0f}×" for impl in impls[1:]]
             lines.append(f"| {ends[i]:,} | " + " | ".join(cells) + " | " + " | ".join(ratios)
                          + f" | {r['hiradix']['events_cpu'][i] * 1e3:.3f} |")
-        lines.append("| last/first | " + " | ".join(f"{flat_ratio(ends, r[impl]['call_cpu']):.2f}" for impl in impls)
-                     + " |" + " |" * len(impls))
+        flat = [f"{flat_ratio(ends, r[impl]['call_cpu']):.2f}" for impl in impls]
+        lines.append("| last 4 / chunks 2-5 | " + " | ".join(flat) + " |" + " |" * len(impls))
     if "evict" in results:
         r = results["evict"]
         lines += ["", f"**evict**: one page (`evict(EvictParams(num_tokens=1))`, page 1) with N evictable leaves, "
@@ -520,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--plot", nargs="+", type=Path, metavar=("PNG", "JSON"),
                     help="plot runs' JSON files into PNG and exit")
+    ap.add_argument("--report", type=Path, metavar="JSON", help="print the tables of a run's JSON file and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        data = json.loads(args.report.read_text())
+        print(report(data["results"], data["meta"]))
+        return 0
     if args.plot:
         if len(args.plot) < 2:
             ap.error("--plot PNG JSON [JSON ...]")
