@@ -442,6 +442,11 @@ def report(results: dict, meta: dict) -> str:
             ratios = [f"{r[impl]['call_cpu'][i] / r['hiradix']['call_cpu'][i]:.0f}×" for impl in impls[1:]]
             lines.append(f"| {ends[i]:,} | " + " | ".join(cells) + " | " + " | ".join(ratios)
                          + f" | {r['hiradix']['events_cpu'][i] * 1e3:.3f} |")
+        k = min(8, len(ends) - 1) or 1
+        tail = [statistics.median(r[impl]["call_cpu"][-k:]) for impl in impls]
+        lines.append(f"| median of the last {k} chunks ({ends[-k]:,}–{ends[-1]:,}) | "
+                     + " | ".join(f"{t * 1e3:.3f}" for t in tail) + " | "
+                     + " | ".join(f"{t / tail[0]:.0f}×" for t in tail[1:]) + " | |")
         flat = [f"{flat_ratio(ends, r[impl]['call_cpu']):.2f}" for impl in impls]
         lines.append("| last 4 / chunks 2-5 | " + " | ".join(flat) + " |" + " |" * len(impls))
     if "evict" in results:
