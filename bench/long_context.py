@@ -411,10 +411,10 @@ def machine() -> dict:
 
 def flat_ratio(ends: list[int], ys: list[float]) -> float:
     """Cost at the largest contexts over cost at the smallest: the median of the last
-    four chunks over that of the four after the first (the first chunk of a request is
+    eight chunks over that of the eight after the first (the first chunk of a request is
     its admission's: nothing to continue from yet); 1 for a cost independent of the
     context."""
-    k = min(4, (len(ys) - 1) // 2) or 1
+    k = min(8, (len(ys) - 1) // 2) or 1
     first = ys[1:1 + k] if len(ys) > 1 else ys
     return statistics.median(ys[-k:]) / statistics.median(first)
 
@@ -448,7 +448,7 @@ def report(results: dict, meta: dict) -> str:
                      + " | ".join(f"{t * 1e3:.3f}" for t in tail) + " | "
                      + " | ".join(f"{t / tail[0]:.0f}×" for t in tail[1:]) + " | |")
         flat = [f"{flat_ratio(ends, r[impl]['call_cpu']):.2f}" for impl in impls]
-        lines.append("| last 4 / chunks 2-5 | " + " | ".join(flat) + " |" + " |" * len(impls))
+        lines.append("| flatness: last 8 / chunks 2-9 | " + " | ".join(flat) + " |" + " |" * len(impls))
     if "evict" in results:
         r = results["evict"]
         lines += ["", f"**evict**: one page (`evict(EvictParams(num_tokens=1))`, page 1) with N evictable leaves, "
