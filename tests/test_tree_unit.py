@@ -416,6 +416,19 @@ def test_insert_from_a_node_stamps_its_ancestors_and_reports_their_backups(tree_
     tree.check_invariants()
 
 
+def test_path_extent_is_the_tokens_from_the_nodes_root(tree_cls):
+    tree = tree_cls(2)
+    a = tree.insert(seq(1, 6), idx(0, 6)).last_node
+    b = tree.insert(seq(1, 4) + [50, 51, 52, 53], idx(10, 8)).last_node  # splits a at 4
+    c = tree.insert(seq(1, 4), idx(20, 4), "tenant").last_node
+    assert tree.path_extent(a) == (6, tree.root) and tree.path_extent(b) == (8, tree.root)
+    assert tree.path_extent(tree.parent(a)) == (4, tree.root)
+    assert tree.path_extent(c) == (4, tree.namespace_root("tenant"))
+    assert tree.path_extent(tree.root) == (0, tree.root)
+    with pytest.raises(KeyError):
+        tree.path_extent(a + (1 << 40))
+
+
 def test_insert_from_a_node_refuses_an_evicted_or_stale_node(tree_cls):
     tree = tree_cls(1)
     node = insert_backed_up(tree, seq(1, 4), 0, 100)

@@ -916,13 +916,10 @@ class HiRadixCacheBase(BasePrefixCache):
             tokens = _key_tokens(key)
         if len(tokens) < aligned or not tree.is_alive(start) or tree.is_evicted(start):
             return None
-        parent, key_len = tree.parent, tree.key_len
-        depth, top = 0, start
-        while (up := parent(top)) != -1:
-            depth += key_len(top)
-            top = up
+        depth, top = tree.path_extent(start)
         if depth != protected or top != (self.root_handle if ns is None else self._namespaces[ns]):
             return None
+        parent = tree.parent
         tail = _head(tokens, aligned)[protected:]
         values = row[protected:aligned]
         result = self.core.insert_below(tail, values.numpy() if values.is_cpu else values, priority=priority,

@@ -1253,6 +1253,23 @@ class HiRadixTree:
         """Tokens in a node's span. ``O(1)``."""
         return len(self._node(node).key)
 
+    def path_extent(self, node: int) -> tuple[int, int]:
+        """``(tokens, root)``: the tokens on the path from its root (the global root or a
+        namespace's) down to the end of ``node``, and that root's handle; ``(0, node)``
+        for a root. Runtime complexity: ``O(depth)`` nodes.
+
+        >>> t = HiRadixTree(1)
+        >>> a = t.insert([1, 2, 3], [0, 1, 2]).last_node
+        >>> t.path_extent(t.insert([1, 2, 3, 4, 5], [0, 1, 2, 3, 4]).last_node) == (5, t.root)
+        True
+        """
+        n = self._node(node)
+        tokens = 0
+        while not n.is_root:
+            tokens += len(n.key)
+            n = n.parent  # type: ignore[assignment]
+        return tokens, n.handle
+
     def key(self, node: int) -> np.ndarray:
         """A copy of the node's token ids (int32; empty for a root). ``O(key_len)``."""
         return self._node(node).key.copy()
