@@ -459,8 +459,8 @@ def report(results: dict, meta: dict) -> str:
                   "|---" * (2 * len(impls)) + "|"]
         for n in r["leaves"]:
             x = r[str(n)]
-            cells = [f"{x[i]['cpu'] * 1e6:,.1f} / {x[i]['wall'] * 1e6:,.1f}" for i in impls]
-            ratios = [f"{x[i]['cpu'] / x['hiradix']['cpu']:,.0f}×" for i in impls[1:]]
+            cells = [f"{x[i]['cpu'] * 1e6:,.1f} / {x[i]['wall'] * 1e6:,.1f}" if i in x else "not run" for i in impls]
+            ratios = [f"{x[i]['cpu'] / x['hiradix']['cpu']:,.0f}×" if i in x else "" for i in impls[1:]]
             lines.append(f"| {n:,} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
@@ -489,7 +489,8 @@ def plot(out: Path, files: list[Path]) -> None:
         if "evict" in res:
             r = res["evict"]
             for impl in meta["impls"]:
-                axes[2].plot(r["leaves"], [r[str(n)][impl]["cpu"] * 1e6 for n in r["leaves"]], styles[impl],
+                leaves = [n for n in r["leaves"] if impl in r[str(n)]]
+                axes[2].plot(leaves, [r[str(n)][impl]["cpu"] * 1e6 for n in leaves], styles[impl],
                              marker="o", label=f"{meta['labels'][impl]}" if impl != "hiradix"
                              else f"hiradix.sglang on SGLang {meta['sglang']}")
     for ax, title, xl, yl, target in (
