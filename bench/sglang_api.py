@@ -249,6 +249,43 @@ def cpu_pools(page_size: int, pool_size: int) -> tuple[Any, FreeCounter]:
     return alloc, freed
 
 
+def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any,
+                params: dict[str, Any] | None = None) -> tuple[Any, FreeCounter]:
+    """SGLang 0.5.18: a cache (``impl`` "hiradix" or "sglang") built through SGLang's
+    ``create_tree_cache`` on :func:`cpu_pools`, as the scheduler builds it; ``params`` are
+    more ``CacheInitParams`` fields (``is_eagle``: ``bench/long_context.py``). Also used by
+    ``bench/long_context.py`` and ``bench/memory.py``."""
+    alloc, freed = cpu_pools(page_size, pool_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server_args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            enable_hierarchical_cache=True,
+            radix_cache_backend="hiradix" if impl == "hiradix" else None,
+            page_size=page_size,
+            hicache_mem_layout="layer_first",
+            hicache_io_backend="direct",
+            hicache_write_policy="write_through",
+            hicache_ratio=HICACHE_RATIO,
+            hicache_storage_backend_extra_config=hiradix_extra_config() if impl == "hiradix" else None,
+        )
+    init = CacheInitParams(
+        disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size,
+        **(params or {}),
+    )
+    cache = create_tree_cache(build_context(server_args, init))
+    want = (
+        hs.HiRadixCache
+        if impl == "hiradix"
+        else __import__("sglang.srt.mem_cache.hiradix_cache", fromlist=["HiRadixCache"]).HiRadixCache
+    )
+    if type(cache) is not want:
+        raise RuntimeError(f"{impl}: create_tree_cache built {type(cache).__name__}, expected {want}")
+    atexit.unregister(cache.shutdown)  # else atexit keeps every cache (and its pools) alive
+    return cache, freed
+
+
 def build_context(server_args: Any, params: Any) -> Any:
     """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
     # 0.5.18's context has the chunked prefill size (no default); 0.5.23's dropped it
@@ -353,34 +390,7 @@ class Api18:
 
     def build(self, impl: str, w: Workload) -> tuple[Any, FreeCounter]:
         """A cache built through SGLang's ``create_tree_cache``, as the scheduler builds it."""
-        alloc, freed = cpu_pools(w.page_size, w.pool_size)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            server_args = ServerArgs(
-                model_path="dummy",
-                device="cpu",
-                enable_hierarchical_cache=True,
-                radix_cache_backend="hiradix" if impl == "hiradix" else None,
-                page_size=w.page_size,
-                hicache_mem_layout="layer_first",
-                hicache_io_backend="direct",
-                hicache_write_policy="write_through",
-                hicache_ratio=HICACHE_RATIO,
-                hicache_storage_backend_extra_config=hiradix_extra_config() if impl == "hiradix" else None,
-            )
-        params = CacheInitParams(
-            disable=False, req_to_token_pool=w.req_to_token, token_to_kv_pool_allocator=alloc, page_size=w.page_size
-        )
-        cache = create_tree_cache(build_context(server_args, params))
-        want = (
-            hs.HiRadixCache
-            if impl == "hiradix"
-            else __import__("sglang.srt.mem_cache.hiradix_cache", fromlist=["HiRadixCache"]).HiRadixCache
-        )
-        if type(cache) is not want:
-            raise RuntimeError(f"{impl}: create_tree_cache built {type(cache).__name__}, expected {want}")
-        atexit.unregister(cache.shutdown)  # else atexit keeps every cache (and its pools) alive
-        return cache, freed
+        return build_cache(impl, w.page_size, w.pool_size, w.req_to_token)
 
     def close(self, impl: str, cache: Any) -> None:
         if impl == "hiradix":

@@ -112,17 +112,19 @@ class Env(KVBuffers):
 
 def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None = None,
           extra_config: str | None = None, size: int = 512, page_size: int = PAGE,
-          params: dict[str, Any] | None = None, **flags: Any) -> Env:
+          params: dict[str, Any] | None = None, pools: tuple[Any, Any, Any] | None = None, **flags: Any) -> Env:
     """SGLang's own hierarchical cache on SGLang's CPU pools, through ``create_tree_cache``
     (the default factory), with the server flags installed by :func:`patch_sglang_for_cpu`
     under the ``hicache_*`` names a server takes: ``layout`` is ``--hicache-mem-layout``,
     ``storage`` / ``extra_config`` are ``--hicache-storage-backend`` and its extra config;
-    ``flags`` are more server flags, ``params`` more ``CacheInitParams`` fields.
+    ``flags`` are more server flags, ``params`` more ``CacheInitParams`` fields;
+    ``pools`` is ``(kv, allocator, req_to_token)`` to build on instead of
+    :func:`sglang_pools`'s (``size`` and ``mla`` then unused; ``bench/long_context.py``).
     Needs :func:`patch_sglang_for_cpu` active (the ``sglang_cpu`` fixture)."""
     if _ACTIVE is None:
         raise RuntimeError("build() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
     _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size, **flags)
-    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
+    kv, alloc, req_to_token = pools or sglang_pools(page_size, size, mla)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                              page_size=page_size, **(params or {}))
     cache = create_tree_cache(_context(params))
@@ -151,18 +153,20 @@ def _context(params: Any, *, hierarchical: bool = True, worker: Worker | None = 
 def build_hiradix(page_size: int = PAGE, *, size: int = 512, mla: bool = False, layout: str = "layer_first",
                   write_policy: str = "write_through", storage: str | None = None, extra_config: str | None = None,
                   eviction_policy: str = "lru", eagle: bool = False, hierarchical: bool = True,
-                  params: dict[str, Any] | None = None, **flags: Any) -> Env:
+                  params: dict[str, Any] | None = None, pools: tuple[Any, Any, Any] | None = None,
+                  **flags: Any) -> Env:
     """hiradix's cache as SGLang 0.5.23's scheduler builds it with ``--radix-cache-backend
     hiradix``: the flags published (``get_memory()`` is what ``create_tree_cache`` reads the
-    backend's name from), SGLang's CPU pools, ``create_tree_cache``. ``flags`` are more
-    server flags, ``params`` more ``CacheInitParams`` fields. Needs
+    backend's name from), SGLang's CPU pools (``pools``, as :func:`build` takes them),
+    ``create_tree_cache``. ``flags`` are more server flags, ``params`` more
+    ``CacheInitParams`` fields. Needs
     :func:`patch_sglang_for_cpu` (the ``sglang_cpu`` fixture), whose exit shuts it down."""
     if _ACTIVE is None:
         raise RuntimeError("build_hiradix() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
     _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size,
                     radix_cache_backend=hs.BACKEND_NAME, hicache_write_policy=write_policy,
                     radix_eviction_policy=eviction_policy, enable_hierarchical_cache=hierarchical, **flags)
-    kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
+    kv, alloc, req_to_token = pools or sglang_pools(page_size, size, mla)
     init = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
                            page_size=page_size, eviction_policy=eviction_policy, is_eagle=eagle, **(params or {}))
     worker = Worker()

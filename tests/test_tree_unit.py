@@ -368,6 +368,78 @@ def test_selective_write_through_reports_the_ancestor_chain_of_a_hot_node(tree_c
     assert res.backup_nodes == (top, res.last_node)
 
 
+# ----------------------------------------------------------------------------- insert from a node
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_insert_from_a_node_equals_the_insert_of_the_whole_key(tree_cls, page_size):
+    """``insert(tail, start=node)`` (a chunked prefill's next chunk after the locked end
+    of the last) leaves the tree as inserting the whole key from the root does: same
+    nodes, values, sizes and prefix (counted over the tail), whatever the tail meets
+    (nothing, a cached continuation, an evicted one, a split)."""
+    chunks = [seq(1, 8), seq(9, 6), seq(15, 4)]
+    other = seq(1, 8) + seq(9, 2) + [99, 98, 97, 96]  # a continuation cached by someone else
+    trees = []
+    for resume in (False, True):
+        tree = tree_cls(page_size, write_policy="write_through")
+        tree.insert(other, idx(500, len(other)))
+        end, node = 0, tree.root
+        for i, c in enumerate(chunks):
+            key = [t for c in chunks[: i + 1] for t in c]
+            values = idx(0, len(key))
+            if resume:
+                res = tree.insert(c, values[end:], chunked=True, start=node)
+                prefix = end + res.prefix_len
+            else:
+                res = tree.insert(key, values, chunked=True)
+                prefix = res.prefix_len
+            # the first chunk and two tokens of the second are the other key's
+            assert prefix == [8, 10, 14][i], (resume, i, prefix)
+            end, node = len(key), res.last_node
+            tree.check_invariants()
+        m = tree.match_prefix([t for c in chunks for t in c])
+        assert m.device_indices.tolist() == [*range(500, 510), *range(10, 18)] and m.last_device_node == node
+        trees.append(whole_state(tree))
+    assert trees[0] == trees[1]
+
+
+def test_insert_from_a_node_stamps_its_ancestors_and_reports_their_backups(tree_cls):
+    clock = FakeClock()
+    tree = tree_cls(1, write_policy="write_through", clock=clock)
+    top = tree.insert(seq(1, 4), idx(0, 4)).last_node  # hit once: reported, never backed up
+    mid = tree.insert(seq(1, 6), idx(0, 6), chunked=True).last_node
+    assert tree.parent(mid) == top
+    clock.advance(5)
+    res = tree.insert(seq(7, 2), idx(6, 2), start=mid)
+    assert res.prefix_len == 0 and tree.parent(res.last_node) == mid
+    assert info(tree, top)["last_access_time"] == info(tree, mid)["last_access_time"] == clock.now
+    assert info(tree, mid)["hit_count"] == 0  # not descended: no hit counted
+    assert res.backup_nodes == (top, mid, res.last_node)  # the unbacked chain, parents first
+    tree.check_invariants()
+
+
+def test_path_extent_is_the_tokens_from_the_nodes_root(tree_cls):
+    tree = tree_cls(2)
+    a = tree.insert(seq(1, 6), idx(0, 6)).last_node
+    b = tree.insert(seq(1, 4) + [50, 51, 52, 53], idx(10, 8)).last_node  # splits a at 4
+    c = tree.insert(seq(1, 4), idx(20, 4), "tenant").last_node
+    assert tree.path_extent(a) == (6, tree.root) and tree.path_extent(b) == (8, tree.root)
+    assert tree.path_extent(tree.parent(a)) == (4, tree.root)
+    assert tree.path_extent(c) == (4, tree.namespace_root("tenant"))
+    assert tree.path_extent(tree.root) == (0, tree.root)
+    with pytest.raises(KeyError):
+        tree.path_extent(a + (1 << 40))
+
+
+def test_insert_from_a_node_refuses_an_evicted_or_stale_node(tree_cls):
+    tree = tree_cls(1)
+    node = insert_backed_up(tree, seq(1, 4), 0, 100)
+    tree.evict(4)
+    assert tree.is_evicted(node)
+    with pytest.raises(ValueError, match="not on the device"):
+        tree.insert(seq(5, 2), idx(4, 2), start=node)
+    with pytest.raises(KeyError):
+        tree.insert(seq(5, 2), idx(4, 2), start=node + (1 << 40))
+
+
 # ----------------------------------------------------------------------------- backup
 def test_begin_backup_returns_the_device_indices_and_locks_the_node(tree_cls):
     tree = tree_cls(1)

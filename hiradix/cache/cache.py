@@ -355,15 +355,23 @@ class HiRadixCache:
         """Insert ``key`` with device slots ``value``; returns the length of the prefix
         that was already cached (the caller frees its own slots for it). Nodes that the
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
+        return int(self.insert_below(key, value, extra_key, priority=priority, chunked=chunked).prefix_len)
+
+    def insert_below(self, key: Any, value: Any, extra_key: str | None = None, *, priority: int = 0,
+                     chunked: bool = False, start: int | None = None) -> Any:
+        """:meth:`insert`, continuing the path that ends at the device node ``start``
+        when one is given (the tree's ``insert(start=)``: the key's tokens follow that
+        path's, and ``prefix_len`` counts the key's only); the tree's ``InsertResult``.
+        Runtime: ``O(len(key))`` plus ``O(depth(start))`` nodes, plus the backups."""
         # hold: with nodes to back up, the tree locks the deepest of them, so that they are
         # protected from the insert on, as a backup in flight is (the scheduler admits
         # requests by evictable_size(), and an eviction would start these backups rather
         # than free them); released once their backups have started.
         result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked,
-                                  hold=self.batch_backups)
+                                  hold=self.batch_backups, start=start)
         if result.backup_nodes:
             self._backups_asked(result.backup_nodes)
-        return int(result.prefix_len)
+        return result
 
     def _backups_asked(self, nodes: Sequence[int]) -> None:
         """The nodes an insert asked to back up (parents first; with ``batch_backups`` the

@@ -230,7 +230,8 @@ class HiRadixCache(ServerSince020):
         free the row's copies of what the tree already held, point the row at the tree's
         slots, move ``req.lock`` / ``req.last_node`` to the new prefix and advance
         ``req.kv.cache_protected_len``. The rest of the row stays the request's (SGLang's
-        ``release_kv_cache`` frees it). ``O(up_to)``."""
+        ``release_kv_cache`` frees it). ``O(up_to)``; a chunked prefill's next chunk
+        ``O(chunk)`` plus ``O(depth)`` nodes."""
         if self.disable:
             return
         kv = req.kv
@@ -240,6 +241,24 @@ class HiRadixCache(ServerSince020):
         # the tokens as a limit, not a slice: the tree reads them in place
         key = RadixKey(fill, req.extra_key, limit=aligned + self._bigram, cache_salt=req.cache_salt)
         row = self._req_row(kv.req_pool_idx)
+        # A chunked prefill's next chunk continues from the request's locked node and
+        # reads and writes no more than the chunk (HiRadixCacheBase._insert_continuing).
+        done = self._insert_continuing(req.last_node, protected, key, aligned, row, req.priority or 0, False)
+        if done is not None:
+            end, last, tail = done
+            kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
+            if end > protected:
+                self.token_to_kv_pool_allocator.free_segment(row[protected:end], start_pos=protected)
+            if aligned > protected:
+                tail_slots = torch.from_numpy(tail)
+                # SGLang's ReqToTokenPool.write, into the row's view
+                row[protected:aligned] = tail_slots if self._on_cpu else tail_slots.to(self.device)
+            kv.cache_protected_len = aligned
+            node = self.node_view(last)
+            self.unlock(req.lock)
+            req.lock = self.lock(node)
+            req.last_node = node
+            return
         # the row's slots as a view: the tree copies (and widens) the slots it keeps
         params = _Insert(key, row[:aligned], req.priority or 0, getattr(req, "session_id", None))
         end = self.insert(cast(InsertParams, params)).prefix_len

@@ -910,6 +910,56 @@ class HiRadixCacheBase(BasePrefixCache):
         if indices.shape[0]:  # not len(): a tensor's __len__ is Python-level, several us
             self.token_to_kv_pool_allocator.free(indices)
 
+    def _insert_continuing(self, last_node: Any, protected: int, key: Any, aligned: int, row: torch.Tensor,
+                           priority: int, chunked: bool) -> tuple[int, int, np.ndarray] | None:
+        """A running request's next insert (a chunked prefill's next chunk), from where
+        its last one ended: ``last_node`` is the node the request holds locked, whose
+        path holds the first ``protected`` slots of ``key`` (what the scheduler's
+        ``cache_protected_len`` says), so only slots ``[protected, aligned)`` of the key
+        are inserted (the tree's ``insert(start=)``), with ``row[protected:aligned]``.
+        Returns ``(prefix length, last node, the tail's slots in the tree)``; ``None``
+        (nothing done: the caller inserts the whole key) when the node is not that: not
+        this cache's, not on the device, or not ``protected`` slots deep in the key's
+        namespace; also with KV events on (their log follows whole-key inserts).
+        ``O(aligned - protected)`` plus ``O(depth)`` nodes, where the whole key costs
+        ``O(aligned)``: a 1M-token prefill's chunks cost the same at 8K and at 1M
+        (``bench/long_context.py``)."""
+        if (protected <= 0 or aligned < protected or self._events is not None or type(last_node) is not TreeNode
+                or last_node._cache is not self):
+            return None
+        tree = self.tree
+        start = last_node.id
+        tokens: np.ndarray | array
+        if self.is_eagle:
+            ns, tokens, _ = self._bigram_key(key)
+        else:
+            ek, salt = key.extra_key, key.cache_salt
+            ns = None if ek is None and salt is None else self._ns(ek, salt)
+            tokens = _key_tokens(key)
+        if len(tokens) < aligned or not tree.is_alive(start) or tree.is_evicted(start):
+            return None
+        depth, top = tree.path_extent(start)
+        if depth != protected or top != (self.root_handle if ns is None else self._namespaces[ns]):
+            return None
+        parent = tree.parent
+        tail = _head(tokens, aligned)[protected:]
+        values = row[protected:aligned]
+        result = self.core.insert_below(tail, values.numpy() if values.is_cpu else values, priority=priority,
+                                        chunked=chunked, start=start)
+        last = int(result.last_node)
+        parts: list[np.ndarray] = []
+        node = last
+        while node != start:  # the tail's nodes, on the device after the insert
+            v = tree.value(node)
+            if v is None:
+                raise RuntimeError(f"insert: node {node} below a continued insert is not on the device")
+            parts.append(v)
+            node = parent(node)
+        if not parts:
+            return protected + int(result.prefix_len), last, _EMPTY_NP
+        parts.reverse()
+        return protected + int(result.prefix_len), last, parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:

@@ -121,13 +121,15 @@ cdef int _start_writing(HiRadixTree self, node_t i, const index_t* hosts) except
 
 
 cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, object extra_key, int64_t prio,
-                   bint chunked, bint hold, int64_t* out):
+                   bint chunked, bint hold, int64_t* out, node_t start=NO_NODE):
     # insert's work on narrowed tokens and their device indices (as many): ``out`` gets
-    # the prefix length and the last node's handle; returns the nodes to back up.
+    # the prefix length and the last node's handle; returns the nodes to back up. With a
+    # ``start`` node (checked by the caller) the tokens continue its path: the descent
+    # begins there, and its ancestors are stamped as a descent through them would be.
     cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
     cdef int64_t n = cnp.PyArray_SIZE(toks)
     n -= n % self.page_size
-    cdef node_t root = _ns_root(self, extra_key)
+    cdef node_t root = _ns_root(self, extra_key) if start == NO_NODE else start
     cdef double now = _tick(self)
     cdef node_t node = root, child, parent
     cdef int64_t pos = 0, plen = 0, prefix_len = 0
@@ -135,6 +137,10 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
     with nogil:
         if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
             _compact(self)
+        while not self.nodes[root].is_root:  # O(depth in nodes), not in tokens
+            _touch(self, root, now)
+            _refresh(self, root)
+            root = self.nodes[root].parent
         while pos < n:
             child = _step(self, node, ptr + pos, n - pos, now, &plen)
             if child == NO_NODE:
@@ -324,8 +330,14 @@ cdef class HiRadixTree:
         out[3] = _handle(&self.nodes[node], node)
         return _gather(self, root, last_dev, False)
 
-    def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False, bint hold=False):
-        """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``."""
+    def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False, bint hold=False, start=None):
+        """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``,
+        plus ``O(depth)`` nodes with ``start``."""
+        cdef node_t s = NO_NODE
+        if start is not None:
+            s = _node(self, start)
+            if not self.nodes[s].is_root and not self.nodes[s].on_device:
+                raise ValueError(f"insert: start node {start} is not on the device")
         cdef int64_t prio = _as_int64(priority, "priority")
         cdef cnp.ndarray toks = _as_tokens(key)
         cdef cnp.ndarray vals = _as_indices(value, "value")
@@ -333,7 +345,7 @@ cdef class HiRadixTree:
             raise ValueError(
                 f"value has {cnp.PyArray_SIZE(vals)} indices for {cnp.PyArray_SIZE(toks)} tokens")
         cdef int64_t out[2]
-        backup = _insert(self, toks, <const index_t*>cnp.PyArray_DATA(vals), extra_key, prio, chunked, hold, out)
+        backup = _insert(self, toks, <const index_t*>cnp.PyArray_DATA(vals), extra_key, prio, chunked, hold, out, s)
         cdef InsertResult r = InsertResult.__new__(InsertResult)
         r.prefix_len = out[0]
         r.last_node = out[1]
@@ -825,6 +837,16 @@ cdef class HiRadixTree:
     def key_len(self, node):
         """Tokens in a node's span. ``O(1)``."""
         return self.nodes[_node(self, node)].key_len
+
+    def path_extent(self, node):
+        """``(tokens, root)``: the tokens on the path from its root down to the end of
+        ``node`` and that root's handle; see the twin. ``O(depth)``, in C."""
+        cdef node_t i = _node(self, node)
+        cdef int64_t tokens = 0
+        while not self.nodes[i].is_root:
+            tokens += self.nodes[i].key_len
+            i = self.nodes[i].parent
+        return tokens, _handle(&self.nodes[i], i)
 
     # Typed state of one node, each O(1), for adapters that build lazy node views; see
     # the twin for the meaning of each (node_info builds a dict and is for debugging).

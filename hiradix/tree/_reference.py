@@ -640,6 +640,7 @@ class HiRadixTree:
         priority: int = 0,
         chunked: bool = False,
         hold: bool = False,
+        start: int | None = None,
     ) -> InsertResult:
         """Insert ``key`` with device indices ``value`` (same length).
 
@@ -650,7 +651,19 @@ class HiRadixTree:
         last of them, the deepest (as :meth:`inc_lock_ref`), which keeps them all
         protected, and nothing below them (as their backups' own locks will), until the
         caller has started their backups and releases it (:meth:`dec_lock_refs`).
+        ``start``: a device node (or a root) whose path ``key`` continues: the caller
+        vouches that the key's tokens follow that path's (a running request's locked
+        node and the tokens after its cached prefix), so the descent begins there and
+        costs ``O(len(key))`` plus ``O(depth(start))`` nodes, whatever the prefix's
+        length; ``extra_key`` is then unused (the node's namespace is the key's), the
+        ancestors are stamped as a descent through them would be, and ``prefix_len``
+        counts the key's tokens only.
         """
+        start_node = None
+        if start is not None:
+            start_node = self._node(start)
+            if not start_node.is_root and start_node.value is None:
+                raise ValueError(f"insert: start node {start} is not on the device")
         priority = as_int64(priority, "priority")
         tokens = as_tokens(key)
         values = as_indices(value)
@@ -658,11 +671,29 @@ class HiRadixTree:
             raise ValueError(f"value has {len(values)} indices for {len(tokens)} tokens")
         tokens = self._aligned(tokens)
         n = len(tokens)
-        root = self._namespace_root(extra_key)
+        root = self._namespace_root(extra_key) if start_node is None else start_node
         now = self._tick()
+        if start_node is not None:
+            up = start_node
+            while not up.is_root:
+                self._touch(up, now)
+                self._refresh(up)
+                up = up.parent  # type: ignore[assignment]
         prefix_len = 0
         backup: dict[int, None] = {}
         report = self.write_through_threshold > 0 and not chunked
+        if start_node is not None and report:
+            # The path above ``start`` is not descended (no hit is counted there), but
+            # its nodes that reached the threshold are backed up as after any insert
+            # through them: parents first, before the nodes below.
+            above = []
+            up = start_node
+            while not up.is_root:
+                above.append(up)
+                up = up.parent  # type: ignore[assignment]
+            for node in reversed(above):
+                if node.hit_count >= self.write_through_threshold:
+                    self._backup_chain(node, backup)
 
         def visit(node: _Node, pos: int, plen: int) -> None:
             nonlocal prefix_len
@@ -1222,6 +1253,23 @@ class HiRadixTree:
     def key_len(self, node: int) -> int:
         """Tokens in a node's span. ``O(1)``."""
         return len(self._node(node).key)
+
+    def path_extent(self, node: int) -> tuple[int, int]:
+        """``(tokens, root)``: the tokens on the path from its root (the global root or a
+        namespace's) down to the end of ``node``, and that root's handle; ``(0, node)``
+        for a root. Runtime complexity: ``O(depth)`` nodes.
+
+        >>> t = HiRadixTree(1)
+        >>> a = t.insert([1, 2, 3], [0, 1, 2]).last_node
+        >>> t.path_extent(t.insert([1, 2, 3, 4, 5], [0, 1, 2, 3, 4]).last_node) == (5, t.root)
+        True
+        """
+        n = self._node(node)
+        tokens = 0
+        while not n.is_root:
+            tokens += len(n.key)
+            n = n.parent  # type: ignore[assignment]
+        return tokens, n.handle
 
     def key(self, node: int) -> np.ndarray:
         """A copy of the node's token ids (int32; empty for a root). ``O(key_len)``."""

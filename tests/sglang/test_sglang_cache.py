@@ -339,6 +339,64 @@ def test_cache_unfinished_then_finished_req_on_sglang_req(make_env) -> None:
     assert len(again.prefix_indices) == 24
 
 
+@pytest.mark.parametrize(("page_size", "eagle"), [(1, False), (4, False), (4, True)])
+def test_chunked_prefill_continues_from_the_locked_node_as_sglang_ends(make_env, make_sglang, page_size: int,
+                                                                       eagle: bool) -> None:
+    """A chunked prefill of several chunks (unaligned ends) through the scheduler's
+    ``cache_unfinished_req(req, chunked=True)``, beside another request that cached part
+    of the prompt mid-chunk: after every chunk hiradix's row, ``prefix_indices`` (int64),
+    protected length and the slots it freed are SGLang's own HiRadixCache's, and from the
+    second chunk on the insert continues from the request's locked node (``start``)."""
+    if eagle and hs.api.REQUEST_API != "cache_req":
+        pytest.skip("the EAGLE variant is 0.5.18's")
+    prompt = list(range(1000, 1070))
+    other = prompt[:30] + [5, 6, 7, 8, 9, 10, 11, 12]  # shares 30 tokens: the second chunk meets them
+    envs = [make_env(page_size, eagle=eagle), make_sglang(page_size, eagle=eagle)]
+    starts: list[object] = []
+    insert_below = envs[0].cache.core.insert_below
+
+    def spy(*args, **kwargs):
+        starts.append(kwargs.get("start"))
+        return insert_below(*args, **kwargs)
+
+    envs[0].cache.core.insert_below = spy
+    reqs = []
+    for env in envs:
+        req = env.new_req(prompt)  # admitted on a miss: every slot its own
+        req.init_next_round_input(env.cache)
+        assert len(req.prefix_indices) == 0
+        env.cache.inc_lock_ref(req.last_node)
+        slots = env.allocator.alloc(-(-len(prompt) // page_size) * page_size)
+        env.req_to_token.write((record(req).req_pool_idx, slice(0, len(prompt))), slots[: len(prompt)])
+        reqs.append(req)
+        r = env.new_req(other)  # then another request caches part of its prompt
+        r.init_next_round_input(env.cache)
+        slots = env.allocator.alloc(-(-len(other) // page_size) * page_size)
+        env.req_to_token.write((record(r).req_pool_idx, slice(0, len(other))), slots[: len(other)])
+        env.cache.cache_finished_req(r, kv_len_to_handle=len(other))
+    freed = [env.allocator.available_size() for env in envs]
+    starts.clear()
+    for k, end in enumerate((13, 41, 58, 70)):
+        for env, req in zip(envs, reqs, strict=True):
+            req.set_extend_range(0, end)
+            env.cache.cache_unfinished_req(req, chunked=True)
+        ours, theirs = reqs
+        assert record(ours).cache_protected_len == record(theirs).cache_protected_len
+        rows = [env.req_to_token.req_to_token[record(r).req_pool_idx, :end] for env, r in zip(envs, reqs, strict=True)]
+        assert torch.equal(rows[0], rows[1]), k
+        assert ours.prefix_indices.dtype == torch.int64 and torch.equal(ours.prefix_indices, theirs.prefix_indices)
+        assert torch.equal(ours.prefix_indices, rows[0].long())
+        gained = [env.allocator.available_size() - f for env, f in zip(envs, freed, strict=True)]
+        assert gained[0] == gained[1], (k, gained)
+        # the first chunk inserts the whole key; the later ones continue from the locked node
+        assert len([start for start in starts if start is not None]) == k, starts
+        envs[0].cache.tree.check_invariants()
+    for env, req in zip(envs, reqs, strict=True):
+        env.cache.cache_finished_req(req, kv_len_to_handle=len(prompt))
+    ours, theirs = (env.cache.evictable_size() + env.cache.protected_size() for env in envs)
+    assert ours == theirs == (78 if page_size == 1 else 76)  # the prompt, and the other's 8 (aligned)
+
+
 def test_finished_req_without_insert_frees_everything_it_owns(make_env) -> None:
     env = make_env()
     req = env.new_req(list(range(12)))
