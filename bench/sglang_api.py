@@ -113,6 +113,7 @@ with warnings.catch_warnings():
 logger = logging.getLogger(__name__)
 
 IMPLS = ("hiradix", "sglang")
+PHASES = frozenset(("insert", "finish", "match", "evict_all"))  # insert and match always run
 BACKUP_COPY = "inline"  # hiradix.sglang's backup_copy (--backup-copy)
 LABELS = {"hiradix": "hiradix.sglang.HiRadixCache", "sglang": "sglang 0.5.18 HiRadixCache"}
 METRICS = (("insert_per_s", True), ("finish_per_s", True), ("match_per_s", True), ("evict_all_s", False))
@@ -373,8 +374,11 @@ def match_signature(cache: Any, keys: list[array]) -> list[tuple[int, int]]:
     return out
 
 
-def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1) -> dict:
-    out: dict[str, Any] = {}
+def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1,
+               phases: frozenset[str] = PHASES) -> dict:
+    out: dict[str, Any] = dict.fromkeys(m for group in (METRICS, CPU_METRICS, THREAD_METRICS) for m, _ in group)
+    for m in out:  # a phase not run (--phases) reports NaN
+        out[m] = float("nan")
     clock = Clock(profiles)
 
     # insert/s, then match/s and evict-all on the same cache
@@ -405,6 +409,10 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     drain_backups(impl, cache)
     cached = out["cached_tokens"] = cache.evictable_size()
     assert freed.tokens == 0, freed.tokens
+    if "evict_all" not in phases and "finish" not in phases:  # --phases insert,match
+        close_cache(impl, cache)
+        out["cpu_share"] = clock.cpu / clock.wall
+        return out
     with clock.phase("evict_all"):
         evicted = cache.evict(EvictParams(num_tokens=cached)).num_tokens_evicted
     out["evict_all_s"] = clock.last
@@ -418,6 +426,9 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     close_cache(impl, cache)
     del cache, insert, events, match
     gc.collect()
+    if "finish" not in phases:
+        out["cpu_share"] = clock.cpu / clock.wall
+        return out
 
     # finish/s: the same requests through cache_finished_req, on a fresh cache
     cache, freed = build_cache(impl, w.page_size, w.pool_size, w.req_to_token)
@@ -489,7 +500,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
     for r in range(-args.warmup, args.repeats):
         order = impls if r % 2 == 0 else impls[::-1]  # alternate, so drift hits both alike
         for impl in order:
-            res = one_repeat(impl, w, step=args.step)
+            res = one_repeat(impl, w, step=args.step, phases=args.phases)
             tag = "warm-up" if r < 0 else f"repeat {r + 1}/{args.repeats}"
             log(
                 f"  {tag} {impl:8s}: "
@@ -525,7 +536,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
             }
     for impl in args.profile or ():
         profiles: dict[str, cProfile.Profile] = {}
-        one_repeat(impl, w, profiles, step=args.step)
+        one_repeat(impl, w, profiles, step=args.step, phases=args.phases)
         for phase, prof in profiles.items():
             log(f"  cProfile of {impl} {phase}, page {ps} (an extra untimed repeat):")
             log(profile_table(prof))
@@ -633,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
         help="hiradix.sglang's backup_copy: copy a step's backups on the calling thread (default, as SGLang "
         "does) or hand them to its copy thread",
     )
+    ap.add_argument(
+        "--phases",
+        default=",".join(sorted(PHASES)),
+        help="comma-separated phases to run: insert and match always run (match needs the inserts); "
+        "'insert,match' skips finish and evict-all (NaN in the table) for a fast match loop",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     global BACKUP_COPY
@@ -640,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.step < 1:
         ap.error("--step must be >= 1")
     args.impls = args.impls.split(",")
+    args.phases = frozenset(args.phases.split(",")) | {"insert", "match"}
+    if not args.phases <= PHASES:
+        ap.error(f"--phases: unknown {sorted(args.phases - PHASES)}")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
 
