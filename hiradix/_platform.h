@@ -173,6 +173,16 @@ static inline uint64_t hr_high64(const int64_t *src, size_t n)
 #define HR_AHEAD_KEY 512 /* int64 ids: 4 KiB */
 #define HR_AHEAD_TOK 512 /* int32 tokens: 2 KiB */
 #define HR_AHEAD_DEV 256 /* int64 slots: 2 KiB */
+/* The first lines of a key about to be matched (up to 4 KiB), requested together before
+ * the descent's first lookups (a hash slot, a node, its first tokens: each a miss that
+ * waits for the one before), so that the key's misses overlap with theirs. */
+static inline void hr_prefetch_key(const int64_t *key, size_t n)
+{
+    size_t j;
+    for (j = 0; j < HR_AHEAD_KEY && j < n; j += 8)
+        HR_PREFETCH((uintptr_t)(key + j));
+}
+
 static inline size_t hr_common64(const int32_t *tree, const int64_t *key, const int64_t *dev, size_t n)
 {
     size_t i = 0, j;

@@ -258,6 +258,7 @@ cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t
     cdef int64_t n = total - total % self.page_size
     cdef int64_t pos, cut = 0, host_hit = 0
     cdef node_t node, last_dev, last_host
+    hr_prefetch_key(key, n)
     if n >= NOGIL_MIN:
         with nogil:
             pos = _walk64(self, key, n, root, path, &depth, &cut)
