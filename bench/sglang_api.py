@@ -145,6 +145,7 @@ with warnings.catch_warnings():
 
 logger = logging.getLogger(__name__)
 
+PHASES = frozenset(("insert", "finish", "match", "evict_all"))  # insert and match always run
 BACKUP_COPY = "inline"  # hiradix.sglang's backup_copy (--backup-copy)
 METRICS = (("insert_per_s", True), ("finish_per_s", True), ("match_per_s", True), ("evict_all_s", False))
 # The same figures over process CPU time instead of wall time (hiradix's includes its copy threads):
@@ -683,8 +684,11 @@ class Clock:
         out[f"{name}_per_thread_s"] = n / self.last_thread
 
 
-def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1) -> dict:
-    out: dict[str, Any] = {}
+def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1,
+               phases: frozenset[str] = PHASES) -> dict:
+    out: dict[str, Any] = dict.fromkeys(m for group in (METRICS, CPU_METRICS, THREAD_METRICS) for m, _ in group)
+    for m in out:  # a phase not run (--phases) reports NaN
+        out[m] = float("nan")
     clock = Clock(profiles)
     api = API
 
@@ -708,6 +712,10 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     cached = out["cached_tokens"] = cache.evictable_size()
     api.check_cached(impl, cache, w, freed, cached)
     before = freed.tokens
+    if "evict_all" not in phases and "finish" not in phases:  # --phases insert,match
+        api.close(impl, cache)
+        out["cpu_share"] = clock.cpu / clock.wall
+        return out
     with clock.phase("evict_all"):
         evicted = cache.evict(EvictParams(num_tokens=cached)).num_tokens_evicted
     out["evict_all_s"] = clock.last
@@ -721,6 +729,9 @@ def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | N
     api.close(impl, cache)
     del cache
     gc.collect()
+    if "finish" not in phases:
+        out["cpu_share"] = clock.cpu / clock.wall
+        return out
 
     # finish/s: the same requests ended, on a fresh cache
     cache, freed = api.build(impl, w)
@@ -810,7 +821,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
         tag = "warm-up" if r < 0 else f"repeat {r + 1}/{args.repeats}"
         this: dict[str, dict] = {}
         for impl in order:
-            res = this[impl] = one_repeat(impl, w, step=args.step)
+            res = this[impl] = one_repeat(impl, w, step=args.step, phases=args.phases)
             log(
                 f"  {tag} {impl:8s}: "
                 + ", ".join(f"{m}={res[m]:.4g}" for m, _ in METRICS)
@@ -839,7 +850,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
             }
     for impl in args.profile or ():
         profiles: dict[str, cProfile.Profile] = {}
-        one_repeat(impl, w, profiles, step=args.step)
+        one_repeat(impl, w, profiles, step=args.step, phases=args.phases)
         for phase, prof in profiles.items():
             log(f"  cProfile of {impl} {phase}, page {ps} (an extra untimed repeat):")
             log(profile_table(prof))
@@ -989,6 +1000,12 @@ def main(argv: list[str] | None = None) -> int:
         help="hiradix.sglang's backup_copy: copy a step's backups on the calling thread (default, as SGLang "
         "does) or hand them to its copy thread",
     )
+    ap.add_argument(
+        "--phases",
+        default=",".join(sorted(PHASES)),
+        help="comma-separated phases to run: insert and match always run (match needs the inserts); "
+        "'insert,match' skips finish and evict-all (NaN in the table) for a fast match loop",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     global BACKUP_COPY
@@ -999,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.impls) - set(API.impls)
     if unknown:
         ap.error(f"--impls: {', '.join(sorted(unknown))} not among SGLang {API.version}'s {', '.join(API.impls)}")
+    args.phases = frozenset(args.phases.split(",")) | {"insert", "match"}
+    if not args.phases <= PHASES:
+        ap.error(f"--phases: unknown {sorted(args.phases - PHASES)}")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
 

@@ -145,4 +145,66 @@ static inline uint64_t hr_narrow(const int64_t *src, int32_t *dst, size_t n)
     return high;
 }
 
+/* The OR of every (src[k] + 2**31) >> 32: zero exactly when all n ids fit int32 (as
+ * hr_narrow's result, without writing them anywhere). */
+static inline uint64_t hr_high64(const int64_t *src, size_t n)
+{
+    uint64_t high = 0;
+    size_t k;
+    for (k = 0; k < n; k++)
+        high |= ((uint64_t)src[k] + 2147483648u) >> 32;
+    return high;
+}
+
+#if defined(__GNUC__)
+#define HR_PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#else
+#define HR_PREFETCH(p) ((void)0)
+#endif
+/* One span of a match of int64 key ids (SGLang's array('q') keys) against the tree's
+ * int32 tokens, without narrowing the key into a buffer first: the length of the common
+ * prefix of tree[:n] and key[:n]. Compared 64 at a time with no branch in the inner loop
+ * (it vectorizes, the ids widened); an id beyond int32 equals no token, so it ends the
+ * match like any other difference. The key, the span's tokens and the span's device
+ * slots `dev` (which the match copies out next, and which nothing else reads before)
+ * are all cold in a scheduler's match, and the hardware prefetchers stop at each 4 KiB
+ * page: the three streams are prefetched ahead (addresses past the end included: a
+ * prefetch never faults), so their misses overlap instead of coming one after another. */
+#define HR_AHEAD_KEY 512 /* int64 ids: 4 KiB */
+#define HR_AHEAD_TOK 512 /* int32 tokens: 2 KiB */
+#define HR_AHEAD_DEV 256 /* int64 slots: 2 KiB */
+/* The first lines of a key about to be matched (up to 4 KiB), requested together before
+ * the descent's first lookups (a hash slot, a node, its first tokens: each a miss that
+ * waits for the one before), so that the key's misses overlap with theirs. */
+static inline void hr_prefetch_key(const int64_t *key, size_t n)
+{
+    size_t j;
+    for (j = 0; j < HR_AHEAD_KEY && j < n; j += 8)
+        HR_PREFETCH((uintptr_t)(key + j));
+}
+
+static inline size_t hr_common64(const int32_t *tree, const int64_t *key, const int64_t *dev, size_t n)
+{
+    size_t i = 0, j;
+    uint64_t diff;
+    for (j = 0; j < HR_AHEAD_DEV && j < n; j += 8) /* the slots the ahead-prefetch skips */
+        HR_PREFETCH((uintptr_t)(dev + j));
+    for (; i + 64 <= n; i += 64) {
+        for (j = 0; j < 64; j += 8) {
+            HR_PREFETCH((uintptr_t)(key + i + j) + HR_AHEAD_KEY * sizeof *key);
+            HR_PREFETCH((uintptr_t)(dev + i + j) + HR_AHEAD_DEV * sizeof *dev);
+        }
+        for (j = 0; j < 64; j += 16)
+            HR_PREFETCH((uintptr_t)(tree + i + j) + HR_AHEAD_TOK * sizeof *tree);
+        diff = 0;
+        for (j = 0; j < 64; j++)
+            diff |= (uint64_t)(key[i + j] ^ (int64_t)tree[i + j]);
+        if (diff)
+            break;
+    }
+    while (i < n && key[i] == (int64_t)tree[i])
+        i++;
+    return i;
+}
+
 #endif

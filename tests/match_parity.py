@@ -58,6 +58,49 @@ def keys_of(tokens: list[int], rng: random.Random) -> list[RadixKey]:
     ]
 
 
+class SubKey(RadixKey):
+    """A caller's own key type (with a ``__dict__``): the matcher learns where its fields
+    live again whenever the type of the keys it gets changes."""
+
+
+def odd_keys(tokens: list[int], rng: random.Random) -> list[RadixKey]:
+    """Keys whose answer may be an error: an id no int32 holds (before or past the
+    ``limit``), a field unset; and keys of another type, between the common ones."""
+    n = len(tokens)
+    bad = list(tokens)
+    pos = rng.randrange(n)
+    bad[pos] = rng.choice([2**31, -(2**31) - 1])
+    unset = RadixKey(array("q", tokens))
+    del unset.cache_salt
+    sub = SubKey(array("q", tokens), limit=rng.choice([None, rng.randrange(0, n + 1)]))
+    sub.note = "x"
+    return [
+        RadixKey(array("q", bad)),
+        RadixKey(array("q", bad), limit=pos),  # the bad id is past the limit: not read
+        RadixKey(array("q", bad), limit=rng.randrange(pos + 1, n + 2)),
+        unset,
+        sub,
+        RadixKey(array("q", tokens)),
+    ]
+
+
+def same_outcome(cache: Any, params: Any) -> None:
+    """The compiled matcher and the method both answer ``params`` alike, or both raise the
+    same error (the tree left as it was: :func:`run` checks the invariants after)."""
+    outcomes = []
+    for match in (cache.match_prefix, lambda p: python_match(cache, p)):
+        try:
+            outcomes.append((True, match(params)))
+        except (OverflowError, AttributeError) as exc:
+            outcomes.append((False, type(exc)))
+    (ok_a, a), (ok_b, b) = outcomes
+    assert ok_a == ok_b, (params.key.token_ids, a, b)
+    if ok_a:
+        same_result(a, b)
+    else:
+        assert a is b
+
+
 def token_source(rng: random.Random) -> Callable[[], list[int]]:
     """Prompts that share prefixes: each draw is one of six stems cut anywhere, plus up to
     23 fresh tokens."""
@@ -105,6 +148,9 @@ def run(env: Any, *, seed: int, steps: int) -> int:
                 if rng.random() < 0.1 and len(held) < 4 and a.last_device_node != cache.root_node:
                     cache.inc_lock_ref(a.last_device_node)
                     held.append(a.last_device_node)
+            if rng.random() < 0.3:
+                for key in odd_keys(tokens, rng):
+                    same_outcome(cache, MatchPrefixParams(key=key))
         cache.check_invariants()
     for node in held:
         cache.dec_lock_ref(node)

@@ -62,6 +62,9 @@ cdef extern from "_platform.h" nogil:
     void hr_copy_stream(void* dst, const void* src, size_t n)
     void hr_stream_fence()
     uint64_t hr_narrow(const int64_t* src, int32_t* dst, size_t n)
+    uint64_t hr_high64(const int64_t* src, size_t n)
+    size_t hr_common64(const int32_t* tree, const int64_t* key, const int64_t* dev, size_t n)
+    void hr_prefetch_key(const int64_t* key, size_t n)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
@@ -74,6 +77,10 @@ cdef int64_t COMPACT_MIN = 1 << 16     # tokens of garbage before compaction is 
 # Releasing and retaking the GIL costs two mutex operations, 4% of a typical match in a
 # profile; below this many tokens the work is shorter than that, so the GIL is kept.
 cdef int64_t NOGIL_MIN = 4096
+cdef enum:
+    # Spans of a path _match64 records before touching any: deeper paths (a conversation
+    # of more turns than this) take match_into's general path.
+    MATCH64_DEPTH = 64
 # Indices from which an eviction's result is written with non-temporal stores (1 MiB):
 # larger than the caches, so nothing would be read back from them anyway.
 cdef int64_t STREAM_MIN = 1 << 17
@@ -304,6 +311,29 @@ cdef class HiRadixTree:
         # match_prefix of the first ``limit`` tokens of ``key`` (all when negative), its
         # result's fields in ``out`` (last device node, last host node, host hit length,
         # last node) and the device indices returned (_core.pxd).
+        cdef Py_buffer view
+        cdef Py_ssize_t total
+        cdef node_t ns_root
+        if type(key) is array:
+            # SGLang's scheduler keys (array('q')): matched as they are, without narrowing
+            # them into a buffer first (_match64), in a namespace that exists already.
+            if extra_key is None:
+                ns_root = self.root_idx
+            else:
+                found = self._namespaces.get(extra_key)
+                ns_root = NO_NODE if found is None else <node_t>found
+            if ns_root != NO_NODE:
+                PyObject_GetBuffer(key, &view, PyBUF_FORMAT)
+                try:
+                    if view.itemsize == 8 and view.format[0] in b"ql" and view.format[1] == 0:
+                        total = view.len // 8
+                        if 0 <= limit < total:
+                            total = limit
+                        result = _match64(self, <const int64_t*>view.buf, total, ns_root, out)
+                        if result is not None:
+                            return result
+                finally:
+                    PyBuffer_Release(&view)
         cdef cnp.ndarray toks = _as_tokens(key, limit)
         cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
         cdef int64_t n = cnp.PyArray_SIZE(toks)

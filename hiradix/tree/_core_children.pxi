@@ -13,6 +13,10 @@ cdef uint64_t _page_hash(HiRadixTree self, node_t parent, const token_t* page) n
     cdef int64_t k
     for k in range(self.page_size):
         h = (h ^ <uint32_t>page[k]) * <uint64_t>0x100000001B3
+    return _mix(h)
+
+
+cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
     # splitmix64 finaliser: the low bits index the table, so mix the high ones down
     h ^= h >> 30
     h *= <uint64_t>0xBF58476D1CE4E5B9
@@ -35,6 +39,32 @@ cdef node_t _find_child(HiRadixTree self, node_t parent, const token_t* page) no
                 and memcmp(self.tokens + self.nodes[c].key_off, page,
                            self.page_size * sizeof(token_t)) == 0):
             return c
+        slot = (slot + 1) & mask
+
+
+cdef node_t _find_child64(HiRadixTree self, node_t parent, const int64_t* page) noexcept nogil:
+    # _find_child of a page of int64 ids (_match64): the same hash as _page_hash's for ids
+    # that fit int32; one that does not equals no token.
+    cdef uint64_t h = (<uint64_t>parent + 1) * <uint64_t>0x9E3779B97F4A7C15
+    cdef int64_t k
+    for k in range(self.page_size):
+        h = (h ^ <uint32_t>page[k]) * <uint64_t>0x100000001B3
+    h = _mix(h)
+    cdef uint64_t mask = <uint64_t>(self.ht_cap - 1)
+    cdef uint64_t slot = h & mask
+    cdef node_t c
+    cdef const token_t* toks
+    while True:
+        c = self.ht_vals[slot]
+        if c == NO_NODE:
+            return NO_NODE
+        if self.ht_keys[slot] == h and self.nodes[c].parent == parent:
+            toks = self.tokens + self.nodes[c].key_off
+            k = 0
+            while k < self.page_size and page[k] == <int64_t>toks[k]:
+                k += 1
+            if k == self.page_size:
+                return c
         slot = (slot + 1) & mask
 
 

@@ -215,6 +215,79 @@ cdef node_t _descend(HiRadixTree self, node_t node, const token_t* ptr, int64_t 
     return node
 
 
+cdef int64_t _walk64(HiRadixTree self, const int64_t* key, int64_t n, node_t node, node_t* path,
+                     int* depth, int64_t* cut) noexcept nogil:
+    # _match64's read-only descent: the spans ``key[:n]`` (page-aligned) matches, into
+    # ``path``; ``cut`` is where the match ends inside the last one (0: at its end);
+    # returns the matched length, or -1 for a path deeper than MATCH64_DEPTH.
+    cdef int64_t pos = 0, klen, m
+    cdef node_t child
+    depth[0] = 0
+    cut[0] = 0
+    while pos < n:
+        child = _find_child64(self, node, key + pos)
+        if child == NO_NODE:
+            break
+        if depth[0] == MATCH64_DEPTH:
+            return -1
+        klen = self.nodes[child].key_len
+        m = klen if klen < n - pos else n - pos
+        m = <int64_t>hr_common64(self.tokens + self.nodes[child].key_off, key + pos,
+                                 self.dev + self.nodes[child].key_off, m)
+        m -= m % self.page_size
+        path[depth[0]] = child
+        depth[0] += 1
+        pos += m
+        node = child
+        if m < klen:
+            cut[0] = m     # the match ends inside this span: _step splits it there
+            break
+    return pos
+
+
+cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t root, int64_t* out):
+    # match_into's work on int64 ids (SGLang's array('q') keys), each read once where it
+    # is, without narrowing the key into a buffer first. The descent first only reads
+    # (_walk64), and the tree is touched and split as _descend does only once the ids not
+    # matched are known to fit int32: a key with one that does not leaves the tree as it
+    # was, as _as_tokens's OverflowError does. Returns None where match_into's general
+    # path must serve (a path deeper than MATCH64_DEPTH; an id out of range, which that
+    # path raises for).
+    cdef node_t path[MATCH64_DEPTH]
+    cdef int depth = 0, d
+    cdef int64_t n = total - total % self.page_size
+    cdef int64_t pos, cut = 0, host_hit = 0
+    cdef node_t node, last_dev, last_host
+    hr_prefetch_key(key, n)
+    if n >= NOGIL_MIN:
+        with nogil:
+            pos = _walk64(self, key, n, root, path, &depth, &cut)
+    else:
+        pos = _walk64(self, key, n, root, path, &depth, &cut)
+    if pos < 0 or (pos < total and hr_high64(key + pos, total - pos)):
+        return None
+    cdef double now = _tick(self)
+    node = root
+    for d in range(depth):
+        node = path[d]
+        _touch(self, node, now)
+        if d == depth - 1 and cut:
+            node = _split(self, node, cut)
+        _refresh(self, node)
+    last_dev = node
+    while not self.nodes[last_dev].on_device:
+        host_hit += self.nodes[last_dev].key_len
+        last_dev = self.nodes[last_dev].parent
+    last_host = last_dev
+    while not self.nodes[last_host].backed_up:
+        last_host = self.nodes[last_host].parent
+    out[0] = _handle(&self.nodes[last_dev], last_dev)
+    out[1] = _handle(&self.nodes[last_host], last_host)
+    out[2] = host_hit
+    out[3] = _handle(&self.nodes[node], node)
+    return _gather(self, root, last_dev, False)
+
+
 cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None):
     # Concatenate ``k`` (offset, length) records of the scratch buffer, into a view of
     # ``reuse`` (an int64 array nothing else refers to: the caller checks) when it is
