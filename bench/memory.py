@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracemalloc-max-tokens", type=float, default=2e6,
                     help="the tracemalloc subprocess only up to this many tokens (default 2M: it doubles "
                     "the run time, and the Python heap's share is the same at 10M)")
-    ap.add_argument("--venv-root", default=str(Path(os.environ.get("HIRADIX_VENV_ROOT", "/work/main"))),
-                    help="folder holding .venv and .venv-sglang23 (default /work/main or $HIRADIX_VENV_ROOT)")
+    ap.add_argument("--venv-root", default=str(Path(__file__).resolve().parent.parent),
+                    help="folder holding .venv and .venv-sglang23 (default: this checkout, where .ci/setup makes them)")
     ap.add_argument("--python-v18", help="the Python of SGLang 0.5.18 (default VENV_ROOT/.venv/bin/python)")
     ap.add_argument("--python-v23", help="the Python of SGLang 0.5.23 (default VENV_ROOT/.venv-sglang23/bin/python)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")

@@ -25,6 +25,7 @@ reveal_type(HiRadixCache)
 """
 
 
+@pytest.mark.slow  # runs mypy on the package
 def test_hiradix_tree_resolves_to_the_stubbed_class(tmp_path: Path) -> None:
     snippet = tmp_path / "uses_hiradix.py"
     snippet.write_text(SNIPPET)

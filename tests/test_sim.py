@@ -85,6 +85,7 @@ def test_readme_ideal_of_the_conversation_trace(records: list[dict[str, Any]]) -
 
 @needs_trace
 @pytest.mark.parametrize("page_size", [1, 16, 512])
+@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_unbounded_replay_reaches_the_ideal_exactly(records: list[dict[str, Any]], page_size: int) -> None:
     """With unbounded tiers the tree hits exactly what the block ids say an infinite cache
     would, on the full trace. At page size 1 that is the README's 0.3664 of blocks; larger
@@ -116,6 +117,7 @@ CAPACITIES = [200_000, 400_000, 800_000, 1_600_000, 3_200_000, None]
 
 @needs_trace
 @pytest.mark.parametrize("host_tokens", [0, 1_000_000, None], ids=["no-host", "host-1M", "host-inf"])
+@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_hit_rates_are_monotone_in_device_capacity(host_tokens: int | None) -> None:
     """Under LRU, more device never hits less, per tier or in total, on a fixed slice.
 
@@ -136,6 +138,7 @@ def test_hit_rates_are_monotone_in_device_capacity(host_tokens: int | None) -> N
 
 
 @needs_trace
+@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_hit_rate_is_monotone_in_host_capacity() -> None:
     totals = []
     for host_tokens in [0, 250_000, 500_000, 1_000_000, 2_000_000, None]:

@@ -253,6 +253,7 @@ def trace_curve() -> CapacityCurve:
 
 @needs_trace
 @pytest.mark.parametrize(("device", "host"), [(1_000_000, 4_000_000), (4_000_000, 16_000_000)])
+@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_curve_agrees_with_full_replays_of_the_conversation_trace(
     trace_curve: CapacityCurve, device: int, host: int
 ) -> None:

@@ -145,6 +145,7 @@ def test_scripted_bigram_operations_match_sglang(twin_of) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
+@pytest.mark.slow  # a long randomized run against SGLang's own cache
 def test_random_bigram_operations_match_sglang(twin_of, page_size: int, write_policy: str) -> None:
     twin = twin_of(page_size, write_policy=write_policy, kv_events=page_size == 1)
     s = run(twin, seed=100 + page_size * 10 + len(write_policy), steps=300)
