@@ -28,8 +28,10 @@ groups = dict(project.get("entry-points", {}))
 if "scripts" in project:
     groups["console_scripts"] = project["scripts"]
 (info / "entry_points.txt").write_text(
-    "".join(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) + "\n"
-            for group, eps in groups.items())
+    "".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) + "\n"
+        for group, eps in groups.items()
+    )
 )
 (info / "INSTALLER").write_text("hiradix .ci/link_checkout.py\n")
 (info / "RECORD").write_text("")

@@ -49,8 +49,18 @@ import tiny_model  # noqa: E402
 from server import Server, sglang_version  # noqa: E402
 from workload import shared_prefixes  # noqa: E402
 
-COMMON = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2",
-          "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct", "--enable-cache-report")
+COMMON = (
+    "--enable-hierarchical-cache",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--hicache-mem-layout",
+    "layer_first",
+    "--hicache-io-backend",
+    "direct",
+    "--enable-cache-report",
+)
 CACHES = {
     "stock": ((), {"HIRADIX_E2E_STOCK_ON_CPU": "1"}),
     "hiradix": (("--radix-cache-backend", "hiradix"), {}),
@@ -69,8 +79,8 @@ def scheduler_cpu_seconds(server: Server) -> float:
                 stat = f.read()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
         if name.startswith("sglang::schedul") and int(fields[2]) == os.getpgid(server.proc.pid):
             return (int(fields[11]) + int(fields[12])) / tick
     raise RuntimeError("no sglang::scheduler process in the server's process group")
@@ -78,10 +88,14 @@ def scheduler_cpu_seconds(server: Server) -> float:
 
 def stream_one(server: Server, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[float, list[int]]:
     """Send one streaming request; ``(seconds to the first chunk, output ids)``."""
-    body = {"input_ids": list(prompt), "stream": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "input_ids": list(prompt),
+        "stream": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    req = urllib.request.Request(
+        server.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
     ttft = None
     last: dict[str, Any] = {}
@@ -97,8 +111,7 @@ def stream_one(server: Server, prompt: tuple[int, ...], max_new_tokens: int) -> 
     return ttft, list(last.get("output_ids", []))
 
 
-def run_phase(server: Server, prompts: list[tuple[int, ...]], max_new_tokens: int,
-              concurrency: int) -> dict[str, Any]:
+def run_phase(server: Server, prompts: list[tuple[int, ...]], max_new_tokens: int, concurrency: int) -> dict[str, Any]:
     cpu0, t0 = scheduler_cpu_seconds(server), time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: stream_one(server, p, max_new_tokens), prompts))
@@ -128,13 +141,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hiradix-e2e-bench-"))
     model = tiny_model.build(work / "model")
     w = shared_prefixes(n_prefixes=args.prefixes, n_requests=args.warmup + args.requests, max_new_tokens=4, seed=7)
-    warm, measured = list(w.prompts[: args.warmup]), list(w.prompts[args.warmup:])
+    warm, measured = list(w.prompts[: args.warmup]), list(w.prompts[args.warmup :])
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for repeat in range(args.repeats):
         for conc in (1, args.concurrency):
             # Alternate which cache goes first, so that drift of the shared machine
             # does not favour one.
-            for name in (list(CACHES) if repeat % 2 == 0 else list(reversed(CACHES))):
+            for name in list(CACHES) if repeat % 2 == 0 else list(reversed(CACHES)):
                 flags, env = CACHES[name]
                 tag = f"{name}-{conc}-{repeat}"
                 server = Server(model, (*COMMON, *flags), work / tag, env=env, name=tag)
@@ -145,13 +158,21 @@ def main() -> None:
                 finally:
                     server.stop()
                 runs.setdefault((name, conc), []).append(r)
-                print(f"{name:8s} c={conc:<3d} #{repeat} {r['rps']:7.1f} req/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                      f"p99 {r['ttft_p99_ms']:7.1f} ms  scheduler CPU {r['cpu_ms_per_req']:6.2f} ms/req", flush=True)
+                print(
+                    f"{name:8s} c={conc:<3d} #{repeat} {r['rps']:7.1f} req/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                    f"p99 {r['ttft_p99_ms']:7.1f} ms  scheduler CPU {r['cpu_ms_per_req']:6.2f} ms/req",
+                    flush=True,
+                )
     figures = ("rps", "ttft_p50_ms", "ttft_p99_ms", "cpu_ms_per_req")
     rows = {key: {f: statistics.median(r[f] for r in rs) for f in figures} for key, rs in runs.items()}
-    same = {conc: sum(a == b for s_run, h_run in zip(runs[("stock", conc)], runs[("hiradix", conc)], strict=True)
-                      for a, b in zip(s_run["outputs"], h_run["outputs"], strict=True))
-            for conc in (1, args.concurrency)}
+    same = {
+        conc: sum(
+            a == b
+            for s_run, h_run in zip(runs[("stock", conc)], runs[("hiradix", conc)], strict=True)
+            for a, b in zip(s_run["outputs"], h_run["outputs"], strict=True)
+        )
+        for conc in (1, args.concurrency)
+    }
 
     lines = [
         f"### SGLang {sglang_version()}, {args.requests} requests a phase ({args.warmup} warm-up), "
@@ -164,13 +185,17 @@ def main() -> None:
     for conc in (1, args.concurrency):
         for name in CACHES:
             r = rows[(name, conc)]
-            lines.append(f"| {conc} | {name} | {r['rps']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                         f"{r['cpu_ms_per_req']:.2f} |")
+            lines.append(
+                f"| {conc} | {name} | {r['rps']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+                f"{r['cpu_ms_per_req']:.2f} |"
+            )
         s, h = rows[("stock", conc)], rows[("hiradix", conc)]
-        lines.append(f"| {conc} | hiradix / stock | {h['rps'] / s['rps']:.2f}x | "
-                     f"{h['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x | {h['ttft_p99_ms'] / s['ttft_p99_ms']:.2f}x | "
-                     f"{h['cpu_ms_per_req'] / s['cpu_ms_per_req']:.2f}x ({same[conc]}/{len(measured) * args.repeats} "
-                     f"outputs equal) |")
+        lines.append(
+            f"| {conc} | hiradix / stock | {h['rps'] / s['rps']:.2f}x | "
+            f"{h['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x | {h['ttft_p99_ms'] / s['ttft_p99_ms']:.2f}x | "
+            f"{h['cpu_ms_per_req'] / s['cpu_ms_per_req']:.2f}x ({same[conc]}/{len(measured) * args.repeats} "
+            f"outputs equal) |"
+        )
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out is not None:

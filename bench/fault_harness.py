@@ -85,8 +85,6 @@ def page_bytes(key: str, n: int) -> bytes:
     return hashlib.shake_128(key.encode()).digest(n)
 
 
-
-
 # ---------------------------------------------------------------------- node processes
 class NodeProc:
     """One ``hiradix peer serve`` process, restartable with the very command it was

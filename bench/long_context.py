@@ -115,7 +115,11 @@ class SGLang:
             from hiradix.sglang.api import REQUEST_API
         self.torch, self.Req, self.SamplingParams = torch, Req, SamplingParams
         self.EvictParams, self.InsertParams, self.MatchPrefixParams, self.RadixKey = (
-            EvictParams, InsertParams, MatchPrefixParams, RadixKey)
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+            RadixKey,
+        )
         self.version = sglang.__version__
         self.api = REQUEST_API
         if REQUEST_API == "cache_req":
@@ -123,9 +127,11 @@ class SGLang:
             self.labels = {"hiradix": "hiradix.sglang", "sglang": f"SGLang {self.version} HiRadixCache"}
         elif REQUEST_API == "checkpoint":
             self.impls = ("hiradix", "sglang", "sglang-rust")
-            self.labels = {"hiradix": "hiradix.sglang",
-                           "sglang": f"SGLang {self.version} UnifiedRadixCache (Python core)",
-                           "sglang-rust": f"SGLang {self.version} UnifiedRadixCache (Rust core)"}
+            self.labels = {
+                "hiradix": "hiradix.sglang",
+                "sglang": f"SGLang {self.version} UnifiedRadixCache (Python core)",
+                "sglang-rust": f"SGLang {self.version} UnifiedRadixCache (Rust core)",
+            }
         else:
             raise SystemExit(f"SGLang {self.version}: this benchmark drives 0.5.18's and 0.5.23's request APIs")
         hs.register()
@@ -159,10 +165,17 @@ class SGLang:
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-        kv = MHATokenToKVPool(size=pool_size, page_size=1, dtype=torch.bfloat16, head_num=1, head_dim=1,
-                              layer_num=1, device="cpu", enable_memory_saver=False)
-        alloc = TokenToKVPoolAllocator(size=pool_size, dtype=torch.bfloat16, device="cpu", kvcache=kv,
-                                       need_sort=False)
+        kv = MHATokenToKVPool(
+            size=pool_size,
+            page_size=1,
+            dtype=torch.bfloat16,
+            head_num=1,
+            head_dim=1,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        alloc = TokenToKVPoolAllocator(size=pool_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
         freed = sglang_api.FreeCounter()
         freed.install(alloc)
         pools = (kv, alloc, req_to_token)
@@ -271,8 +284,10 @@ def prefill(sg: SGLang, impl: str, tokens: array, chunk: int, eagle: bool) -> di
         events_t.run(cache.check_hicache_events)
         cached = cache.evictable_size() + cache.protected_size()
         if cached != end - bigram or sg.protected_len(req) != end - bigram:
-            raise AssertionError(f"{impl}: after the chunk to {end}: {cached} tokens cached, protected length "
-                                 f"{sg.protected_len(req)}; expected {end - bigram}")
+            raise AssertionError(
+                f"{impl}: after the chunk to {end}: {cached} tokens cached, protected length "
+                f"{sg.protected_len(req)}; expected {end - bigram}"
+            )
         ends.append(end)
         start = end
     gc.unfreeze()
@@ -292,8 +307,14 @@ def prefill(sg: SGLang, impl: str, tokens: array, chunk: int, eagle: bool) -> di
     sg.close(impl, cache)
     del cache, req
     gc.collect()
-    return {"ends": ends, "call_wall": call_t.wall, "call_cpu": call_t.cpu, "events_wall": events_t.wall,
-            "events_cpu": events_t.cpu, "state": state}
+    return {
+        "ends": ends,
+        "call_wall": call_t.wall,
+        "call_cpu": call_t.cpu,
+        "events_wall": events_t.wall,
+        "events_cpu": events_t.cpu,
+        "state": state,
+    }
 
 
 def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int, budget_s: float) -> dict:
@@ -311,7 +332,7 @@ def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int, budget_s: float)
         if i == 0:
             v = values[: PREFIX + LEAF]
         else:
-            v = torch.cat((values[:PREFIX], values[PREFIX + LEAF * i: PREFIX + LEAF * (i + 1)]))
+            v = torch.cat((values[:PREFIX], values[PREFIX + LEAF * i : PREFIX + LEAF * (i + 1)]))
         insert(InsertParams(key=RadixKey(key), value=v))
         if i % 256 == 255:
             events()
@@ -334,8 +355,10 @@ def evict_run(sg: SGLang, impl: str, n_leaves: int, calls: int, budget_s: float)
     gc.unfreeze()
     left = cache.evictable_size()
     if sum(evicted) != evictable - left or freed.tokens - freed_before != sum(evicted):
-        raise AssertionError(f"{impl}: evicted {sum(evicted)}, evictable {evictable} -> {left}, "
-                             f"{freed.tokens - freed_before} slots handed back")
+        raise AssertionError(
+            f"{impl}: evicted {sum(evicted)}, evictable {evictable} -> {left}, "
+            f"{freed.tokens - freed_before} slots handed back"
+        )
     if impl == "hiradix":
         cache.core.tree.check_invariants()
     sg.close(impl, cache)
@@ -365,8 +388,10 @@ def bench_prefill(sg: SGLang, args: argparse.Namespace, eagle: bool) -> dict:
         order = args.impls if r % 2 == 0 else args.impls[::-1]  # alternate: drift hits all alike
         for impl in order:
             res = prefill(sg, impl, tokens, args.chunk, eagle)
-            log(f"  {'warm-up' if r < 0 else f'repeat {r + 1}'} {impl}: last chunk {res['call_cpu'][-1] * 1e3:.3f} ms "
-                f"cpu, total {sum(res['call_wall']):.2f} s wall")
+            log(
+                f"  {'warm-up' if r < 0 else f'repeat {r + 1}'} {impl}: last chunk {res['call_cpu'][-1] * 1e3:.3f} ms "
+                f"cpu, total {sum(res['call_wall']):.2f} s wall"
+            )
             if r >= 0:
                 runs[impl].append(res)
     agree({i: v[0]["state"] for i, v in runs.items()}, "bigram" if eagle else "chunked", "cached")
@@ -386,15 +411,24 @@ def bench_evict(sg: SGLang, args: argparse.Namespace) -> dict:
         res = {}
         for impl in args.impls:
             res[impl] = evict_run(sg, impl, n, args.evict_calls, args.evict_budget)
-            log(f"  {n:,} leaves {impl}: median {statistics.median(res[impl]['cpu']) * 1e6:.1f} us cpu per evict "
-                f"({len(res[impl]['cpu'])} calls)")
+            log(
+                f"  {n:,} leaves {impl}: median {statistics.median(res[impl]['cpu']) * 1e6:.1f} us cpu per evict "
+                f"({len(res[impl]['cpu'])} calls)"
+            )
         # every cache evicted the same tokens call by call (over the calls all of them made)
         k = min(len(r["evicted"]) for r in res.values())
         agree({impl: {"evicted": r["evicted"][:k]} for impl, r in res.items()}, f"evict at {n} leaves", "evicted")
-        out[str(n)] = {impl: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
-                              "wall_runs": r["wall"], "cpu_runs": r["cpu"], "evicted": sum(r["evicted"][:k]),
-                              "calls": len(r["cpu"])}
-                       for impl, r in res.items()}
+        out[str(n)] = {
+            impl: {
+                "wall": statistics.median(r["wall"]),
+                "cpu": statistics.median(r["cpu"]),
+                "wall_runs": r["wall"],
+                "cpu_runs": r["cpu"],
+                "evicted": sum(r["evicted"][:k]),
+                "calls": len(r["cpu"]),
+            }
+            for impl, r in res.items()
+        }
     return out
 
 
@@ -415,48 +449,73 @@ def flat_ratio(ends: list[int], ys: list[float]) -> float:
     its admission's: nothing to continue from yet); 1 for a cost independent of the
     context."""
     k = min(8, (len(ys) - 1) // 2) or 1
-    first = ys[1:1 + k] if len(ys) > 1 else ys
+    first = ys[1 : 1 + k] if len(ys) > 1 else ys
     return statistics.median(ys[-k:]) / statistics.median(first)
 
 
 def report(results: dict, meta: dict) -> str:
     labels = meta["labels"]
     impls = meta["impls"]
-    lines = [f"SGLang {meta['sglang']}; {meta['machine']['cpu']}, {meta['machine']['nproc']} cores; load "
-             f"{', '.join(f'{x:.2f}' for x in meta['machine']['load'])} before, "
-             f"{', '.join(f'{x:.2f}' for x in meta['load_after'])} after; hiradix {meta['machine']['hiradix']}."]
+    lines = [
+        f"SGLang {meta['sglang']}; {meta['machine']['cpu']}, {meta['machine']['nproc']} cores; load "
+        f"{', '.join(f'{x:.2f}' for x in meta['machine']['load'])} before, "
+        f"{', '.join(f'{x:.2f}' for x in meta['load_after'])} after; hiradix {meta['machine']['hiradix']}."
+    ]
     for name in ("chunked", "bigram"):
         if name not in results:
             continue
         r = results[name]
         ends = r["ends"]
         rows = [i for i, e in enumerate(ends) if e in MARKS or i in (0, len(ends) - 1)]
-        lines += ["", f"**{name}**: one {r['context']:,}-token request in {r['chunk']:,}-token chunks, "
-                  f"{'EAGLE bigram keys, ' if name == 'bigram' else ''}ms per chunk call (thread CPU / wall; "
-                  f"median of {meta['repeats']} repeats), and the step's `check_hicache_events`:", "",
-                  "| context | " + " | ".join(f"{labels[i]} call" for i in impls) + " | "
-                  + " | ".join(f"SGLang / hiradix ({i})" for i in impls[1:]) + " | hiradix events |",
-                  "|---" * (2 * len(impls) + 1) + "|"]
+        lines += [
+            "",
+            f"**{name}**: one {r['context']:,}-token request in {r['chunk']:,}-token chunks, "
+            f"{'EAGLE bigram keys, ' if name == 'bigram' else ''}ms per chunk call (thread CPU / wall; "
+            f"median of {meta['repeats']} repeats), and the step's `check_hicache_events`:",
+            "",
+            "| context | "
+            + " | ".join(f"{labels[i]} call" for i in impls)
+            + " | "
+            + " | ".join(f"SGLang / hiradix ({i})" for i in impls[1:])
+            + " | hiradix events |",
+            "|---" * (2 * len(impls) + 1) + "|",
+        ]
         for i in sorted(set(rows)):
             cells = [f"{r[impl]['call_cpu'][i] * 1e3:.3f} / {r[impl]['call_wall'][i] * 1e3:.3f}" for impl in impls]
             ratios = [f"{r[impl]['call_cpu'][i] / r['hiradix']['call_cpu'][i]:.0f}×" for impl in impls[1:]]
-            lines.append(f"| {ends[i]:,} | " + " | ".join(cells) + " | " + " | ".join(ratios)
-                         + f" | {r['hiradix']['events_cpu'][i] * 1e3:.3f} |")
+            lines.append(
+                f"| {ends[i]:,} | "
+                + " | ".join(cells)
+                + " | "
+                + " | ".join(ratios)
+                + f" | {r['hiradix']['events_cpu'][i] * 1e3:.3f} |"
+            )
         k = min(8, len(ends) - 1) or 1
         tail = [statistics.median(r[impl]["call_cpu"][-k:]) for impl in impls]
-        lines.append(f"| median of the last {k} chunks ({ends[-k]:,}–{ends[-1]:,}) | "
-                     + " | ".join(f"{t * 1e3:.3f}" for t in tail) + " | "
-                     + " | ".join(f"{t / tail[0]:.0f}×" for t in tail[1:]) + " | |")
+        lines.append(
+            f"| median of the last {k} chunks ({ends[-k]:,}–{ends[-1]:,}) | "
+            + " | ".join(f"{t * 1e3:.3f}" for t in tail)
+            + " | "
+            + " | ".join(f"{t / tail[0]:.0f}×" for t in tail[1:])
+            + " | |"
+        )
         flat = [f"{flat_ratio(ends, r[impl]['call_cpu']):.2f}" for impl in impls]
         lines.append("| flatness: last 8 / chunks 2-9 | " + " | ".join(flat) + " |" + " |" * len(impls))
     if "evict" in results:
         r = results["evict"]
-        lines += ["", f"**evict**: one page (`evict(EvictParams(num_tokens=1))`, page 1) with N evictable leaves, "
-                  f"µs per call (thread CPU / wall; median of up to {r['calls']} calls, fewer for a cache whose "
-                  f"calls took over {r.get('budget_s', '?')} s):", "",
-                  "| leaves | " + " | ".join(labels[i] for i in impls) + " | "
-                  + " | ".join(f"SGLang / hiradix ({i})" for i in impls[1:]) + " |",
-                  "|---" * (2 * len(impls)) + "|"]
+        lines += [
+            "",
+            f"**evict**: one page (`evict(EvictParams(num_tokens=1))`, page 1) with N evictable leaves, "
+            f"µs per call (thread CPU / wall; median of up to {r['calls']} calls, fewer for a cache whose "
+            f"calls took over {r.get('budget_s', '?')} s):",
+            "",
+            "| leaves | "
+            + " | ".join(labels[i] for i in impls)
+            + " | "
+            + " | ".join(f"SGLang / hiradix ({i})" for i in impls[1:])
+            + " |",
+            "|---" * (2 * len(impls)) + "|",
+        ]
         for n in r["leaves"]:
             x = r[str(n)]
             cells = [f"{x[i]['cpu'] * 1e6:,.1f} / {x[i]['wall'] * 1e6:,.1f}" if i in x else "not run" for i in impls]
@@ -483,16 +542,27 @@ def plot(out: Path, files: list[Path]) -> None:
                 continue
             r = res[name]
             for impl in meta["impls"]:
-                ax.plot(r["ends"], [y * 1e3 for y in r[impl]["call_cpu"]], styles[impl],
-                        label=f"{meta['labels'][impl]} ({meta['sglang']})" if impl != "hiradix"
-                        else f"hiradix.sglang on SGLang {meta['sglang']}")
+                ax.plot(
+                    r["ends"],
+                    [y * 1e3 for y in r[impl]["call_cpu"]],
+                    styles[impl],
+                    label=f"{meta['labels'][impl]} ({meta['sglang']})"
+                    if impl != "hiradix"
+                    else f"hiradix.sglang on SGLang {meta['sglang']}",
+                )
         if "evict" in res:
             r = res["evict"]
             for impl in meta["impls"]:
                 leaves = [n for n in r["leaves"] if impl in r[str(n)]]
-                axes[2].plot(leaves, [r[str(n)][impl]["cpu"] * 1e6 for n in leaves], styles[impl],
-                             marker="o", label=f"{meta['labels'][impl]}" if impl != "hiradix"
-                             else f"hiradix.sglang on SGLang {meta['sglang']}")
+                axes[2].plot(
+                    leaves,
+                    [r[str(n)][impl]["cpu"] * 1e6 for n in leaves],
+                    styles[impl],
+                    marker="o",
+                    label=f"{meta['labels'][impl]}"
+                    if impl != "hiradix"
+                    else f"hiradix.sglang on SGLang {meta['sglang']}",
+                )
     for ax, title, xl, yl, target in (
         (axes[0], "chunked prefill: cost per chunk call", "context (tokens)", "ms per call (thread CPU)", 0.2),
         (axes[1], "EAGLE bigram keys: cost per chunk call", "context (tokens)", "ms per call (thread CPU)", 1.0),
@@ -520,16 +590,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=8192, help="tokens per prefill chunk (default 8K)")
     ap.add_argument("--leaves", default="10000,30000,100000,300000")
     ap.add_argument("--evict-calls", type=int, default=50, help="evictions per cache and tree (default 50)")
-    ap.add_argument("--evict-budget", type=float, default=30.0,
-                    help="seconds of wall time after which a cache's evictions stop (at least 5; default 30)")
+    ap.add_argument(
+        "--evict-budget",
+        type=float,
+        default=30.0,
+        help="seconds of wall time after which a cache's evictions stop (at least 5; default 30)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="prefills per cache (default 3; medians)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed prefills per cache first (default 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run (seconds): 16K context, 200 and 500 leaves, 5 evictions, 1 repeat")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (seconds): 16K context, 200 and 500 leaves, 5 evictions, 1 repeat",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--plot", nargs="+", type=Path, metavar=("PNG", "JSON"),
-                    help="plot runs' JSON files into PNG and exit")
+    ap.add_argument(
+        "--plot", nargs="+", type=Path, metavar=("PNG", "JSON"), help="plot runs' JSON files into PNG and exit"
+    )
     ap.add_argument("--report", type=Path, metavar="JSON", help="print the tables of a run's JSON file and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -552,11 +630,20 @@ def main(argv: list[str] | None = None) -> int:
         args.impls = tuple(args.impls.split(",")) if args.impls else sg.impls
         if args.impls[0] != "hiradix" or not set(args.impls) <= set(sg.impls):
             ap.error(f"--impls: hiradix first, then any of {sg.impls}")
-        meta = {"sglang": sg.version, "impls": list(args.impls), "labels": sg.labels, "machine": machine(),
-                "repeats": args.repeats, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M"),
-                "command": "python bench/long_context.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-        log(f"SGLang {sg.version}; {meta['machine']['cpu']}, load {meta['machine']['load']}; "
-            f"hiradix {meta['machine']['hiradix']}")
+        meta = {
+            "sglang": sg.version,
+            "impls": list(args.impls),
+            "labels": sg.labels,
+            "machine": machine(),
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python bench/long_context.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+        log(
+            f"SGLang {sg.version}; {meta['machine']['cpu']}, load {meta['machine']['load']}; "
+            f"hiradix {meta['machine']['hiradix']}"
+        )
         t0 = time.perf_counter()
         results: dict[str, Any] = {}
         for name in args.scenarios:

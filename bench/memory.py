@@ -341,8 +341,9 @@ def worker(args: argparse.Namespace) -> dict:
             return it
 
     insert, events = cache.insert, cache.check_hicache_events
-    for k, v in tqdm(list(zip(keys, values, strict=True)), desc=f"{impl} page {ps}", disable=not args.progress,
-                     mininterval=2.0):
+    for k, v in tqdm(
+        list(zip(keys, values, strict=True)), desc=f"{impl} page {ps}", disable=not args.progress, mininterval=2.0
+    ):
         # A request's own copies, as the scheduler's are: SGLang's nodes keep views of the
         # slots (and its key slices), so what they retain is counted, not the inputs'
         # (held throughout, in the baseline); hiradix copies both into its buffers.
@@ -387,9 +388,20 @@ def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Name
     """One cache measured in its own subprocess; ``None`` if it ran past ``--timeout``."""
     venv, _ = IMPLS[impl]
     python = {".venv": args.python_v18, ".venv-sglang23": args.python_v23}[venv] or (
-        Path(args.venv_root) / venv / "bin" / "python")
-    cmd = [str(python), str(Path(__file__).resolve()), "--worker", impl, "--page-size", str(ps),
-           "--tokens", str(tokens), "--seed", str(args.seed)]
+        Path(args.venv_root) / venv / "bin" / "python"
+    )
+    cmd = [
+        str(python),
+        str(Path(__file__).resolve()),
+        "--worker",
+        impl,
+        "--page-size",
+        str(ps),
+        "--tokens",
+        str(tokens),
+        "--seed",
+        str(args.seed),
+    ]
     if trace:
         cmd.append("--tracemalloc")
     if args.progress:
@@ -398,18 +410,27 @@ def run_worker(impl: str, ps: int, tokens: int, trace: bool, args: argparse.Name
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "stubs"), env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None if args.progress else subprocess.PIPE,
-                           text=True, timeout=args.timeout)
+        p = subprocess.run(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=None if args.progress else subprocess.PIPE,
+            text=True,
+            timeout=args.timeout,
+        )
     except subprocess.TimeoutExpired:
         log(f"  {impl:15s} page {ps:2d}: not measured, over --timeout {args.timeout:.0f} s")
         return None
     if p.returncode != 0:
-        raise RuntimeError(f"{impl} page {ps} {tokens} tokens failed (rc {p.returncode}):\n{p.stderr or ''}\n"
-                           f"{p.stdout[-2000:]}")
+        raise RuntimeError(
+            f"{impl} page {ps} {tokens} tokens failed (rc {p.returncode}):\n{p.stderr or ''}\n{p.stdout[-2000:]}"
+        )
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    log(f"  {impl:15s} page {ps:2d} {'tracemalloc' if trace else 'rss':11s}: {res['cached_tokens']:,} tokens, "
+    log(
+        f"  {impl:15s} page {ps:2d} {'tracemalloc' if trace else 'rss':11s}: {res['cached_tokens']:,} tokens, "
         f"{res['nodes']} nodes, built {res['built_bytes'] / 2**20:,.1f} MiB, grown "
-        f"{res['grown_bytes'] / 2**20:,.1f} MiB ({time.perf_counter() - t0:.0f} s)")
+        f"{res['grown_bytes'] / 2**20:,.1f} MiB ({time.perf_counter() - t0:.0f} s)"
+    )
     return res
 
 
@@ -429,8 +450,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
                         runs[impl] = res
                         continue
                     if tr["cached_tokens"] != res["cached_tokens"]:
-                        raise AssertionError(f"{impl}: the tracemalloc run cached {tr['cached_tokens']} tokens, "
-                                             f"the RSS run {res['cached_tokens']}")
+                        raise AssertionError(
+                            f"{impl}: the tracemalloc run cached {tr['cached_tokens']} tokens, "
+                            f"the RSS run {res['cached_tokens']}"
+                        )
                     res["traced_built_bytes"] = tr["traced_built_bytes"]
                     res["traced_grown_bytes"] = tr["traced_grown_bytes"]
                 runs[impl] = res
@@ -438,8 +461,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 check(runs)
             rows.extend(runs.values())
             if args.json:  # after every group: a run cut short keeps what it measured
-                args.json.write_text(json.dumps({"meta": args.meta, "rows": rows, "not_measured": args.missed},
-                                                indent=1))
+                args.json.write_text(
+                    json.dumps({"meta": args.meta, "rows": rows, "not_measured": args.missed}, indent=1)
+                )
     return rows
 
 
@@ -497,12 +521,18 @@ def machine() -> dict:
             cpu = line.split(":", 1)[1].strip()
             break
     try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = "?"
-    return {"platform": platform.platform(), "cpu": cpu, "nproc": len(os.sched_getaffinity(0)),
-            "load": os.getloadavg(), "commit": rev}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "nproc": len(os.sched_getaffinity(0)),
+        "load": os.getloadavg(),
+        "commit": rev,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,21 +541,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-tracemalloc", dest="tracemalloc", action="store_false",
-                    help="skip the second (tracemalloc) subprocess per cache")
-    ap.add_argument("--tracemalloc-max-tokens", type=float, default=2e6,
-                    help="the tracemalloc subprocess only up to this many tokens (default 2M: it doubles "
-                    "the run time, and the Python heap's share is the same at 10M)")
-    ap.add_argument("--venv-root", default=str(Path(__file__).resolve().parent.parent),
-                    help="folder holding .venv and .venv-sglang23 (default: this checkout, where .ci/setup makes them)")
+    ap.add_argument(
+        "--no-tracemalloc",
+        dest="tracemalloc",
+        action="store_false",
+        help="skip the second (tracemalloc) subprocess per cache",
+    )
+    ap.add_argument(
+        "--tracemalloc-max-tokens",
+        type=float,
+        default=2e6,
+        help="the tracemalloc subprocess only up to this many tokens (default 2M: it doubles "
+        "the run time, and the Python heap's share is the same at 10M)",
+    )
+    ap.add_argument(
+        "--venv-root",
+        default=str(Path(__file__).resolve().parent.parent),
+        help="folder holding .venv and .venv-sglang23 (default: this checkout, where .ci/setup makes them)",
+    )
     ap.add_argument("--python-v18", help="the Python of SGLang 0.5.18 (default VENV_ROOT/.venv/bin/python)")
     ap.add_argument("--python-v23", help="the Python of SGLang 0.5.23 (default VENV_ROOT/.venv-sglang23/bin/python)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     ap.add_argument("--progress", action="store_true", help="tqdm progress bars of the inserts")
     ap.add_argument("--json", type=Path, help="write the rows here")
-    ap.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
-                    help="measure nothing: print the table of these --json files' rows (a later file's row "
-                    "replaces an earlier one's for the same cache, page size and size)")
+    ap.add_argument(
+        "--table-from",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: print the table of these --json files' rows (a later file's row "
+        "replaces an earlier one's for the same cache, page size and size)",
+    )
     # a worker: one cache, one page size, one size; prints its JSON row
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--page-size", type=int, help=argparse.SUPPRESS)
@@ -558,8 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.impls) - set(IMPLS)
     if unknown:
         ap.error(f"unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     args.meta, args.missed = meta, []
     log(f"{meta['machine']}")
     t0 = time.perf_counter()

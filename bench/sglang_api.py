@@ -250,8 +250,9 @@ def cpu_pools(page_size: int, pool_size: int) -> tuple[Any, FreeCounter]:
     return alloc, freed
 
 
-def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any,
-                params: dict[str, Any] | None = None) -> tuple[Any, FreeCounter]:
+def build_cache(
+    impl: str, page_size: int, pool_size: int, req_to_token: Any, params: dict[str, Any] | None = None
+) -> tuple[Any, FreeCounter]:
     """SGLang 0.5.18: a cache (``impl`` "hiradix" or "sglang") built through SGLang's
     ``create_tree_cache`` on :func:`cpu_pools`, as the scheduler builds it; ``params`` are
     more ``CacheInitParams`` fields (``is_eagle``: ``bench/long_context.py``). Also used by
@@ -272,7 +273,10 @@ def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any,
             hicache_storage_backend_extra_config=hiradix_extra_config() if impl == "hiradix" else None,
         )
     init = CacheInitParams(
-        disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc, page_size=page_size,
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
         **(params or {}),
     )
     cache = create_tree_cache(build_context(server_args, init))
@@ -290,8 +294,11 @@ def build_cache(impl: str, page_size: int, pool_size: int, req_to_token: Any,
 def build_context(server_args: Any, params: Any) -> Any:
     """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
     # 0.5.18's context has the chunked prefill size (no default); 0.5.23's dropped it
-    more = {"effective_chunked_prefill_size": None} if "effective_chunked_prefill_size" in {
-        f.name for f in dataclasses.fields(TreeCacheBuildContext)} else {}
+    more = (
+        {"effective_chunked_prefill_size": None}
+        if "effective_chunked_prefill_size" in {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
+        else {}
+    )
     return TreeCacheBuildContext(
         server_args=server_args,
         params=params,
@@ -477,8 +484,9 @@ class Api23(Api18):
 
         patch_host_pools_for_cpu((phm,))
         # the controller names ranks from the parallel config a launched server records
-        get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
-                                attn_dcp_rank=0).__enter__()
+        get_parallel().override(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+        ).__enter__()
 
     def prepare(self, w: Workload) -> None:
         pass  # fresh requests per phase (requests()): 0.5.23's calls change them
@@ -515,8 +523,9 @@ class Api23(Api18):
             hicache_ratio=HICACHE_RATIO,
         )
         if impl == "hiradix":
-            flags.update(radix_cache_backend=hs.BACKEND_NAME,
-                         hicache_storage_backend_extra_config=hiradix_extra_config())
+            flags.update(
+                radix_cache_backend=hs.BACKEND_NAME, hicache_storage_backend_extra_config=hiradix_extra_config()
+            )
         else:
             os.environ[CORE_ENV] = impl  # read when the cache builds its tree core
         self._published = get_context().override_server_args(**flags)
@@ -535,8 +544,10 @@ class Api23(Api18):
 
             core = type(getattr(cache, "tree_core", None)).__name__
             if type(cache) is not UnifiedRadixCache or core != self.cores[impl] or cache.cache_controller is None:
-                raise RuntimeError(f"{impl}: create_tree_cache built {type(cache).__name__} on {core}, expected a "
-                                   f"hierarchical UnifiedRadixCache on {self.cores[impl]}")
+                raise RuntimeError(
+                    f"{impl}: create_tree_cache built {type(cache).__name__} on {core}, expected a "
+                    f"hierarchical UnifiedRadixCache on {self.cores[impl]}"
+                )
         atexit.unregister(cache.shutdown)
         return cache, freed
 
@@ -572,8 +583,10 @@ class Api23(Api18):
         for i in w.sample:
             req, n = reqs[i], w.aligned[i]
             if req.kv.cache_protected_len != n or req.lock is None or req.lock.node != req.last_node:
-                raise AssertionError(f"{impl}: request {i} protects {req.kv.cache_protected_len} of {n} tokens "
-                                     f"after its checkpoint, lock {req.lock}")
+                raise AssertionError(
+                    f"{impl}: request {i} protects {req.kv.cache_protected_len} of {n} tokens "
+                    f"after its checkpoint, lock {req.lock}"
+                )
             path = cache.path_device_indices(req.last_node).long()
             if not torch.equal(rows[req.kv.req_pool_idx, :n].long(), path):
                 raise AssertionError(f"{impl}: request {i}'s row does not hold the tree's slots after its checkpoint")
@@ -623,6 +636,7 @@ class Api23(Api18):
 
 if REQUEST_API == "checkpoint":
     from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
 
 def _api() -> Api18:
     if REQUEST_API == "cache_req_kv":
@@ -684,8 +698,13 @@ class Clock:
         out[f"{name}_per_thread_s"] = n / self.last_thread
 
 
-def one_repeat(impl: str, w: Workload, profiles: dict[str, cProfile.Profile] | None = None, step: int = 1,
-               phases: frozenset[str] = PHASES) -> dict:
+def one_repeat(
+    impl: str,
+    w: Workload,
+    profiles: dict[str, cProfile.Profile] | None = None,
+    step: int = 1,
+    phases: frozenset[str] = PHASES,
+) -> dict:
     out: dict[str, Any] = dict.fromkeys(m for group in (METRICS, CPU_METRICS, THREAD_METRICS) for m, _ in group)
     for m in out:  # a phase not run (--phases) reports NaN
         out[m] = float("nan")
@@ -795,8 +814,9 @@ def check_agree(impls: list[str], results: dict[str, dict], tag: str) -> None:
     for impl in impls[1:]:
         b = results[impl]
         if a["cached_tokens"] != b["cached_tokens"]:
-            raise AssertionError(f"{tag}: cached tokens differ: {impls[0]} {a['cached_tokens']}, "
-                                 f"{impl} {b['cached_tokens']}")
+            raise AssertionError(
+                f"{tag}: cached tokens differ: {impls[0]} {a['cached_tokens']}, {impl} {b['cached_tokens']}"
+            )
         diff = [j for j, (x, y) in enumerate(zip(a["signature"], b["signature"], strict=True)) if x != y]
         if diff:
             j = diff[0]
@@ -825,7 +845,8 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
             log(
                 f"  {tag} {impl:8s}: "
                 + ", ".join(f"{m}={res[m]:.4g}" for m, _ in METRICS)
-                + ", thread: " + ", ".join(f"{res[m]:.4g}" for m, _ in THREAD_METRICS)
+                + ", thread: "
+                + ", ".join(f"{res[m]:.4g}" for m, _ in THREAD_METRICS)
                 + f", cpu/wall={res['cpu_share']:.2f}"
             )
             if r >= 0:

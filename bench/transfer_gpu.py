@@ -126,8 +126,14 @@ def bench_pages(args: argparse.Namespace) -> list[dict]:
                         if not args.no_torch:
                             fns["torch"] = case.op(ref, direction)
                         times = interleaved(fns, args.repeats)
-                        row: dict = {"model": model, "layout": layout, "direction": direction, "page_size": ps,
-                                     "page_kib": ps * case.per_token / 1024, "bytes": case.nbytes}
+                        row: dict = {
+                            "model": model,
+                            "layout": layout,
+                            "direction": direction,
+                            "page_size": ps,
+                            "page_kib": ps * case.per_token / 1024,
+                            "bytes": case.nbytes,
+                        }
                         for k, ts in times.items():
                             row[f"{k}_gbs"] = case.nbytes / statistics.median(ts) / 1e9
                             row[f"{k}_vs_link"] = statistics.median(
@@ -138,8 +144,10 @@ def bench_pages(args: argparse.Namespace) -> list[dict]:
                                 t / k for t, k in zip(times["torch"], times["kernel"], strict=True)
                             )
                         rows.append(row)
-                        log(f"  {model} {layout:18s} {direction:6s} ps={ps:3d}: "
-                            + ", ".join(f"{k}={v:.2f}" for k, v in row.items() if k.endswith(("gbs", "link"))))
+                        log(
+                            f"  {model} {layout:18s} {direction:6s} ps={ps:3d}: "
+                            + ", ".join(f"{k}={v:.2f}" for k, v in row.items() if k.endswith(("gbs", "link")))
+                        )
                 del case
                 torch.cuda.empty_cache()
     return rows
@@ -156,8 +164,14 @@ def bench_grid(args: argparse.Namespace) -> list[dict]:
         times = interleaved(fns, args.repeats)
         for b in args.grid:
             ts = times[f"b{b}"]
-            rows.append({"direction": direction, "blocks": b, "gbs": case.nbytes / statistics.median(ts) / 1e9,
-                         "vs_link": statistics.median(c / t for c, t in zip(times["contig"], ts, strict=True))})
+            rows.append(
+                {
+                    "direction": direction,
+                    "blocks": b,
+                    "gbs": case.nbytes / statistics.median(ts) / 1e9,
+                    "vs_link": statistics.median(c / t for c, t in zip(times["contig"], ts, strict=True)),
+                }
+            )
             log(f"  grid {direction} blocks={b}: {rows[-1]['gbs']:.2f} GB/s, {rows[-1]['vs_link']:.0%} of link")
         for eng in engines.values():
             eng.close()
@@ -248,8 +262,10 @@ def bench_overlap(args: argparse.Namespace) -> list[dict]:
                 "ratio": statistics.median(p / i for p, i in zip(t["pipelined"], ideals, strict=True)),
             }
             rows.append(row)
-            log(f"  overlap {path} r={ratio}: load {row['load_ms']:.2f} ms, compute {row['compute_ms']:.2f} ms, "
-                f"pipelined {row['pipelined_ms']:.2f} ms, ideal {row['ideal_ms']:.2f} ms, ratio {row['ratio']:.3f}")
+            log(
+                f"  overlap {path} r={ratio}: load {row['load_ms']:.2f} ms, compute {row['compute_ms']:.2f} ms, "
+                f"pipelined {row['pipelined_ms']:.2f} ms, ideal {row['ideal_ms']:.2f} ms, ratio {row['ratio']:.3f}"
+            )
             del fwd
         eng.close()
         torch.cuda.empty_cache()
@@ -277,8 +293,11 @@ def report(meta: dict, pages: list[dict], grid: list[dict], overlap: list[dict])
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in pages:
-        torch_cells = (f"{r['torch_gbs']:.2f} | {r['torch_vs_link']:.0%} | {r['kernel_vs_torch']:.1f}×"
-                       if "torch_gbs" in r else "n/a | n/a | n/a")
+        torch_cells = (
+            f"{r['torch_gbs']:.2f} | {r['torch_vs_link']:.0%} | {r['kernel_vs_torch']:.1f}×"
+            if "torch_gbs" in r
+            else "n/a | n/a | n/a"
+        )
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['direction']} | {r['page_size']} ({r['page_kib']:.0f} KiB) | "
             f"{r['contig_gbs']:.2f} | {r['kernel_gbs']:.2f} | {r['kernel_vs_link']:.0%} | {torch_cells} |"
@@ -293,8 +312,13 @@ def report(meta: dict, pages: list[dict], grid: list[dict], overlap: list[dict])
             f"page {worst['page_size']})."
         )
     if grid:
-        lines += ["", "### G. Kernel grid (mha, page_first, page 16)", "",
-                  "| direction | blocks per component | GB/s | % link |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "### G. Kernel grid (mha, page_first, page 16)",
+            "",
+            "| direction | blocks per component | GB/s | % link |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {r['direction']} | {r['blocks']} | {r['gbs']:.2f} | {r['vs_link']:.0%} |" for r in grid]
     if overlap:
         lines += [

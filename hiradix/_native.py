@@ -31,26 +31,55 @@ class Twin:
 
 
 TWINS: tuple[Twin, ...] = (
-    Twin("hiradix.tree._core", "hiradix.tree._reference", "tests/test_parity_stateful.py",
-         "same API, module for module; every tree_cls test runs both"),
-    Twin("hiradix.memory._gather", "hiradix.memory.copy._backup_layer", "tests/test_gather.py",
-         "the torch row copies of the copy engine and the pools"),
-    Twin("hiradix.memory._kvcopy_emu", "hiradix.memory.copy._backup_layer", "tests/test_copy_kernel.py",
-         "CPU emulation of the CUDA kernel, checked against the torch path it replaces"),
-    Twin("hiradix.peer._hash", "hiradix.peer.keyhash._key_digests_py", "tests/test_peer_keyhash.py",
-         "hashlib per key"),
-    Twin("hiradix.peer._verify", "hiradix.peer.pool.verify_parts", "tests/test_peer_store.py",
-         "per-slot loop in hiradix.peer.reader"),
-    Twin("hiradix.transport._tcpio", "hiradix.transport.tcp.read_frames_py", "tests/test_transport_specific.py",
-         "TcpTransport(native=False): the same bytes through socket calls"),
-    Twin("hiradix.sglang._match", "hiradix.sglang.cache.HiRadixCacheBase.match_prefix",
-         "tests/sglang/test_match_compiled.py",
-         "the Python method; the compiled one serves plain keys, on the instance"),
-    Twin("hiradix.sglang._insert", "hiradix.sglang.cache.HiRadixCacheBase.insert",
-         "tests/sglang/test_insert_compiled.py",
-         "the Python method; the compiled one serves the scheduler's calls, on the instance"),
-    Twin("hiradix.transport._verbs", None, "tests/test_transport_rdma.py",
-         "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable"),
+    Twin(
+        "hiradix.tree._core",
+        "hiradix.tree._reference",
+        "tests/test_parity_stateful.py",
+        "same API, module for module; every tree_cls test runs both",
+    ),
+    Twin(
+        "hiradix.memory._gather",
+        "hiradix.memory.copy._backup_layer",
+        "tests/test_gather.py",
+        "the torch row copies of the copy engine and the pools",
+    ),
+    Twin(
+        "hiradix.memory._kvcopy_emu",
+        "hiradix.memory.copy._backup_layer",
+        "tests/test_copy_kernel.py",
+        "CPU emulation of the CUDA kernel, checked against the torch path it replaces",
+    ),
+    Twin("hiradix.peer._hash", "hiradix.peer.keyhash._key_digests_py", "tests/test_peer_keyhash.py", "hashlib per key"),
+    Twin(
+        "hiradix.peer._verify",
+        "hiradix.peer.pool.verify_parts",
+        "tests/test_peer_store.py",
+        "per-slot loop in hiradix.peer.reader",
+    ),
+    Twin(
+        "hiradix.transport._tcpio",
+        "hiradix.transport.tcp.read_frames_py",
+        "tests/test_transport_specific.py",
+        "TcpTransport(native=False): the same bytes through socket calls",
+    ),
+    Twin(
+        "hiradix.sglang._match",
+        "hiradix.sglang.cache.HiRadixCacheBase.match_prefix",
+        "tests/sglang/test_match_compiled.py",
+        "the Python method; the compiled one serves plain keys, on the instance",
+    ),
+    Twin(
+        "hiradix.sglang._insert",
+        "hiradix.sglang.cache.HiRadixCacheBase.insert",
+        "tests/sglang/test_insert_compiled.py",
+        "the Python method; the compiled one serves the scheduler's calls, on the instance",
+    ),
+    Twin(
+        "hiradix.transport._verbs",
+        None,
+        "tests/test_transport_rdma.py",
+        "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable",
+    ),
 )
 
 _NAMES = frozenset(t.compiled for t in TWINS)

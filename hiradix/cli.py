@@ -822,7 +822,11 @@ def run_plan(args: argparse.Namespace) -> int:
             if args.target_hit_rate is not None:
                 raise _UsageError("give --target-hit-rate or --target-p90-ttft, not both")
             plans = recommend_for_ttft(
-                curve, timing, args.target_p90_ttft, bytes_per_token=bpt, prices=args.prices,
+                curve,
+                timing,
+                args.target_p90_ttft,
+                bytes_per_token=bpt,
+                prices=args.prices,
                 min_device_tokens=args.min_device_tokens,
             )
             if not plans:
@@ -861,8 +865,7 @@ def run_plan(args: argparse.Namespace) -> int:
         f"reached at {format_size(curve.max_useful_tokens)} tokens ({gib(curve.max_useful_tokens)} GiB)"
     )
     print(
-        f"  knee               {format_size(knee)} tokens ({gib(knee)} GiB): "
-        f"{curve.token_hit_rate(knee):.2%} of tokens"
+        f"  knee               {format_size(knee)} tokens ({gib(knee)} GiB): {curve.token_hit_rate(knee):.2%} of tokens"
     )
     print()
     print(f"  {'capacity':>9} {'GiB':>10} {'token hit':>10} {'block hit':>10} {'/ideal':>7}")

@@ -37,15 +37,17 @@ def keys_of(tokens: list[int], rng: random.Random) -> RadixKey:
     """One of the keys a scheduler (or another caller) hands over: the common ones (an
     ``array('q')``, a list, either with a ``limit``) and those the inserter passes on."""
     n = len(tokens)
-    return rng.choice([
-        lambda: RadixKey(array("q", tokens)),
-        lambda: RadixKey(array("q", tokens), limit=rng.randrange(0, n + 2)),
-        lambda: RadixKey(list(tokens)),
-        lambda: RadixKey(list(tokens), limit=rng.randrange(0, n + 2)),
-        lambda: RadixKey(array("q", tokens), extra_key=rng.choice(["a", "b"])),
-        lambda: RadixKey(array("q", tokens), cache_salt="salt"),
-        lambda: RadixKey(array("l", tokens)),
-    ])()
+    return rng.choice(
+        [
+            lambda: RadixKey(array("q", tokens)),
+            lambda: RadixKey(array("q", tokens), limit=rng.randrange(0, n + 2)),
+            lambda: RadixKey(list(tokens)),
+            lambda: RadixKey(list(tokens), limit=rng.randrange(0, n + 2)),
+            lambda: RadixKey(array("q", tokens), extra_key=rng.choice(["a", "b"])),
+            lambda: RadixKey(array("q", tokens), cache_salt="salt"),
+            lambda: RadixKey(array("l", tokens)),
+        ]
+    )()
 
 
 def values_of(slots: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -69,10 +71,17 @@ def agree(a: Any, b: Any, what: str) -> None:
     assert tree_snapshot(ca.tree, spaces) == tree_snapshot(cb.tree, spaces), f"trees differ after {what}"
     assert list(ca.core._pending_backups) == list(cb.core._pending_backups), what
     assert list(ca.core._held) == list(cb.core._held), what
-    assert (ca.evictable_size(), ca.protected_size(), a.allocator.available_size(),
-            ca.token_to_kv_pool_host.available_size()) == (
-        cb.evictable_size(), cb.protected_size(), b.allocator.available_size(),
-        cb.token_to_kv_pool_host.available_size()), what
+    assert (
+        ca.evictable_size(),
+        ca.protected_size(),
+        a.allocator.available_size(),
+        ca.token_to_kv_pool_host.available_size(),
+    ) == (
+        cb.evictable_size(),
+        cb.protected_size(),
+        b.allocator.available_size(),
+        cb.token_to_kv_pool_host.available_size(),
+    ), what
     ca.check_invariants()
     cb.check_invariants()
 

@@ -58,9 +58,7 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=config["collective_timeout_s"])
-    torch.distributed.init_process_group(
-        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout
-    )
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
     prefetch_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
     shape = MHAShape(2, 2, 4)
     dev = DeviceKVPool(shape, size=1024, page_size=PAGE, dtype=torch.float32)

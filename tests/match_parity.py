@@ -108,8 +108,7 @@ def token_source(rng: random.Random) -> Callable[[], list[int]]:
 
     def draw() -> list[int]:
         stem = rng.choice(stems)
-        return stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000)
-                                                         for _ in range(rng.randrange(0, 24))]
+        return stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(0, 24))]
 
     return draw
 

@@ -41,7 +41,8 @@ def command_line(flags: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         if value is None or value is False:
             continue
         if (name == "hicache_storage_backend" and value not in _storage_choices()) or (
-                name == "hicache_size" and not float(value).is_integer()):
+            name == "hicache_size" and not float(value).is_integer()
+        ):
             python_only[name] = value
             continue
         option = "--" + name.replace("_", "-")

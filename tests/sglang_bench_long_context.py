@@ -34,9 +34,16 @@ def test_long_context_quick_run_checks_every_scenario_and_cache(tmp_path: Path) 
     out = tmp_path / "lc.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "tests" / "stubs"), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], capture_output=True,
-                          text=True, timeout=DEADLINE_S, env=env, cwd=tmp_path)
+        p for p in (str(ROOT), str(ROOT / "tests" / "stubs"), env.get("PYTHONPATH", "")) if p
+    )
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     meta, results = data["meta"], data["results"]

@@ -11,15 +11,37 @@ from sglang_args import ParserRefused, parse
 
 BASE = ["--model-path", "dummy", "--device", "cpu"]
 #: README's "Use it in SGLang" command, and the storage flags of docs/storage.md.
-HEADLINE = ["--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--hicache-ratio", "2",
-            "--hicache-mem-layout", "page_first", "--hicache-write-policy", "write_through"]
+HEADLINE = [
+    "--enable-hierarchical-cache",
+    "--radix-cache-backend",
+    "hiradix",
+    "--hicache-ratio",
+    "2",
+    "--hicache-mem-layout",
+    "page_first",
+    "--hicache-write-policy",
+    "write_through",
+]
 STORAGE = {
-    name: ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(
-        {"backend_name": f"hiradix-{name}", "module_path": "hiradix.sglang.storage", "class_name": cls,
-         "interface_v1": 1, **more})]
-    for name, cls, more in (("peer", "PeerStorage", {"discovery_addr": "10.0.0.1:7000", "pool_size": "8GiB"}),
-                            ("file", "FileStorage", {"path": "/data/hicache"}),
-                            ("memory", "MemoryStorage", {"capacity_bytes": 8589934592}))
+    name: [
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        json.dumps(
+            {
+                "backend_name": f"hiradix-{name}",
+                "module_path": "hiradix.sglang.storage",
+                "class_name": cls,
+                "interface_v1": 1,
+                **more,
+            }
+        ),
+    ]
+    for name, cls, more in (
+        ("peer", "PeerStorage", {"discovery_addr": "10.0.0.1:7000", "pool_size": "8GiB"}),
+        ("file", "FileStorage", {"path": "/data/hicache"}),
+        ("memory", "MemoryStorage", {"capacity_bytes": 8589934592}),
+    )
 }
 
 

@@ -43,7 +43,7 @@ NOT_APPLICABLE: dict[str, str] = {
     "finish_external_linker_loads": "--enable-unified-cache-external-linker only: refused",
     "has_pending_cache_operations": "--enable-lmcache only: refused",
     "bind_prefetch_ticket": "PP prefetch tickets only: needs cache_controller.pp_prefetch_command_group, "
-                            "which hiradix's controller does not have (SGLang reads it with getattr)",
+    "which hiradix's controller does not have (SGLang reads it with getattr)",
 }
 
 #: What SGLang reads from the controller where the reading code names it otherwise
@@ -73,10 +73,12 @@ def server_reads() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
                 continue
             value = node.value
             if (isinstance(value, ast.Attribute) and value.attr == "tree_cache") or (
-                    isinstance(value, ast.Name) and value.id == "tree_cache"):
+                isinstance(value, ast.Name) and value.id == "tree_cache"
+            ):
                 cache[node.attr].add(path.name)
             elif (isinstance(value, ast.Attribute) and value.attr == "cache_controller") or (
-                    isinstance(value, ast.Name) and value.id == "cache_controller"):
+                isinstance(value, ast.Name) and value.id == "cache_controller"
+            ):
                 controller[node.attr].add(path.name)
     return cache, controller
 
@@ -86,9 +88,15 @@ def missing_names(cache: object) -> list[str]:
     and :data:`NOT_APPLICABLE` does not explain, as ``"tree_cache.NAME (files)"``."""
     reads, controller_reads = server_reads()
     assert len(reads) > 30, f"found only {sorted(reads)}: the scan no longer matches SGLang's code"
-    out = [f"tree_cache.{name} ({', '.join(sorted(files))})" for name, files in sorted(reads.items())
-           if name not in NOT_APPLICABLE and not hasattr(cache, name)]
+    out = [
+        f"tree_cache.{name} ({', '.join(sorted(files))})"
+        for name, files in sorted(reads.items())
+        if name not in NOT_APPLICABLE and not hasattr(cache, name)
+    ]
     controller = cache.cache_controller  # type: ignore[attr-defined]
-    out += [f"tree_cache.cache_controller.{name} ({', '.join(sorted(files))})"
-            for name, files in sorted(controller_reads.items()) if not hasattr(controller, name)]
+    out += [
+        f"tree_cache.cache_controller.{name} ({', '.join(sorted(files))})"
+        for name, files in sorted(controller_reads.items())
+        if not hasattr(controller, name)
+    ]
     return out

@@ -32,9 +32,26 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-__all__ = ["HEADS", "HEAD_DIM", "LAYERS", "KVBuffers", "MTPDraft", "Worker", "attention_waits_for_load", "device_len",
-           "forward_read", "insert", "key", "match", "mtp_draft_round_trip", "only_in_l3", "settle", "sglang_pools",
-           "transfer_kv_direct", "wait_queue"]
+__all__ = [
+    "HEADS",
+    "HEAD_DIM",
+    "LAYERS",
+    "KVBuffers",
+    "MTPDraft",
+    "Worker",
+    "attention_waits_for_load",
+    "device_len",
+    "forward_read",
+    "insert",
+    "key",
+    "match",
+    "mtp_draft_round_trip",
+    "only_in_l3",
+    "settle",
+    "sglang_pools",
+    "transfer_kv_direct",
+    "wait_queue",
+]
 
 LAYERS = 3
 HEADS = 2
@@ -53,10 +70,26 @@ class Worker:
 
 def _kv_pool(page_size: int, size: int, mla: bool, *, layers: int) -> Any:
     if mla:
-        return MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=8,
-                                qk_rope_head_dim=4, layer_num=layers, device="cpu", enable_memory_saver=False)
-    return MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=HEADS,
-                            head_dim=HEAD_DIM, layer_num=layers, device="cpu", enable_memory_saver=False)
+        return MLATokenToKVPool(
+            size=size,
+            page_size=page_size,
+            dtype=torch.float32,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            layer_num=layers,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    return MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.float32,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
@@ -67,8 +100,9 @@ def sglang_pools(page_size: int, size: int, mla: bool) -> tuple[Any, Any, Any]:
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
     else:
-        alloc = PagedTokenToKVPoolAllocator(size=size, page_size=page_size, dtype=torch.float32, device="cpu",
-                                            kvcache=kv, need_sort=False)
+        alloc = PagedTokenToKVPoolAllocator(
+            size=size, page_size=page_size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
+        )
     req_to_token = ReqToTokenPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
     return kv, alloc, req_to_token
 
@@ -92,8 +126,9 @@ def forward_read(kv: Any, worker_counter: Any, consumer: int, layers: range | No
     return keys + values
 
 
-def attention_waits_for_load(env: Any, tokens: list[int],
-                             loaded_slots: Callable[[Any, Any], torch.Tensor] = lambda loaded, node: loaded) -> None:
+def attention_waits_for_load(
+    env: Any, tokens: list[int], loaded_slots: Callable[[Any, Any], torch.Tensor] = lambda loaded, node: loaded
+) -> None:
     """The pool's attention read waits for a load from host: with the load's first layer
     held back (the copy engine's layer hook blocks it), a reader thread's
     ``get_key_buffer(0)`` must not return until the layer is released, and must then read
@@ -128,8 +163,11 @@ def attention_waits_for_load(env: Any, tokens: list[int],
 
     engine.layer_hook = hold_first_layer
     try:
-        loaded = loaded_slots(*cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                        host_hit_length=m.host_hit_length)))
+        loaded = loaded_slots(
+            *cache.init_load_back(
+                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+            )
+        )
         consumer = cache.ready_to_load_host_cache()
         assert entered.wait(60), "the load never started"
         read: list[Any] = []
@@ -149,7 +187,8 @@ def attention_waits_for_load(env: Any, tokens: list[int],
         assert not reader.is_alive(), "the attention read never returned after the load finished"
         assert not returned_early and read[0], (
             "get_key_buffer returned while the load of its layer was held back: the layer-done counter is not "
-            "registered with SGLang's KV pool")
+            "registered with SGLang's KV pool"
+        )
         want = env.expected_kv(torch.tensor(tokens), torch.arange(n))[0]
         assert torch.equal(read[1][loaded.long()], want)
     finally:
@@ -171,7 +210,7 @@ class KVBuffers:
         return [*self.kv.k_buffer, *self.kv.v_buffer]
 
     def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """"Compute" KV: every slot gets bytes derived from (token, position) only
+        """ "Compute" KV: every slot gets bytes derived from (token, position) only
         (:meth:`expected_kv`), so a reused prefix must read back identical bytes wherever
         it was cached."""
         for buf, val in zip(self.layers(), self.expected_kv(tokens, positions), strict=True):
@@ -217,14 +256,16 @@ class MTPDraft:
         return out
 
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """"Compute" the draft's KV of ``tokens`` at ``slots``."""
+        """ "Compute" the draft's KV of ``tokens`` at ``slots``."""
         for buf, val in zip(self.buffers(), self.expected(tokens), strict=True):
             buf[slots.long()] = val
 
     def holds(self, slots: torch.Tensor, tokens: torch.Tensor) -> bool:
         """Whether the draft's KV at ``slots`` is what :meth:`write` gave ``tokens``."""
-        return all(torch.equal(buf[slots.long()], want)
-                   for buf, want in zip(self.buffers(), self.expected(tokens), strict=True))
+        return all(
+            torch.equal(buf[slots.long()], want)
+            for buf, want in zip(self.buffers(), self.expected(tokens), strict=True)
+        )
 
     def clobber(self) -> None:
         """Zero the draft's device KV: what a test reads back afterwards came from the host."""
@@ -236,8 +277,9 @@ def copy_rows(dst: torch.Tensor, dst_indices: torch.Tensor, src: torch.Tensor, s
     dst.index_copy_(0, dst_indices.long(), src.index_select(0, src_indices.long()))
 
 
-def transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                       page_size: int) -> None:
+def transfer_kv_direct(
+    src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int
+) -> None:
     """SGLang's ``transfer_kv_direct`` (an ``sgl_kernel`` op, imported only on an
     accelerator) in torch: the same row gathers and scatters, layer by layer."""
     for src, dst in zip(src_layers, dst_layers, strict=True):
@@ -322,8 +364,11 @@ def mtp_draft_round_trip(env: Any, draft: MTPDraft, loaded_slots: Callable[[Any,
     draft.clobber()
     m = match(env, tokens)
     assert device_len(m) == 0 and m.host_hit_length == n
-    new = loaded_slots(*env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                     host_hit_length=m.host_hit_length)))
+    new = loaded_slots(
+        *env.cache.init_load_back(
+            InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+        )
+    )
     assert not torch.equal(new.sort().values, slots.sort().values)
     consumer = env.cache.ready_to_load_host_cache()
     # The target's first layer, read as attention reads it (waiting for its load) ...

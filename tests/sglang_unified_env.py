@@ -50,9 +50,11 @@ with warnings.catch_warnings():
 # and 0.5.20 still a hiradix_cache.py (unused): told apart as hiradix.sglang.api does, by
 # the request API that came with the UnifiedRadixCache hierarchical cache.
 if not (hasattr(BasePrefixCache, "checkpoint") or hasattr(BasePrefixCache, "free_kv_row")):
-    pytest.skip("this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
-                "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.20, 0.5.23)",
-                allow_module_level=True)
+    pytest.skip(
+        "this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
+        "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.20, 0.5.23)",
+        allow_module_level=True,
+    )
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
@@ -101,18 +103,34 @@ class Env(KVBuffers):
     worker: Any = None
     reqs: int = 0
 
-    def new_req(self, tokens: list[int], *, extra_key: str | None = None, cache_salt: str | None = None,
-                max_new_tokens: int = 8) -> Any:
+    def new_req(
+        self, tokens: list[int], *, extra_key: str | None = None, cache_salt: str | None = None, max_new_tokens: int = 8
+    ) -> Any:
         """A real SGLang ``Req`` (no ``req_to_token`` row yet: the scheduler gives it one
         when it allocates the request's KV)."""
         self.reqs += 1
-        return Req(f"r{self.reqs}", "", array("q", tokens), SamplingParams(max_new_tokens=max_new_tokens),
-                   extra_key=extra_key, cache_salt=cache_salt)
+        return Req(
+            f"r{self.reqs}",
+            "",
+            array("q", tokens),
+            SamplingParams(max_new_tokens=max_new_tokens),
+            extra_key=extra_key,
+            cache_salt=cache_salt,
+        )
 
 
-def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None = None,
-          extra_config: str | None = None, size: int = 512, page_size: int = PAGE,
-          params: dict[str, Any] | None = None, pools: tuple[Any, Any, Any] | None = None, **flags: Any) -> Env:
+def build(
+    *,
+    mla: bool = False,
+    layout: str = "layer_first",
+    storage: str | None = None,
+    extra_config: str | None = None,
+    size: int = 512,
+    page_size: int = PAGE,
+    params: dict[str, Any] | None = None,
+    pools: tuple[Any, Any, Any] | None = None,
+    **flags: Any,
+) -> Env:
     """SGLang's own hierarchical cache on SGLang's CPU pools, through ``create_tree_cache``
     (the default factory), with the server flags installed by :func:`patch_sglang_for_cpu`
     under the ``hicache_*`` names a server takes: ``layout`` is ``--hicache-mem-layout``,
@@ -125,8 +143,13 @@ def build(*, mla: bool = False, layout: str = "layer_first", storage: str | None
         raise RuntimeError("build() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
     _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size, **flags)
     kv, alloc, req_to_token = pools or sglang_pools(page_size, size, mla)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, **(params or {}))
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        **(params or {}),
+    )
     cache = create_tree_cache(_context(params))
     _ACTIVE.caches.append(cache)
     assert type(cache) is UnifiedRadixCache, f"create_tree_cache built {type(cache).__name__}"
@@ -141,20 +164,43 @@ def _context(params: Any, *, hierarchical: bool = True, worker: Worker | None = 
     """The scheduler's ``TreeCacheBuildContext`` for one rank of a plain (not hybrid) model."""
     assert _ACTIVE is not None
     # 0.5.20's context also has the chunked prefill size (no default); 0.5.23's dropped it
-    more = {"effective_chunked_prefill_size": None} \
-        if "effective_chunked_prefill_size" in {f.name for f in dataclasses.fields(TreeCacheBuildContext)} else {}
+    more = (
+        {"effective_chunked_prefill_size": None}
+        if "effective_chunked_prefill_size" in {f.name for f in dataclasses.fields(TreeCacheBuildContext)}
+        else {}
+    )
     return TreeCacheBuildContext(
-        server_args=_ACTIVE.server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=hierarchical, disable_radix_cache=False, tp_worker=worker or Worker(),
-        model_config=None, tp_size=1, tp_rank=0, tp_group=None, **more,
+        server_args=_ACTIVE.server_args,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=hierarchical,
+        disable_radix_cache=False,
+        tp_worker=worker or Worker(),
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+        **more,
     )
 
 
-def build_hiradix(page_size: int = PAGE, *, size: int = 512, mla: bool = False, layout: str = "layer_first",
-                  write_policy: str = "write_through", storage: str | None = None, extra_config: str | None = None,
-                  eviction_policy: str = "lru", eagle: bool = False, hierarchical: bool = True,
-                  params: dict[str, Any] | None = None, pools: tuple[Any, Any, Any] | None = None,
-                  **flags: Any) -> Env:
+def build_hiradix(
+    page_size: int = PAGE,
+    *,
+    size: int = 512,
+    mla: bool = False,
+    layout: str = "layer_first",
+    write_policy: str = "write_through",
+    storage: str | None = None,
+    extra_config: str | None = None,
+    eviction_policy: str = "lru",
+    eagle: bool = False,
+    hierarchical: bool = True,
+    params: dict[str, Any] | None = None,
+    pools: tuple[Any, Any, Any] | None = None,
+    **flags: Any,
+) -> Env:
     """hiradix's cache as SGLang 0.5.23's scheduler builds it with ``--radix-cache-backend
     hiradix``: the flags published (``get_memory()`` is what ``create_tree_cache`` reads the
     backend's name from), SGLang's CPU pools (``pools``, as :func:`build` takes them),
@@ -163,12 +209,27 @@ def build_hiradix(page_size: int = PAGE, *, size: int = 512, mla: bool = False, 
     :func:`patch_sglang_for_cpu` (the ``sglang_cpu`` fixture), whose exit shuts it down."""
     if _ACTIVE is None:
         raise RuntimeError("build_hiradix() needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
-    _ACTIVE.publish(layout=layout, storage=storage, extra_config=extra_config, page_size=page_size,
-                    radix_cache_backend=hs.BACKEND_NAME, hicache_write_policy=write_policy,
-                    radix_eviction_policy=eviction_policy, enable_hierarchical_cache=hierarchical, **flags)
+    _ACTIVE.publish(
+        layout=layout,
+        storage=storage,
+        extra_config=extra_config,
+        page_size=page_size,
+        radix_cache_backend=hs.BACKEND_NAME,
+        hicache_write_policy=write_policy,
+        radix_eviction_policy=eviction_policy,
+        enable_hierarchical_cache=hierarchical,
+        **flags,
+    )
     kv, alloc, req_to_token = pools or sglang_pools(page_size, size, mla)
-    init = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                           page_size=page_size, eviction_policy=eviction_policy, is_eagle=eagle, **(params or {}))
+    init = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        eviction_policy=eviction_policy,
+        is_eagle=eagle,
+        **(params or {}),
+    )
     worker = Worker()
     cache = create_tree_cache(_context(init, hierarchical=hierarchical, worker=worker))
     atexit.unregister(cache.shutdown)
@@ -183,18 +244,27 @@ def _page_slot(indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, tor
     return idx // page_size, idx % page_size
 
 
-def _transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
-                                        src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
-                                        page_size: int) -> None:
+def _transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: list[torch.Tensor],
+    dst_ptrs: list[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
     # host page_first_direct [pages, layers, page_size, ...] -> device layer [slots, ...]
     pages, offs = _page_slot(src_indices, page_size)
     for host, dev in zip(src_ptrs, dst_ptrs, strict=True):
         dev.index_copy_(0, dst_indices.long(), host[pages, layer_id, offs])
 
 
-def _transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
-                                        src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                                        page_size: int) -> None:
+def _transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: list[torch.Tensor],
+    dst_ptrs: list[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
     # device layers (K layers then V layers for MHA) -> host page_first_direct
     pages, offs = _page_slot(dst_indices, page_size)
     layers = dst_ptrs[0].shape[1]
@@ -215,9 +285,16 @@ class _Published:
         from sglang.srt.runtime_context import get_context
 
         flags: dict[str, Any] = dict(
-            device="cpu", enable_hierarchical_cache=True, page_size=PAGE, served_model_name=MODEL,
-            hicache_mem_layout=layout, hicache_io_backend="direct", hicache_write_policy="write_through",
-            hicache_ratio=2.0, hicache_storage_backend=storage, hicache_storage_backend_extra_config=extra_config,
+            device="cpu",
+            enable_hierarchical_cache=True,
+            page_size=PAGE,
+            served_model_name=MODEL,
+            hicache_mem_layout=layout,
+            hicache_io_backend="direct",
+            hicache_write_policy="write_through",
+            hicache_ratio=2.0,
+            hicache_storage_backend=storage,
+            hicache_storage_backend_extra_config=extra_config,
             hicache_storage_prefetch_policy="wait_complete",
         )
         flags.update(more)
@@ -260,13 +337,16 @@ def patch_sglang_for_cpu() -> Iterator[None]:
     from sglang.srt.runtime_context import get_parallel
 
     patches: list[tuple[Any, str, Any]] = [
-        (phc, "_cuda_host_register", lambda *a, **k: None), (phc, "_cuda_host_unregister", lambda *a, **k: None),
+        (phc, "_cuda_host_register", lambda *a, **k: None),
+        (phc, "_cuda_host_unregister", lambda *a, **k: None),
         (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
     ]
     for mod in (phm, phmla):
-        patches += [(mod, "transfer_kv_direct", transfer_kv_direct),
-                    (mod, "transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
-                    (mod, "transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf)]
+        patches += [
+            (mod, "transfer_kv_direct", transfer_kv_direct),
+            (mod, "transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
+            (mod, "transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
+        ]
     missing = object()
     saved = [(mod, name, getattr(mod, name, missing)) for mod, name, _ in patches]
     with ExitStack() as stack:
@@ -281,8 +361,9 @@ def patch_sglang_for_cpu() -> Iterator[None]:
                 else:
                     setattr(mod, name, old)
 
-        stack.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
-                                                    attn_dcp_rank=0))
+        stack.enter_context(
+            get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+        )
         published = _ACTIVE = _Published(stack)
         try:
             yield
@@ -378,8 +459,15 @@ def read(env: Env, tokens: list[int], rid: str = "r") -> None:
     assert m.device_prefix_len == 0 and m.host_hit_length == 0
     io = PrefetchIO(cache)
     anchor = m.last_host_node
-    cache.prefetch_from_storage(handle, anchor, array("q", tokens), cache.get_last_hash_value(anchor), None,
-                                matched_prefix_tokens=[], extra_key=None)
+    cache.prefetch_from_storage(
+        handle,
+        anchor,
+        array("q", tokens),
+        cache.get_last_hash_value(anchor),
+        None,
+        matched_prefix_tokens=[],
+        extra_key=None,
+    )
     assert handle in cache.ongoing_prefetch, "no prefetch was issued"
     wait_queue(cache.cache_controller.prefetch_hit_queue, 1, TIMEOUT)  # L3 answered batch_exists
     cache.check_hicache_events()  # host slots for the hits; the I/O thread starts reading
@@ -395,8 +483,9 @@ def read(env: Env, tokens: list[int], rid: str = "r") -> None:
     req.last_node, req.prefix_len = m.last_device_node, m.device_prefix_len
     req.last_host_node, req.best_match_node, req.host_hit_length = m.last_host_node, m.best_match_node, N
     req.swa_host_hit_length, req.mamba_host_hit_length = m.swa_host_hit_length, m.mamba_host_hit_length
-    loaded, node = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=N,
-                                                           req=req))
+    loaded, node = cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=N, req=req)
+    )
     assert loaded == N
     counter = cache.cache_controller.layer_done_counter
     counter.set_consumer(cache.ready_to_load_host_cache())

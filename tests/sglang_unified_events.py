@@ -72,10 +72,14 @@ def load_back(env: Any, tokens: list[int], **kw: Any) -> int:
     if not m.host_hit_length:
         return 0
     req.last_node, req.prefix_len = m.last_device_node, device_len(m)
-    req.last_host_node, req.best_match_node, req.host_hit_length = m.last_host_node, m.best_match_node, \
-        m.host_hit_length
-    loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                        host_hit_length=m.host_hit_length, req=req))
+    req.last_host_node, req.best_match_node, req.host_hit_length = (
+        m.last_host_node,
+        m.best_match_node,
+        m.host_hit_length,
+    )
+    loaded, _ = cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req)
+    )
     counter = cache.cache_controller.layer_done_counter
     counter.set_consumer(cache.ready_to_load_host_cache())
     for layer in range(LAYERS):
@@ -89,17 +93,23 @@ class Twin:
     """hiradix's cache and SGLang's own ``UnifiedRadixCache`` (0.5.20 or 0.5.23), built alike, given the
     same operations; after each, both return the same thing and queue the same events."""
 
-    def __init__(self, page_size: int, size: int = 128, eagle: bool = False, write_policy: str = "write_through",
-                 **params: Any) -> None:
+    def __init__(
+        self, page_size: int, size: int = 128, eagle: bool = False, write_policy: str = "write_through", **params: Any
+    ) -> None:
         p = {"enable_kv_cache_events": True, **params}
         self.ours = build_hiradix(page_size, size=size * page_size, eagle=eagle, write_policy=write_policy, params=p)
-        self.theirs = build(page_size=page_size, size=size * page_size, params={**p, "is_eagle": eagle},
-                            hicache_write_policy=write_policy)
+        self.theirs = build(
+            page_size=page_size,
+            size=size * page_size,
+            params={**p, "is_eagle": eagle},
+            hicache_write_policy=write_policy,
+        )
         self.ours.eagle = self.theirs.eagle = eagle
         core = type(self.theirs.cache.tree_core).__name__
         # the core the server flag names (its default where unset: 0.5.20's Python, 0.5.23's Rust)
-        want = "RustUnifiedTreeCore" if envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get() == "rust" \
-            else "UnifiedTreeCore"
+        want = (
+            "RustUnifiedTreeCore" if envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get() == "rust" else "UnifiedTreeCore"
+        )
         assert core == want, f"SGLang built a {core}"
         self.stats: dict[str, int] = {}
         self.log: list[Any] = []  # every event compared, oldest first
@@ -154,8 +164,9 @@ class Twin:
         self.both("reset", lambda env: env.cache.reset())
 
 
-def sglang_ids(tokens: list[int], page_size: int, *, cache_salt: str | None = None,
-               seed: bytes | None = None) -> list[int]:
+def sglang_ids(
+    tokens: list[int], page_size: int, *, cache_salt: str | None = None, seed: bytes | None = None
+) -> list[int]:
     """The event ids of ``tokens``' pages, computed with SGLang's own helpers: the chain
     (seeded by the legacy salt digest), then, given a ``seed`` (0.5.23), namespaced."""
     prior = None
@@ -163,7 +174,7 @@ def sglang_ids(tokens: list[int], page_size: int, *, cache_salt: str | None = No
         prior = hashlib.sha256(b"sglang-cache-salt-v1\0" + cache_salt.encode()).hexdigest()
     ids = []
     for i in range(0, len(tokens), page_size):
-        prior = get_hash_str(tokens[i: i + page_size], prior)
+        prior = get_hash_str(tokens[i : i + page_size], prior)
         block_id = hash_str_to_int64(prior)
         if seed is not None:  # 0.5.20 has no namespaces (nor namespaced_block_hash)
             block_id = sglang_events.namespaced_block_hash(block_id, namespace_seed=seed)
@@ -190,8 +201,17 @@ def ids_and_fields(cases: list[Namespace], *, strict: bool = False, **params: An
         insert(env, tokens, extra_key=extra_key, cache_salt=salt, session_id="s1")
         ids = sglang_ids(tokens, 2, cache_salt=salt, seed=seed)
         assert env.cache.take_events() == [
-            BlockStored(block_hashes=ids, parent_block_hash=None, token_ids=tokens, block_size=2, lora_id=None,
-                        medium=GPU, cache_salt=salt, session_id="s1", **fields)
+            BlockStored(
+                block_hashes=ids,
+                parent_block_hash=None,
+                token_ids=tokens,
+                block_size=2,
+                lora_id=None,
+                medium=GPU,
+                cache_salt=salt,
+                session_id="s1",
+                **fields,
+            )
         ], (extra_key, salt)
         insert(env, tokens[:2] + [9, 9], extra_key=extra_key, cache_salt=salt)  # a split, then the new leaf
         (leaf,) = env.cache.take_events()
@@ -215,8 +235,9 @@ def ids_and_fields(cases: list[Namespace], *, strict: bool = False, **params: An
     assert [type(e) for e in env.cache.take_events()] == [BlockStored, AllBlocksCleared]
 
 
-def namespaces_and_sessions(twin: Twin, spaces: list[tuple[str | None, str | None]], *,
-                            coalesced: bool = False) -> None:
+def namespaces_and_sessions(
+    twin: Twin, spaces: list[tuple[str | None, str | None]], *, coalesced: bool = False
+) -> None:
     """One prompt and a split of it in each of the namespaces ``spaces`` (``(extra_key,
     cache_salt)``), with sessions, backed up, then evicted from the device and the host,
     compared step by step. ``coalesced``: each medium's removals are one event across the
@@ -258,8 +279,9 @@ def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | No
     ``CPU_PINNED``, the load back stores them on the ``GPU``, with the ids SGLang's helpers
     give (namespaced by ``seed``, 0.5.23), the salt and no session. ``fields`` are more
     ``BlockStored`` fields, ``params`` more ``CacheInitParams`` fields."""
-    env = build_hiradix(4, storage="memory", extra_config='{"prefetch_threshold": 8}',
-                        params={"enable_kv_cache_events": True, **params})
+    env = build_hiradix(
+        4, storage="memory", extra_config='{"prefetch_threshold": 8}', params={"enable_kv_cache_events": True, **params}
+    )
     cache = env.cache
     tokens = list(range(200, 232))
     insert(env, tokens, cache_salt="tenant", session_id="s")
@@ -268,19 +290,27 @@ def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | No
     req = env.new_req(tokens, cache_salt="tenant")
     req.init_next_round_input(cache)
     handle = req.cache_request_handle
-    assert cache.prefetch_from_storage(handle, req.last_host_node, array("q", tokens),
-                                       cache.get_last_hash_value(req.last_host_node), None)
+    assert cache.prefetch_from_storage(
+        handle, req.last_host_node, array("q", tokens), cache.get_last_hash_value(req.last_host_node), None
+    )
     cache.core.wait_prefetch(handle, timeout=30)
     assert cache.check_prefetch_progress(handle)
     assert cache.pop_prefetch_loaded_span(handle) == (32, None)
-    want = dict(block_hashes=sglang_ids(tokens, 4, cache_salt="tenant", seed=seed), parent_block_hash=None,
-                token_ids=tokens, block_size=4, lora_id=None, cache_salt="tenant", session_id=None, **(fields or {}))
+    want = dict(
+        block_hashes=sglang_ids(tokens, 4, cache_salt="tenant", seed=seed),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        cache_salt="tenant",
+        session_id=None,
+        **(fields or {}),
+    )
     assert cache.take_events() == [BlockStored(**want, medium=CPU)]
     assert load_back(env, tokens, cache_salt="tenant") == 32
     assert cache.take_events() == [BlockStored(**want, medium=GPU)]
     settle(env)
     cache.check_invariants()
-
 
 
 def life_cycle(twin: Twin, page_size: int, eagle: bool) -> None:

@@ -35,12 +35,15 @@ def check_pool_pages_round_trip(storage: Any, pool: Any, *, mla: bool) -> None:
     storage.register_mem_host_pool_v2(pool, PoolName.MAMBA)
     keys = [key(i) for i in range(4)]
     before = [page(p) for p in range(4)]
-    written = storage.batch_set_v2([
-        PoolTransfer(name=PoolName.KV, host_indices=slots([0, 1, 2, 3]), keys=keys),
-        # the sidecar holds the last two pages' state only (a Mamba/SWA window)
-        PoolTransfer(name=PoolName.MAMBA, host_indices=slots([2, 3]), keys=keys[2:],
-                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
-    ])
+    written = storage.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=slots([0, 1, 2, 3]), keys=keys),
+            # the sidecar holds the last two pages' state only (a Mamba/SWA window)
+            PoolTransfer(
+                name=PoolName.MAMBA, host_indices=slots([2, 3]), keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+            ),
+        ]
+    )
     assert written == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True, True]}
 
     # SGLang's HiCacheFile names: the KV page under its key, the sidecar's under
@@ -59,10 +62,12 @@ def check_pool_pages_round_trip(storage: Any, pool: Any, *, mla: bool) -> None:
     assert hit.kv_hit_pages == 0 and dict(hit.extra_pool_hit_pages) == {PoolName.KV: 4}
     assert storage.batch_exists_v2([key(9), *keys], [trailing]).kv_hit_pages == 0
 
-    read = storage.batch_get_v2([
-        PoolTransfer(name=PoolName.KV, host_indices=slots([4, 5, 6, 7]), keys=keys),
-        PoolTransfer(name=PoolName.MAMBA, host_indices=slots([7]), keys=keys[3:]),
-    ])
+    read = storage.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=slots([4, 5, 6, 7]), keys=keys),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots([7]), keys=keys[3:]),
+        ]
+    )
     assert read == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True]}
     assert [page(p) for p in range(4, 8)] == before
     never = storage.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots([6]), keys=[key(9)])])

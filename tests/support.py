@@ -138,8 +138,9 @@ def _rank_entry(target: Callable[..., None], *args: Any) -> None:
     os._exit(code)
 
 
-def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: dict[str, Any],
-              timeout_s: float) -> list[dict[str, Any]]:
+def run_ranks(
+    target: Callable[..., None], world: int, out_dir: Path, config: dict[str, Any], timeout_s: float
+) -> list[dict[str, Any]]:
     """Run ``target(rank, world, rendezvous, out_dir, config)`` in ``world`` spawned
     processes and return what each wrote to ``out_dir/rank{r}.json``. ``rendezvous`` is
     the process group's ``init_method``: a file in ``out_dir``, not a TCP port (a port
@@ -153,9 +154,10 @@ def run_ranks(target: Callable[..., None], world: int, out_dir: Path, config: di
 
     ctx = mp.get_context("spawn")
     rendezvous = f"file://{out_dir / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, rendezvous, str(out_dir), config),
-                         daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(target, r, world, rendezvous, str(out_dir), config), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -186,8 +188,7 @@ def sglang_pp_tag_rank(rank: int, world: int, rendezvous: str, out_dir: str, con
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     agreement = SGLangAgreement(pp_group=dist.group.WORLD, pp_rank=rank, pp_size=world)
     if rank == 0:
         # isend: gloo's send completes only once a receive of its tag is posted, and
@@ -392,9 +393,7 @@ class ChangeMirror:
 
     @staticmethod
     def snapshot(tree: Any, extra_keys: Any = ()) -> dict[int, list[Any]]:
-        return {
-            h: [tree.key_len(h), not tree.is_evicted(h), tree.is_backed_up(h)] for h in all_nodes(tree, extra_keys)
-        }
+        return {h: [tree.key_len(h), not tree.is_evicted(h), tree.is_backed_up(h)] for h in all_nodes(tree, extra_keys)}
 
     def apply(self, records: np.ndarray) -> None:
         Change = _results.Change

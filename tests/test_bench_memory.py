@@ -24,8 +24,16 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _row(impl: str, tokens: int, nodes: int | None, built: int = 1000, grown: int = 500) -> dict:
-    return {"impl": impl, "page_size": 16, "target_tokens": 100, "cached_tokens": tokens, "nodes": nodes,
-            "built_bytes": built, "grown_bytes": grown, "traced_built_bytes": None}
+    return {
+        "impl": impl,
+        "page_size": 16,
+        "target_tokens": 100,
+        "cached_tokens": tokens,
+        "nodes": nodes,
+        "built_bytes": built,
+        "grown_bytes": grown,
+        "traced_built_bytes": None,
+    }
 
 
 def test_check_refuses_caches_that_disagree() -> None:
@@ -36,9 +44,11 @@ def test_check_refuses_caches_that_disagree() -> None:
 
 
 def test_table_divides_by_tokens_and_nodes_and_compares_with_the_smallest_sglang() -> None:
-    runs = {"hiradix-0.5.23": _row("hiradix-0.5.23", 100, 4, 300, 100),
-            "unified-rust": _row("unified-rust", 100, None, 700, 100),
-            "unified-python": _row("unified-python", 100, 4, 1000, 600)}
+    runs = {
+        "hiradix-0.5.23": _row("hiradix-0.5.23", 100, 4, 300, 100),
+        "unified-rust": _row("unified-rust", 100, None, 700, 100),
+        "unified-python": _row("unified-python", 100, 4, 1000, 600),
+    }
     memory.check(runs)  # the Rust core's node count is the others'
     text = memory.table(list(runs.values()))
     assert "| 100 | 16 | 4* | SGLang 0.5.23 UnifiedRadixCache, Rust core | 8.0 | 200 |" in text
@@ -58,9 +68,26 @@ def test_a_tiny_run_measures_every_cache(tmp_path: Path) -> None:
         pytest.skip(f"bench/memory.py compares on SGLang 0.5.18 and 0.5.23, not {v}")
     out = tmp_path / "memory.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "memory.py"), "--tokens", "3000", "--page-sizes", "16", "--impls", impls,
-         flag, sys.executable, "--no-tracemalloc", "--timeout", "240", "--json", str(out)],
-        capture_output=True, text=True, timeout=560,
+        [
+            sys.executable,
+            str(BENCH / "memory.py"),
+            "--tokens",
+            "3000",
+            "--page-sizes",
+            "16",
+            "--impls",
+            impls,
+            flag,
+            sys.executable,
+            "--no-tracemalloc",
+            "--timeout",
+            "240",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=560,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]

@@ -322,8 +322,7 @@ def test_failed_backup_copy_leaves_the_tree_untouched() -> None:
 
 def _without_locks(snapshot: list[Any]) -> list[Any]:
     """A tree snapshot without the nodes' lock counts."""
-    return [({k: v for k, v in row[0].items() if k not in ("lock_ref", "own_lock_ref")}, *row[1:])
-            for row in snapshot]
+    return [({k: v for k, v in row[0].items() if k not in ("lock_ref", "own_lock_ref")}, *row[1:]) for row in snapshot]
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -331,6 +330,7 @@ def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool
     """With an inline write engine a step's batch is copied and committed inside
     ``check_hicache_events`` (HiCacheController.write_now), nothing left in flight; a
     failed copy leaves the nodes as they were, frees their host slots and counts them."""
+
     def hook(kind: str, op_id: int, layer: int) -> None:
         if kind == "backup" and layer == 1 and fail:
             raise OSError("injected copy error")
@@ -642,8 +642,9 @@ def test_companion_loads_finish_before_the_main_loads_first_layer() -> None:
     ],
     ids=["page-size", "device-slots", "host-slots"],
 )
-def test_companion_pools_must_share_the_main_pools_slots(draft: dict[str, int], host_slots: int | None,
-                                                         match: str) -> None:
+def test_companion_pools_must_share_the_main_pools_slots(
+    draft: dict[str, int], host_slots: int | None, match: str
+) -> None:
     dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
     host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
     ctrl = HiCacheController(dev, host)

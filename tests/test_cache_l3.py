@@ -434,7 +434,8 @@ def test_prefix_keys_reach_the_backend_only_when_asked() -> None:
         assert rec.calls and all(info is None for _, _, info in rec.calls)
         assert cache.detach_storage_backend()[0]
         ok, msg = cache.attach_storage_backend(
-            rec, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4),
+            rec,
+            prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4),
             pass_prefix_keys=True,
         )
         assert ok, msg

@@ -52,8 +52,9 @@ def _randomize(dev: DeviceKVPool, host: HostKVPool, seed: int) -> None:
 def _twin(dev: DeviceKVPool, host: HostKVPool) -> tuple[DeviceKVPool, HostKVPool]:
     """A second pair of pools with the same bytes (the oracle's)."""
     dev2 = DeviceKVPool(dev.shape, dev.size, dev.page_size, dev.dtype, dev.device)
-    host2 = HostKVPool(dev.shape, host.size, host.page_size, host.dtype, host.layout, reserve_bytes=0,
-                       pin_memory=host.pin_memory)
+    host2 = HostKVPool(
+        dev.shape, host.size, host.page_size, host.dtype, host.layout, reserve_bytes=0, pin_memory=host.pin_memory
+    )
     for layer in range(dev.layer_num):
         for a, b in zip(dev2.layer_buffers(layer), dev.layer_buffers(layer), strict=True):
             a.copy_(b)
@@ -80,8 +81,9 @@ def _slots(dev: DeviceKVPool, host: HostKVPool, rng: random.Random, whole_pages:
     return d, h
 
 
-def _emulate(dev: DeviceKVPool, host: HostKVPool, d: torch.Tensor, h: torch.Tensor, to_device: bool,
-             launcher: K.Launcher) -> K.KernelPlan:
+def _emulate(
+    dev: DeviceKVPool, host: HostKVPool, d: torch.Tensor, h: torch.Tensor, to_device: bool, launcher: K.Launcher
+) -> K.KernelPlan:
     d, h = _validate_cpu(dev, host, d, h)
     p = K.plan(dev, host, d, h)
     assert p is not None

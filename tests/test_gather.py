@@ -631,8 +631,12 @@ def test_copy_runs_bad_input_raises_and_copies_nothing(override: dict, exc: type
     g = _gather()
     dst = np.full(64, 0xEE, dtype=np.uint8)
     args = {
-        "dst": dst, "dst_offsets": np.array([0, 8, 16, 24], np.int64), "dst_base": 0,
-        "src": np.arange(64, dtype=np.uint8), "src_offsets": np.array([0, 8, 16, 24], np.int64), "src_base": 0,
+        "dst": dst,
+        "dst_offsets": np.array([0, 8, 16, 24], np.int64),
+        "dst_base": 0,
+        "src": np.arange(64, dtype=np.uint8),
+        "src_offsets": np.array([0, 8, 16, 24], np.int64),
+        "src_base": 0,
         "run_bytes": np.array([8, 8, 8, 8], np.int64),
     } | override
     with pytest.raises(exc, match=match):

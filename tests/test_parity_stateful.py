@@ -321,8 +321,13 @@ class ParityMachine(RuleBasedStateMachine):
         self.refused(expected, name, *args, **kwargs)
 
     # -- writes
-    @rule(data=st.data(), ns=namespaces, priority=priorities, chunked=st.sampled_from([False, False, False, True]),
-          hold=st.booleans())
+    @rule(
+        data=st.data(),
+        ns=namespaces,
+        priority=priorities,
+        chunked=st.sampled_from([False, False, False, True]),
+        hold=st.booleans(),
+    )
     def insert(self, data: st.DataObject, ns: str | None, priority: int, chunked: bool, hold: bool) -> None:
         key = data.draw(keys(self.page_size), label="key")
         ok, res = self.both("insert", key, self.dev(len(key)), ns, priority=priority, chunked=chunked, hold=hold)

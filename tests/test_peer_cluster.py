@@ -46,8 +46,6 @@ def serve_cmd(*args: str) -> list[str]:
     return cmd + ["--heartbeat", str(HEARTBEAT), "--lifetime", str(LIFETIME), "--pool-size", "16MiB", *args]
 
 
-
-
 class Proc:
     """One ``hiradix peer serve`` process and the JSON line it printed."""
 

@@ -38,8 +38,6 @@ def page(i: int, n: int = PAGE) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-
-
 # ---------------------------------------------------------------------- membership, fake clock
 class _Net:
     """In-process discovery wiring: call(addr, method, args) -> the target's handler."""

@@ -32,12 +32,15 @@ def test_hiradix_tree_resolves_to_the_stubbed_class(tmp_path: Path) -> None:
     # From the repository root, where mypy finds the package and its stubs as CI has them.
     out = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(snippet)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     ).stdout
     notes = [line for line in out.splitlines() if "Revealed type" in line]
     assert len(notes) == 3, out
     assert notes[0].endswith('-> hiradix.tree._core.HiRadixTree"'), out
     assert notes[1].endswith('"int"') or notes[1].endswith('"builtins.int"'), out
-    assert 'hiradix.cache.cache.HiRadixCache' in notes[2], out
+    assert "hiradix.cache.cache.HiRadixCache" in notes[2], out
     # Typed, not Any: the call missing its arguments is reported.
-    assert 'Missing positional argument' in out and '"insert_host" of "HiRadixTree"' in out, out
+    assert "Missing positional argument" in out and '"insert_host" of "HiRadixTree"' in out, out

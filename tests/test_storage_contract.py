@@ -32,8 +32,16 @@ def payload(i: int, n: int = PAGE, version: int = 0) -> bytes:
 
 def make_pool(layout: str, mla: bool, page_size: int = 4, pages: int = 8, order: str = "hiradix") -> HostKVPool:
     shape = MLAShape(2, 8, 4) if mla else MHAShape(2, 2, 4)
-    pool = HostKVPool(shape, pages * page_size, page_size, torch.float16, layout, page_order=order,  # type: ignore[arg-type]
-                      pin_memory=False, reserve_bytes=0)
+    pool = HostKVPool(
+        shape,
+        pages * page_size,
+        page_size,
+        torch.float16,
+        layout,
+        page_order=order,  # type: ignore[arg-type]
+        pin_memory=False,
+        reserve_bytes=0,
+    )
     g = torch.Generator().manual_seed(1)
     pool._buf.copy_(torch.randn(pool._buf.numel(), generator=g).to(torch.float16))
     return pool

@@ -53,8 +53,9 @@ def test_int64_keys_match_as_the_twin_and_the_general_path(page_size: int, seed:
     next_slot = 0
     for step in range(120):
         stem = rng.choice(stems)
-        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(0, 50_000)
-                                                           for _ in range(rng.randrange(0, 40))]
+        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [
+            rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 40))
+        ]
         ns = rng.choice(namespaces)
         op = rng.random()
         if op < 0.3:
@@ -92,7 +93,7 @@ def test_a_path_deeper_than_the_recorded_spans_matches_alike(page_size: int) -> 
     tokens = list(range(1, 100 * page_size + 1))
     for n in range(page_size, len(tokens) + 1, page_size):
         check(core, ref, "insert", tokens[:n], np.arange(n, dtype=np.int64))
-    for key in (tokens, tokens[:70 * page_size] + [0] * page_size, tokens[: 64 * page_size], tokens + [2**31]):
+    for key in (tokens, tokens[: 70 * page_size] + [0] * page_size, tokens[: 64 * page_size], tokens + [2**31]):
         check(core, ref, "match_prefix", array("q", key))
         assert_trees_equal(core, ref)
     core.check_invariants()

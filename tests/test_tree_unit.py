@@ -1027,8 +1027,10 @@ def test_chain_seed_sets_where_each_roots_chain_starts(tree_cls, impl_module):
         tree.root_seed(tree.insert(key, idx(0, 8)).last_node)
 
 
-@pytest.mark.parametrize(("seed", "error"), [(lambda k: "ab", ValueError), (lambda k: 7, TypeError),
-                                             (lambda k: "g" * 64, ValueError), ("00" * 32, TypeError)])
+@pytest.mark.parametrize(
+    ("seed", "error"),
+    [(lambda k: "ab", ValueError), (lambda k: 7, TypeError), (lambda k: "g" * 64, ValueError), ("00" * 32, TypeError)],
+)
 def test_a_bad_chain_seed_is_refused_naming_the_root(tree_cls, seed, error):
     with pytest.raises(error, match="chain_seed"):
         tree_cls(4, enable_hash=True, chain_seed=seed)
@@ -1212,8 +1214,7 @@ def test_int32_extremes_are_valid_tokens(tree_cls):
 
 
 @pytest.mark.parametrize("n", [7, 8, 9, 17, 1_100])
-@pytest.mark.parametrize("as_input", [lambda a: a, lambda a: array.array("q", a.tobytes())],
-                         ids=["ndarray", "array q"])
+@pytest.mark.parametrize("as_input", [lambda a: a, lambda a: array.array("q", a.tobytes())], ids=["ndarray", "array q"])
 def test_narrowing_checks_every_position_of_a_long_key(tree_cls, n, as_input):
     # The compiled narrowing runs in blocks of 8 with a scalar tail, prefetching 512 ids
     # ahead: a bad id in the first block, the middle, the tail or the last one is caught,

@@ -357,8 +357,16 @@ class HiRadixCache:
         write policy asks for are backed up. Runtime: ``O(len(key))`` plus the backups."""
         return int(self.insert_below(key, value, extra_key, priority=priority, chunked=chunked).prefix_len)
 
-    def insert_below(self, key: Any, value: Any, extra_key: str | None = None, *, priority: int = 0,
-                     chunked: bool = False, start: int | None = None) -> Any:
+    def insert_below(
+        self,
+        key: Any,
+        value: Any,
+        extra_key: str | None = None,
+        *,
+        priority: int = 0,
+        chunked: bool = False,
+        start: int | None = None,
+    ) -> Any:
         """:meth:`insert`, continuing the path that ends at the device node ``start``
         when one is given (the tree's ``insert(start=)``: the key's tokens follow that
         path's, and ``prefix_len`` counts the key's only); the tree's ``InsertResult``.
@@ -367,8 +375,9 @@ class HiRadixCache:
         # protected from the insert on, as a backup in flight is (the scheduler admits
         # requests by evictable_size(), and an eviction would start these backups rather
         # than free them); released once their backups have started.
-        result = self.tree.insert(key, _cpu(value), extra_key, priority=priority, chunked=chunked,
-                                  hold=self.batch_backups, start=start)
+        result = self.tree.insert(
+            key, _cpu(value), extra_key, priority=priority, chunked=chunked, hold=self.batch_backups, start=start
+        )
         if result.backup_nodes:
             self._backups_asked(result.backup_nodes)
         return result
@@ -468,8 +477,9 @@ class HiRadixCache:
         finally:
             tree.dec_lock_refs(held)  # each backup in flight has its own lock by now
 
-    def _write_backup_nodes(self, nodes: Sequence[int], sizes: Sequence[int] | None = None, *,
-                            now: bool = False) -> int:
+    def _write_backup_nodes(
+        self, nodes: Sequence[int], sizes: Sequence[int] | None = None, *, now: bool = False
+    ) -> int:
         """Start the backups of ``nodes`` (parents first; ``sizes`` their lengths, read
         from the tree if not given), as one queued batch. Host slots are allocated for
         all, agreed across ranks; those that failed anywhere get one retry after evicting
@@ -572,11 +582,13 @@ class HiRadixCache:
         ongoing = self.ongoing_write_through
         for ack, ok in acks:
             nodes = ack.nodes
-            self._finish_backups(nodes, [ongoing.pop(node) for node in nodes], ok,
-                                 ack.ops if self._observers else ())  # per-node tensors only for observers
+            self._finish_backups(
+                nodes, [ongoing.pop(node) for node in nodes], ok, ack.ops if self._observers else ()
+            )  # per-node tensors only for observers
 
-    def _finish_backups(self, nodes: Sequence[int], hosts: Sequence[np.ndarray], ok: bool,
-                        ops: Sequence[CacheOperation] = ()) -> None:
+    def _finish_backups(
+        self, nodes: Sequence[int], hosts: Sequence[np.ndarray], ok: bool, ops: Sequence[CacheOperation] = ()
+    ) -> None:
         """Commit the finished backups of ``nodes`` (their host slots ``hosts``), whose
         copy landed on every rank if ``ok``: each becomes backed up (and goes on to L3),
         or, if not committed, is left as it was and its host slots are freed. Observers
@@ -693,8 +705,13 @@ class HiRadixCache:
         return [k + suffix for k in keys] if suffix else keys
 
     def attach_storage_backend(
-        self, backend: StorageBackend, *, prefetch: PrefetchConfig | None = None, inline: bool = False,
-        key_suffix: str | None = None, pass_prefix_keys: bool = False,
+        self,
+        backend: StorageBackend,
+        *,
+        prefetch: PrefetchConfig | None = None,
+        inline: bool = False,
+        key_suffix: str | None = None,
+        pass_prefix_keys: bool = False,
     ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
         message)``; refuses while another backend is attached. ``inline`` runs the L3

@@ -79,8 +79,12 @@ def _as_long(indices: Any) -> torch.Tensor:
     (or an int64 numpy array, which the tree returns: a view, not a copy). The write
     path runs this twice per backed-up node on the scheduler thread, and the general
     conversions cost about 1 (``.to``) and 2.7 us (``as_tensor``) each."""
-    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.flags.c_contiguous \
-            and indices.flags.writeable:
+    if (
+        type(indices) is np.ndarray
+        and indices.dtype == np.int64
+        and indices.flags.c_contiguous
+        and indices.flags.writeable
+    ):
         return torch.from_numpy(indices)
     if isinstance(indices, torch.Tensor):
         if indices.dtype is torch.int64 and indices.is_cpu:
@@ -462,8 +466,9 @@ class HiCacheController:
         self._writes.pending.append(OperationBatch((node,), (0, dev.shape[0]), dev, host))
         return CacheOperation(node, dev, host)
 
-    def write_many(self, nodes: Sequence[int], sizes: Sequence[int], device_indices: Any,
-                   host_indices: Any) -> OperationBatch:
+    def write_many(
+        self, nodes: Sequence[int], sizes: Sequence[int], device_indices: Any, host_indices: Any
+    ) -> OperationBatch:
         """Queue the device -> host copies of ``nodes``, node after node: ``nodes[i]`` owns
         the next ``sizes[i]`` of the index pairs. One object for the lot (a scheduler
         step's write-throughs), so the per-node cost is a few list appends.

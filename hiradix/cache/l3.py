@@ -259,7 +259,11 @@ class L3Controller:
 
     # ------------------------------------------------------------------ scheduler side
     def prefetch(
-        self, request_id: Any, host_indices: torch.Tensor, tokens: np.ndarray, prior_hash: str | None,
+        self,
+        request_id: Any,
+        host_indices: torch.Tensor,
+        tokens: np.ndarray,
+        prior_hash: str | None,
         prefix_hashes: Sequence[str] | None = None,
     ) -> PrefetchOperation:
         """Queue a prefetch of the page-aligned ``tokens`` into ``host_indices`` (one slot
@@ -272,8 +276,14 @@ class L3Controller:
             raise RuntimeError("L3 controller is stopped")
         if len(tokens) % self.page_size or len(host_indices) != len(tokens):
             raise ValueError(f"prefetch of {len(tokens)} tokens into {len(host_indices)} slots (page {self.page_size})")
-        op = PrefetchOperation(request_id, host_indices, np.asarray(tokens), prior_hash, self.clock(),
-                               prefix_keys=self.prefix_keys_of(prefix_hashes))
+        op = PrefetchOperation(
+            request_id,
+            host_indices,
+            np.asarray(tokens),
+            prior_hash,
+            self.clock(),
+            prefix_keys=self.prefix_keys_of(prefix_hashes),
+        )
         self._count(prefetch_ops=1)
         if self.inline:
             if self._query_and_decide(op):
@@ -314,8 +324,9 @@ class L3Controller:
         if len(hashes) * self.page_size != len(host_indices):
             raise ValueError(f"{len(hashes)} page hashes for {len(host_indices)} host slots (page {self.page_size})")
         self._backup_ids += 1
-        op = BackupOperation(self._backup_ids, node, self.key_fn(hashes), host_indices,
-                             prefix_keys=self.prefix_keys_of(prefix_hashes))
+        op = BackupOperation(
+            self._backup_ids, node, self.key_fn(hashes), host_indices, prefix_keys=self.prefix_keys_of(prefix_hashes)
+        )
         self._count(backup_ops=1)
         if self.inline:
             self._backup_one(op)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 __all__ = ["CacheStats", "ControllerStats", "L3Stats", "zeros"]
 
+
 def zeros(cls: type) -> dict[str, int]:
     """A fresh counter dict for the fields of the stats class ``cls``, all 0: what the owner
     counts into on its hot path (one ``+=`` per event). ``O(fields)``."""
@@ -94,4 +95,3 @@ class L3Stats:
     agreement_errors: int
     prefetch_read_errors: int
     backup_errors: int
-

@@ -265,8 +265,7 @@ def as_index_array(indices: Any, name: str) -> np.ndarray:
     """``indices`` as a 1-D int64 numpy array (a view where it already is one): the
     compiled path's input, and the controller's queued writes. Same errors as
     :func:`_as_index`. ``O(1)`` for an int64 array or CPU tensor, else ``O(n)``."""
-    if (type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1
-            and indices.flags.c_contiguous):
+    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1 and indices.flags.c_contiguous:
         return indices  # the planned paths' own arrays: no checks to repeat
     if isinstance(indices, torch.Tensor):
         if indices.dim() != 1:
@@ -492,9 +491,7 @@ class _PairLayout:
 
 # Per (device pool, host pool), computed once like _REGIONS: checking that strides do not
 # change with the layer walks every layer, which a plan per write-through must not repeat.
-_PAIRS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _PairLayout | None]] = (
-    weakref.WeakKeyDictionary()
-)
+_PAIRS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, _PairLayout | None]] = weakref.WeakKeyDictionary()
 
 
 def _pair_layout(device_pool: DeviceKVPool, host_pool: HostKVPool) -> _PairLayout | None:
@@ -715,7 +712,11 @@ class ThreadCopyEngine(CopyEngine):
                 raise
 
     def _backup_step(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any,
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        device_indices: Any,
+        host_indices: Any,
         plan: _RowPlan | None,
     ) -> Callable[[int], None]:
         """A validated backup, as its per-layer copy: the compiled one when ``plan`` (from
@@ -1037,6 +1038,7 @@ class CudaCopyEngine(CopyEngine):
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices are the same, ``cuda`` meaning the current CUDA device."""
+
     def norm(d: torch.device) -> torch.device:
         if d.type == "cuda" and d.index is None:
             return torch.device("cuda", torch.cuda.current_device())

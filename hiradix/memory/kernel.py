@@ -239,8 +239,14 @@ def _library() -> Any:
                     lib = ctypes.CDLL(str(LIBRARY))
                     lib.hr_kvcopy_abi.restype = ctypes.c_int
                     lib.hr_kvcopy_launch.restype = ctypes.c_int
-                    lib.hr_kvcopy_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                     ctypes.c_int, ctypes.c_void_p]
+                    lib.hr_kvcopy_launch.argtypes = [
+                        ctypes.c_void_p,
+                        ctypes.c_int,
+                        ctypes.c_int,
+                        ctypes.c_int,
+                        ctypes.c_int,
+                        ctypes.c_void_p,
+                    ]
                     lib.hr_kvcopy_host_pointer.restype = ctypes.c_int
                     lib.hr_kvcopy_host_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
                     lib.hr_kvcopy_error_string.restype = ctypes.c_char_p

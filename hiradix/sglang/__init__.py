@@ -25,8 +25,15 @@ from typing import Any
 
 from hiradix._sglang_versions import SUPPORTED_VERSIONS, TESTED_VERSIONS, UnsupportedSGLang, check_sglang_version
 
-_CACHE_NAMES = ("BACKEND_NAME", "SGLANG_VERSION", "HiRadixCache", "SGLangCacheController", "TreeNode",
-                "create_cache", "register")
+_CACHE_NAMES = (
+    "BACKEND_NAME",
+    "SGLANG_VERSION",
+    "HiRadixCache",
+    "SGLangCacheController",
+    "TreeNode",
+    "create_cache",
+    "register",
+)
 
 try:
     SGLANG_VERSION = check_sglang_version()

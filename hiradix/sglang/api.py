@@ -26,13 +26,18 @@ __all__ = ["REQUEST_API", "HiRadixCache"]
 #: ``"checkpoint"`` (SGLang 0.5.23), ``"cache_req_kv"`` (0.5.20: 0.5.18's calls, the row on
 #: ``req.kv``) or ``"cache_req"`` (0.5.15 to 0.5.18).
 REQUEST_API = (
-    "checkpoint" if hasattr(BasePrefixCache, "checkpoint")
-    else "cache_req_kv" if hasattr(BasePrefixCache, "free_kv_row")
+    "checkpoint"
+    if hasattr(BasePrefixCache, "checkpoint")
+    else "cache_req_kv"
+    if hasattr(BasePrefixCache, "free_kv_row")
     else "cache_req"
 )
 
-_MODULES = {"checkpoint": "hiradix.sglang.api_v23", "cache_req_kv": "hiradix.sglang.api_v20",
-            "cache_req": "hiradix.sglang.api_v18"}
+_MODULES = {
+    "checkpoint": "hiradix.sglang.api_v23",
+    "cache_req_kv": "hiradix.sglang.api_v20",
+    "cache_req": "hiradix.sglang.api_v18",
+}
 
 #: hiradix's cache for the installed SGLang (a :class:`HiRadixCacheBase` subclass).
 HiRadixCache: type[HiRadixCacheBase] = importlib.import_module(_MODULES[REQUEST_API]).HiRadixCache

@@ -65,8 +65,14 @@ class PrefixBuffers:
         n = row.shape[0]
         buf = self._bufs.get(req.rid)
         old = req.prefix_indices
-        if (head is not None or buf is None or buf.shape[0] < n or type(old) is not torch.Tensor
-                or old.shape[0] < unchanged or old.data_ptr() != buf.data_ptr()):
+        if (
+            head is not None
+            or buf is None
+            or buf.shape[0] < n
+            or type(old) is not torch.Tensor
+            or old.shape[0] < unchanged
+            or old.data_ptr() != buf.data_ptr()
+        ):
             if buf is None or buf.shape[0] < n:
                 if len(self._bufs) >= self._limit:
                     self._bufs.clear()
@@ -110,20 +116,23 @@ class HiRadixCache(HiRadixCacheBase):
             return None
         return torch.from_numpy, MatchResult, _TAIL
 
-    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
-                      host_hit_length: int) -> MatchResult:
+    def _match_result(
+        self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode, host_hit_length: int
+    ) -> MatchResult:
         indices = torch.from_numpy(device_indices)
         if not self._on_cpu:
             indices = indices.to(self.device)
         # Positional: (device_indices, last_device_node, last_host_node, best_match_node,
         # host_hit_length), SGLang's field order.
         if _TAIL is not None:
-            return tuple.__new__(MatchResult, (indices, last_device_node, host_node, host_node, host_hit_length)
-                                 + _TAIL)
+            return tuple.__new__(
+                MatchResult, (indices, last_device_node, host_node, host_node, host_hit_length) + _TAIL
+            )
         return MatchResult(indices, last_device_node, host_node, host_node, host_hit_length)
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None,
-                           **kwargs: Any) -> None:
+    def cache_finished_req(
+        self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int | None = None, **kwargs: Any
+    ) -> None:
         """Insert a finished request's KV (unless ``is_insert`` is false), free its
         duplicate and unaligned slots and release its lock. ``O(len)``."""
         if self.disable_finished_insert:
@@ -139,14 +148,18 @@ class HiRadixCache(HiRadixCacheBase):
             return
         aligned = self._aligned_len(len(token_ids))
         if is_insert:
-            key = RadixKey(token_ids[: aligned + self._bigram], req.extra_key,
-                           cache_salt=getattr(req, "cache_salt", None))
+            key = RadixKey(
+                token_ids[: aligned + self._bigram], req.extra_key, cache_salt=getattr(req, "cache_salt", None)
+            )
             values = kv[:aligned]  # a view: the tree copies (and widens) the slots it keeps
-            end = self.insert(InsertParams(key=key, value=values, priority=getattr(req, "priority", 0) or 0,
-                                           **self._insert_extras(req))).prefix_len
+            end = self.insert(
+                InsertParams(
+                    key=key, value=values, priority=getattr(req, "priority", 0) or 0, **self._insert_extras(req)
+                )
+            ).prefix_len
         else:
             end = aligned
-        self._free(kv[protected:max(protected, end)])
+        self._free(kv[protected : max(protected, end)])
         self._free(kv[aligned:])
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
@@ -173,7 +186,7 @@ class HiRadixCache(HiRadixCacheBase):
         done = self._insert_continuing(req.last_node, protected, key, aligned, kv, priority, chunked)
         if done is not None:
             end, last, tail = done
-            self._free(kv[protected:max(protected, end)])
+            self._free(kv[protected : max(protected, end)])
             if aligned > protected:
                 self.req_to_token_pool.write((record.req_pool_idx, slice(protected, aligned)), torch.from_numpy(tail))
             record.cache_protected_len = aligned
@@ -185,16 +198,15 @@ class HiRadixCache(HiRadixCacheBase):
             req.last_node = node
             return
         values = kv[:aligned]  # a view: the tree copies (and widens) the slots it keeps
-        result = self.insert(InsertParams(key=key, value=values, chunked=chunked, priority=priority,
-                                          **self._insert_extras(req)))
-        self._free(kv[protected:max(protected, result.prefix_len)])
+        result = self.insert(
+            InsertParams(key=key, value=values, chunked=chunked, priority=priority, **self._insert_extras(req))
+        )
+        self._free(kv[protected : max(protected, result.prefix_len)])
         m = self.match_prefix(MatchPrefixParams(key=key))
         new_indices = m.device_indices
         if len(new_indices) != aligned:
             raise RuntimeError(f"request {req.rid!r}: {len(new_indices)} of {aligned} tokens cached after insert")
-        self.req_to_token_pool.write(
-            (record.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:]
-        )
+        self.req_to_token_pool.write((record.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:])
         record.cache_protected_len = len(new_indices)
         self.inc_lock_ref(m.last_device_node)
         if req.last_node is not None:

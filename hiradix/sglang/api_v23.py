@@ -68,9 +68,11 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
     # building the cache, and only with its own UnifiedRadixCache (kv_cache_builder's
     # maybe_register_hicache_draft raises NotImplementedError for any other cache).
     if getattr(params, "sidecar_draft_device_pools", ()):
-        refuse("speculative decoding with a separate (sidecar) draft model's KV pool",
-               "sidecar_draft_device_pools is set, and SGLang registers a sidecar draft pool with its own "
-               "UnifiedRadixCache only (MTP / NextN drafts, mtp_draft_device_pools, are supported)")
+        refuse(
+            "speculative decoding with a separate (sidecar) draft model's KV pool",
+            "sidecar_draft_device_pools is set, and SGLang registers a sidecar draft pool with its own "
+            "UnifiedRadixCache only (MTP / NextN drafts, mtp_draft_device_pools, are supported)",
+        )
     if getattr(params, "mtp_draft_mamba_pools", ()):
         refuse("MTP draft Mamba state pools", "mtp_draft_mamba_pools is set; hiradix caches no Mamba/SSM state")
     mode = getattr(server_args, "hicache_host_memory_mode", "cache")
@@ -79,16 +81,24 @@ def check_supported_v23(params: Any, server_args: Any) -> None:
     for option in ("hicache_storage_prefetch_retry_poll_interval", "hicache_storage_prefetch_retry_max_attempts"):
         value = getattr(server_args, option, _RETRY_DEFAULT)
         if value not in (0, _RETRY_DEFAULT):
-            refuse(f"--{option.replace('_', '-')} {value}",
-                   "hiradix never re-issues an L3 lookup (SGLang's default and 0 are accepted)")
-    if (getattr(server_args, "hicache_ratio", None) is None and not getattr(server_args, "hicache_size", 0)
-            and getattr(server_args, "hicache_host_memory_fraction", None) is not None):
+            refuse(
+                f"--{option.replace('_', '-')} {value}",
+                "hiradix never re-issues an L3 lookup (SGLang's default and 0 are accepted)",
+            )
+    if (
+        getattr(server_args, "hicache_ratio", None) is None
+        and not getattr(server_args, "hicache_size", 0)
+        and getattr(server_args, "hicache_host_memory_fraction", None) is not None
+    ):
         refuse("--hicache-host-memory-fraction", "hiradix sizes its host pool from --hicache-ratio or --hicache-size")
-    if (getattr(server_args, "disaggregation_mode", "null") == "decode"
-            and getattr(server_args, "disaggregation_decode_enable_radix_cache", False)):
+    if getattr(server_args, "disaggregation_mode", "null") == "decode" and getattr(
+        server_args, "disaggregation_decode_enable_radix_cache", False
+    ):
         # 0.5.23's decode-side HiCache reads the cache's ``tree_core`` (UnifiedRadixCache's)
-        refuse("--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache",
-               "SGLang's decode-side HiCache needs UnifiedRadixCache's tree core")
+        refuse(
+            "--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache",
+            "SGLang's decode-side HiCache needs UnifiedRadixCache's tree core",
+        )
     if getattr(server_args, "disaggregation_decode_retraction_backup", None) == "host_pool":
         refuse("--disaggregation-decode-retraction-backup host_pool", "it needs UnifiedRadixCache's backups")
     for option in ("enable_lmcache", "enable_flexkv", "enable_unified_cache_external_linker"):
@@ -141,9 +151,15 @@ class ServerSince020(HiRadixCacheBase):
         super().__init__(params, args)
 
     # ------------------------------------------------------------------ storage (L3)
-    def prefetch_from_storage(self, req_id: Any, last_host_node: Any, new_input_tokens: Sequence[int],
-                              last_hash: str | None = None, prefix_keys: list[str] | None = None,
-                              **kwargs: Any) -> bool:
+    def prefetch_from_storage(
+        self,
+        req_id: Any,
+        last_host_node: Any,
+        new_input_tokens: Sequence[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+        **kwargs: Any,
+    ) -> bool:
         """SGLang 0.5.20's and 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
         the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
         ``cache_salt`` are what the tree already knows from ``last_host_node``. A
@@ -182,8 +198,9 @@ class HiRadixCache(ServerSince020):
             return None
         return len, MatchResult, _TAIL
 
-    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
-                      host_hit_length: int) -> MatchResult:
+    def _match_result(
+        self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode, host_hit_length: int
+    ) -> MatchResult:
         # Positional: (device_prefix_len, last_device_node, last_host_node, best_match_node,
         # host_hit_length), SGLang's field order.
         return MatchResult(len(device_indices), last_device_node, host_node, host_node, host_hit_length)

@@ -138,8 +138,10 @@ def register_layer_wait(sglang_pool: Any, counter: Any) -> None:
     for a pool without the hook, rather than a cache that serves unloaded KV."""
     register = getattr(sglang_pool, "register_layer_transfer_counter", None)
     if register is None:
-        raise TypeError(f"hiradix.sglang: {type(sglang_pool).__name__} has no register_layer_transfer_counter; "
-                        "its attention could read KV before a load from host finishes")
+        raise TypeError(
+            f"hiradix.sglang: {type(sglang_pool).__name__} has no register_layer_transfer_counter; "
+            "its attention could read KV before a load from host finishes"
+        )
     register(counter)
 
 
@@ -155,8 +157,14 @@ class SGLangCacheController(HiCacheController):
     a fork's ``HiRadixCache(params, server_args)``) makes attention wait for loads."""
 
     def __init__(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, *, write_policy: str, io_backend: str,
-        sglang_pool: Any = None, **kwargs: Any
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        *,
+        write_policy: str,
+        io_backend: str,
+        sglang_pool: Any = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(device_pool, host_pool, **kwargs)
         self.write_policy = write_policy
@@ -221,8 +229,13 @@ class SGLangCacheController(HiCacheController):
         draft's page size or slot count differs from the target's. ``name`` is for the
         log; ``sglang_pool``, SGLang's pool that ``device`` wraps, gets a layer wait
         (:class:`DraftLayerWait`). ``O(draft host pool)`` to allocate."""
-        host = HostKVPool(device.shape, self.host_pool.size, device.page_size, device.dtype,  # type: ignore[arg-type]
-                          self.host_pool.layout)
+        host = HostKVPool(
+            device.shape,
+            self.host_pool.size,
+            device.page_size,
+            device.dtype,  # type: ignore[arg-type]
+            self.host_pool.layout,
+        )
         self.add_companion(device, host)
         if sglang_pool is not None:  # SGLang's pool ``device`` wraps: its attention waits too
             register_layer_wait(sglang_pool, DraftLayerWait(self.layer_done_counter))
@@ -236,8 +249,11 @@ class SGLangCacheController(HiCacheController):
         the draft's KV of its slots stale, which can lower the draft's acceptance rate but
         never changes the target's output (it verifies every drafted token). ``O(1)``."""
         if self.has_draft and self.storage_backend_type is not None:
-            logger.warning("hiradix: L3 (%s) stores the target's KV only; the draft's KV of pages loaded from L3 "
-                           "is stale (draft acceptance may drop, outputs do not change)", self.storage_backend_type)
+            logger.warning(
+                "hiradix: L3 (%s) stores the target's KV only; the draft's KV of pages loaded from L3 "
+                "is stale (draft acceptance may drop, outputs do not change)",
+                self.storage_backend_type,
+            )
 
     def reset(self) -> None:
         """Forget the layer-done indices (the cache's reset has already drained copies)."""
@@ -292,15 +308,21 @@ def _prefetch_config(extra: dict[str, Any], policy: str) -> tuple[PrefetchConfig
     pass_keys = extra.pop("hicache_storage_pass_prefix_keys", False)
     if not isinstance(threshold, int) or isinstance(threshold, bool):
         raise ValueError(f"prefetch_threshold must be an int, got {threshold!r}")
-    for name, v in (("prefetch_timeout_base", base), ("prefetch_timeout_per_ki_token", per_ki),
-                    ("prefetch_timeout_max", tmax)):
+    for name, v in (
+        ("prefetch_timeout_base", base),
+        ("prefetch_timeout_per_ki_token", per_ki),
+        ("prefetch_timeout_max", tmax),
+    ):
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise ValueError(f"{name} must be a number, got {v!r}")
     if not isinstance(pass_keys, bool):
         raise ValueError(f"hicache_storage_pass_prefix_keys must be a bool, got {pass_keys!r}")
     cfg = PrefetchConfig(
-        policy=policy, threshold_tokens=threshold, timeout_base_s=float(base),
-        timeout_per_ki_token_s=float(per_ki), timeout_max_s=float(tmax),
+        policy=policy,
+        threshold_tokens=threshold,
+        timeout_base_s=float(base),
+        timeout_per_ki_token_s=float(per_ki),
+        timeout_max_s=float(tmax),
     )
     return cfg, pass_keys
 
@@ -441,9 +463,9 @@ def namedtuple_tail(cls: type, head: tuple[str, ...]) -> tuple[Any, ...] | None:
     defaults = getattr(cls, "_field_defaults", {})
     if not issubclass(cls, tuple) or tuple(fields[: len(head)]) != head:
         return None
-    if not all(f in defaults for f in fields[len(head):]):
+    if not all(f in defaults for f in fields[len(head) :]):
         return None
-    return tuple(defaults[f] for f in fields[len(head):])
+    return tuple(defaults[f] for f in fields[len(head) :])
 
 
 def _head(tokens: np.ndarray | array, n: int) -> np.ndarray:
@@ -533,23 +555,32 @@ class HiRadixCacheBase(BasePrefixCache):
         self._cp = (int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "attn_cp_size", 1) or 1))
 
         agreement = SGLangAgreement(
-            params.tp_cache_group, params.attn_cp_cache_group, params.attn_tp_cache_group,
-            params.pp_cache_group, params.pp_rank, params.pp_size,
+            params.tp_cache_group,
+            params.attn_cp_cache_group,
+            params.attn_tp_cache_group,
+            params.pp_cache_group,
+            params.pp_rank,
+            params.pp_size,
         )
         write_policy = server_args.hicache_write_policy
         controller = SGLangCacheController(
-            device_pool, host_pool, write_policy=write_policy,
-            io_backend=server_args.hicache_io_backend, agreement=agreement,
+            device_pool,
+            host_pool,
+            write_policy=write_policy,
+            io_backend=server_args.hicache_io_backend,
+            agreement=agreement,
             # On CPU pools a thread hand-off per step cost the scheduler more than the copy
             # itself (bench/RESULTS_sglang_api.md, run 9); loads keep their thread either way.
-            inline_writes=self.backup_copy == "inline", sglang_pool=self.kv_cache,
+            inline_writes=self.backup_copy == "inline",
+            sglang_pool=self.kv_cache,
         )
         for i, (draft, name) in enumerate(drafts):
             try:
                 controller.add_draft(draft, name, params.mtp_draft_device_pools[i])
             except ValueError as e:
-                raise ValueError(f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's "
-                                 f"KV: {e}") from e
+                raise ValueError(
+                    f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's KV: {e}"
+                ) from e
         backend = getattr(server_args, "hicache_storage_backend", None)
         self.core = CoreCache(
             device_pool,
@@ -620,8 +651,9 @@ class HiRadixCacheBase(BasePrefixCache):
         wrap, result, tail = spec
         # An instance attribute, looked up before the class's method (which mypy does not
         # let one assign to): the scheduler's call then goes straight to C.
-        self.__dict__["match_prefix"] = compiled.Matcher(self, HiRadixCacheBase.match_prefix, TreeNode, wrap,
-                                                         result, tail)
+        self.__dict__["match_prefix"] = compiled.Matcher(
+            self, HiRadixCacheBase.match_prefix, TreeNode, wrap, result, tail
+        )
 
     def _install_inserter(self) -> None:
         """Put the compiled ``insert`` (:mod:`hiradix.sglang._insert`) in front of the
@@ -634,8 +666,9 @@ class HiRadixCacheBase(BasePrefixCache):
             return
         if type(self).insert is not HiRadixCacheBase.insert:
             return  # a subclass's own insert is the one to call
-        self.__dict__["insert"] = compiled.Inserter(self, HiRadixCacheBase.insert, InsertResult, torch.Tensor,
-                                                    torch.int64, torch.int32)
+        self.__dict__["insert"] = compiled.Inserter(
+            self, HiRadixCacheBase.insert, InsertResult, torch.Tensor, torch.int64, torch.int32
+        )
 
     def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
         """``(wrap, MatchResult, tail)`` for the compiled matcher: the result's first field
@@ -655,17 +688,37 @@ class HiRadixCacheBase(BasePrefixCache):
         pp_rank, pp_size = int(params.pp_rank), int(params.pp_size)
         cp_rank, cp_size = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "attn_cp_size", 1) or 1)
         model = getattr(server_args, "served_model_name", None)
-        config = StorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                               model_name=model, is_mla_model=host_pool.is_mla)
+        config = StorageConfig(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            model_name=model,
+            is_mla_model=host_pool.is_mla,
+        )
         if self.l3_format == "sglang":
-            suffix = sglang_key_suffix(model, tp_rank=tp_rank, tp_size=tp_size, is_mla=host_pool.is_mla,
-                                       pp_rank=pp_rank, pp_size=pp_size, cp_rank=cp_rank, cp_size=cp_size)
+            suffix = sglang_key_suffix(
+                model,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                is_mla=host_pool.is_mla,
+                pp_rank=pp_rank,
+                pp_size=pp_size,
+                cp_rank=cp_rank,
+                cp_size=cp_size,
+            )
             return config, lambda extra_key: None, suffix
-        split = tuple((name, f"{rank}/{size}") for name, rank, size in (("pp", pp_rank, pp_size),
-                                                                         ("cp", cp_rank, cp_size)) if size > 1)
+        split = tuple(
+            (name, f"{rank}/{size}")
+            for name, rank, size in (("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size))
+            if size > 1
+        )
         namespace = KeyNamespace.for_pool(
-            model or getattr(server_args, "model_path", None) or "unnamed-model", host_pool, tp_size=tp_size,
-            weight_version=str(getattr(server_args, "weight_version", "") or ""), extra=split,
+            model or getattr(server_args, "model_path", None) or "unnamed-model",
+            host_pool,
+            tp_size=tp_size,
+            weight_version=str(getattr(server_args, "weight_version", "") or ""),
+            extra=split,
         )
         root_seed, prefix = namespace.seed(), namespace.extra_key() + "\x00"
 
@@ -808,8 +861,9 @@ class HiRadixCacheBase(BasePrefixCache):
         r = self.node_view(root)
         return self._match_result(_EMPTY_NP, r, r, 0)
 
-    def _match_result(self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode,
-                      host_hit_length: int) -> MatchResult:
+    def _match_result(
+        self, device_indices: np.ndarray, last_device_node: TreeNode, host_node: TreeNode, host_hit_length: int
+    ) -> MatchResult:
         """SGLang's ``MatchResult`` of a match (its first field changed between
         releases): the subclass for the installed SGLang builds it."""
         raise NotImplementedError
@@ -875,8 +929,9 @@ class HiRadixCacheBase(BasePrefixCache):
         if n < len(value):
             value = value[:n]
         # ``chunked`` is 0.5.18's (a chunk of a running request); 0.5.23 has no such flag.
-        prefix = self.core.insert(tokens, value, ns, priority=int(params.priority or 0),
-                                  chunked=bool(getattr(params, "chunked", False)))
+        prefix = self.core.insert(
+            tokens, value, ns, priority=int(params.priority or 0), chunked=bool(getattr(params, "chunked", False))
+        )
         if events is not None:  # before anything can delete the new node
             # 0.5.23's stores name the inserting request's session (0.5.18 has none)
             events.sync(getattr(params, "session_id", None))
@@ -910,8 +965,9 @@ class HiRadixCacheBase(BasePrefixCache):
         if indices.shape[0]:  # not len(): a tensor's __len__ is Python-level, several us
             self.token_to_kv_pool_allocator.free(indices)
 
-    def _insert_continuing(self, last_node: Any, protected: int, key: Any, aligned: int, row: torch.Tensor,
-                           priority: int, chunked: bool) -> tuple[int, int, np.ndarray] | None:
+    def _insert_continuing(
+        self, last_node: Any, protected: int, key: Any, aligned: int, row: torch.Tensor, priority: int, chunked: bool
+    ) -> tuple[int, int, np.ndarray] | None:
         """A running request's next insert (a chunked prefill's next chunk), from where
         its last one ended: ``last_node`` is the node the request holds locked, whose
         path holds the first ``protected`` slots of ``key`` (what the scheduler's
@@ -924,8 +980,13 @@ class HiRadixCacheBase(BasePrefixCache):
         ``O(aligned - protected)`` plus ``O(depth)`` nodes, where the whole key costs
         ``O(aligned)``: a 1M-token prefill's chunks cost the same at 8K and at 1M
         (``bench/long_context.py``)."""
-        if (protected <= 0 or aligned < protected or self._events is not None or type(last_node) is not TreeNode
-                or last_node._cache is not self):
+        if (
+            protected <= 0
+            or aligned < protected
+            or self._events is not None
+            or type(last_node) is not TreeNode
+            or last_node._cache is not self
+        ):
             return None
         tree = self.tree
         start = last_node.id
@@ -944,8 +1005,9 @@ class HiRadixCacheBase(BasePrefixCache):
         parent = tree.parent
         tail = _head(tokens, aligned)[protected:]
         values = row[protected:aligned]
-        result = self.core.insert_below(tail, values.numpy() if values.is_cpu else values, priority=priority,
-                                        chunked=chunked, start=start)
+        result = self.core.insert_below(
+            tail, values.numpy() if values.is_cpu else values, priority=priority, chunked=chunked, start=start
+        )
         last = int(result.last_node)
         parts: list[np.ndarray] = []
         node = last
@@ -1050,17 +1112,20 @@ class HiRadixCacheBase(BasePrefixCache):
         backend, extra = native_backend(backend, extra)
         try:
             if is_sglang_backend(backend, extra):
-                storage = SGLangBackend.create(backend, self.storage_config, extra, self.token_to_kv_pool_host,
-                                               cp=self._cp)
+                storage = SGLangBackend.create(
+                    backend, self.storage_config, extra, self.token_to_kv_pool_host, cp=self._cp
+                )
                 suffix = ""
             else:
-                storage = create_backend(backend, self.storage_config, extra_config=extra,
-                                         mem_pool_host=self.token_to_kv_pool_host)
+                storage = create_backend(
+                    backend, self.storage_config, extra_config=extra, mem_pool_host=self.token_to_kv_pool_host
+                )
                 suffix = self._key_suffix
         except StorageConfigError as e:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
-        ok, msg = self.core.attach_storage_backend(storage, prefetch=prefetch, key_suffix=suffix,
-                                                   pass_prefix_keys=self.hicache_storage_pass_prefix_keys)
+        ok, msg = self.core.attach_storage_backend(
+            storage, prefetch=prefetch, key_suffix=suffix, pass_prefix_keys=self.hicache_storage_pass_prefix_keys
+        )
         if not ok:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {msg}")
         self.cache_controller.storage_backend_type = backend
@@ -1071,15 +1136,28 @@ class HiRadixCacheBase(BasePrefixCache):
         self.enable_storage = True
         if self.metrics is not None:
             cfg = self.storage_config
-            self.metrics.attach_storage(requested, {
-                "tp_rank": cfg.tp_rank, "dp_rank": self._dp_rank, "pp_rank": cfg.pp_rank, "pp_size": cfg.pp_size,
-                "attn_cp_rank": self._cp[0], "attn_cp_size": self._cp[1], **(self._extra_metric_labels or {})})
+            self.metrics.attach_storage(
+                requested,
+                {
+                    "tp_rank": cfg.tp_rank,
+                    "dp_rank": self._dp_rank,
+                    "pp_rank": cfg.pp_rank,
+                    "pp_size": cfg.pp_size,
+                    "attn_cp_rank": self._cp[0],
+                    "attn_cp_size": self._cp[1],
+                    **(self._extra_metric_labels or {}),
+                },
+            )
         logger.info("hiradix: %s", msg)
 
-    def attach_storage_backend(self, storage_backend: str, storage_backend_extra_config_json: str | None = None,
-                               served_model_name: str | None = None,
-                               hicache_storage_prefetch_policy: str | None = None,
-                               hicache_write_policy: str | None = None) -> tuple[bool, str]:
+    def attach_storage_backend(
+        self,
+        storage_backend: str,
+        storage_backend_extra_config_json: str | None = None,
+        served_model_name: str | None = None,
+        hicache_storage_prefetch_policy: str | None = None,
+        hicache_write_policy: str | None = None,
+    ) -> tuple[bool, str]:
         """Attach an L3 backend at runtime (SGLang's admin API); ``(ok, message)``. Its
         ``l3_format`` must be the one the cache started with (the tree's hash chains
         are that format's), and keys keep the start-up ``--served-model-name``."""
@@ -1124,8 +1202,14 @@ class HiRadixCacheBase(BasePrefixCache):
         clear()
         return True
 
-    def prefetch_from_storage(self, req_id: str, last_host_node: Any, new_input_tokens: Sequence[int],
-                              last_hash: str | None = None, prefix_keys: list[str] | None = None) -> bool:
+    def prefetch_from_storage(
+        self,
+        req_id: str,
+        last_host_node: Any,
+        new_input_tokens: Sequence[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+    ) -> bool:
         """Start fetching from L3 the pages that follow ``last_host_node``. With
         ``hicache_storage_pass_prefix_keys`` the backend gets the tree's own prefix keys
         (``prefix_keys`` from the scheduler are the same hashes, recomputed)."""
@@ -1170,8 +1254,13 @@ class HiRadixCacheBase(BasePrefixCache):
     def release_aborted_request(self, rid: str) -> None:
         self.core.release_aborted_request(rid)
 
-    def query_storage_hit_length(self, last_host_node: Any, new_input_tokens: Sequence[int],
-                                 last_hash: str | None = None, prefix_keys: list[str] | None = None) -> int:
+    def query_storage_hit_length(
+        self,
+        last_host_node: Any,
+        new_input_tokens: Sequence[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+    ) -> int:
         """Page-aligned tokens of ``new_input_tokens`` that L3 holds after
         ``last_host_node`` (agreed by MIN); 0 without storage."""
         if not self.enable_storage:
@@ -1242,8 +1331,10 @@ class HiRadixCacheBase(BasePrefixCache):
 
         def walk(h: int, depth: int) -> None:
             key = tree.key(h)[:10].tolist()
-            print(" " * depth + f"{tree.key_len(h)} {key} evicted={tree.is_evicted(h)} "
-                  f"backuped={tree.is_backed_up(h)} lock_ref={tree.lock_ref(h)}")
+            print(
+                " " * depth + f"{tree.key_len(h)} {key} evicted={tree.is_evicted(h)} "
+                f"backuped={tree.is_backed_up(h)} lock_ref={tree.lock_ref(h)}"
+            )
             for c in self.tree.children(h):
                 walk(c, depth + 2)
 

@@ -57,8 +57,10 @@ def _same_rank_groups(groups: list[Any]) -> list[Any]:
     mine = [tuple(sorted(dist.get_process_group_ranks(g))) for g in groups]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    created = {ranks: dist.new_group(ranks=list(ranks), backend="gloo")
-               for ranks in sorted({tuple(r) for per_rank in gathered for r in per_rank})}
+    created = {
+        ranks: dist.new_group(ranks=list(ranks), backend="gloo")
+        for ranks in sorted({tuple(r) for per_rank in gathered for r in per_rank})
+    }
     return [created[ranks] for ranks in mine]
 
 
@@ -128,6 +130,7 @@ class SGLangAgreement(MinReduceAgreement):
             if self.pp_rank > 0:
                 dist.recv(t, group_src=self.pp_rank - 1, group=self.pp_group, tag=PP_SYNC_TAG)
             if self.pp_rank + 1 < self.pp_size:
-                self._sends.append(dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group,
-                                              tag=PP_SYNC_TAG))
+                self._sends.append(
+                    dist.isend(t.clone(), group_dst=self.pp_rank + 1, group=self.pp_group, tag=PP_SYNC_TAG)
+                )
         return [int(v) for v in t.tolist()]

@@ -99,8 +99,15 @@ class _Blocks:
 
     __slots__ = ("digests", "extra_key", "ids", "parent_id", "salt", "tokens")
 
-    def __init__(self, digests: np.ndarray, ids: np.ndarray, tokens: np.ndarray, parent_id: int | None,
-                 extra_key: str | None, salt: str | None) -> None:
+    def __init__(
+        self,
+        digests: np.ndarray,
+        ids: np.ndarray,
+        tokens: np.ndarray,
+        parent_id: int | None,
+        extra_key: str | None,
+        salt: str | None,
+    ) -> None:
         self.digests = digests  # (pages, 32) uint8: the chain, to hash the children from
         self.ids = ids  # (pages,) int64 block ids
         # The node's tokens (int64); with bigram keys the token before the node comes first.
@@ -341,10 +348,17 @@ class KVEventLog:
         pages = split_len // self._cache.page_size
         # bigram tokens carry the token before the node: the suffix's starts at the cut
         cut = split_len + 1 if self._cache.is_eagle else split_len
-        self._blocks[new] = _Blocks(old.digests[:pages], old.ids[:pages], old.tokens[:cut], old.parent_id,
-                                    old.extra_key, old.salt)
-        self._blocks[suffix] = _Blocks(old.digests[pages:], old.ids[pages:], old.tokens[split_len:],
-                                       int(old.ids[pages - 1]), old.extra_key, old.salt)
+        self._blocks[new] = _Blocks(
+            old.digests[:pages], old.ids[:pages], old.tokens[:cut], old.parent_id, old.extra_key, old.salt
+        )
+        self._blocks[suffix] = _Blocks(
+            old.digests[pages:],
+            old.ids[pages:],
+            old.tokens[split_len:],
+            int(old.ids[pages - 1]),
+            old.extra_key,
+            old.salt,
+        )
 
     # ------------------------------------------------------------------ events
     def _token_ids(self, blocks: _Blocks) -> list[Any]:
@@ -375,8 +389,14 @@ class KVEventLog:
             tail.block_hashes.extend(ids)
             tail.token_ids.extend(self._token_ids(blocks))
             return
-        fields = dict(block_hashes=ids, parent_block_hash=parent_id, token_ids=self._token_ids(blocks),
-                      block_size=ps, lora_id=None, medium=medium)
+        fields = dict(
+            block_hashes=ids,
+            parent_block_hash=parent_id,
+            token_ids=self._token_ids(blocks),
+            block_size=ps,
+            lora_id=None,
+            medium=medium,
+        )
         self.queue.append(fmt.stored(fields, extras))
 
     def _removed(self, blocks: _Blocks, medium: StorageMedium) -> None:

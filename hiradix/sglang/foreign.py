@@ -144,14 +144,21 @@ class SGLangHostPoolView:
         self.pool.set_page_bytes(index, data_page)
 
 
-def _sglang_config(config: StorageConfig, extra: Mapping[str, Any], layout: str, cp: tuple[int, int]
-                   ) -> HiCacheStorageConfig:
+def _sglang_config(
+    config: StorageConfig, extra: Mapping[str, Any], layout: str, cp: tuple[int, int]
+) -> HiCacheStorageConfig:
     """SGLang's storage config with the ranks, model and extra config of ``config``."""
     return HiCacheStorageConfig(
-        tp_rank=config.tp_rank, tp_size=config.tp_size, pp_rank=config.pp_rank, pp_size=config.pp_size,
-        attn_cp_rank=cp[0], attn_cp_size=cp[1],
-        is_mla_model=config.is_mla_model, enable_storage_metrics=False,
-        is_page_first_layout=layout != "layer_first", model_name=config.model_name,
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        attn_cp_rank=cp[0],
+        attn_cp_size=cp[1],
+        is_mla_model=config.is_mla_model,
+        enable_storage_metrics=False,
+        is_page_first_layout=layout != "layer_first",
+        model_name=config.model_name,
         extra_config=dict(extra),
     )
 
@@ -181,8 +188,15 @@ class SGLangBackend(StorageBackend):
         self._lock = threading.Lock()  # page size, learnt from the first page stored
 
     @classmethod
-    def create(cls, name: str, config: StorageConfig, extra: Mapping[str, Any], host_pool: HostKVPool,
-               *, cp: tuple[int, int] = (0, 1)) -> SGLangBackend:
+    def create(
+        cls,
+        name: str,
+        config: StorageConfig,
+        extra: Mapping[str, Any],
+        host_pool: HostKVPool,
+        *,
+        cp: tuple[int, int] = (0, 1),
+    ) -> SGLangBackend:
         """Build SGLang's backend ``name`` (``sglang:`` prefix optional; ``dynamic`` with a
         ``HiCacheStorage`` class in ``extra``) through SGLang's ``StorageBackendFactory``,
         on a view of ``host_pool``, with the ranks of ``config`` and the attention-CP
@@ -208,8 +222,9 @@ class SGLangBackend(StorageBackend):
         backend = cls(inner, label, config)
         backend.view = view
         backend._page_bytes = host_pool.page_bytes
-        logger.info("hiradix: SGLang's storage backend %r (%s) under hiradix's L3 pipeline",
-                    label, type(inner).__qualname__)
+        logger.info(
+            "hiradix: SGLang's storage backend %r (%s) under hiradix's L3 pipeline", label, type(inner).__qualname__
+        )
         return backend
 
     # ------------------------------------------------------------------ pages as tensors
@@ -295,4 +310,3 @@ class SGLangBackend(StorageBackend):
             self.view = SGLangHostPoolView(mem_pool_host)
             self._page_bytes = mem_pool_host.page_bytes
             self.inner.register_mem_pool_host(self.view)
-

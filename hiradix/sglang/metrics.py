@@ -62,8 +62,11 @@ class MetricsReporter:
         elif set(self.storage.labels) == set(labels):
             self.storage.labels = labels
         else:
-            logger.warning("hiradix: storage metrics keep their labels %s (not %s): registered once per process",
-                           sorted(self.storage.labels), sorted(labels))
+            logger.warning(
+                "hiradix: storage metrics keep their labels %s (not %s): registered once per process",
+                sorted(self.storage.labels),
+                sorted(labels),
+            )
 
     def report(self, core: CoreCache) -> None:
         """Hand SGLang the counters' growth since the last call. ``O(acks)``."""

@@ -43,7 +43,12 @@ def device_pool_from_sglang(kv_cache: Any) -> DeviceKVPool:
 
 
 def host_pool_for(
-    device_pool: DeviceKVPool, *, ratio: float, size_gb: float, layout: str, page_order: PageOrder = "hiradix",
+    device_pool: DeviceKVPool,
+    *,
+    ratio: float,
+    size_gb: float,
+    layout: str,
+    page_order: PageOrder = "hiradix",
     extra_bytes_per_token: int = 0,
 ) -> HostKVPool:
     """The host (L2) pool for ``device_pool`` as SGLang sizes it: ``--hicache-size`` GB when
@@ -64,7 +69,12 @@ def host_pool_for(
         raise ValueError(f"--hicache-ratio must be > 0, got {ratio}")
     ps = device_pool.page_size
     pool = HostKVPool(
-        device_pool.shape, (tokens // ps + 1) * ps, ps, device_pool.dtype, layout, page_order=page_order  # type: ignore[arg-type]
+        device_pool.shape,
+        (tokens // ps + 1) * ps,
+        ps,
+        device_pool.dtype,
+        layout,
+        page_order=page_order,  # type: ignore[arg-type]
     )
     if pool.size <= device_pool.size:
         raise ValueError(

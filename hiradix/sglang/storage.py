@@ -371,7 +371,7 @@ class _SGLangStorage(HiCacheStorage):
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 present = [self.backend.batch_exists([k]) == 1 for k in pkeys]
                 window = max(1, len(transfer.keys or ()))
-                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window) : n])}
                 boundary = max(ok, default=0)
             else:
                 raise ValueError(f"{type(self).__name__}: hit policy {transfer.hit_policy!r} is not supported")

@@ -267,8 +267,11 @@ def plot_sweep(rows: Sequence[SweepRow], title: str = "") -> Any:
     values = [100 * r.hit_rate for r in rows] + [100 * ideal]
     lo, hi = min(values), max(values)
     pad = max(0.5, 0.1 * (hi - lo))
-    ax.set(xlabel="device capacity (tokens)", ylabel="token hit rate, all tiers (%)",
-           ylim=(max(0.0, lo - pad), min(100.0, hi + pad)))
+    ax.set(
+        xlabel="device capacity (tokens)",
+        ylabel="token hit rate, all tiers (%)",
+        ylim=(max(0.0, lo - pad), min(100.0, hi + pad)),
+    )
     ax.set_title(title or "Hit rate by capacity and policy")
     ax.legend(fontsize="small", loc="upper left", ncol=2)
     ax.grid(alpha=0.3)

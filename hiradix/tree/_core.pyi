@@ -95,8 +95,15 @@ class HiRadixTree:
     def take_changes(self) -> npt.NDArray[np.int64]: ...  # (n, 4) rows (kind, node, other, tokens)
     def match_prefix(self, key: Any, extra_key: str | None = ...) -> MatchResult: ...
     def insert(
-        self, key: Any, value: Any, extra_key: str | None = ..., *, priority: int = ..., chunked: bool = ...,
-        hold: bool = ..., start: int | None = ...,
+        self,
+        key: Any,
+        value: Any,
+        extra_key: str | None = ...,
+        *,
+        priority: int = ...,
+        chunked: bool = ...,
+        hold: bool = ...,
+        start: int | None = ...,
     ) -> InsertResult: ...
     def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult: ...
     def inc_lock_ref(self, node: int) -> int: ...

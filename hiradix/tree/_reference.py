@@ -1023,8 +1023,14 @@ class HiRadixTree:
                 cur: _Node | None = self._node(h)
             except (KeyError, TypeError):
                 continue
-            while (cur is not None and not cur.is_root and cur.value is not None and cur.host_value is None
-                   and cur.io_status == IO_IDLE and cur.handle not in waiting):
+            while (
+                cur is not None
+                and not cur.is_root
+                and cur.value is not None
+                and cur.host_value is None
+                and cur.io_status == IO_IDLE
+                and cur.handle not in waiting
+            ):
                 waiting[cur.handle] = cur
                 cur = cur.parent
         ordered: dict[int, _Node] = {}

@@ -38,7 +38,6 @@ def _skip_reason() -> str | None:
 _REASON = _skip_reason()
 
 
-
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Every real-server test is slow (servers start in tens of seconds): out of the quick loop.
@@ -108,8 +107,9 @@ def servers(tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest) ->
 
 
 @pytest.fixture(scope="module")
-def module_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-                   request: pytest.FixtureRequest) -> Iterator[Servers]:
+def module_servers(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Servers]:
     """Servers shared by a module's tests (a server takes 20-40 s to come up here)."""
     s = Servers(tiny_model, tmp_path_factory.mktemp("servers"))
     yield s
@@ -117,8 +117,9 @@ def module_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-              request: pytest.FixtureRequest) -> Iterator[Callable[[Sequence[Sequence[int]], int], list[list[int]]]]:
+def reference(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[[Sequence[Sequence[int]], int], list[list[int]]]]:
     """``reference(prompts, max_new_tokens)``: the greedy outputs of the same server build
     with no prefix cache, one request at a time (answers are remembered)."""
     s = Servers(tiny_model, tmp_path_factory.mktemp("reference"))

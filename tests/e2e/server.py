@@ -32,8 +32,16 @@ HERE = Path(__file__).resolve().parent
 
 #: What gets SGLang's server running on a CPU (verified on 0.5.18, 0.5.20 and 0.5.23).
 CPU_ARGS = (
-    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-    "--disable-cuda-graph", "--skip-server-warmup", "--dtype", "float32",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--dtype",
+    "float32",
     # An idle scheduler otherwise polls at 100% of a core (and its detokenizer at 40%).
     "--sleep-on-idle",
 )
@@ -77,8 +85,15 @@ class Server:
     and the CPU options; ``env`` adds to the environment. Use as a context manager or call
     :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, model: Path, args: Sequence[str], workdir: Path, *, env: dict[str, str] | None = None,
-                 name: str = "server") -> None:
+    def __init__(
+        self,
+        model: Path,
+        args: Sequence[str],
+        workdir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        name: str = "server",
+    ) -> None:
         self.model = Path(model)
         self.args = [str(a) for a in args]
         self.workdir = Path(workdir)
@@ -95,8 +110,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
-                "--host", "127.0.0.1", "--port", str(self.port), *CPU_ARGS, *self.args]
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *CPU_ARGS,
+            *self.args,
+        ]
 
     def start(self) -> Server:
         """Start the server and wait until it answers. A port taken meanwhile (another
@@ -116,13 +142,21 @@ class Server:
         self.port = free_port()
         env = dict(os.environ)
         path = [str(HERE / "stubs"), str(HERE.parent / "stubs"), str(HERE / "inject"), env.get("PYTHONPATH", "")]
-        env.update({"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(p for p in path if p),
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "SGLANG_USE_CPU_ENGINE": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in path if p),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update(self.extra_env)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it until stop()
         try:
-            self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         finally:
             log.close()
         self._wait_ready()
@@ -195,14 +229,16 @@ class Server:
         self.stop()
 
     # ------------------------------------------------------------------ HTTP
-    def request(self, path: str, body: Any = None, *, method: str | None = None,
-                timeout: float = REQUEST_TIMEOUT_S) -> Any:
+    def request(
+        self, path: str, body: Any = None, *, method: str | None = None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
             headers["Authorization"] = f"Bearer {self.admin_key}"
-        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data else "GET"),
-                                     headers=headers)
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method or ("POST" if data else "GET"), headers=headers
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read()
@@ -217,9 +253,11 @@ class Server:
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int, **extra: Any) -> dict[str, Any]:
         """Greedy generation of exactly ``max_new_tokens`` tokens (EOS ignored) for token ids."""
-        body = {"input_ids": list(input_ids),
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-                **extra}
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            **extra,
+        }
         out = self.request("/generate", body)
         if not isinstance(out, dict):
             raise ServerError(f"{self.name} /generate answered {out!r}")

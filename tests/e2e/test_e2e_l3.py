@@ -20,21 +20,43 @@ import time
 from server import free_port, only_on
 from workload import other_suffixes, serve_all, shared_prefixes, tier_hits, wrong
 
-BASE = ("--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--max-total-tokens", "2048",
-        "--hicache-ratio", "2", "--enable-cache-report")
+BASE = (
+    "--enable-hierarchical-cache",
+    "--radix-cache-backend",
+    "hiradix",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--enable-cache-report",
+)
 TOKEN = {"HIRADIX_CLUSTER_TOKEN": "e2e-cluster-token"}
 ADMIN_KEY = "e2e-admin-key"
 
 
 def _dynamic(class_name: str, **settings: object) -> tuple[str, ...]:
-    extra = {"backend_name": f"hiradix-{class_name}", "module_path": "hiradix.sglang.storage",
-             "class_name": class_name, "interface_v1": 1, **settings}
+    extra = {
+        "backend_name": f"hiradix-{class_name}",
+        "module_path": "hiradix.sglang.storage",
+        "class_name": class_name,
+        "interface_v1": 1,
+        **settings,
+    }
     return ("--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra))
 
 
 def _peer(rpc_port: int, seeds: list[str]) -> tuple[str, ...]:
-    return _dynamic("PeerStorage", rpc_port=rpc_port, seeds=seeds, pool_size="256MiB", transport="tcp",
-                    connect_timeout_s=1.0, rpc_timeout_s=2.0, read_timeout_s=2.0, join_timeout_s=60.0)
+    return _dynamic(
+        "PeerStorage",
+        rpc_port=rpc_port,
+        seeds=seeds,
+        pool_size="256MiB",
+        transport="tcp",
+        connect_timeout_s=1.0,
+        rpc_timeout_s=2.0,
+        read_timeout_s=2.0,
+        join_timeout_s=60.0,
+    )
 
 
 def test_peer_l3_one_server_computes_another_reuses_then_its_peer_dies(servers, reference) -> None:
@@ -70,8 +92,15 @@ def test_memory_l3_in_one_server_serves_what_its_host_pool_evicted(servers, refe
     tokens cycle through a 2,048-token device pool and a 4,096-token host pool, so by the
     second cycle the host has evicted the first prefixes and they come back from L3, with
     outputs equal to no cache."""
-    server = servers.start((*BASE, *_dynamic("MemoryStorage", capacity_bytes=256 << 20, prefetch_threshold=4),
-                            "--hicache-storage-prefetch-policy", "wait_complete"), name="memory-l3")
+    server = servers.start(
+        (
+            *BASE,
+            *_dynamic("MemoryStorage", capacity_bytes=256 << 20, prefetch_threshold=4),
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+        ),
+        name="memory-l3",
+    )
     w = shared_prefixes(n_prefixes=16, n_requests=32, seed=15)
     answers = serve_all(server, w.prompts, w.max_new_tokens)
     assert wrong(answers, reference(w.prompts, w.max_new_tokens)) == []
@@ -96,8 +125,13 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
 
     a = servers.start((*BASE, "--admin-api-key", ADMIN_KEY, "--enable-metrics"), name="attach-a")
     assert wrong(serve_all(a, old.prompts, old.max_new_tokens), want[id(old)]) == []
-    extra = {"backend_name": "hiradix-FileStorage", "module_path": "hiradix.sglang.storage",
-             "class_name": "FileStorage", "interface_v1": 1, **settings}
+    extra = {
+        "backend_name": "hiradix-FileStorage",
+        "module_path": "hiradix.sglang.storage",
+        "class_name": "FileStorage",
+        "interface_v1": 1,
+        **settings,
+    }
     answer = a.attach_storage("dynamic", extra)
     assert "attached" in answer, answer
     for w in (after, fresh):
@@ -112,8 +146,16 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
     assert "detached" in answer, answer
     a.stop()
 
-    b = servers.start((*BASE, *_dynamic("FileStorage", **settings), "--hicache-storage-prefetch-policy",
-                       "wait_complete", "--enable-metrics"), name="attach-b")
+    b = servers.start(
+        (
+            *BASE,
+            *_dynamic("FileStorage", **settings),
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+            "--enable-metrics",
+        ),
+        name="attach-b",
+    )
     answers = serve_all(b, fresh.prompts, fresh.max_new_tokens)
     assert wrong(answers, want[id(fresh)]) == []
     first_hits = tier_hits(answers)
@@ -129,10 +171,20 @@ def test_file_l3_attached_at_runtime_then_read_by_the_next_server(servers, refer
     assert b.metric("sglang:prefetched_tokens_total") == first_hits["storage"] + hits["storage"]
 
 
-STOCK = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2", "--enable-cache-report",
-         "--enable-metrics",
-         # stock's host pool copies on CPU with SGLang's direct I/O in layer_first only
-         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
+STOCK = (
+    "--enable-hierarchical-cache",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--enable-cache-report",
+    "--enable-metrics",
+    # stock's host pool copies on CPU with SGLang's direct I/O in layer_first only
+    "--hicache-io-backend",
+    "direct",
+    "--hicache-mem-layout",
+    "layer_first",
+)
 #: Stand-ins for stock SGLang's CUDA-only host-pool steps (inject/sitecustomize.py).
 STOCK_ON_CPU = {"HIRADIX_E2E_STOCK_ON_CPU": "1"}
 

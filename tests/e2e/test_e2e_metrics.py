@@ -8,12 +8,28 @@ from __future__ import annotations
 
 from workload import serve_all, shared_prefixes, wrong
 
-COMMON = ("--enable-hierarchical-cache", "--max-total-tokens", "2048", "--hicache-ratio", "2",
-          "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct", "--enable-cache-report",
-          "--enable-metrics")
+COMMON = (
+    "--enable-hierarchical-cache",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--hicache-mem-layout",
+    "layer_first",
+    "--hicache-io-backend",
+    "direct",
+    "--enable-cache-report",
+    "--enable-metrics",
+)
 #: SGLang's names, for what stock's cache and hiradix's both report.
-METRICS = ("sglang:cached_tokens_total", "sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total",
-           "sglang:load_back_tokens_total", "sglang:load_back_bytes_total", "sglang:evicted_tokens_total")
+METRICS = (
+    "sglang:cached_tokens_total",
+    "sglang:hicache_backup_tokens_total",
+    "sglang:hicache_backup_bytes_total",
+    "sglang:load_back_tokens_total",
+    "sglang:load_back_bytes_total",
+    "sglang:evicted_tokens_total",
+)
 #: SGLang's histograms of the copies' durations.
 DURATIONS = ("sglang:load_back_duration_seconds", "sglang:hicache_backup_duration_seconds")
 
@@ -22,8 +38,10 @@ def test_transfer_and_eviction_metrics_equal_stocks(servers, reference) -> None:
     w = shared_prefixes(seed=20)
     want = reference(w.prompts, w.max_new_tokens)
     seen, timed = {}, {}
-    for name, flags, env in (("stock", (), {"HIRADIX_E2E_STOCK_ON_CPU": "1"}),
-                             ("hiradix", ("--radix-cache-backend", "hiradix"), {})):
+    for name, flags, env in (
+        ("stock", (), {"HIRADIX_E2E_STOCK_ON_CPU": "1"}),
+        ("hiradix", ("--radix-cache-backend", "hiradix"), {}),
+    ):
         server = servers.start((*COMMON, *flags), name=f"metrics-{name}", env=env)
         assert wrong(serve_all(server, w.prompts, w.max_new_tokens), want) == []
         for token in (5, 6):  # two more scheduler steps: the last acknowledgements are counted

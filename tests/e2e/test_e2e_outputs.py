@@ -21,16 +21,28 @@ import pytest
 from server import only_on
 from workload import serve_all, shared_prefixes, tier_hits, wrong
 
-HIRADIX = ("--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--max-total-tokens", "2048",
-           "--hicache-ratio", "2", "--enable-cache-report", "--enable-metrics")
+HIRADIX = (
+    "--enable-hierarchical-cache",
+    "--radix-cache-backend",
+    "hiradix",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--enable-cache-report",
+    "--enable-metrics",
+)
 SLOW_LOADS = {"HIRADIX_E2E_SLOW_LOAD_S": "0.1"}
 
 
 @pytest.fixture(scope="module", params=["overlap", "no-overlap"])
 def hiradix_server(module_servers, request):
     if request.param == "no-overlap":
-        only_on(("0.5.18",), "the overlap scheduler's off path calls the cache as with it on; every version runs "
-                "with it on, SGLang's default")
+        only_on(
+            ("0.5.18",),
+            "the overlap scheduler's off path calls the cache as with it on; every version runs "
+            "with it on, SGLang's default",
+        )
     extra = () if request.param == "overlap" else ("--disable-overlap-schedule",)
     server = module_servers.start((*HIRADIX, *extra), name=f"hiradix-{request.param}", env=SLOW_LOADS)
     yield server
@@ -75,10 +87,15 @@ def test_flush_cache_empties_it_and_outputs_stay_exact(hiradix_server, reference
 
 def test_abort_in_flight_then_outputs_stay_exact(hiradix_server, reference) -> None:
     w = shared_prefixes(seed=3, n_requests=16)
-    body = {"input_ids": list(w.prompts[0]), "rid": "e2e-abort",
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
-    req = urllib.request.Request(hiradix_server.url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "input_ids": list(w.prompts[0]),
+        "rid": "e2e-abort",
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 3000, "ignore_eos": True},
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        hiradix_server.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     finish: list[object] = []
 
     def read_stream(resp) -> None:

@@ -77,12 +77,23 @@ PREFIX_LEN = 512  # a system prompt: one trace block
 #: hiradix's default, which the server's cache uses (``hiradix.cache.HiRadixCache``): a
 #: host tail shorter than this is recomputed, not loaded back.
 LOAD_BACK_THRESHOLD = 10
-HIRADIX = ("--enable-hierarchical-cache", "--radix-cache-backend", "hiradix", "--max-total-tokens", "2048",
-           "--hicache-ratio", "2", "--page-size", "1", "--enable-cache-report")
+HIRADIX = (
+    "--enable-hierarchical-cache",
+    "--radix-cache-backend",
+    "hiradix",
+    "--max-total-tokens",
+    "2048",
+    "--hicache-ratio",
+    "2",
+    "--page-size",
+    "1",
+    "--enable-cache-report",
+)
 
 
-def server_sequences(prompts: Sequence[Sequence[int]], answers: Sequence[dict[str, Any]],
-                     overlap: bool) -> list[tuple[int, ...]]:
+def server_sequences(
+    prompts: Sequence[Sequence[int]], answers: Sequence[dict[str, Any]], overlap: bool
+) -> list[tuple[int, ...]]:
     """What the server inserts into its tree for each request, in order: the prompt (after
     its prefill), then the prompt and the answer's tokens whose KV was committed (at its
     finish): all of them with the ``overlap`` scheduler, all but the last without it
@@ -145,9 +156,16 @@ def replay(lines: Sequence[str], path: Path, info: dict[str, Any]) -> SimResult:
     device = int(info["max_total_num_tokens"])
     page = int(info["page_size"])
     host = (int(device * float(info["hicache_ratio"])) // page + 1) * page
-    return simulate(MooncakeWorkload(path), page_size=page, device_tokens=device, host_tokens=host,
-                    eviction_policy=info["radix_eviction_policy"], write_policy=info["hicache_write_policy"],
-                    l3_backend=None, load_back_threshold=LOAD_BACK_THRESHOLD)
+    return simulate(
+        MooncakeWorkload(path),
+        page_size=page,
+        device_tokens=device,
+        host_tokens=host,
+        eviction_policy=info["radix_eviction_policy"],
+        write_policy=info["hicache_write_policy"],
+        l3_backend=None,
+        load_back_threshold=LOAD_BACK_THRESHOLD,
+    )
 
 
 def server_hits(answers: Sequence[dict[str, Any]]) -> tuple[list[tuple[int, int]], int]:
@@ -180,8 +198,11 @@ def sim_hits(result: SimResult) -> list[tuple[int, int]]:
 
 
 def test_sim_replay_hits_equal_the_servers_per_request(servers, tmp_path: Path) -> None:
-    only_on(("0.5.18",), "the simulator's cache is the same code on every version; one run checks the trace's "
-            "model of a server's inserts, written for 0.5.18's scheduler")
+    only_on(
+        ("0.5.18",),
+        "the simulator's cache is the same code on every version; one run checks the trace's "
+        "model of a server's inserts, written for 0.5.18's scheduler",
+    )
     server = servers.start(HIRADIX, name="sim-check")
     info = server.request("/get_server_info")
     assert info["page_size"] == 1 and info["radix_eviction_policy"] == "lru", info
@@ -192,8 +213,15 @@ def test_sim_replay_hits_equal_the_servers_per_request(servers, tmp_path: Path) 
     ideal: list[int] = []
     reread = host_evicted = 0
     for k, (n_prefixes, seed) in enumerate(WORKLOADS):
-        work = conversations(n_prefixes=n_prefixes, prefix_len=PREFIX_LEN, n_conversations=16, turns=3,
-                             message_len=32, max_new_tokens=8, seed=seed)
+        work = conversations(
+            n_prefixes=n_prefixes,
+            prefix_len=PREFIX_LEN,
+            n_conversations=16,
+            turns=3,
+            message_len=32,
+            max_new_tokens=8,
+            seed=seed,
+        )
         server.flush_cache()  # an empty tree, as the simulator's
         prompts, answers = serve_conversations(server, work)
         hits, n = server_hits(answers)
@@ -214,8 +242,10 @@ def test_sim_replay_hits_equal_the_servers_per_request(servers, tmp_path: Path) 
         got += sim_hits(result)
         host_evicted += result.stats.host_evicted_tokens
         prompts_only = replay(mooncake_lines(prompts), tmp_path / f"prompts-{k}.jsonl", info)
-        naive += [(int(d), int(h)) for d, h in zip(prompts_only.timeline["device_hit"],
-                                                   prompts_only.timeline["host_hit"], strict=True)]
+        naive += [
+            (int(d), int(h))
+            for d, h in zip(prompts_only.timeline["device_hit"], prompts_only.timeline["host_hit"], strict=True)
+        ]
 
     differ = [(i, w, g) for i, (w, g) in enumerate(zip(want, got, strict=True)) if w != g]
     assert differ == [], f"(request, server (device, host), simulator (device, host)): {differ}"

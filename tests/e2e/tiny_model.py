@@ -19,9 +19,33 @@ LAYERS = 2
 SEED = 1234
 
 _WORDS = (
-    "cache", "page", "token", "layer", "host", "device", "storage", "radix", "tree", "prefix", "match", "insert",
-    "evict", "load", "back", "write", "through", "request", "server", "model", "attention", "kernel", "stream",
-    "counter", "batch", "schedule", "chunk",
+    "cache",
+    "page",
+    "token",
+    "layer",
+    "host",
+    "device",
+    "storage",
+    "radix",
+    "tree",
+    "prefix",
+    "match",
+    "insert",
+    "evict",
+    "load",
+    "back",
+    "write",
+    "through",
+    "request",
+    "server",
+    "model",
+    "attention",
+    "kernel",
+    "stream",
+    "counter",
+    "batch",
+    "schedule",
+    "chunk",
 )
 
 
@@ -49,17 +73,30 @@ def build(path: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        pad_token_id=fast.pad_token_id, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False, initializer_range=0.5, rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.5,
+        rms_norm_eps=1e-5,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -69,4 +106,3 @@ def build(path: Path) -> Path:
     cfg["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
-

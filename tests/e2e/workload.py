@@ -25,8 +25,14 @@ class Workload:
     max_new_tokens: int
 
 
-def shared_prefixes(n_prefixes: int = 8, prefix_len: int = 300, n_requests: int = 40, suffix_len: int = 16,
-                    max_new_tokens: int = 8, seed: int = 0) -> Workload:
+def shared_prefixes(
+    n_prefixes: int = 8,
+    prefix_len: int = 300,
+    n_requests: int = 40,
+    suffix_len: int = 16,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> Workload:
     """``n_requests`` prompts cycling over ``n_prefixes`` prefixes in order: with fewer
     device slots than all prefixes together, least-recently-used eviction has sent each
     prefix to host by the time the cycle comes back to it, so from the second cycle on
@@ -44,13 +50,15 @@ def shared_prefixes(n_prefixes: int = 8, prefix_len: int = 300, n_requests: int 
 def other_suffixes(work: Workload, seed: int, suffix_len: int = 16) -> Workload:
     """``work``'s prefixes, in the same order, each prompt with a new suffix."""
     rng = np.random.default_rng(seed)
-    prompts = tuple(work.prefixes[p] + tuple(int(t) for t in rng.integers(LOW, HIGH, suffix_len))
-                    for p in work.prefix_of)
+    prompts = tuple(
+        work.prefixes[p] + tuple(int(t) for t in rng.integers(LOW, HIGH, suffix_len)) for p in work.prefix_of
+    )
     return Workload(work.prefixes, prompts, work.prefix_of, work.max_new_tokens)
 
 
-def serve_all(server: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              concurrency: int = 1) -> list[dict[str, Any]]:
+def serve_all(
+    server: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, concurrency: int = 1
+) -> list[dict[str, Any]]:
     """Send ``prompts`` to ``server`` (``concurrency`` requests in flight, the answers in
     prompt order) and return its answers."""
     if concurrency == 1:
@@ -97,8 +105,15 @@ class Conversations:
     max_new_tokens: int
 
 
-def conversations(n_prefixes: int = 6, prefix_len: int = 512, n_conversations: int = 12, turns: int = 3,
-                  message_len: int = 32, max_new_tokens: int = 8, seed: int = 0) -> Conversations:
+def conversations(
+    n_prefixes: int = 6,
+    prefix_len: int = 512,
+    n_conversations: int = 12,
+    turns: int = 3,
+    message_len: int = 32,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> Conversations:
     """``n_conversations`` chats of ``turns`` turns, each behind one of ``n_prefixes``
     system prompts (drawn uniformly), their turns interleaved in a seeded random order."""
     rng = np.random.default_rng(seed)
@@ -110,8 +125,10 @@ def conversations(n_prefixes: int = 6, prefix_len: int = 512, n_conversations: i
 
     prefixes = tuple(tokens(firsts[p], prefix_len) for p in range(n_prefixes))
     prefix_of = tuple(int(p) for p in rng.integers(0, n_prefixes, n_conversations))
-    messages = tuple(tuple(tokens(firsts[n_prefixes + c] if t == 0 else None, message_len) for t in range(turns))
-                     for c in range(n_conversations))
+    messages = tuple(
+        tuple(tokens(firsts[n_prefixes + c] if t == 0 else None, message_len) for t in range(turns))
+        for c in range(n_conversations)
+    )
     order = [c for c in range(n_conversations) for _ in range(turns)]
     rng.shuffle(order)  # the turns of one conversation are taken in order whatever their slots
     return Conversations(prefixes, prefix_of, messages, tuple(order), max_new_tokens)

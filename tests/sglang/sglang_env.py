@@ -95,11 +95,15 @@ def needs_sglang_020(what: str) -> None:
 
 
 #: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
-NO_STOCK_HIRADIX = ("its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
-                    "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)")
+NO_STOCK_HIRADIX = (
+    "its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
+    "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)"
+)
 #: Why 0.5.18's KV-event tests skip on 0.5.20 (``test_sglang20_kv_events.py`` has 0.5.20's).
-NO_KV_EVENTS = ("they compare with SGLang 0.5.18's own HiRadixCache and its event classes; 0.5.20's events are "
-                "compared with its own UnifiedRadixCache in test_sglang20_kv_events.py")
+NO_KV_EVENTS = (
+    "they compare with SGLang 0.5.18's own HiRadixCache and its event classes; 0.5.20's events are "
+    "compared with its own UnifiedRadixCache in test_sglang20_kv_events.py"
+)
 
 
 @dataclass
@@ -116,23 +120,39 @@ class Env(KVBuffers):
     impl: str = "hiradix"
     reqs: list[Any] = field(default_factory=list)
 
-    def new_req(self, tokens: list[int], *, rid: str | None = None, extra_key: str | None = None,
-                cache_salt: str | None = None) -> Any:
+    def new_req(
+        self, tokens: list[int], *, rid: str | None = None, extra_key: str | None = None, cache_salt: str | None = None
+    ) -> Any:
         """A real SGLang ``Req`` with a ``req_to_token`` row."""
         rid = rid or f"r{len(self.reqs)}"
-        req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=8), extra_key=extra_key,
-                  cache_salt=cache_salt)
+        req = Req(
+            rid, "", array("q", tokens), SamplingParams(max_new_tokens=8), extra_key=extra_key, cache_salt=cache_salt
+        )
         assert self.req_to_token.alloc([req]) is not None
         self.reqs.append(req)
         return req
 
 
-def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", write_policy: str = "write_through",
-          mla: bool = False, storage: str | None = None, extra_config: str | None = None,
-          eviction_policy: str = "lru", hicache_ratio: float = 2.0, prefetch_policy: str = "best_effort",
-          tp_group: Any = None, impl: str = "hiradix", model: str | None = None,
-          kv_events: bool = False, eagle: bool = False, params: dict[str, Any] | None = None,
-          **more_flags: Any) -> Env:
+def build(
+    page_size: int = 1,
+    *,
+    size: int = 512,
+    layout: str = "layer_first",
+    write_policy: str = "write_through",
+    mla: bool = False,
+    storage: str | None = None,
+    extra_config: str | None = None,
+    eviction_policy: str = "lru",
+    hicache_ratio: float = 2.0,
+    prefetch_policy: str = "best_effort",
+    tp_group: Any = None,
+    impl: str = "hiradix",
+    model: str | None = None,
+    kv_events: bool = False,
+    eagle: bool = False,
+    params: dict[str, Any] | None = None,
+    **more_flags: Any,
+) -> Env:
     """A cache built through SGLang's registry and ``create_tree_cache``, on SGLang's pools:
     hiradix.sglang's (``--radix-cache-backend hiradix``) or, with ``impl="sglang"``,
     SGLang's own HiRadixCache (the default backend; needs :func:`patch_sglang_for_cpu`).
@@ -142,14 +162,22 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
         raise ValueError(f"impl must be 'hiradix' or 'sglang', got {impl!r}")
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     flags = dict(
-        model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-        radix_cache_backend="hiradix" if impl == "hiradix" else None, served_model_name=model,
+        model_path="dummy",
+        device="cpu",
+        enable_hierarchical_cache=True,
+        radix_cache_backend="hiradix" if impl == "hiradix" else None,
+        served_model_name=model,
         # SGLang moves page_first pages with its (CUDA) kernels only; direct does the rest.
-        page_size=page_size, hicache_mem_layout=layout,
+        page_size=page_size,
+        hicache_mem_layout=layout,
         hicache_io_backend="kernel" if layout == "page_first" else "direct",
-        hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
-        hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
-        hicache_storage_prefetch_policy=prefetch_policy, **more_flags,
+        hicache_write_policy=write_policy,
+        hicache_ratio=hicache_ratio,
+        hicache_storage_backend=storage,
+        hicache_storage_backend_extra_config=extra_config,
+        radix_eviction_policy=eviction_policy,
+        hicache_storage_prefetch_policy=prefetch_policy,
+        **more_flags,
     )
     published = None
     with warnings.catch_warnings():
@@ -165,19 +193,36 @@ def build(page_size: int = 1, *, size: int = 512, layout: str = "layer_first", w
             server_args = published.install()
         else:
             server_args = sglang_args.server_args(flags)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, eviction_policy=eviction_policy, tp_cache_group=tp_group,
-                             enable_kv_cache_events=kv_events, is_eagle=eagle, **(params or {}))
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        eviction_policy=eviction_policy,
+        tp_cache_group=tp_group,
+        enable_kv_cache_events=kv_events,
+        is_eagle=eagle,
+        **(params or {}),
+    )
     worker = Worker()
     ctx = TreeCacheBuildContext(
-        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-        enable_hierarchical_cache=True, disable_radix_cache=False, effective_chunked_prefill_size=None,
-        tp_worker=worker, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        effective_chunked_prefill_size=None,
+        tp_worker=worker,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
     )
     if impl == "sglang":
         if not _PATCHED:
             raise RuntimeError("SGLang's own HiRadixCache needs patch_sglang_for_cpu() (the sglang_cpu fixture)")
-        for buf in (kv.kv_buffer if mla else [*kv.k_buffer, *kv.v_buffer]):
+        for buf in kv.kv_buffer if mla else [*kv.k_buffer, *kv.v_buffer]:
             _DEVICE_BUFFERS[buf.data_ptr()] = buf
     try:
         cache = create_tree_cache(ctx)
@@ -205,28 +250,49 @@ def _by_ptr(ptrs: torch.Tensor) -> list[torch.Tensor]:
     return [_DEVICE_BUFFERS[int(p)] for p in ptrs.tolist()]
 
 
-def _transfer_kv_per_layer_pf_lf(src_k: torch.Tensor, dst_k: torch.Tensor, src_v: torch.Tensor, dst_v: torch.Tensor,
-                                 src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
-                                 **_: Any) -> None:
+def _transfer_kv_per_layer_pf_lf(
+    src_k: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    **_: Any,
+) -> None:
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):  # host [slots, layers, heads, dim]
         copy_rows(dst, dst_indices, src[:, layer_id], src_indices)
 
 
-def _transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor, src_v_layers: torch.Tensor,
-                                 dst_v: torch.Tensor, src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                                 num_layers: int, **_: Any) -> None:
+def _transfer_kv_all_layer_lf_pf(
+    src_k_layers: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v_layers: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    num_layers: int,
+    **_: Any,
+) -> None:
     for ptrs, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
         for layer, src in enumerate(_by_ptr(ptrs)[:num_layers]):
             copy_rows(dst[:, layer], dst_indices, src, src_indices)
 
 
-def _transfer_kv_per_layer_mla_pf_lf(src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
-                                     dst_indices: torch.Tensor, layer_id: int, **_: Any) -> None:
+def _transfer_kv_per_layer_mla_pf_lf(
+    src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int, **_: Any
+) -> None:
     copy_rows(dst, dst_indices, src[:, layer_id], src_indices)  # host [slots, layers, 1, width]
 
 
-def _transfer_kv_all_layer_mla_lf_pf(src_layers: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
-                                     dst_indices: torch.Tensor, num_layers: int, **_: Any) -> None:
+def _transfer_kv_all_layer_mla_lf_pf(
+    src_layers: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    num_layers: int,
+    **_: Any,
+) -> None:
     for layer, src in enumerate(_by_ptr(src_layers)[:num_layers]):
         copy_rows(dst[:, layer], dst_indices, src, src_indices)
 
@@ -266,14 +332,17 @@ def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[
     import torch.distributed as dist
     from sglang.srt.runtime_context import get_context, get_parallel
 
-    patches = [(phc, "_cuda_host_register", lambda buffer: None), (phc, "_cuda_host_unregister", lambda buffer: None),
-               (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
-               (phm, "transfer_kv_direct", transfer_kv_direct),
-               (phm, "transfer_kv_per_layer_pf_lf", _transfer_kv_per_layer_pf_lf),
-               (phm, "transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf),
-               (phmla, "transfer_kv_direct", transfer_kv_direct),
-               (phmla, "transfer_kv_per_layer_mla_pf_lf", _transfer_kv_per_layer_mla_pf_lf),
-               (phmla, "transfer_kv_all_layer_mla_lf_pf", _transfer_kv_all_layer_mla_lf_pf)]
+    patches = [
+        (phc, "_cuda_host_register", lambda buffer: None),
+        (phc, "_cuda_host_unregister", lambda buffer: None),
+        (phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0),
+        (phm, "transfer_kv_direct", transfer_kv_direct),
+        (phm, "transfer_kv_per_layer_pf_lf", _transfer_kv_per_layer_pf_lf),
+        (phm, "transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf),
+        (phmla, "transfer_kv_direct", transfer_kv_direct),
+        (phmla, "transfer_kv_per_layer_mla_pf_lf", _transfer_kv_per_layer_mla_pf_lf),
+        (phmla, "transfer_kv_all_layer_mla_lf_pf", _transfer_kv_all_layer_mla_lf_pf),
+    ]
     missing = object()
     saved = [(mod, name, getattr(mod, name, missing)) for mod, name, _ in patches]
     own_group = not dist.is_initialized()
@@ -281,8 +350,9 @@ def patch_sglang_for_cpu(tmp_dir: Path, hicache_ratio: float = 2.0) -> Iterator[
     with ExitStack() as stack:
         for mod, name, fn in patches:
             setattr(mod, name, fn)
-        stack.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
-                                                    attn_dcp_rank=0))
+        stack.enter_context(
+            get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+        )
         server_args = get_context().override_server_args(hicache_ratio=hicache_ratio)
         server_args.install()
         stack.callback(server_args.restore)
@@ -359,23 +429,41 @@ class SharedStorage(hss.MemoryStorage):
 # ---------------------------------------------------------------------------- parity with SGLang's own cache
 # SGLang's HiRadixCache beside hiradix.sglang's on MHA layer_first pools, io backend direct,
 # with a deterministic clock (tests/sglang/twin.py: KV events, EAGLE).
-def parity_pools_and_args(page_size: int, size: int, layout: str = "layer_first",
-                          write_policy: str = "write_through", mla: bool = False, storage: str | None = None,
-                          extra_config: str | None = None, eviction_policy: str = "lru", hicache_ratio: float = 2.0,
-                          prefetch_policy: str = "best_effort") -> tuple[Any, Any, Any, Any]:
+def parity_pools_and_args(
+    page_size: int,
+    size: int,
+    layout: str = "layer_first",
+    write_policy: str = "write_through",
+    mla: bool = False,
+    storage: str | None = None,
+    extra_config: str | None = None,
+    eviction_policy: str = "lru",
+    hicache_ratio: float = 2.0,
+    prefetch_policy: str = "best_effort",
+) -> tuple[Any, Any, Any, Any]:
     """SGLang's CPU pools and a ``ServerArgs`` for a cache built by hand, as a fork's
     scheduler builds ``HiRadixCache(params, server_args)``: ``(kv, allocator,
     req_to_token, server_args)``."""
     kv, alloc, req_to_token = sglang_pools(page_size, size, mla)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = sglang_args.server_args(dict(
-            model_path="dummy", device="cpu", enable_hierarchical_cache=True, radix_cache_backend="hiradix",
-            page_size=page_size, hicache_mem_layout=layout, hicache_io_backend="direct",
-            hicache_write_policy=write_policy, hicache_ratio=hicache_ratio, hicache_storage_backend=storage,
-            hicache_storage_backend_extra_config=extra_config, radix_eviction_policy=eviction_policy,
-            hicache_storage_prefetch_policy=prefetch_policy,
-        ))
+        server_args = sglang_args.server_args(
+            dict(
+                model_path="dummy",
+                device="cpu",
+                enable_hierarchical_cache=True,
+                radix_cache_backend="hiradix",
+                page_size=page_size,
+                hicache_mem_layout=layout,
+                hicache_io_backend="direct",
+                hicache_write_policy=write_policy,
+                hicache_ratio=hicache_ratio,
+                hicache_storage_backend=storage,
+                hicache_storage_backend_extra_config=extra_config,
+                radix_eviction_policy=eviction_policy,
+                hicache_storage_prefetch_policy=prefetch_policy,
+            )
+        )
     return kv, alloc, req_to_token, server_args
 
 
@@ -425,21 +513,32 @@ def patch_sglang_for_parity(monkeypatch: pytest.MonkeyPatch, hicache_ratio: floa
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
 
 
-def build_sglang(page_size: int = 1, *, size: int = 512, write_policy: str = "write_through",
-                 eviction_policy: str = "lru", hicache_ratio: float = 2.0, kv_events: bool = False,
-                 eagle: bool = False) -> Env:
+def build_sglang(
+    page_size: int = 1,
+    *,
+    size: int = 512,
+    write_policy: str = "write_through",
+    eviction_policy: str = "lru",
+    hicache_ratio: float = 2.0,
+    kv_events: bool = False,
+    eagle: bool = False,
+) -> Env:
     """SGLang's own ``HiRadixCache`` on SGLang's CPU pools (MHA, ``layer_first``, io backend
     ``direct``): the reference of the parity tests. Needs :func:`patch_sglang_for_parity`."""
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
     kv, alloc, req_to_token, server_args = parity_pools_and_args(
-        page_size, size, "layer_first", write_policy, False, None, None, eviction_policy, hicache_ratio,
-        "best_effort")
-    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=page_size, eviction_policy=eviction_policy,
-                             enable_kv_cache_events=kv_events, is_eagle=eagle)
+        page_size, size, "layer_first", write_policy, False, None, None, eviction_policy, hicache_ratio, "best_effort"
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        eviction_policy=eviction_policy,
+        enable_kv_cache_events=kv_events,
+        is_eagle=eagle,
+    )
     cache = HiRadixCache(params, server_args)
     atexit.unregister(cache.shutdown)
     return Env(cache, kv, alloc, req_to_token, Worker(), page_size, False, "sglang")
-
-

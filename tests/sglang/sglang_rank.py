@@ -34,12 +34,16 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     if config.get("pp"):
         # the ranks as pipeline stages, as SGLang's scheduler builds them: the first stage
         # decides, the later ones take its decisions, so its faults are the ones to agree on
-        env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"],
-                    params={"pp_cache_group": group, "pp_rank": rank, "pp_size": world})
+        env = build(
+            config["page"],
+            size=256,
+            layout="page_first",
+            write_policy=config["write_policy"],
+            params={"pp_cache_group": group, "pp_rank": rank, "pp_size": world},
+        )
         faulty = 0
     else:
-        env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"],
-                    tp_group=group)
+        env = build(config["page"], size=256, layout="page_first", write_policy=config["write_policy"], tp_group=group)
         faulty = 1
     faults = HostAllocFaults(env.cache.core.host_pool, seed=99) if rank == faulty else None  # this rank alone
     loop = Loop(env, seed=config["seed"])

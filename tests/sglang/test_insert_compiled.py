@@ -14,8 +14,9 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 pytestmark = pytest.mark.slow  # randomized parity of the compiled insert against the Python one, thousands of steps
 
-compiled = pytest.mark.skipif(insert_parity.COMPILED is None,
-                              reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)")
+compiled = pytest.mark.skipif(
+    insert_parity.COMPILED is None, reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)"
+)
 
 
 @compiled
@@ -44,8 +45,9 @@ def spy(env) -> tuple[object, list[object]]:
         calls.append(params)
         return insert_parity.python_insert(cache, params)
 
-    return insert_parity.COMPILED.Inserter(env.cache, general, InsertResult, torch.Tensor, torch.int64,
-                                           torch.int32), calls
+    return insert_parity.COMPILED.Inserter(
+        env.cache, general, InsertResult, torch.Tensor, torch.int64, torch.int32
+    ), calls
 
 
 @compiled

@@ -15,8 +15,9 @@ from sglang_pools import insert
 import hiradix.sglang as hs
 from hiradix.sglang.nodes import TreeNode
 
-compiled = pytest.mark.skipif(match_parity.COMPILED is None,
-                              reason="hiradix.sglang._match is not built (HIRADIX_PUREPYTHON or no compiler)")
+compiled = pytest.mark.skipif(
+    match_parity.COMPILED is None, reason="hiradix.sglang._match is not built (HIRADIX_PUREPYTHON or no compiler)"
+)
 
 
 @compiled
@@ -38,7 +39,8 @@ def test_compiled_match_survives_reset_and_disable(make_env) -> None:
     assert len(env.cache.match_prefix(params).device_indices) == 0
     insert(env, tokens)
     assert env.cache.match_prefix(params).device_indices.tolist() == (
-        match_parity.python_match(env.cache, params).device_indices.tolist())
+        match_parity.python_match(env.cache, params).device_indices.tolist()
+    )
     env.cache.disable = True  # read on every call, as the method does
     match_parity.same_result(env.cache.match_prefix(params), match_parity.python_match(env.cache, params))
     assert len(env.cache.match_prefix(params).device_indices) == 0
@@ -61,12 +63,12 @@ def test_the_schedulers_keys_stay_in_c(make_env) -> None:
     ids = array("q", tokens)
     for limit in (None, 0, 3, 4, 40, 41, 100):
         key = RadixKey(ids, limit=limit)
-        match_parity.same_result(matcher(MatchPrefixParams(key=key)),
-                                 match_parity.python_match(env.cache, MatchPrefixParams(key=key)))
+        match_parity.same_result(
+            matcher(MatchPrefixParams(key=key)), match_parity.python_match(env.cache, MatchPrefixParams(key=key))
+        )
     assert [k.limit for k in calls] == [0, 3]  # shorter than a page: the method's empty result
     del calls[:]
-    for key in (RadixKey(ids, extra_key="x"), RadixKey(ids, cache_salt="s"), RadixKey(tokens),
-                RadixKey(ids, limit=-1)):
+    for key in (RadixKey(ids, extra_key="x"), RadixKey(ids, cache_salt="s"), RadixKey(tokens), RadixKey(ids, limit=-1)):
         matcher(MatchPrefixParams(key=key))
     assert len(calls) == 4
 
@@ -76,6 +78,7 @@ def test_installed_only_where_it_applies(make_env, monkeypatch) -> None:
     assert ("match_prefix" in vars(env.cache)) == (match_parity.COMPILED is not None)
     # EAGLE's bigram keys always take the Python method
     assert "match_prefix" not in vars(make_env(1, eagle=True).cache)
+
     # and so does a subclass with a match_prefix of its own
     class Mine(hs.HiRadixCache):
         def match_prefix(self, params):  # type: ignore[override]

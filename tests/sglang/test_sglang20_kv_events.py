@@ -22,8 +22,11 @@ import torch
 from sglang_env import SGLANG_020
 
 if not SGLANG_020:  # before the imports of 0.5.20's UnifiedRadixCache helpers
-    pytest.skip("needs SGLang 0.5.20 (CI: .venv-sglang20): 0.5.18's events are test_sglang_kv_events.py's, "
-                "0.5.23's tests/sglang23's", allow_module_level=True)
+    pytest.skip(
+        "needs SGLang 0.5.20 (CI: .venv-sglang20): 0.5.18's events are test_sglang_kv_events.py's, "
+        "0.5.23's tests/sglang23's",
+        allow_module_level=True,
+    )
 
 from collections.abc import Iterator
 from typing import Any
@@ -69,8 +72,13 @@ def test_the_format_is_0_5_20s() -> None:
 
 def test_ids_and_fields_match_sglangs_hash_helpers() -> None:
     # extra_key does not enter the ids: 0.5.20 has no namespaces
-    ids_and_fields([(extra_key, salt, None, {}) for extra_key, salt in
-                    ((None, None), (None, "tenant"), ("plain", None), ("plain", "tenant"))], strict=True)
+    ids_and_fields(
+        [
+            (extra_key, salt, None, {})
+            for extra_key, salt in ((None, None), (None, "tenant"), ("plain", None), ("plain", "tenant"))
+        ],
+        strict=True,
+    )
 
 
 # ---------------------------------------------------------------------------- parity with SGLang
@@ -84,8 +92,9 @@ def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int, ea
 def test_namespaces_and_sessions_match_sglang(tree_core: str) -> None:
     """One prompt in four namespaces: the same ids in each but the salted ones, each
     namespace's stores apart, removals of one medium coalesced across them."""
-    namespaces_and_sessions(Twin(2), [(None, None), ("plain", None), ("plain", "tenant"), (None, "tenant")],
-                            coalesced=True)
+    namespaces_and_sessions(
+        Twin(2), [(None, None), ("plain", None), ("plain", "tenant"), (None, "tenant")], coalesced=True
+    )
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
@@ -94,8 +103,9 @@ def test_random_operations_emit_sglangs_events(tree_core: str, page_size: int, w
     """A seeded random mix of the operations above on prompts that share prefixes, in
     three namespaces, compared step by step."""
     twin = Twin(page_size, size=1024, write_policy=write_policy)
-    random_operations(twin, seed=20 + page_size + len(write_policy),
-                      spaces=[{}, {"cache_salt": "tenant"}, {"extra_key": "plain"}])
+    random_operations(
+        twin, seed=20 + page_size + len(write_policy), spaces=[{}, {"cache_salt": "tenant"}, {"extra_key": "plain"}]
+    )
 
 
 # ---------------------------------------------------------------------------- L3

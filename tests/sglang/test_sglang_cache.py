@@ -46,8 +46,13 @@ def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
     from sglang_env import parity_pools_and_args
 
     kv, alloc, req_to_token, server_args = parity_pools_and_args(1, 256)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=alloc,
-                             page_size=1, eviction_policy="lru")
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=1,
+        eviction_policy="lru",
+    )
     cache = hs.HiRadixCache(params, server_args)
     try:
         assert kv.layer_transfer_counter is cache.cache_controller.layer_done_counter
@@ -134,8 +139,9 @@ def test_unsupported_options_are_startup_errors_naming_the_option(kwargs, named:
         build(**kwargs)
 
 
-@pytest.mark.parametrize(("extra", "inline"), [(None, True), ('{"backup_copy": "inline"}', True),
-                                               ('{"backup_copy": "thread"}', False)])
+@pytest.mark.parametrize(
+    ("extra", "inline"), [(None, True), ('{"backup_copy": "inline"}', True), ('{"backup_copy": "thread"}', False)]
+)
 def test_backup_copies_run_inline_on_cpu_pools_unless_asked_for_a_thread(extra, inline: bool) -> None:
     """On CPU pools a step's backups are copied on the scheduler thread by default; loads
     keep their thread either way. The bytes round-trip the same way in both modes."""
@@ -149,8 +155,9 @@ def test_backup_copies_run_inline_on_cpu_pools_unless_asked_for_a_thread(extra, 
     for buf in env.layers():  # the bytes must come back from the host copy
         buf.zero_()
     m = match(env, tokens)
-    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                            host_hit_length=m.host_hit_length))
+    loaded, _ = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert len(loaded) == 40
     settle(env)
     for buf, want in zip(env.layers(), env.expected_kv(torch.tensor(tokens), torch.arange(40)), strict=True):
@@ -286,8 +293,9 @@ def test_evicted_backed_up_prefix_is_a_host_hit_and_loads_back_bytes_equal(make_
     m = match(env, tokens)
     assert len(m.device_indices) == 0 and m.host_hit_length == 40
     assert m.best_match_node.evicted and m.best_match_node.backuped
-    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                               host_hit_length=m.host_hit_length))
+    loaded, node = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert len(loaded) == 40 and node == m.best_match_node
     consumer = env.cache.ready_to_load_host_cache()
     want = env.expected_kv(torch.tensor(tokens), torch.arange(40))
@@ -305,8 +313,9 @@ def test_load_back_below_threshold_is_skipped(make_env) -> None:
     settle(env)
     env.cache.evict(EvictParams(num_tokens=5))
     m = match(env, list(range(5)))
-    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                               host_hit_length=m.host_hit_length))
+    loaded, node = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert len(loaded) == 0 and env.cache.is_root(node)
 
 
@@ -340,8 +349,9 @@ def test_cache_unfinished_then_finished_req_on_sglang_req(make_env) -> None:
 
 
 @pytest.mark.parametrize(("page_size", "eagle"), [(1, False), (4, False), (4, True)])
-def test_chunked_prefill_continues_from_the_locked_node_as_sglang_ends(make_env, make_sglang, page_size: int,
-                                                                       eagle: bool) -> None:
+def test_chunked_prefill_continues_from_the_locked_node_as_sglang_ends(
+    make_env, make_sglang, page_size: int, eagle: bool
+) -> None:
     """A chunked prefill of several chunks (unaligned ends) through the scheduler's
     ``cache_unfinished_req(req, chunked=True)``, beside another request that cached part
     of the prompt mid-chunk: after every chunk hiradix's row, ``prefix_indices`` (int64),
@@ -484,8 +494,10 @@ def test_plugin_entry_point_is_discovered_by_sglang() -> None:
     try:
         distribution("hiradix")
     except PackageNotFoundError:
-        pytest.skip("hiradix is imported from a path entry, not installed: no entry point to discover "
-                    "(pip install -e ., or .ci/link_checkout.py as .ci/run does)")
+        pytest.skip(
+            "hiradix is imported from a path entry, not installed: no entry point to discover "
+            "(pip install -e ., or .ci/link_checkout.py as .ci/run does)"
+        )
     (ep,) = [e for e in entry_points(group=GENERAL_PLUGINS_GROUP) if e.name == "hiradix"]
     assert ep.load() is register
     plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)

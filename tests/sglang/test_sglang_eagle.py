@@ -23,11 +23,11 @@ from twin import Twin, run
 def twin_of(monkeypatch):
     made: list[Twin] = []
 
-    def make(page_size: int = 1, *, write_policy: str = "write_through", kv_events: bool = False,
-             size: int = 128) -> Twin:
+    def make(
+        page_size: int = 1, *, write_policy: str = "write_through", kv_events: bool = False, size: int = 128
+    ) -> Twin:
         patch_sglang_for_parity(monkeypatch, 8.0)
-        kw = dict(size=size * page_size, write_policy=write_policy, hicache_ratio=8.0, kv_events=kv_events,
-                  eagle=True)
+        kw = dict(size=size * page_size, write_policy=write_policy, hicache_ratio=8.0, kv_events=kv_events, eagle=True)
         twin = Twin(build(page_size, **kw), build_sglang(page_size, **kw), eagle=True)
         made.append(twin)
         return twin
@@ -158,8 +158,9 @@ def test_random_bigram_operations_match_sglang(twin_of, page_size: int, write_po
 
 # ---------------------------------------------------------------------------- L3
 def test_bigram_pages_round_trip_through_storage(make_env) -> None:
-    env = make_env(4, storage="memory", extra_config='{"prefetch_threshold": 8}', prefetch_policy="wait_complete",
-                   eagle=True)
+    env = make_env(
+        4, storage="memory", extra_config='{"prefetch_threshold": 8}', prefetch_policy="wait_complete", eagle=True
+    )
     cache = env.cache
     tokens = list(range(200, 233))  # 33 tokens: 32 bigrams
     insert(env, tokens)
@@ -209,8 +210,16 @@ def test_a_draft_models_kv_follows_the_targets_through_host_and_back(make_env, s
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     env = make_env(4, layout=layout, eagle=True)
-    draft = MHATokenToKVPool(size=env.kv.size, page_size=4, dtype=torch.float32, head_num=1, head_dim=8,
-                             layer_num=1, device="cpu", enable_memory_saver=False)
+    draft = MHATokenToKVPool(
+        size=env.kv.size,
+        page_size=4,
+        dtype=torch.float32,
+        head_num=1,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     server_args = type("Args", (), {"hicache_mem_layout": layout, "hicache_storage_backend": None})()
     _register_legacy_hicache_draft(tree_cache=env.cache, draft_pool=draft, server_args=server_args, page_size=4)
     controller = env.cache.cache_controller
@@ -233,8 +242,9 @@ def test_a_draft_models_kv_follows_the_targets_through_host_and_back(make_env, s
         buf.zero_()  # the bytes must come from the host
     m = match(env, tokens)
     assert len(m.device_indices) == 0 and m.host_hit_length == n
-    loaded, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                            host_hit_length=m.host_hit_length))
+    loaded, _ = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     read = forward_read(env.kv, env.worker.counter, env.cache.ready_to_load_host_cache())
     want = env.expected_kv(torch.tensor(tokens[:n]), torch.arange(n))
     assert all(torch.equal(buf[loaded], w) for buf, w in zip(read, want, strict=True))

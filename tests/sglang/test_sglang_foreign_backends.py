@@ -49,7 +49,8 @@ def flags(impl: str, fmt: str = "sglang") -> dict[str, Any]:
 @pytest.mark.parametrize(("mla", "layout"), SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("writer_impl", ["hiradix", "sglang"])
 def test_hiradix_on_sglangs_file_backend_reads_stock_sglangs_pages_and_back(
-        make_env, make_sglang, hicache_dir: Path, mla: bool, layout: str, writer_impl: str) -> None:
+    make_env, make_sglang, hicache_dir: Path, mla: bool, layout: str, writer_impl: str
+) -> None:
     reader_impl = "sglang" if writer_impl == "hiradix" else "hiradix"
     builders = {"hiradix": make_env, "sglang": make_sglang}
     opts = {"layout": layout, "mla": mla, "model": MODEL, "prefetch_policy": "wait_complete"}
@@ -64,7 +65,8 @@ def test_hiradix_on_sglangs_file_backend_reads_stock_sglangs_pages_and_back(
 
 
 def test_hiradix_keys_on_a_sglang_backend_round_trip_and_stay_apart_from_stock_sglang(
-        make_env, make_sglang, hicache_dir: Path) -> None:
+    make_env, make_sglang, hicache_dir: Path
+) -> None:
     """hiradix's default (namespaced) keys work on a SGLang backend too; a stock SGLang
     node, whose keys are SGLang's, does not see those pages."""
     writer = make_env(PAGE, model=MODEL, prefetch_policy="wait_complete", **flags("hiradix", "hiradix"))
@@ -76,15 +78,20 @@ def test_hiradix_keys_on_a_sglang_backend_round_trip_and_stay_apart_from_stock_s
 
 
 def test_sglang_backends_attach_clear_and_detach_at_runtime(make_env, make_sglang, hicache_dir: Path) -> None:
-    env = make_env(PAGE, model=MODEL, prefetch_policy="wait_complete", storage="memory",
-                   extra_config=json.dumps({"prefetch_threshold": PAGE, "l3_format": "sglang"}))
+    env = make_env(
+        PAGE,
+        model=MODEL,
+        prefetch_policy="wait_complete",
+        storage="memory",
+        extra_config=json.dumps({"prefetch_threshold": PAGE, "l3_format": "sglang"}),
+    )
     cache = env.cache
     ok, msg = cache.attach_storage_backend("sglang:file", json.dumps({"l3_format": "sglang"}))
     assert not ok and "is attached" in msg
     assert cache.detach_storage_backend()[0]
-    ok, msg = cache.attach_storage_backend("sglang:file", json.dumps({"prefetch_threshold": PAGE,
-                                                                     "l3_format": "sglang"}), MODEL,
-                                           "wait_complete")
+    ok, msg = cache.attach_storage_backend(
+        "sglang:file", json.dumps({"prefetch_threshold": PAGE, "l3_format": "sglang"}), MODEL, "wait_complete"
+    )
     assert ok, msg
     assert cache.cache_controller.storage_backend_type == "sglang:file"
     write(env, tokens_of(13))
@@ -101,7 +108,8 @@ def test_sglang_backends_attach_clear_and_detach_at_runtime(make_env, make_sglan
 
 
 def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by_sglangs_chain(
-        make_env, make_sglang, hicache_dir: Path) -> None:
+    make_env, make_sglang, hicache_dir: Path
+) -> None:
     """Stock SGLang accepts an L3 attached at runtime to a cache started without one; so
     does hiradix: the tree, built without page hashes (as SGLang's, they cost only with an
     L3), hashes what it holds when the backend attaches, by SGLang's own chain, and the
@@ -113,13 +121,14 @@ def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by
     slots = env.allocator.alloc(N)
     env.write_kv(slots, torch.tensor(held), torch.arange(N))
     cache.insert(InsertParams(key=radix_key(held, None), value=slots))
-    ok, msg = cache.attach_storage_backend("sglang:file", json.dumps({"prefetch_threshold": PAGE,
-                                                                     "l3_format": "sglang"}), MODEL, "wait_complete")
+    ok, msg = cache.attach_storage_backend(
+        "sglang:file", json.dumps({"prefetch_threshold": PAGE, "l3_format": "sglang"}), MODEL, "wait_complete"
+    )
     assert ok, msg
     node = cache.match_prefix(MatchPrefixParams(key=radix_key(held, None))).last_device_node
     chain, prior = [], None
     for start in range(0, N, PAGE):
-        prior = get_hash_str(held[start:start + PAGE], prior)
+        prior = get_hash_str(held[start : start + PAGE], prior)
         chain.append(prior)
     assert cache.core.prefix_hashes(node.id) == chain
     cache.core.tree.check_invariants()
@@ -136,15 +145,22 @@ def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by
 def test_dynamic_takes_sglang_storage_classes(make_env, make_sglang, hicache_dir: Path) -> None:
     """``dynamic`` with a SGLang ``HiCacheStorage`` class (SGLang's HiCacheFile, loaded by
     module path) runs it through the adapter; stock SGLang loads the same class."""
-    loader = {"backend_name": "files", "module_path": "sglang.srt.mem_cache.hicache_storage",
-              "class_name": "HiCacheFile", "prefetch_threshold": PAGE, "l3_format": "sglang"}
-    writer = make_env(PAGE, model=MODEL, prefetch_policy="wait_complete", storage="dynamic",
-                      extra_config=json.dumps(loader))
+    loader = {
+        "backend_name": "files",
+        "module_path": "sglang.srt.mem_cache.hicache_storage",
+        "class_name": "HiCacheFile",
+        "prefetch_threshold": PAGE,
+        "l3_format": "sglang",
+    }
+    writer = make_env(
+        PAGE, model=MODEL, prefetch_policy="wait_complete", storage="dynamic", extra_config=json.dumps(loader)
+    )
     backend = writer.cache.core.l3.backend
     assert isinstance(backend, SGLangBackend) and backend.label == "files" and isinstance(backend.inner, HiCacheFile)
     write(writer, tokens_of(14))
-    reader = make_sglang(PAGE, model=MODEL, prefetch_policy="wait_complete", storage="dynamic",
-                         extra_config=json.dumps(loader))
+    reader = make_sglang(
+        PAGE, model=MODEL, prefetch_policy="wait_complete", storage="dynamic", extra_config=json.dumps(loader)
+    )
     read(reader, tokens_of(14))
 
 
@@ -214,8 +230,9 @@ class _Dict(HiCacheStorage):
         self.pages[key] = value.clone()
         return True
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
 
     def exists(self, key: str) -> bool:

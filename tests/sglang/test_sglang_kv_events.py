@@ -46,11 +46,23 @@ GPU, CPU = StorageMedium.GPU, StorageMedium.CPU
 def twin_of(monkeypatch):
     made: list[Twin] = []
 
-    def make(page_size: int = 1, *, write_policy: str = "write_through", eagle: bool = False,
-             size: int = 128, hicache_ratio: float = 8.0, kv_events: bool = True) -> Twin:
+    def make(
+        page_size: int = 1,
+        *,
+        write_policy: str = "write_through",
+        eagle: bool = False,
+        size: int = 128,
+        hicache_ratio: float = 8.0,
+        kv_events: bool = True,
+    ) -> Twin:
         patch_sglang_for_parity(monkeypatch, hicache_ratio)
-        kw = dict(size=size * page_size, write_policy=write_policy, hicache_ratio=hicache_ratio,
-                  kv_events=kv_events, eagle=eagle)
+        kw = dict(
+            size=size * page_size,
+            write_policy=write_policy,
+            hicache_ratio=hicache_ratio,
+            kv_events=kv_events,
+            eagle=eagle,
+        )
         twin = Twin(build(page_size, **kw), build_sglang(page_size, **kw), eagle=eagle)
         made.append(twin)
         return twin
@@ -100,8 +112,14 @@ def test_an_insert_stores_its_pages_chained_with_sglangs_ids(make_env) -> None:
     b, d2 = sglang_id([3, 4], d1)
     c, _ = sglang_id([5, 6], d2)
     assert env.cache.take_events() == [
-        BlockStored(block_hashes=[a, b, c], parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6], block_size=2,
-                    lora_id=None, medium=GPU)
+        BlockStored(
+            block_hashes=[a, b, c],
+            parent_block_hash=None,
+            token_ids=[1, 2, 3, 4, 5, 6],
+            block_size=2,
+            lora_id=None,
+            medium=GPU,
+        )
     ]
     insert(env, [1, 2, 9, 9])  # splits after the first page: only the new leaf is stored
     e, _ = sglang_id([9, 9], d1)
@@ -110,8 +128,14 @@ def test_an_insert_stores_its_pages_chained_with_sglangs_ids(make_env) -> None:
     ]
     settle(env)  # the backups land: the split node's two parts (one chain), then the new leaf
     assert env.cache.take_events() == [
-        BlockStored(block_hashes=[a, b, c], parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6], block_size=2,
-                    lora_id=None, medium=CPU),
+        BlockStored(
+            block_hashes=[a, b, c],
+            parent_block_hash=None,
+            token_ids=[1, 2, 3, 4, 5, 6],
+            block_size=2,
+            lora_id=None,
+            medium=CPU,
+        ),
         BlockStored(block_hashes=[e], parent_block_hash=a, token_ids=[9, 9], block_size=2, lora_id=None, medium=CPU),
     ]
 
@@ -193,8 +217,9 @@ def test_batched_backups_evict_a_full_host_pool_at_the_step(make_env) -> None:
     assert env.cache.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12
     m = env.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", b))))
     assert m.host_hit_length == 12 and len(m.device_indices) == 0
-    got, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                         host_hit_length=m.host_hit_length))
+    got, _ = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert len(got) == 12
     env.cache.ready_to_load_host_cache()
     settle(env)

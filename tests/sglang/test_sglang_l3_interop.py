@@ -81,17 +81,30 @@ def l3_flags(kind: str, impl: str, tmp_path: Path, *, node: int = 0, v1: bool = 
 # ---------------------------------------------------------------------------- part 1
 @pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize(("mla", "layout"), SHAPES, ids=SHAPE_IDS)
-def test_sglangs_own_cache_round_trips_through_our_backends(make_sglang, shared, tmp_path: Path, kind: str,
-                                                            mla: bool, layout: str) -> None:
+def test_sglangs_own_cache_round_trips_through_our_backends(
+    make_sglang, shared, tmp_path: Path, kind: str, mla: bool, layout: str
+) -> None:
     shared(kind)
-    writer = make_sglang(PAGE, layout=layout, mla=mla, model=MODEL, prefetch_policy="wait_complete",
-                         **l3_flags(kind, "sglang", tmp_path, node=0))
+    writer = make_sglang(
+        PAGE,
+        layout=layout,
+        mla=mla,
+        model=MODEL,
+        prefetch_policy="wait_complete",
+        **l3_flags(kind, "sglang", tmp_path, node=0),
+    )
     assert type(writer.cache.cache_controller.storage_backend).__module__ in ("hiradix.sglang.storage", "sglang_env")
     write(writer, tokens_of(1))
     if kind == "file":
         writer.cache.detach_storage_backend()  # a restart: the directory's lock goes with it
-    reader = make_sglang(PAGE, layout=layout, mla=mla, model=MODEL, prefetch_policy="wait_complete",
-                         **l3_flags(kind, "sglang", tmp_path, node=1))
+    reader = make_sglang(
+        PAGE,
+        layout=layout,
+        mla=mla,
+        model=MODEL,
+        prefetch_policy="wait_complete",
+        **l3_flags(kind, "sglang", tmp_path, node=1),
+    )
     read(reader, tokens_of(1))
 
 
@@ -99,11 +112,13 @@ def test_sglangs_generic_path_without_interface_v1(make_sglang, shared, tmp_path
     """Without ``interface_v1`` SGLang copies pages itself (get_data_page / batch_set,
     get_dummy_flat_data_page / batch_get): the same pages."""
     shared("memory")
-    writer = make_sglang(PAGE, model=MODEL, prefetch_policy="wait_complete",
-                         **l3_flags("memory", "sglang", tmp_path, v1=False))
+    writer = make_sglang(
+        PAGE, model=MODEL, prefetch_policy="wait_complete", **l3_flags("memory", "sglang", tmp_path, v1=False)
+    )
     write(writer, tokens_of(2))
-    reader = make_sglang(PAGE, model=MODEL, prefetch_policy="wait_complete",
-                         **l3_flags("memory", "sglang", tmp_path, v1=False))
+    reader = make_sglang(
+        PAGE, model=MODEL, prefetch_policy="wait_complete", **l3_flags("memory", "sglang", tmp_path, v1=False)
+    )
     read(reader, tokens_of(2))
 
 
@@ -111,8 +126,9 @@ def test_sglangs_generic_path_without_interface_v1(make_sglang, shared, tmp_path
 @pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize(("mla", "layout"), SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("writer_impl", ["hiradix", "sglang"])
-def test_hiradix_and_stock_sglang_read_each_others_pages(make_env, make_sglang, shared, tmp_path: Path, kind: str,
-                                                         mla: bool, layout: str, writer_impl: str) -> None:
+def test_hiradix_and_stock_sglang_read_each_others_pages(
+    make_env, make_sglang, shared, tmp_path: Path, kind: str, mla: bool, layout: str, writer_impl: str
+) -> None:
     shared(kind)
     reader_impl = "sglang" if writer_impl == "hiradix" else "hiradix"
     builders = {"hiradix": make_env, "sglang": make_sglang}

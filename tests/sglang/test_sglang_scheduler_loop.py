@@ -68,8 +68,9 @@ class Loop:
         req = env.new_req(tokens)
         req.init_next_round_input(env.cache)  # SGLang's own match call
         if req.host_hit_length > 0:
-            loaded, req.last_node = env.cache.init_load_back(InitLoadBackParams(
-                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+            loaded, req.last_node = env.cache.init_load_back(
+                InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
+            )
             req.prefix_indices = torch.cat([req.prefix_indices, loaded])
             record(req).cache_protected_len = len(req.prefix_indices)
             self.stats["loaded"] += len(loaded)
@@ -198,10 +199,19 @@ class Loop:
         (4, "page_first", "write_back", False, 6, True, False, "thread"),
     ],
 )
-def test_randomized_scheduler_loop(make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events,
-                                   backup_copy) -> None:
-    env = make_env(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla, eagle=eagle,
-                   kv_events=kv_events, extra_config=json.dumps({"backup_copy": backup_copy}))
+def test_randomized_scheduler_loop(
+    make_env, page_size, layout, write_policy, mla, seed, eagle, kv_events, backup_copy
+) -> None:
+    env = make_env(
+        page_size,
+        size=256,
+        layout=layout,
+        write_policy=write_policy,
+        mla=mla,
+        eagle=eagle,
+        kv_events=kv_events,
+        extra_config=json.dumps({"backup_copy": backup_copy}),
+    )
     loop = Loop(env, seed)
     events = 0
     for _ in range(250):

@@ -33,8 +33,10 @@ from hiradix.sglang.pools import device_pool_from_sglang
 from hiradix.storage import MemoryStorage as InnerMemory
 
 PAGE = 4
-LAYOUTS = {False: ("layer_first", "page_first", "page_first_direct", "page_head"),
-           True: ("layer_first", "page_first", "page_first_direct")}
+LAYOUTS = {
+    False: ("layer_first", "page_first", "page_first_direct", "page_head"),
+    True: ("layer_first", "page_first", "page_first_direct"),
+}
 CASES = [(mla, layout) for mla in (False, True) for layout in LAYOUTS[mla]]
 
 
@@ -48,11 +50,28 @@ def _small_host_pools_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(phb, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 0)
 
 
-def sgl_config(extra: dict[str, Any] | None = None, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-               metrics: bool = False, model: str | None = "org/model") -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
-                                is_page_first_layout=False, model_name=model, extra_config=extra)
+def sgl_config(
+    extra: dict[str, Any] | None = None,
+    *,
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    metrics: bool = False,
+    model: str | None = "org/model",
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config=extra,
+    )
 
 
 def host_pool(mla: bool, layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
@@ -60,12 +79,28 @@ def host_pool(mla: bool, layout: str, dtype: torch.dtype = torch.bfloat16) -> An
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if mla:
-            dev = MLATokenToKVPool(size=32, page_size=PAGE, dtype=dtype, kv_lora_rank=8, qk_rope_head_dim=4,
-                                   layer_num=3, device="cpu", enable_memory_saver=False)
+            dev = MLATokenToKVPool(
+                size=32,
+                page_size=PAGE,
+                dtype=dtype,
+                kv_lora_rank=8,
+                qk_rope_head_dim=4,
+                layer_num=3,
+                device="cpu",
+                enable_memory_saver=False,
+            )
             pool = MLATokenToKVPoolHost(dev, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
         else:
-            dev = MHATokenToKVPool(size=32, page_size=PAGE, dtype=dtype, head_num=2, head_dim=4, layer_num=3,
-                                   device="cpu", enable_memory_saver=False)
+            dev = MHATokenToKVPool(
+                size=32,
+                page_size=PAGE,
+                dtype=dtype,
+                head_num=2,
+                head_dim=4,
+                layer_num=3,
+                device="cpu",
+                enable_memory_saver=False,
+            )
             pool = MHATokenToKVPoolHost(dev, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu")
     flat = pool.kv_buffer.view(-1)
     flat.copy_(torch.randn(flat.numel(), generator=torch.Generator().manual_seed(7)).to(dtype))
@@ -234,10 +269,19 @@ def test_get_stats_is_sglangs_storage_metrics_drained_per_call() -> None:
 # ---------------------------------------------------------------------- SGLang's loader
 @pytest.mark.parametrize("cls", ["MemoryStorage", "FileStorage", "PeerStorage"])
 def test_sglang_dynamic_loader_builds_each(cls: str, tmp_path: Path) -> None:
-    extra = {"backend_name": f"hiradix-{cls}", "module_path": "hiradix.sglang.storage", "class_name": cls,
-             "interface_v1": 1}
-    extra.update({"FileStorage": {"path": str(tmp_path)}, "MemoryStorage": {"capacity_bytes": 1 << 20},
-                  "PeerStorage": {"inprocess_nodes": 1, "transport": "fake", "pool_size": 1 << 20}}[cls])
+    extra = {
+        "backend_name": f"hiradix-{cls}",
+        "module_path": "hiradix.sglang.storage",
+        "class_name": cls,
+        "interface_v1": 1,
+    }
+    extra.update(
+        {
+            "FileStorage": {"path": str(tmp_path)},
+            "MemoryStorage": {"capacity_bytes": 1 << 20},
+            "PeerStorage": {"inprocess_nodes": 1, "transport": "fake", "pool_size": 1 << 20},
+        }[cls]
+    )
     pool = host_pool(False, "page_first_direct")
     # As SGLang's --hicache-storage-backend-extra-config arrives: parsed JSON.
     s = StorageBackendFactory.create_backend("dynamic", sgl_config(json.loads(json.dumps(extra))), pool)
@@ -272,8 +316,15 @@ def test_hiradix_pages_in_sglang_order_are_sglangs_flat_pages(mla: bool, layout:
     layer, component, token and element, and hands out exactly SGLang's bytes."""
     sgl = host_pool(mla, layout, torch.float32)
     dev = device_pool_from_sglang(sgl.device_pool)
-    ours = HostKVPool(dev.shape, 8 * PAGE, PAGE, torch.float32, layout, page_order="sglang",  # type: ignore[arg-type]
-                      reserve_bytes=0)
+    ours = HostKVPool(
+        dev.shape,
+        8 * PAGE,
+        PAGE,
+        torch.float32,
+        layout,
+        page_order="sglang",  # type: ignore[arg-type]
+        reserve_bytes=0,
+    )
     native = HostKVPool(dev.shape, 8 * PAGE, PAGE, torch.float32, layout, reserve_bytes=0)  # type: ignore[arg-type]
     for page in range(8):
         flat = sgl.get_data_page(page * PAGE, flat=True)
@@ -285,8 +336,10 @@ def test_hiradix_pages_in_sglang_order_are_sglangs_flat_pages(mla: bool, layout:
                     assert torch.equal(view[page, t], sglang_token_kv(sgl, mla, layer, comp, page, t))
         assert ours.get_page_bytes(page * PAGE).numpy().tobytes() == page_bytes(sgl, page)
         # hiradix's own order is another one for MHA (K and V inside each layer), the same for MLA
-        same = all(torch.equal(native.get_page_layer_view(0)[c][page], ours.get_page_layer_view(0)[c][page])
-                   for c in range(len(dev.shape.components)))
+        same = all(
+            torch.equal(native.get_page_layer_view(0)[c][page], ours.get_page_layer_view(0)[c][page])
+            for c in range(len(dev.shape.components))
+        )
         assert same == mla
 
 
@@ -308,8 +361,9 @@ def test_per_pool_v2_calls_on_sglangs_host_pool(make_storage: Any, mla: bool, la
 
 
 @pytest.mark.parametrize(("class_name", "native"), [("MemoryStorage", "memory"), ("FileStorage", "file")])
-def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(make_env, tmp_path: Path, class_name: str,
-                                                                       native: str) -> None:
+def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(
+    make_env, tmp_path: Path, class_name: str, native: str
+) -> None:
     """``--hicache-storage-backend dynamic`` (the form SGLang's parser accepts) with one of
     ``hiradix.sglang.storage``'s classes: hiradix's cache builds hiradix's own backend,
     not the SGLang-interface wrapper (which wants SGLang's host pool, and failed the
@@ -318,9 +372,16 @@ def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(make_env, 
 
     from hiradix.storage.base import StorageBackend
 
-    extra = json.dumps({"backend_name": f"hiradix-{native}", "module_path": "hiradix.sglang.storage",
-                        "class_name": class_name, "interface_v1": 1, "path": str(tmp_path / "l3"),
-                        "prefetch_threshold": 0})
+    extra = json.dumps(
+        {
+            "backend_name": f"hiradix-{native}",
+            "module_path": "hiradix.sglang.storage",
+            "class_name": class_name,
+            "interface_v1": 1,
+            "path": str(tmp_path / "l3"),
+            "prefetch_threshold": 0,
+        }
+    )
     env = make_env(PAGE, storage="dynamic", extra_config=extra)
     controller = env.cache.cache_controller
     assert controller.storage_backend_type == native
@@ -339,8 +400,11 @@ def test_extra_config_from_a_file(tmp_path: Path, ext: str) -> None:
     from hiradix.sglang.cache import parse_extra_config
 
     path = tmp_path / f"extra{ext}"
-    path.write_text('{"prefetch_threshold": 64, "l3_format": "hiradix"}' if ext == ".json"
-                    else 'prefetch_threshold = 64\nl3_format = "hiradix"\n')
+    path.write_text(
+        '{"prefetch_threshold": 64, "l3_format": "hiradix"}'
+        if ext == ".json"
+        else 'prefetch_threshold = 64\nl3_format = "hiradix"\n'
+    )
     assert parse_extra_config(f"@{path}") == {"prefetch_threshold": 64, "l3_format": "hiradix"}
     bad = tmp_path / "extra.ini"
     bad.write_text("x = 1")

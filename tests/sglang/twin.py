@@ -59,8 +59,10 @@ class Twin:
         return mine
 
     def sizes_agree(self, what: str) -> None:
-        a, b = ((env.cache.evictable_size(), env.cache.protected_size(), env.allocator.available_size())
-                for env in self.envs)
+        a, b = (
+            (env.cache.evictable_size(), env.cache.protected_size(), env.allocator.available_size())
+            for env in self.envs
+        )
         assert a == b, f"(evictable, protected, free) differ after {what}: hiradix {a}, sglang {b}"
 
     def slots(self, n_tokens: int) -> int:
@@ -114,8 +116,9 @@ class Twin:
         self.sizes_agree("insert")
         return prefixes[0]
 
-    def match(self, tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None,
-              limit: int | None = None) -> tuple[Any, Any]:
+    def match(
+        self, tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None, limit: int | None = None
+    ) -> tuple[Any, Any]:
         """Match on both: same device hit, host hit and last node key; the hit's KV
         checked. Returns both results."""
         results = []
@@ -126,13 +129,15 @@ class Twin:
             results.append(m)
         ours, theirs = results
         assert len(ours.device_indices) == len(theirs.device_indices), (
-            f"device hits differ: {len(ours.device_indices)} vs {len(theirs.device_indices)}")
+            f"device hits differ: {len(ours.device_indices)} vs {len(theirs.device_indices)}"
+        )
         assert ours.host_hit_length == theirs.host_hit_length, (ours.host_hit_length, theirs.host_hit_length)
         # (last_host_node differs by design while a backup is in flight: SGLang counts a
         # node as backed up when its copy starts, hiradix when every rank acknowledged it)
         a, b = ours.last_device_node, theirs.last_device_node
         assert list(a.key.token_ids) == list(b.key.token_ids), (
-            f"last nodes' keys differ: {list(a.key.token_ids)} vs {list(b.key.token_ids)}, matching {tokens}")
+            f"last nodes' keys differ: {list(a.key.token_ids)} vs {list(b.key.token_ids)}, matching {tokens}"
+        )
         assert bool(a.key.is_bigram) == bool(b.key.is_bigram) or not len(b.key.token_ids)
         assert self.ours.cache.is_root(a) == (b is self.theirs.cache.root_node), "one last node is a root"
         self.events("match")  # a match splits; no event
@@ -170,8 +175,9 @@ class Twin:
             return
         loaded = []
         for env, m in zip(self.envs, (ours, theirs), strict=True):
-            got, _ = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                 host_hit_length=m.host_hit_length))
+            got, _ = env.cache.init_load_back(
+                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+            )
             loaded.append(len(got))
         assert loaded[0] == loaded[1], f"loaded {loaded}"
         self.events("init_load_back")
@@ -185,8 +191,9 @@ class Twin:
         self.stats["loaded tokens"] += loaded[0]
         self.match(tokens, extra_key)  # the loaded KV is served
 
-    def request(self, tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None,
-                chunk: int | None = None) -> None:
+    def request(
+        self, tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None, chunk: int | None = None
+    ) -> None:
         """A request through the scheduler's own calls on both caches: SGLang's ``Req``
         matched by ``init_next_round_input`` and locked, the rest allocated (a page at a
         time) and computed, then (``chunk``) ``cache_unfinished_req`` of a first chunk,
@@ -254,8 +261,9 @@ class Workload:
     def __init__(self, seed: int, page_size: int) -> None:
         self.rng = np.random.default_rng(seed)
         self.ps = page_size
-        self.prompts = [self.tokens(int(self.rng.integers(12, 40)) // page_size * page_size + page_size)
-                        for _ in range(5)]
+        self.prompts = [
+            self.tokens(int(self.rng.integers(12, 40)) // page_size * page_size + page_size) for _ in range(5)
+        ]
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(1, 60, n).tolist()

@@ -62,8 +62,13 @@ def cache_groups(rank: int, world: int, shape: str) -> dict[str, Any]:
             raise ValueError(f"shape 'attn_tp_cp' needs 4 ranks, got {world}")
         tp_groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
         cp_groups = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
-        return {"tp_cache_group": dist.group.WORLD, "attn_tp_cache_group": tp_groups[rank // 2],
-                "attn_cp_cache_group": cp_groups[rank % 2], "attn_cp_rank": rank // 2, "attn_cp_size": 2}
+        return {
+            "tp_cache_group": dist.group.WORLD,
+            "attn_tp_cache_group": tp_groups[rank // 2],
+            "attn_cp_cache_group": cp_groups[rank % 2],
+            "attn_cp_rank": rank // 2,
+            "attn_cp_size": 2,
+        }
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -99,9 +104,16 @@ def loop_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     groups = cache_groups(rank, world, config["shape"])
     storage = config["storage"]
     with patch_sglang_for_cpu():
-        env = build_hiradix(config["page"], size=256, layout=config["layout"], write_policy=config["write_policy"],
-                            storage=storage, extra_config='{"prefetch_threshold": 4}' if storage else None,
-                            params=groups, hicache_ratio=config["host_ratio"][rank])
+        env = build_hiradix(
+            config["page"],
+            size=256,
+            layout=config["layout"],
+            write_policy=config["write_policy"],
+            storage=storage,
+            extra_config='{"prefetch_threshold": 4}' if storage else None,
+            params=groups,
+            hicache_ratio=config["host_ratio"][rank],
+        )
         core = env.cache.core
         host_faults = HostAllocFaults(core.host_pool, seed=99 + rank) if rank == config["host_faults_rank"] else None
         l3_faults = None

@@ -45,8 +45,9 @@ def admit(env, req) -> int:
     cache = env.cache
     req.init_next_round_input(cache)
     if req.host_hit_length > 0:
-        loaded, req.last_node = cache.init_load_back(InitLoadBackParams(
-            best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+        loaded, req.last_node = cache.init_load_back(
+            InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
+        )
         assert loaded in (0, req.host_hit_length)
         req.prefix_len += loaded
         assert cache.load_back_is_cache_owned()
@@ -62,8 +63,9 @@ def admit(env, req) -> int:
     env.req_to_token.write((req.kv.req_pool_idx, slice(prefix, total)), fresh[: total - prefix].to(torch.int32))
     req.kv.kv_allocated_len = req.kv.kv_committed_len = total
     req.extend_end = total
-    env.write_kv(fresh[: total - prefix], torch.tensor(list(req.origin_input_ids[prefix:])),
-                 torch.arange(prefix, total))
+    env.write_kv(
+        fresh[: total - prefix], torch.tensor(list(req.origin_input_ids[prefix:])), torch.arange(prefix, total)
+    )
     return prefix
 
 
@@ -81,8 +83,12 @@ def test_built_by_sglangs_registry_as_a_prefix_cache() -> None:
     assert env.cache.cache_controller.mem_pool_host.size == 2 * env.allocator.size + env.page_size
     assert env.cache.supports_prefix_sharing() and not env.cache.supports_mamba() and not env.cache.supports_swa()
     # the scheduler's idle check (before a flush or a storage attach) reads these
-    assert not (env.cache.ongoing_write_through or env.cache.ongoing_load_back or env.cache.ongoing_prefetch
-                or env.cache.ongoing_backup)
+    assert not (
+        env.cache.ongoing_write_through
+        or env.cache.ongoing_load_back
+        or env.cache.ongoing_prefetch
+        or env.cache.ongoing_backup
+    )
     env.cache.check_invariants()
 
 
@@ -134,8 +140,10 @@ def test_device_buffers_are_sglangs_in_place(mla: bool) -> None:
         ({"hicache_storage_prefetch_retry_max_attempts": 3}, "hicache-storage-prefetch-retry-max-attempts 3"),
         ({"hicache_ratio": None, "hicache_host_memory_fraction": 0.5}, "hicache-host-memory-fraction"),
         ({"disaggregation_decode_retraction_backup": "host_pool"}, "retraction-backup host_pool"),
-        ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
-         "disaggregation-decode-enable-radix-cache"),
+        (
+            {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
+            "disaggregation-decode-enable-radix-cache",
+        ),
         ({"enable_lmcache": True}, "enable-lmcache"),
     ],
 )
@@ -188,8 +196,10 @@ def test_extra_key_and_cache_salt_keep_entries_apart() -> None:
     m = match(env, list(range(10)), cache_salt="tenant")
     assert m.device_prefix_len == 10 and m.last_device_node.key.cache_salt == "tenant"
     # SGLang's DFS-weight scheduling order walks root_node: it reaches every namespace
-    nodes = [match(env, list(range(10)), **kw).last_device_node
-             for kw in ({}, {"extra_key": "lora-a"}, {"cache_salt": "tenant"}, {"extra_key": "lora-a"})]
+    nodes = [
+        match(env, list(range(10)), **kw).last_device_node
+        for kw in ({}, {"extra_key": "lora-a"}, {"cache_salt": "tenant"}, {"extra_key": "lora-a"})
+    ]
     order = env.cache.dfs_weight_order(nodes)
     assert sorted(order) == [0, 1, 2, 3] and abs(order.index(1) - order.index(3)) == 1
     env.cache.check_invariants()
@@ -236,8 +246,9 @@ def test_evicted_backed_up_prefix_is_a_host_hit_and_loads_back_bytes_equal() -> 
     m = match(env, tokens)
     assert m.device_prefix_len == 0 and m.host_hit_length == 40
     assert m.best_match_node.evicted and m.best_match_node.backuped
-    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                               host_hit_length=m.host_hit_length))
+    loaded, node = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert loaded == 40 and node == m.best_match_node  # all of the promised tokens, as 0.5.23 requires
     slots = env.cache.path_device_indices(node)
     consumer = env.cache.ready_to_load_host_cache()
@@ -257,8 +268,9 @@ def test_load_back_below_threshold_loads_nothing() -> None:
     env.cache.evict(EvictParams(num_tokens=5))
     m = match(env, list(range(5)))
     assert m.host_hit_length == 5
-    loaded, node = env.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                               host_hit_length=m.host_hit_length))
+    loaded, node = env.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+    )
     assert loaded == 0 and env.cache.is_root(node)
 
 
@@ -352,9 +364,17 @@ def test_storage_backup_prefetch_round_trip_by_request_handle() -> None:
     handle = req.cache_request_handle
     anchor = req.last_host_node
     assert cache.is_root(anchor)
-    assert cache.prefetch_from_storage(handle, anchor, array("q", tokens), cache.get_last_hash_value(anchor), None,
-                                       matched_prefix_tokens=array("q"), extra_key=None, cache_salt=None,
-                                       storage_hit_end=None)
+    assert cache.prefetch_from_storage(
+        handle,
+        anchor,
+        array("q", tokens),
+        cache.get_last_hash_value(anchor),
+        None,
+        matched_prefix_tokens=array("q"),
+        extra_key=None,
+        cache_salt=None,
+        storage_hit_end=None,
+    )
     assert len(cache.ongoing_prefetch) == 1
     cache.core.wait_prefetch(handle, timeout=30)
     assert cache.check_prefetch_progress(handle)
@@ -370,8 +390,7 @@ def test_storage_backup_prefetch_round_trip_by_request_handle() -> None:
     # an attempt that ends aborted gives its prefetch back
     other = env.new_req(list(range(300, 332)))
     other.init_next_round_input(cache)
-    assert cache.prefetch_from_storage(other.cache_request_handle, other.last_host_node,
-                                       array("q", range(300, 332)))
+    assert cache.prefetch_from_storage(other.cache_request_handle, other.last_host_node, array("q", range(300, 332)))
     cache.finish(other.cache_request_handle, CacheRequestOutcome.ABORT)
     assert not cache.ongoing_prefetch
     settle(env)

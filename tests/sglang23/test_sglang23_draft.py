@@ -32,8 +32,9 @@ def test_an_mtp_drafts_kv_follows_the_targets_through_host_and_back(mla: bool, l
     """Backed up, evicted to host and loaded back into other device slots: the draft's KV is
     at the loaded slots, byte for byte, by the time the first target layer is reported."""
     draft = MTPDraft(PAGE, SIZE, mla)
-    env = build_hiradix(PAGE, size=SIZE, mla=mla, layout=layout, eagle=True,
-                        params={"mtp_draft_device_pools": (draft.pool,)})
+    env = build_hiradix(
+        PAGE, size=SIZE, mla=mla, layout=layout, eagle=True, params={"mtp_draft_device_pools": (draft.pool,)}
+    )
     controller = env.cache.cache_controller
     assert controller.has_draft and len(controller.companions) == 1
     dev = controller.companions[0][0]
@@ -55,8 +56,13 @@ def test_l3_carries_the_targets_kv_with_a_draft_and_says_the_draft_is_not_stored
     KV of pages loaded from L3 is stale (SGLang 0.5.23's packed pages carry it)."""
     draft = MTPDraft(PAGE, SIZE, False)
     with caplog.at_level("WARNING", logger="hiradix.sglang.cache"):
-        env = build_hiradix(PAGE, size=SIZE, storage="memory", extra_config='{"prefetch_threshold": 8}',
-                            params={"mtp_draft_device_pools": (draft.pool,)})
+        env = build_hiradix(
+            PAGE,
+            size=SIZE,
+            storage="memory",
+            extra_config='{"prefetch_threshold": 8}',
+            params={"mtp_draft_device_pools": (draft.pool,)},
+        )
     assert any("stores the target's KV only" in r.getMessage() for r in caplog.records)
     cache = env.cache
     tokens = list(range(200, 232))
@@ -99,10 +105,14 @@ def test_hicache_size_counts_the_drafts_host_bytes() -> None:
     [
         (lambda: {"mtp_draft_device_pools": (object(),)}, r"mtp_draft_device_pools\[0\] \(object\) is not supported"),
         # fewer slots than the target's allocator hands out
-        (lambda: {"mtp_draft_device_pools": (MTPDraft(PAGE, SIZE // 2, False).pool,)},
-         r"mtp_draft_device_pools\[0\] \(MHATokenToKVPool\) cannot follow the target's KV: .*fewer"),
-        (lambda: {"mtp_draft_device_pools": (MTPDraft(2, SIZE, False).pool,)},
-         r"mtp_draft_device_pools\[0\].*page size"),
+        (
+            lambda: {"mtp_draft_device_pools": (MTPDraft(PAGE, SIZE // 2, False).pool,)},
+            r"mtp_draft_device_pools\[0\] \(MHATokenToKVPool\) cannot follow the target's KV: .*fewer",
+        ),
+        (
+            lambda: {"mtp_draft_device_pools": (MTPDraft(2, SIZE, False).pool,)},
+            r"mtp_draft_device_pools\[0\].*page size",
+        ),
         (lambda: {"sidecar_draft_device_pools": (MTPDraft(PAGE, SIZE, False).pool,)}, "sidecar_draft_device_pools"),
         (lambda: {"mtp_draft_mamba_pools": (object(),)}, "mtp_draft_mamba_pools"),
     ],

@@ -9,8 +9,9 @@ from sglang_unified_env import build_hiradix
 
 pytestmark = [
     pytest.mark.usefixtures("sglang_cpu"),
-    pytest.mark.skipif(insert_parity.COMPILED is None,
-                       reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)"),
+    pytest.mark.skipif(
+        insert_parity.COMPILED is None, reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)"
+    ),
 ]
 
 

@@ -60,11 +60,18 @@ def test_ids_and_fields_match_sglangs_hash_helpers(dynamo: bool) -> None:
         (None, None, None, None),
         (None, "tenant", kv_event_namespace_seed(extra_key=None, cache_salt="tenant") if dynamo else None, None),
         ("plain", None, kv_event_namespace_seed(extra_key="plain", cache_salt=None) if dynamo else None, None),
-        (LORA_KEY, "tenant", kv_event_namespace_seed(extra_key=LORA_KEY, cache_salt="tenant" if dynamo else None),
-         "sql-lora"),
+        (
+            LORA_KEY,
+            "tenant",
+            kv_event_namespace_seed(extra_key=LORA_KEY, cache_salt="tenant" if dynamo else None),
+            "sql-lora",
+        ),
     ]
-    ids_and_fields([(extra_key, salt, seed, {"lora_name": lora_name}) for extra_key, salt, seed, lora_name in cases],
-                   dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names())
+    ids_and_fields(
+        [(extra_key, salt, seed, {"lora_name": lora_name}) for extra_key, salt, seed, lora_name in cases],
+        dynamo_kv_event_format=dynamo,
+        kv_event_lora_names=lora_names(),
+    )
 
 
 # ---------------------------------------------------------------------------- parity with SGLang
@@ -77,8 +84,10 @@ def test_a_scripted_life_cycle_matches_sglang(tree_core: str, page_size: int, ea
 
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_namespaces_lora_names_and_sessions_match_sglang(tree_core: str, dynamo: bool) -> None:
-    namespaces_and_sessions(Twin(2, dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names()),
-                            [(None, None), (LORA_KEY, None), ("plain", "tenant"), (LORA_KEY, "tenant")])
+    namespaces_and_sessions(
+        Twin(2, dynamo_kv_event_format=dynamo, kv_event_lora_names=lora_names()),
+        [(None, None), (LORA_KEY, None), ("plain", "tenant"), (LORA_KEY, "tenant")],
+    )
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective"])
@@ -87,9 +96,9 @@ def test_random_operations_emit_sglangs_events(tree_core: str, page_size: int, w
     """A seeded random mix of the operations above on prompts that share prefixes, in
     three namespaces, compared step by step."""
     twin = Twin(page_size, size=1024, write_policy=write_policy, kv_event_lora_names=lora_names())
-    random_operations(twin, seed=23 + page_size + len(write_policy),
-                      spaces=[{}, {"cache_salt": "tenant"}, {"extra_key": LORA_KEY}])
-
+    random_operations(
+        twin, seed=23 + page_size + len(write_policy), spaces=[{}, {"cache_salt": "tenant"}, {"extra_key": LORA_KEY}]
+    )
 
 
 # ---------------------------------------------------------------------------- L3
@@ -97,8 +106,11 @@ def test_an_l3_prefetch_stores_on_the_host_then_the_load_on_the_device() -> None
     """A prefix prefetched from L3 into a salted namespace (``format: dynamo``): the pages
     that land are stored ``CPU_PINNED``, the load back stores them on the ``GPU``, with
     the ids SGLang's helpers give, the salt and no session."""
-    l3_prefetch_events(seed=kv_event_namespace_seed(extra_key=None, cache_salt="tenant"), fields={"lora_name": None},
-                       dynamo_kv_event_format=True)
+    l3_prefetch_events(
+        seed=kv_event_namespace_seed(extra_key=None, cache_salt="tenant"),
+        fields={"lora_name": None},
+        dynamo_kv_event_format=True,
+    )
 
 
 # ---------------------------------------------------------------------------- requests

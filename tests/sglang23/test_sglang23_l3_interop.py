@@ -64,8 +64,9 @@ def l3_flags(kind: str, tmp_path: Path, *, node: int = 0, v1: bool = True) -> di
 
 @pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize(("mla", "layout"), SHAPES, ids=SHAPE_IDS)
-def test_sglang23s_own_cache_round_trips_through_our_backends(sglang_cpu, shared, tmp_path: Path, kind: str,
-                                                              mla: bool, layout: str) -> None:
+def test_sglang23s_own_cache_round_trips_through_our_backends(
+    sglang_cpu, shared, tmp_path: Path, kind: str, mla: bool, layout: str
+) -> None:
     shared(kind)
     writer = build(mla=mla, layout=layout, **l3_flags(kind, tmp_path, node=0))
     backend = writer.cache.cache_controller.storage_backend

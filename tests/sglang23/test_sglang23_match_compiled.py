@@ -10,8 +10,9 @@ from sglang_unified_env import build_hiradix
 
 pytestmark = [
     pytest.mark.usefixtures("sglang_cpu"),
-    pytest.mark.skipif(match_parity.COMPILED is None,
-                       reason="hiradix.sglang._match is not built (HIRADIX_PUREPYTHON or no compiler)"),
+    pytest.mark.skipif(
+        match_parity.COMPILED is None, reason="hiradix.sglang._match is not built (HIRADIX_PUREPYTHON or no compiler)"
+    ),
 ]
 
 

@@ -45,8 +45,16 @@ class Loop:
         ps = env.page_size
         self.prompts = [self.rng.integers(0, 30_000, int(self.rng.integers(2, 10)) * ps * 3).tolist() for _ in range(8)]
         self.running: list = []  # (req, prefix computed, end of this round)
-        self.stats = {"steps": 0, "finished": 0, "aborted": 0, "reused": 0, "loaded": 0, "verified": 0,
-                      "flushes": 0, "l3_loaded": 0}
+        self.stats = {
+            "steps": 0,
+            "finished": 0,
+            "aborted": 0,
+            "reused": 0,
+            "loaded": 0,
+            "verified": 0,
+            "flushes": 0,
+            "l3_loaded": 0,
+        }
 
     # ---------------------------------------------------------------- helpers
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -87,10 +95,15 @@ class Loop:
         end = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
         handle = req.cache_request_handle
         started = cache.prefetch_from_storage(
-            handle, anchor, req.full_untruncated_fill_ids[matched:end], cache.get_last_hash_value(anchor),
+            handle,
+            anchor,
+            req.full_untruncated_fill_ids[matched:end],
+            cache.get_last_hash_value(anchor),
             cache.get_prefix_hash_values(anchor) if cache.hicache_storage_pass_prefix_keys else None,
-            matched_prefix_tokens=req.full_untruncated_fill_ids[:matched], extra_key=req.extra_key,
-            cache_salt=req.cache_salt, storage_hit_end=None,
+            matched_prefix_tokens=req.full_untruncated_fill_ids[:matched],
+            extra_key=req.extra_key,
+            cache_salt=req.cache_salt,
+            storage_hit_end=None,
         )
         if started:
             assert cache.core.wait_prefetch(handle, timeout=TIMEOUT)
@@ -110,8 +123,9 @@ class Loop:
         req.init_next_round_input(cache)  # SGLang's own match call
         if req.host_hit_length > 0:
             promised = req.host_hit_length
-            loaded, req.last_node = cache.init_load_back(InitLoadBackParams(
-                best_match_node=req.best_match_node, host_hit_length=promised, req=req))
+            loaded, req.last_node = cache.init_load_back(
+                InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=promised, req=req)
+            )
             assert loaded in (0, promised), "0.5.23 takes all of a host hit or none"
             req.prefix_len += loaded
             if cache.load_back_is_cache_owned():
@@ -268,8 +282,16 @@ class Loop:
     ],
 )
 def test_randomized_scheduler_loop(page_size, layout, write_policy, mla, seed, eagle, storage) -> None:
-    env = build_hiradix(page_size, size=256, layout=layout, write_policy=write_policy, mla=mla, eagle=eagle,
-                        storage=storage, extra_config='{"prefetch_threshold": 4}' if storage else None)
+    env = build_hiradix(
+        page_size,
+        size=256,
+        layout=layout,
+        write_policy=write_policy,
+        mla=mla,
+        eagle=eagle,
+        storage=storage,
+        extra_config='{"prefetch_threshold": 4}' if storage else None,
+    )
     loop = Loop(env, seed)
     for _ in range(250):
         loop.step()
@@ -282,15 +304,17 @@ def test_randomized_scheduler_loop(page_size, layout, write_policy, mla, seed, e
     assert env.cache.protected_size() == 0 and not env.cache.ongoing_prefetch
 
 
-@pytest.mark.parametrize(("page_size", "layout", "mla", "seed"),
-                         [(4, "page_first", True, 7), (1, "layer_first", False, 8)])
+@pytest.mark.parametrize(
+    ("page_size", "layout", "mla", "seed"), [(4, "page_first", True, 7), (1, "layer_first", False, 8)]
+)
 def test_randomized_scheduler_loop_with_an_mtp_draft(page_size, layout, mla, seed) -> None:
     """MTP speculative decoding (EAGLE keys, ``mtp_draft_device_pools``): every reused
     prefix, on the device or loaded back from host, also has the draft's KV it was computed
     with (no L3 here: L3 keeps the target's KV only)."""
     draft = MTPDraft(page_size, 256, mla)
-    env = build_hiradix(page_size, size=256, layout=layout, mla=mla, eagle=True,
-                        params={"mtp_draft_device_pools": (draft.pool,)})
+    env = build_hiradix(
+        page_size, size=256, layout=layout, mla=mla, eagle=True, params={"mtp_draft_device_pools": (draft.pool,)}
+    )
     loop = Loop(env, seed, draft)
     for _ in range(250):
         loop.step()

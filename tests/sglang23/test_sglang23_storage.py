@@ -26,9 +26,19 @@ LAYOUTS = [(mla, layout) for mla in (False, True) for layout in ("layer_first", 
 
 
 def sgl_config(extra: dict[str, Any] | None, *, mla: bool, metrics: bool = False) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=False,
-                                model_name="org/model", extra_config=extra)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=metrics,
+        is_page_first_layout=False,
+        model_name="org/model",
+        extra_config=extra,
+    )
 
 
 @pytest.fixture(params=["memory", "file", "peer"])
@@ -40,13 +50,11 @@ def make_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         if request.param == "memory":
             s = hss.MemoryStorage(sgl_config({}, mla=mla, metrics=metrics), {})
         elif request.param == "file":
-            s = hss.FileStorage(sgl_config({"path": str(tmp_path / f"l3-{len(made)}")}, mla=mla, metrics=metrics),
-                                {})
+            s = hss.FileStorage(sgl_config({"path": str(tmp_path / f"l3-{len(made)}")}, mla=mla, metrics=metrics), {})
         else:
             c = InProcessCluster(2, transport="fake", pool_size=1 << 20, read_timeout_s=2.0)
             clusters.append(c)
-            s = hss.PeerStorage(sgl_config(None, mla=mla, metrics=metrics), {},
-                                backend=PeerCacheStore(node=c.nodes[0]))
+            s = hss.PeerStorage(sgl_config(None, mla=mla, metrics=metrics), {}, backend=PeerCacheStore(node=c.nodes[0]))
         made.append(s)
         return s
 

@@ -19,15 +19,26 @@ from support import run_ranks, sglang_pp_tag_rank
 
 TIMEOUT_S = 300  # a run takes seconds to a minute; past this a collective has hung
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch built without gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
+)
 
 
 def _run(tmp_path: Path, world: int = 2, **config: Any) -> list[dict[str, Any]]:
     import sglang23_rank
 
-    cfg = {"shape": "tp", "page": 4, "layout": "page_first", "write_policy": "write_through", "storage": "memory",
-           "seed": 11, "steps": 80, "host_ratio": [2.0] * world, "host_faults_rank": 1, "l3_faults_rank": 0} | config
+    cfg = {
+        "shape": "tp",
+        "page": 4,
+        "layout": "page_first",
+        "write_policy": "write_through",
+        "storage": "memory",
+        "seed": 11,
+        "steps": 80,
+        "host_ratio": [2.0] * world,
+        "host_faults_rank": 1,
+        "l3_faults_rank": 0,
+    } | config
     return run_ranks(sglang23_rank.loop_main, world, tmp_path, cfg, TIMEOUT_S)
 
 
@@ -59,8 +70,15 @@ def test_two_tp_ranks_agree_on_l3_hits_and_host_capacity(tmp_path: Path, write_p
 def test_four_ranks_agree_over_attention_tp_and_cp_groups(tmp_path: Path) -> None:
     # faults on ranks in different attention-TP and CP groups: only MIN over both reaches
     # every rank
-    results = _run(tmp_path, world=4, shape="attn_tp_cp", steps=60, host_faults_rank=3, l3_faults_rank=1,
-                   host_ratio=[2.0, 2.0, 1.5, 2.0])
+    results = _run(
+        tmp_path,
+        world=4,
+        shape="attn_tp_cp",
+        steps=60,
+        host_faults_rank=3,
+        l3_faults_rank=1,
+        host_ratio=[2.0, 2.0, 1.5, 2.0],
+    )
     assert results[3]["host_failures"] > 0 and results[1]["l3_cuts"] > 0
     _assert_agreed(results)
 

@@ -50,8 +50,9 @@ if os.environ.get("HIRADIX_E2E_STOCK_ON_CPU") == "1":
     import sglang.srt.mem_cache.pool_host.common as _phc
     import sglang.srt.mem_cache.pool_host.mha as _phm
 
-    def _transfer_kv_direct(src_layers: _Any, dst_layers: _Any, src_indices: _Any, dst_indices: _Any,
-                            page_size: int) -> None:
+    def _transfer_kv_direct(
+        src_layers: _Any, dst_layers: _Any, src_indices: _Any, dst_indices: _Any, page_size: int
+    ) -> None:
         for src, dst in zip(src_layers, dst_layers, strict=True):
             rows = src.index_select(0, src_indices.long().to(src.device))
             dst.index_copy_(0, dst_indices.long().to(dst.device), rows)

@@ -6,6 +6,7 @@ decode_jpeg``).  The radix-tree benchmarks never call into it, so every
 ``torchvision.*`` submodule resolves to a stub whose attributes are
 placeholders that raise if actually called.
 """
+
 import importlib.abc
 import importlib.machinery
 import sys

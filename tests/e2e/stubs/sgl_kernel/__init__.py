@@ -68,10 +68,20 @@ def _unused(name: str):
 # Every other ``*_cpu`` name SGLang 0.5.18, 0.5.20 and 0.5.23 import from sgl_kernel, and
 # the activation / int8 kernels their CPU layers import.
 for _name in (
-    "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu", "build_draft_decode_metadata_cpu",
-    "build_tree_kernel_efficient_cpu", "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu",
-    "rotate_input_ids_cpu", "sgl_build_tree_kernel_efficient_cpu", "sgl_verify_tree_greedy_cpu",
-    "verify_tree_greedy_cpu", "gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul", "int8_scaled_mm",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "build_draft_decode_metadata_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "rotate_input_ids_cpu",
+    "sgl_build_tree_kernel_efficient_cpu",
+    "sgl_verify_tree_greedy_cpu",
+    "verify_tree_greedy_cpu",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "silu_and_mul",
+    "int8_scaled_mm",
 ):
     globals()[_name] = _unused(_name)
 del _name
