@@ -461,6 +461,13 @@ class Api18:
 CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 
+def patch_sglang_for_cpu() -> None:
+    """What SGLang 0.5.18's HiRadixCache needs to run on CPU (:meth:`Api18.setup`), for the
+    scripts that build caches with :func:`build_cache`: ``bench/long_context.py`` and
+    ``bench/memory.py``."""
+    Api18().setup()
+
+
 class Api23(Api18):
     """SGLang 0.5.23: its hierarchical ``UnifiedRadixCache`` on the Python and the Rust tree
     core; ``checkpoint_kv_cache`` / ``release_kv_cache`` on requests, and a match that

@@ -177,7 +177,9 @@ for argv in json.loads(sys.argv[1]):
     # previous script's own modules (bench/ and tests/ both have a workload.py) left behind.
     for name, module in list(sys.modules.items()):
         f = getattr(module, "__file__", None) or ""
-        if f.startswith(repo) and not f.startswith(hiradix_dir):
+        # (not the venv's packages: CI's .venv sits inside the checkout, and numpy or torch
+        # imported a second time in one process crashes it)
+        if f.startswith(repo) and not f.startswith(hiradix_dir) and not f.startswith(sys.prefix):
             del sys.modules[name]
     sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *base_path]
     sys.argv = list(argv)
