@@ -26,6 +26,7 @@ SCRIPT = ROOT / "bench" / "long_context.py"
 DEADLINE_S = 900
 
 
+@pytest.mark.slow  # runs bench/long_context.py --quick in a subprocess
 def test_long_context_quick_run_checks_every_scenario_and_cache(tmp_path: Path) -> None:
     from hiradix.sglang.api import REQUEST_API
 

@@ -56,6 +56,7 @@ def test_table_divides_by_tokens_and_nodes_and_compares_with_the_smallest_sglang
     assert text.splitlines()[2].endswith("| 0.50 |")  # hiradix: 400 bytes against the Rust core's 800
 
 
+@pytest.mark.slow  # runs bench/memory.py in subprocesses, one per cache
 def test_a_tiny_run_measures_every_cache(tmp_path: Path) -> None:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed")

@@ -29,6 +29,8 @@ from hiradix.storage import StorageConfig, create_backend
 from hiradix.transport.base import Status
 from hiradix.transport.fake import FakeClock
 
+pytestmark = pytest.mark.slow  # the store's contract suite: a peer cluster set up and torn down per case
+
 PAGE = 4096
 
 

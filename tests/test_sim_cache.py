@@ -22,6 +22,8 @@ from hiradix.sim import MooncakeTrace, Replayer
 from hiradix.sim.generators import ChatWorkload
 from hiradix.sim.report import PLOTS
 
+pytestmark = pytest.mark.slow  # replays of the conversation trace through the cache with an L3
+
 TRACE = Path(os.environ.get(TRACE_ENV) or SHARED_TRACE)
 needs_trace = pytest.mark.skipif(
     not TRACE.is_file(), reason=f"the Mooncake conversation trace is not at {TRACE} (set ${TRACE_ENV})"
@@ -63,7 +65,6 @@ def test_small_capacities_exercise_every_tier_with_l3(tree_cls: Any, write_polic
 
 
 @needs_trace
-@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_replays_are_deterministic_and_the_file_backend_serves_the_same_hits(tmp_path: Path) -> None:
     """Copies run inline and the replayer waits for the L3 threads, so two replays give
     the same counters; a file-backed L3 (unbounded, like the memory one here) holds the
@@ -76,7 +77,6 @@ def test_replays_are_deterministic_and_the_file_backend_serves_the_same_hits(tmp
 
 
 @needs_trace
-@pytest.mark.slow  # a replay of the whole trace (or a long randomized run)
 def test_more_l3_never_hits_less_in_l3() -> None:
     """On a fixed slice with fixed device and host, a larger L3 serves at least as many L3
     tokens (LRU storage; the prefetches and their host evictions are the same)."""

@@ -27,6 +27,8 @@ from hiradix.memory.pools import HostKVPool, MHAShape
 from hiradix.sglang.foreign import SGLangBackend, SGLangHostPoolView, is_sglang_backend
 from hiradix.storage import FileStorage, StorageConfig
 
+pytestmark = pytest.mark.slow  # stock SGLang's storage backends, built per case
+
 SHAPES = [(mla, layout) for mla in (False, True) for layout in ("layer_first", "page_first")]
 SHAPE_IDS = [f"{'mla' if mla else 'mha'}-{layout}" for mla, layout in SHAPES]
 
