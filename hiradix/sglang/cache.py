@@ -874,14 +874,7 @@ class HiRadixCacheBase(BasePrefixCache):
         are the deepest backed-up matched node, from which ``init_load_back`` loads the
         host-only tail. ``O(len(key))``."""
         key = params.key
-        tokens: np.ndarray | array
-        if self.is_eagle:
-            ns, tokens, _ = self._bigram_key(key)
-        else:
-            # The scheduler's hottest call: a key without a namespace skips _ns.
-            ek, salt = key.extra_key, key.cache_salt
-            ns = None if ek is None and salt is None else self._ns(ek, salt)
-            tokens = _key_tokens(key)
+        ns, tokens = self._key_parts(key)
         n = len(tokens) // self.page_size * self.page_size
         if self.disable or n == 0:
             return self._empty(self.root_handle if ns is None else self._namespaces[ns])
@@ -937,6 +930,16 @@ class HiRadixCacheBase(BasePrefixCache):
             events.sync(getattr(params, "session_id", None))
         return InsertResult(prefix_len=prefix, total_len=n)
 
+    def _key_parts(self, key: Any) -> tuple[str | None, np.ndarray | array]:
+        """``key``'s namespace (``None``: the default one) and the tokens the tree keys on
+        (with ``is_eagle``, its bigrams). A key without a namespace skips ``_ns``: this
+        runs in the scheduler's hottest calls."""
+        if self.is_eagle:
+            ns, tokens, _ = self._bigram_key(key)
+            return ns, tokens
+        ek, salt = key.extra_key, key.cache_salt
+        return (None if ek is None and salt is None else self._ns(ek, salt)), _key_tokens(key)
+
     def _aligned_len(self, n_tokens: int) -> int:
         """Slots of a request's ``n_tokens`` tokens that the tree caches: whole pages of
         tokens, or with ``is_eagle`` of the ``n_tokens - 1`` bigrams."""
@@ -949,13 +952,7 @@ class HiRadixCacheBase(BasePrefixCache):
         refreshed along it): what a 0.5.23 ``checkpoint`` reads back after its insert, where
         ``match_prefix`` and ``path_device_indices`` walk twice and build node views.
         ``O(len(key))``."""
-        tokens: np.ndarray | array
-        if self.is_eagle:
-            ns, tokens, _ = self._bigram_key(key)
-        else:
-            ek, salt = key.extra_key, key.cache_salt
-            ns = None if ek is None and salt is None else self._ns(ek, salt)
-            tokens = _key_tokens(key)
+        ns, tokens = self._key_parts(key)
         if len(tokens) < self.page_size:
             return (self.root_handle if ns is None else self._namespaces[ns]), _EMPTY_NP
         m = self.tree.match_prefix(tokens, ns)
@@ -990,13 +987,7 @@ class HiRadixCacheBase(BasePrefixCache):
             return None
         tree = self.tree
         start = last_node.id
-        tokens: np.ndarray | array
-        if self.is_eagle:
-            ns, tokens, _ = self._bigram_key(key)
-        else:
-            ek, salt = key.extra_key, key.cache_salt
-            ns = None if ek is None and salt is None else self._ns(ek, salt)
-            tokens = _key_tokens(key)
+        ns, tokens = self._key_parts(key)
         if len(tokens) < aligned or not tree.is_alive(start) or tree.is_evicted(start):
             return None
         depth, top = tree.path_extent(start)
