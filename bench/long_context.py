@@ -433,14 +433,10 @@ def bench_evict(sg: SGLang, args: argparse.Namespace) -> dict:
 
 
 def machine() -> dict:
-    import platform
-
     sys.path.insert(0, str(HERE))
     import sglang_api
 
-    m = sglang_api.machine()
-    m["platform"] = platform.platform()
-    return m
+    return sglang_api.machine()  # the platform among the rest
 
 
 def flat_ratio(ends: list[int], ys: list[float]) -> float:
