@@ -230,7 +230,7 @@ class PeerNode:
         self.metrics = PeerMetrics()
         self._open_metrics(advertised)
         me = NodeInfo(self.node_id, self.address, self.data_address, self.metrics_url, self.incarnation)
-        self._join_membership(me, seeds, ttl_s, clock)
+        self._build_membership(me, seeds, ttl_s, clock)
         self._build_parts(me, cfg.reader_settings(recv_bytes, recv_lanes))
         self._register_handlers()
         self._stop = threading.Event()
@@ -307,9 +307,10 @@ class PeerNode:
             mhost = advertised
         self.metrics_url = "http://" + with_host(f"{mhost}:{self.metrics_server.port}", mhost)
 
-    def _join_membership(
+    def _build_membership(
         self, me: NodeInfo, seeds: Sequence[str], ttl_s: float | None, clock: Callable[[], float]
     ) -> None:
+        """The membership (not joined yet: :meth:`start` or :meth:`join` does that)."""
         seeds = [s for s in seeds if s != self.address]
         head = self.config.discovery_addr or (seeds[0] if seeds else self.address)
         self.membership = Membership(
