@@ -255,7 +255,7 @@ def test_a_malformed_handoff_entry_does_not_block_readiness() -> None:
         a = c.nodes[0]
         keys = [key(i, "handoff") for i in range(64)]
         assert all(a.publish_many(keys, [page(i, 64) for i in range(64)]))
-        real = a._handle_handoff
+        real = a.sync.handle_handoff
 
         def forged(requester: str, members: list[Any], after: str | None) -> list[Any]:
             items, more = real(requester, members, after)

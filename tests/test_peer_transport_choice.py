@@ -53,7 +53,8 @@ def test_a_bad_transport_is_refused_naming_the_field_and_the_choices(bad: Any) -
 
 # ---------------------------------------------------------------------- factory
 def test_tcp_is_the_tcp_transport_with_the_node_settings() -> None:
-    t = make_transport(cfg(transport="tcp", max_channels_per_peer=3, max_connections=7, idle_timeout_s=9.0), "n")
+    c = cfg(transport="tcp", max_channels_per_peer=3, max_connections=7, idle_timeout_s=9.0)
+    t = make_transport(c.transport_choice(), "n")
     try:
         assert isinstance(t, TcpTransport) and t.capabilities.kind == "tcp"
         assert t.max_connections == 7 and t.idle_timeout == 9.0
@@ -66,7 +67,7 @@ def test_tcp_is_the_tcp_transport_with_the_node_settings() -> None:
 
 @pytest.mark.parametrize("kind", ["fake", "auto"])
 def test_a_fabric_gives_the_fake_nic_named_after_the_node(kind: str) -> None:
-    t = make_transport(cfg(transport=kind), "node-a", FakeFabric())
+    t = make_transport(cfg(transport=kind).transport_choice(), "node-a", FakeFabric())
     try:
         assert isinstance(t, FakeTransport) and t.address == "node-a"
         assert t.advertised_address("10.0.0.5") == "node-a"  # no socket: its name everywhere
@@ -76,14 +77,14 @@ def test_a_fabric_gives_the_fake_nic_named_after_the_node(kind: str) -> None:
 
 def test_fake_needs_a_fabric_and_a_fabric_needs_fake_or_auto() -> None:
     with pytest.raises(TransportUnavailable, match="needs a FakeFabric"):
-        make_transport(cfg(transport="fake"), "n")
+        make_transport(cfg(transport="fake").transport_choice(), "n")
     with pytest.raises(TransportUnavailable, match="a fake fabric was given but transport is 'tcp'"):
-        make_transport(cfg(transport="tcp"), "n", FakeFabric())
+        make_transport(cfg(transport="tcp").transport_choice(), "n", FakeFabric())
 
 
 def test_rdma_without_a_port_fails_naming_the_reason(no_rdma: str) -> None:
     with pytest.raises(TransportUnavailable, match="transport 'rdma' cannot run here") as exc:
-        make_transport(cfg(transport="rdma"), "n")
+        make_transport(cfg(transport="rdma").transport_choice(), "n")
     assert no_rdma in str(exc.value)
     assert isinstance(exc.value, TransportError) and isinstance(exc.value, ValueError)
 
@@ -92,13 +93,13 @@ def test_rdma_without_a_port_fails_naming_the_reason(no_rdma: str) -> None:
 def test_rdma_here_fails_with_the_real_reason() -> None:
     assert NO_RDMA
     with pytest.raises(TransportUnavailable) as exc:
-        make_transport(cfg(transport="rdma"), "n")
+        make_transport(cfg(transport="rdma").transport_choice(), "n")
     assert NO_RDMA in str(exc.value)
 
 
 def test_auto_without_rdma_is_tcp_with_one_info_line(no_rdma: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="hiradix"):
-        t = make_transport(cfg(), "node-x")
+        t = make_transport(cfg().transport_choice(), "node-x")
     try:
         assert isinstance(t, TcpTransport)
     finally:
@@ -127,7 +128,7 @@ def test_auto_takes_rdma_where_it_can_run(monkeypatch: pytest.MonkeyPatch, caplo
     assert rdma_unavailable() is None
     c = cfg(data_port=0, max_channels_per_peer=5, read_timeout_s=3.0, connect_timeout_s=2.0, max_connections=9)
     with caplog.at_level(logging.DEBUG, logger="hiradix"):
-        t = make_transport(c, "node-r", token=b"t" * 16)
+        t = make_transport(c.transport_choice(), "node-r", token=b"t" * 16)
     t.close()
     assert isinstance(t, Rdma) and not caplog.records
     assert built == [
@@ -233,7 +234,6 @@ def test_the_real_rdma_transport_takes_the_settings_the_factory_passes() -> None
     (binding only: no RDMA device here to build one)."""
     import inspect
 
-    from hiradix.peer.transports import _settings
     from hiradix.transport.rdma import RdmaTransport
 
-    inspect.signature(RdmaTransport).bind(b"t" * 16, **_settings(cfg()))
+    inspect.signature(RdmaTransport).bind(b"t" * 16, **cfg().transport_settings().socket_kwargs())

@@ -4,7 +4,8 @@
   below wired together, and :class:`~hiradix.peer.node.InProcessCluster` for tests;
 - :mod:`~hiradix.peer.producer`: the pages a node publishes (pools, evictions, disk tier,
   promote); :mod:`~hiradix.peer.reader`: every read path (local, promoted, remote READ in
-  place or staged, verified);
+  place or staged, verified); :mod:`~hiradix.peer.sync`: the directory kept in step with
+  the live members (re-publish, hand-offs) and the node's readiness;
 - :mod:`~hiradix.peer.store`: :class:`~hiradix.peer.store.PeerCacheStore`, the node as a
   storage backend (``"peer"``), loadable by SGLang;
 - :mod:`~hiradix.peer.pool`: the published pool, self-verifying slots peers READ;

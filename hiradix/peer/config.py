@@ -27,11 +27,18 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hiradix import envvars
 from hiradix.net.address import WILDCARD_HOSTS, default_advertise_host, is_ipv6, is_loopback
 from hiradix.settings import ConfigError, GiB, parse_size
+
+if TYPE_CHECKING:
+    from hiradix.peer.producer import ProducerSettings
+    from hiradix.peer.reader import ReaderSettings
+    from hiradix.peer.sync import SyncSettings
+    from hiradix.peer.transports import TransportChoice
+    from hiradix.transport.base import TransportSettings
 
 __all__ = [
     "TRANSPORTS",
@@ -292,6 +299,56 @@ class PeerConfig:
         """The host other nodes dial: ``advertise_addr``, else :func:`default_advertise_host`
         of ``bind_host`` (:class:`ConfigError` when a wildcard bind gives none)."""
         return self.advertise_addr if self.advertise_addr is not None else default_advertise_host(self.bind_host)
+
+    # ------------------------------------------------------------------ the parts' settings
+    # Each part of a node takes the few settings it uses, not this whole object. (Imported
+    # here, not at the top: loading a config file needs none of the parts.)
+    def transport_settings(self) -> TransportSettings:
+        """The data-plane transport's settings: ``bind_host:data_port``, the channel cap,
+        ``read_timeout_s`` (a batch READ), ``connect_timeout_s`` (a handshake) and the
+        listener's connection limits."""
+        from hiradix.transport.base import TransportSettings
+
+        return TransportSettings(
+            host=self.bind_host,
+            port=self.data_port,
+            max_channels_per_peer=self.max_channels_per_peer,
+            timeout=self.read_timeout_s,
+            handshake_timeout=self.connect_timeout_s,
+            max_connections=self.max_connections,
+            idle_timeout=self.idle_timeout_s,
+        )
+
+    def transport_choice(self) -> TransportChoice:
+        """What :func:`~hiradix.peer.transports.make_transport` builds for this node."""
+        from hiradix.peer.transports import TransportChoice
+
+        return TransportChoice(self.transport, self.transport_settings(), self.cluster_token)
+
+    def producer_settings(self) -> ProducerSettings:
+        """The published pools' and the disk tier's settings."""
+        from hiradix.peer.producer import ProducerSettings
+
+        return ProducerSettings(
+            pool_size=self.pool_size,
+            page_size=self.page_size,
+            disk_enabled=self.disk_enabled,
+            disk_path=self.disk_path,
+            disk_size=self.disk_size,
+            disk_queue_depth=self.disk_queue_depth,
+        )
+
+    def reader_settings(self, recv_bytes: int = 64 << 20, recv_lanes: int = 4) -> ReaderSettings:
+        """The read paths' timeouts, with the receive region's size and lanes (the node's)."""
+        from hiradix.peer.reader import ReaderSettings
+
+        return ReaderSettings(self.read_timeout_s, self.promote_timeout_s, recv_bytes, recv_lanes)
+
+    def sync_settings(self, heartbeat_s: float) -> SyncSettings:
+        """The directory sync's settings, with the node's heartbeat period."""
+        from hiradix.peer.sync import SyncSettings
+
+        return SyncSettings(heartbeat_s, self.rpc_timeout_s, self.virtual_nodes, self.directory_replicas)
 
     @property
     def effective_metrics_host(self) -> str:

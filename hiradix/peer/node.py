@@ -13,44 +13,36 @@ A :class:`PeerNode` runs
   an optional :class:`~hiradix.peer.disk.DiskTier`, and :class:`PeerMetrics` with an
   optional :class:`MetricsServer`;
 - :class:`~hiradix.peer.membership.Membership`, heartbeating the active masters from a
-  background thread and probing remembered peers from another; on a change of the live set
-  the ring is rebuilt, entries published by departed nodes (or by a restarted node's earlier
-  incarnation) are dropped from the local shard, and this node re-publishes its own pages
-  to the owners they gained (:func:`~hiradix.peer.directory.republish_plan`), a restarted
-  node counting as having gained all of its keys. That work, and the pull of the node's
-  directory share, runs on a third thread (the *sync* thread), never on the heartbeat
-  thread: it calls members one after another, and a member that accepts connections and
-  never answers holds each call for the whole RPC timeout, far longer than the TTL. The
-  heartbeat thread only heartbeats (``heartbeat_timeout`` at most a round), so such a
-  member delays the sync thread, never this node's heartbeats: the healthy masters never
-  expire it for that.
+  background thread and probing remembered peers from another;
+- :class:`~hiradix.peer.sync.DirectorySync`, which keeps the directory in step with the live
+  set (ring, dropped and re-published entries, hand-offs) on a third thread (the *sync*
+  thread, never the heartbeat thread: a member that hangs delays it, never this node's
+  heartbeats), and says when the node is ready (:meth:`PeerNode.is_ready`).
 
 Lifecycle. A node started with seeds (``discovery_addr`` or ``seeds``) that is not itself the
 head must join: :meth:`PeerNode.start` retries its seeds until ``join_timeout_s`` and raises
 :class:`~hiradix.peer.membership.JoinError` if none answered (at once if every seed refused
 the cluster token), unless ``allow_alone``, which starts it alone with a WARNING. Once in a
-cluster, once a member has answered it with the members it knows, the node pulls its share
-of the directory from every member (``dir_handoff``: each producer sends the entries of its
-pages that this node owns); :meth:`PeerNode.is_ready` is true from then on, and false again
-while a node that was alone merges into a cluster. The head (nobody to join) is not ready
-alone until the members' probe period has passed without anyone reaching it: restarted, it
-cannot tell a new cluster from one whose members have not found it again yet.
-Every node has an incarnation (its start time in microseconds) carried in its membership
-record and its directory entries, so a node restarted on the same address replaces its
-earlier run everywhere.
+cluster the node pulls its share of the directory from every member and is ready
+(:mod:`hiradix.peer.sync` says when exactly). Every node has an incarnation (its start time
+in microseconds) carried in its membership record and its directory entries, so a node
+restarted on the same address replaces its earlier run everywhere.
 
 Addresses. Listeners bind ``bind_host``; other nodes are told ``advertise_addr`` (by default
 the bound address, or for a wildcard bind the address of the default route's interface,
 :meth:`~hiradix.peer.config.PeerConfig.advertised_host`), which also names the node.
 
-The node is the wiring: membership, the directory (shard, view, hand-offs, re-publish) and
-the RPC server and client are its own; the pages it publishes are a
-:class:`~hiradix.peer.producer.Producer`'s (pools, evictions, disk tier, promote), and every
-read path is a :class:`~hiradix.peer.reader.Reader`'s (local, promoted and remote pages,
-READ in place into a local receive region or staged through the receive region, verified).
+The node is the wiring: membership, the directory (shard and view; keeping it in step is a
+:class:`~hiradix.peer.sync.DirectorySync`'s) and the RPC server and client are its own; the
+pages it publishes are a :class:`~hiradix.peer.producer.Producer`'s (pools, evictions, disk
+tier, promote), and every read path is a :class:`~hiradix.peer.reader.Reader`'s (local,
+promoted and remote pages, READ in place into a local receive region or staged through the
+receive region, verified).
 Both are described there. The transport is injected (``transport=``, an instance or a
 factory), else built by :func:`~hiradix.peer.transports.make_transport` from
-``config.transport``.
+:meth:`config.transport_choice() <hiradix.peer.config.PeerConfig.transport_choice>`. Each part
+takes the few settings it uses (``config.reader_settings()``, ``producer_settings()``,
+``sync_settings()``), not the whole config.
 
 :class:`InProcessCluster` starts several nodes in one process on loopback (TCP transport or
 the fake NIC) for tests, examples and the simulator.
@@ -68,7 +60,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 
@@ -84,15 +76,15 @@ from hiradix.peer.directory import (
     DirectoryView,
     DirEntry,
     new_incarnation,
-    put_items_from_wire,
 )
 from hiradix.peer.disk import DiskTier
-from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInfo, describe_failure
+from hiradix.peer.membership import DISC_METHODS, JoinError, Membership, NodeInfo
 from hiradix.peer.metrics import MetricsServer, PeerMetrics
 from hiradix.peer.pool import SLOT_HEADER_SIZE, PublishedPool
 from hiradix.peer.producer import Producer, size_class
-from hiradix.peer.reader import Reader, ReceiveRegion
+from hiradix.peer.reader import Reader, ReaderSettings, ReceiveRegion
 from hiradix.peer.ring import HashRing
+from hiradix.peer.sync import DirectorySync
 from hiradix.peer.transports import make_transport
 from hiradix.transport.base import MAX_ITEM_BYTES, Transport
 from hiradix.transport.fake import FakeFabric
@@ -102,8 +94,6 @@ __all__ = ["InProcessCluster", "PeerNode", "PortInUseError", "TransportFactory",
 log = logging.getLogger(__name__)
 
 _P = ParamSpec("_P")
-_T = TypeVar("_T")
-HANDOFF_BATCH = 50_000  # directory entries per dir_handoff answer (a frame stays far below 16 MiB)
 #: Builds a node's transport from its node id (known only once its RPC listener is bound).
 TransportFactory = Callable[[str], Transport]
 
@@ -138,6 +128,15 @@ def _binding(listener: str, host: str, port: int) -> Iterator[None]:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUseError(listener, host, port) from exc
         raise OSError(exc.errno, f"{listener} listener on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _check_transport(fabric: FakeFabric | None, transport: object) -> None:
+    """Refuse ``fabric`` with ``transport``, and a ``transport`` that is neither a
+    :class:`Transport` nor a factory of one."""
+    if transport is not None and fabric is not None:
+        raise ValueError("PeerNode takes fabric= (the fake NIC) or transport=, not both")
+    if transport is not None and not (isinstance(transport, Transport) or callable(transport)):
+        raise TypeError(f"transport must be a Transport or a factory of one, got {type(transport).__name__}")
 
 
 def _closed_on_failure(init: Callable[Concatenate[PeerNode, _P], None]) -> Callable[Concatenate[PeerNode, _P], None]:
@@ -216,18 +215,40 @@ class PeerNode:
         recv_lanes: int = 4,
     ) -> None:
         self.config = cfg = config if config is not None else PeerConfig(metrics_enabled=False)
-        if transport is not None and fabric is not None:
-            raise ValueError("PeerNode takes fabric= (the fake NIC) or transport=, not both")
-        if transport is not None and not (isinstance(transport, Transport) or callable(transport)):
-            raise TypeError(f"transport must be a Transport or a factory of one, got {type(transport).__name__}")
+        _check_transport(fabric, transport)
         self._token = load_token(cfg.cluster_token)
         self.heartbeat_s = float(heartbeat_s)
-        # How long a sync round waits for its calls to members (see _call_members): a
-        # heartbeat, within the RPC timeout (a node driven by hand waits for the calls).
-        self._round_wait_s = max(min(self.heartbeat_s, cfg.rpc_timeout_s), 0.25)
         self.allow_alone = allow_alone
         self.incarnation = new_incarnation()
         advertised = cfg.advertised_host()  # before any listener: a ConfigError leaks nothing
+        self._open_rpc(advertised)
+        self._open_transport(transport, fabric, advertised)
+        self._lock = threading.Lock()
+        #: Failures of background work (heartbeat, probe and sync rounds, re-publishes,
+        #: warm-ups, disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
+        self.background_errors: dict[str, int] = {}
+        self.metrics = PeerMetrics()
+        self._open_metrics(advertised)
+        me = NodeInfo(self.node_id, self.address, self.data_address, self.metrics_url, self.incarnation)
+        self._build_membership(me, seeds, ttl_s, clock)
+        self._build_parts(me, cfg.reader_settings(recv_bytes, recv_lanes))
+        self._register_handlers()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._prober: threading.Thread | None = None
+        self._closed = False
+        self.metrics.bind_node(self.node_id, self.is_ready, lambda: sorted(self.membership.members()))
+        if start:
+            try:
+                self.start()
+            except BaseException:
+                self.close(leave=False)
+                raise
+
+    # ------------------------------------------------------------------ construction
+    def _open_rpc(self, advertised: str) -> None:
+        """Bind the RPC listener and build the RPC client; name the node."""
+        cfg = self.config
         with _binding("rpc", cfg.bind_host, cfg.rpc_port):
             self.rpc = RpcServer(
                 self._token,
@@ -250,51 +271,64 @@ class PeerNode:
             idempotent=(*DIR_METHODS, *DISC_METHODS, "dir_handoff", "node_status", "data_promote"),
         )
         self._undo.callback(self.client.close)
+
+    def _open_transport(
+        self, transport: Transport | TransportFactory | None, fabric: FakeFabric | None, advertised: str
+    ) -> None:
+        """Take the injected transport, or build one (:func:`make_transport`)."""
         self.transport: Transport
         if isinstance(transport, Transport):
             self.transport = transport
         else:
-            build = transport or functools.partial(make_transport, cfg, fabric=fabric, token=self._token)
-            with _binding("data", cfg.bind_host, cfg.data_port):
+            choice = self.config.transport_choice()
+            build = transport or functools.partial(make_transport, choice, fabric=fabric, token=self._token)
+            with _binding("data", self.config.bind_host, self.config.data_port):
                 self.transport = build(self.node_id)
         self._undo.callback(self.transport.close)
         #: The data-plane address peers READ from (the fake NIC's is the node's name).
         self.data_address = self.transport.advertised_address(advertised)
-        self._lock = threading.Lock()
-        #: Failures of background work (heartbeat, probe and sync rounds, re-publishes,
-        #: warm-ups, disk callbacks) by kind; see :meth:`_guard` and :meth:`status`.
-        self.background_errors: dict[str, int] = {}
-        self.metrics = PeerMetrics()
+
+    def _open_metrics(self, advertised: str) -> None:
+        """Start the metrics server (when enabled) and say where it answers."""
+        cfg = self.config
         self.metrics_server: MetricsServer | None = None
-        if cfg.metrics_enabled:
-            self.metrics_server = MetricsServer(
-                self.metrics, cfg.effective_metrics_host, cfg.metrics_port, cfg.metrics_dashboard
-            )
-            with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
-                self.metrics_server.start()
-            self._undo.callback(self.metrics_server.stop)
         self.metrics_url: str | None = None
-        if self.metrics_server is not None:
-            # Its own bind address unless that is the nodes' one or a wildcard.
-            mhost = cfg.metrics_host
-            if mhost is None or mhost in WILDCARD_HOSTS:
-                mhost = advertised
-            self.metrics_url = "http://" + with_host(f"{mhost}:{self.metrics_server.port}", mhost)
-        me = NodeInfo(self.node_id, self.address, self.data_address, self.metrics_url, self.incarnation)
+        if not cfg.metrics_enabled:
+            return
+        self.metrics_server = MetricsServer(
+            self.metrics, cfg.effective_metrics_host, cfg.metrics_port, cfg.metrics_dashboard
+        )
+        with _binding("metrics", cfg.effective_metrics_host, cfg.metrics_port):
+            self.metrics_server.start()
+        self._undo.callback(self.metrics_server.stop)
+        # Its own bind address unless that is the nodes' one or a wildcard.
+        mhost = cfg.metrics_host
+        if mhost is None or mhost in WILDCARD_HOSTS:
+            mhost = advertised
+        self.metrics_url = "http://" + with_host(f"{mhost}:{self.metrics_server.port}", mhost)
+
+    def _build_membership(
+        self, me: NodeInfo, seeds: Sequence[str], ttl_s: float | None, clock: Callable[[], float]
+    ) -> None:
+        """The membership (not joined yet: :meth:`start` or :meth:`join` does that)."""
         seeds = [s for s in seeds if s != self.address]
-        head = cfg.discovery_addr or (seeds[0] if seeds else self.address)
+        head = self.config.discovery_addr or (seeds[0] if seeds else self.address)
         self.membership = Membership(
             me,
             self._rpc_call,
             head=head,
             seeds=seeds,
-            max_masters=cfg.max_masters,
+            max_masters=self.config.max_masters,
             ttl=ttl_s if ttl_s is not None else 3 * self.heartbeat_s,
             clock=clock,
             on_change=self._on_membership_change,
             probe_call=self._probe_rpc,
             backoff=(self.heartbeat_s, 5 * self.heartbeat_s),
         )
+
+    def _build_parts(self, me: NodeInfo, reader_settings: ReaderSettings) -> None:
+        """The directory, the producer, the reader, the background executor and the sync."""
+        cfg = self.config
         self.shard = DirectoryShard()
         self.directory = DirectoryView(
             HashRing([self.node_id], vnodes=cfg.virtual_nodes),
@@ -306,67 +340,51 @@ class PeerNode:
         )
         #: This node's published pages (pools, evictions, disk tier, promote).
         self.producer = Producer(
-            self.node_id, self.incarnation, cfg, self.transport, self.directory, self.metrics, self._guard
+            self.node_id,
+            self.incarnation,
+            cfg.producer_settings(),
+            self.transport,
+            self.directory,
+            self.metrics,
+            self._guard,
         )
         self._undo.callback(self.producer.close)
         #: Every read path (local, promoted, remote in place or staged).
         self.reader = Reader(
             self.node_id,
-            cfg,
+            reader_settings,
             self.transport,
             self.directory,
             self.membership,
             self.client,
             self.producer,
             self.metrics,
-            recv_bytes,
-            recv_lanes,
         )
         self._bg = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peer-bg")
         self._undo.callback(self._bg.shutdown, wait=False, cancel_futures=True)
         self._bg_pending: set[Future[Any]] = set()  # background work not finished yet
+        #: The directory kept in step with the live members; readiness (:meth:`is_ready`).
+        self.sync = DirectorySync(
+            me,
+            self.membership,
+            self.shard,
+            self.directory,
+            self.client,
+            self.producer.published,
+            cfg.sync_settings(self.heartbeat_s),
+            guard=self._guard,
+            background=self._background,
+            alone_by_design=self._alone_by_design(),
+        )
+
+    def _register_handlers(self) -> None:
         for m in DIR_METHODS:
             self.rpc.register(m, self._dir_handler(m))
         for m in DISC_METHODS:
             self.rpc.register(m, self._disc_handler(m))
         self.rpc.register("data_promote", self.producer.handle_promote)
-        self.rpc.register("dir_handoff", self._handle_handoff)
+        self.rpc.register("dir_handoff", self.sync.handle_handoff)
         self.rpc.register("node_status", self.status)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._prober: threading.Thread | None = None
-        # The sync thread (see _sync_loop) and what wakes it early: a membership change.
-        self._syncer: threading.Thread | None = None
-        self._sync_wanted = threading.Event()
-        self._closed = False
-        # Readiness (see is_ready). ``_sync_epoch`` counts the times the node had to (re)start
-        # pulling its share, so a pull that ran across a newer such change does not mark it
-        # ready; ``_ack_mark`` is the membership's acknowledgement count at the latest one.
-        # A node with nobody to join may count itself a cluster of one only after
-        # ``_alone_until`` (its membership clock): by then every member that remembers its
-        # address has probed it (the members' probe backoff, plus a round each side).
-        # ``_ready_lock`` guards those three numbers alone. ``_change_lock`` serializes the
-        # changes of the live set and is held across their re-publish, RPCs to members that
-        # may hang: is_ready (status, /ready, the metrics) must never wait for it.
-        self._change_lock = threading.Lock()
-        self._ready_lock = threading.Lock()
-        self._ring_members: dict[str, NodeInfo] = {self.node_id: me}
-        self._sync_epoch = 1
-        self._synced_epoch = 0
-        self._ack_mark = 0
-        self._pulled: set[str] = set()  # members whose share was pulled in ``_sync_epoch``
-        # The sync thread's calls to members still running, as (kind, member): see _call_members.
-        self._member_calls: set[tuple[str, str]] = set()
-        self._alone_until: float | None = None
-        if self._alone_by_design():
-            self._alone_until = self.membership.clock() + self.membership.backoff[1] + 2 * self.heartbeat_s
-        self.metrics.bind_node(self.node_id, self.is_ready, lambda: sorted(self.membership.members()))
-        if start:
-            try:
-                self.start()
-            except BaseException:
-                self.close(leave=False)
-                raise
 
     # ------------------------------------------------------------------ wiring
     def _rpc_call(self, addr: str, method: str, args: list[Any]) -> Any:
@@ -400,6 +418,10 @@ class PeerNode:
             return self.membership.handle(method, list(args))
 
         return handler
+
+    def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
+        # Membership calls this on the heartbeat, probe and RPC threads (a peer's join).
+        self.sync.on_membership_change(old, new)
 
     # ------------------------------------------------------------------ membership
     def _alone_by_design(self) -> bool:
@@ -438,14 +460,14 @@ class PeerNode:
                     break
                 self._stop.wait(min(pause, max(deadline - time.monotonic(), 0.0)))
                 pause = min(2 * pause, 1.0)
-        self._sync()
+        self.sync.pull()
         self.start_heartbeat()
 
     def join(self) -> bool:
         """Join through the head or a seed and pull this node's directory share; ``True``
         if a master answered (or there was nobody to ask). No retries: see :meth:`start`."""
         joined = self.membership.join()
-        self._sync()
+        self.sync.pull()
         return joined
 
     def tick(self) -> bool:
@@ -454,11 +476,12 @@ class PeerNode:
         the pull of this node's directory share if it is due (see :meth:`is_ready`). For
         nodes driven by hand (:class:`InProcessCluster`, tests); the background threads do
         the two halves apart (:meth:`start_heartbeat`). Returns whether the live set
-        changed. Runtime complexity: one RPC per master, then as :meth:`_apply_members`
-        and :meth:`_sync`."""
+        changed. Runtime complexity: one RPC per master, then as
+        :meth:`DirectorySync.apply_members <hiradix.peer.sync.DirectorySync.apply_members>`
+        and :meth:`DirectorySync.pull <hiradix.peer.sync.DirectorySync.pull>`."""
         changed = self.membership.tick()
-        self._guard("republish", self._apply_members)
-        self._sync()
+        self._guard("republish", self.sync.apply_members)
+        self.sync.pull()
         return changed
 
     def probe(self) -> int:
@@ -469,13 +492,13 @@ class PeerNode:
     def start_heartbeat(self) -> None:
         """Start the background threads (idempotent): heartbeat (a membership round every
         ``heartbeat_s``), probe (the remembered peers due), and sync (membership changes
-        applied, the directory share pulled; see :meth:`_sync_loop`). From then on a
-        membership change only wakes the sync thread, whichever thread reports it."""
+        applied, the directory share pulled; see :meth:`DirectorySync.start
+        <hiradix.peer.sync.DirectorySync.start>`). From then on a membership change only
+        wakes the sync thread, whichever thread reports it."""
         if self._thread is not None:
             return
         # The sync thread first: a change reported once the heartbeat runs must find it.
-        self._syncer = threading.Thread(target=self._sync_loop, name=f"peer-sync-{self.node_id}", daemon=True)
-        self._syncer.start()
+        self.sync.start()
         self._thread = threading.Thread(target=self._heartbeat_loop, name=f"peer-hb-{self.node_id}", daemon=True)
         self._thread.start()
         self._prober = threading.Thread(target=self._probe_loop, name=f"peer-probe-{self.node_id}", daemon=True)
@@ -491,22 +514,6 @@ class PeerNode:
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             self._guard("probe", self.membership.probe)
-
-    def _sync_loop(self) -> None:
-        """Apply membership changes (:meth:`_apply_members`: ring, re-publish, hand-offs) and
-        pull the directory share while due (:meth:`_sync`), at once on a change and every
-        ``heartbeat_s`` besides (a failed re-publish or pull is retried so). Calls to the
-        members run side by side (:meth:`_call_members`): a member that hangs delays a round
-        by one heartbeat at most, and the others' entries not at all."""
-        while not self._stop.is_set():
-            self._sync_wanted.wait(self.heartbeat_s)
-            # A change reported between the wait and the clear is not lost: it is in the
-            # membership already, and the round below reads the membership afresh.
-            self._sync_wanted.clear()
-            if self._stop.is_set():
-                return
-            self._guard("republish", self._apply_members)
-            self._guard("sync", self._sync)
 
     def _guard(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run as background work of ``kind``: an exception never kills the
@@ -529,227 +536,13 @@ class PeerNode:
             return None
 
     def is_ready(self) -> bool:
-        """Whether this node's view of the directory is complete: since it last came into
-        its cluster (its start, or a merge after it was alone), a member acknowledged it
-        (answered its ``disc_join`` or ``disc_heartbeat``: that member recorded it and sent
-        it the members it knows), and it holds the entries of the keys it owns, pulled
-        (``dir_handoff``) from every member it knew after that answer. A node with nobody
-        to join (the head) is ready alone only once no member has reached it within the
-        members' probe period (``5 * heartbeat_s`` plus two rounds): a head restarted
-        without seeds is not ready before the members that remember it are back in its
-        view. Until then reads through it may miss pages the cluster has.
+        """Whether this node's view of the directory is complete
+        (:meth:`DirectorySync.is_ready <hiradix.peer.sync.DirectorySync.is_ready>`): since it
+        last came into its cluster a member acknowledged it and it pulled its share of the
+        directory from every member it knew; the head alone only after the members' probe
+        period. Until then reads through it may miss pages the cluster has.
         Runtime complexity: ``O(1)``."""
-        with self._ready_lock:
-            return self._synced_epoch == self._sync_epoch
-
-    def _sync(self) -> bool:
-        """Pull this node's directory share from every other member it has not pulled from
-        since it came into the cluster, all at once, if it is due; whether the node is
-        ready. A member that fails or has not answered within the round leaves the node not
-        ready until a later round (by then it answered or expired). Runtime complexity: one
-        ``dir_handoff`` RPC per member and ``HANDOFF_BATCH`` entries, in parallel."""
-        with self._ready_lock:
-            epoch = self._sync_epoch
-            if self._synced_epoch == epoch:
-                return True
-            mark = self._ack_mark
-        members = self.membership.members()
-        if len(members) == 1:
-            if self._alone_until is None or self.membership.clock() < self._alone_until:
-                return False  # still alone: nothing to pull from yet
-            with self._ready_lock:
-                if self._sync_epoch == epoch:
-                    self._synced_epoch = epoch
-                    log.info("%s: ready: alone, no member came back (a new cluster)", self.node_id)
-                return self._synced_epoch == self._sync_epoch
-        if self.membership.acknowledgements <= mark:
-            # Nobody answered this node since it came into the cluster: it may know only the
-            # members that reached it (a restarted head learns of them one probe at a time).
-            # Ask one of them for the members it knows.
-            self.membership.join()
-            if self.membership.acknowledgements <= mark:
-                return False
-            members = self.membership.members()
-        ids = sorted(members)
-
-        def pull(nid: str) -> int | None:
-            n = self._pull_share(members[nid], ids)
-            if n is not None:
-                with self._ready_lock:
-                    if self._sync_epoch == epoch:
-                        self._pulled.add(nid)
-            return n
-
-        with self._ready_lock:
-            due = [n for n in ids if n != self.node_id and n not in self._pulled]
-        got = self._call_members("pull", pull, due)
-        with self._ready_lock:
-            if self._sync_epoch == epoch and self._pulled.issuperset(n for n in ids if n != self.node_id):
-                self._synced_epoch = epoch
-                log.info(
-                    "%s: ready: directory share pulled from %d members (%d entries this round)",
-                    self.node_id,
-                    len(ids) - 1,
-                    sum(n or 0 for n in got.values()),
-                )
-            return self._synced_epoch == self._sync_epoch
-
-    def _call_members(self, kind: str, fn: Callable[[str], _T], members: Sequence[str]) -> dict[str, _T | None]:
-        """``fn(member)`` for every member at once, each on a thread of its own, waiting
-        :attr:`_round_wait_s` at most; ``fn``'s result for each call that ended by then,
-        ``None`` for the others and for those that raised (guarded as background work of
-        ``kind``). A call still running goes on alone (its result is dropped; ``fn`` records
-        what must outlive the round) and the member is skipped until it ends, so a member
-        that hangs ties up one thread per kind, and delays nobody else's calls nor the next
-        round past the wait. Runtime complexity: one thread per member called."""
-        results: dict[str, _T | None] = dict.fromkeys(members)
-        calls: dict[Future[_T | None], str] = {}
-        for nid in members:
-            with self._lock:
-                if (kind, nid) in self._member_calls:
-                    log.debug("%s: %s from/to %s still in flight, skipped", self.node_id, kind, nid)
-                    continue
-                self._member_calls.add((kind, nid))
-            fut: Future[_T | None] = Future()
-
-            def run(nid: str = nid, fut: Future[_T | None] = fut) -> None:
-                try:
-                    out = self._guard(kind, fn, nid)
-                finally:
-                    with self._lock:  # cleared before the future is done: see the skip above
-                        self._member_calls.discard((kind, nid))
-                fut.set_result(out)
-
-            threading.Thread(target=run, name=f"peer-{kind}-{self.node_id}-{nid}", daemon=True).start()
-            calls[fut] = nid
-        done, _ = wait(calls, timeout=self._round_wait_s)
-        for fut in done:
-            results[calls[fut]] = fut.result()
-        return results
-
-    def _answered(self, kind: str, fn: Callable[[str], bool], members: list[str]) -> list[bool]:
-        """:meth:`_call_members` as whether each member answered, in order."""
-        got = self._call_members(kind, fn, members)
-        return [got[m] is True for m in members]
-
-    def _pull_share(self, info: NodeInfo, ids: list[str]) -> int | None:
-        """Store the entries ``info``'s node published for keys this node owns on the ring
-        of ``ids``; how many, or ``None`` if it failed (logged: a dead member expires, or
-        answers next round). Runtime complexity: one RPC per ``HANDOFF_BATCH`` entries."""
-        after: str | None = None
-        n = 0
-        try:
-            while True:
-                items, more = self.client.call(info.rpc, "dir_handoff", self.node_id, ids, after)
-                self.shard.batch_put(put_items_from_wire(items))
-                n += len(items)
-                if not more or not items:
-                    return n
-                after = str(items[-1][0])
-        except (OSError, RpcError, FrameError) as exc:
-            log.debug("%s: directory hand-off from %s failed: %s", self.node_id, info.node_id, describe_failure(exc)[0])
-            return None
-
-    def _pull_from(self, nid: str) -> None:
-        """Pull the entries member ``nid`` published for keys this node owns (a hand-off
-        after ``nid`` came back); a member that cannot answer is left to its next change."""
-        info = self.membership.info(nid)
-        if info is None:
-            return
-        n = self._pull_share(info, sorted(self.membership.members()))
-        if n:
-            log.info("%s: pulled %d directory entries from %s, back in the cluster", self.node_id, n, nid)
-
-    def _handle_handoff(self, requester: str, members: list[Any], after: str | None) -> list[Any]:
-        """``dir_handoff``: the entries this node published whose owners, on the ring of
-        ``members``, include ``requester``; keys after ``after`` in sorted order,
-        ``HANDOFF_BATCH`` at most, as ``[[[key, entry_wire], ...], more]``.
-        Runtime complexity: ``O(K log K + K log(N * V))`` for ``K`` published pages."""
-        if not isinstance(requester, str) or not isinstance(members, list) or requester not in members:
-            raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
-        if not all(isinstance(m, str) and m for m in members) or not (after is None or isinstance(after, str)):
-            raise ValueError("dir_handoff takes a node id, the member ids (it among them) and a key or None")
-        entries = self.producer.published()
-        keys = sorted(k for k in entries if after is None or k > after)
-        if not keys:
-            return [[], False]
-        names, table = HashRing(members, vnodes=self.config.virtual_nodes).owner_table(
-            keys, self.config.directory_replicas
-        )
-        mine = np.flatnonzero((table == names.index(requester)).any(axis=1))
-        out = [[keys[i], entries[keys[i]].to_wire()] for i in mine[:HANDOFF_BATCH].tolist()]
-        return [out, len(mine) > HANDOFF_BATCH]
-
-    def _on_membership_change(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
-        # Membership calls this on the heartbeat, probe and RPC threads (a peer's join).
-        # The re-publish calls owners one by one, so it must not hold any of those up (a
-        # hung owner would stall the heartbeats past the TTL, or fail the peer's call): it
-        # is the sync thread's once that runs. A node driven by hand applies it here; a
-        # failing re-publish then neither kills the caller nor fails the peer's call.
-        if self._syncer is not None:
-            self._sync_wanted.set()
-        else:
-            self._guard("republish", self._apply_members)
-
-    def _apply_members(self) -> None:
-        """Bring the ring from what it was built of to the current live set and re-publish
-        this node's entries to the owners they gained. Calls come in any order and run one
-        at a time. On failure the ring stays the old one, so the next sync round
-        (:meth:`_sync_loop`, or :meth:`tick`) applies the change again; every step of it is
-        idempotent."""
-        with self._change_lock:
-            new = self.membership.members()
-            old = self._ring_members
-            if new == old:
-                return
-            prev_ring = self.directory.ring
-            try:
-                self._apply_members_locked(old, new)
-            except BaseException:
-                self._ring_members, self.directory.ring = old, prev_ring
-                raise
-
-    def _apply_members_locked(self, old: dict[str, NodeInfo], new: dict[str, NodeInfo]) -> None:
-        self._ring_members = new
-        if len(old) == 1 and len(new) > 1:
-            # Was alone, merged into a cluster: learn its members, then pull the share.
-            with self._ready_lock:
-                self._sync_epoch += 1
-                self._ack_mark = self.membership.acknowledgements
-                self._pulled = set()
-        # The ring of ``old`` itself, not the current one: after a round whose puts failed,
-        # ``old`` is the membership before that round (see below).
-        old_ring = HashRing(old, vnodes=self.config.virtual_nodes)
-        new_ring = HashRing(new, vnodes=self.config.virtual_nodes)
-        for gone in old.keys() - new.keys():
-            self.shard.drop_node(gone)
-        restarted = [n for n in old.keys() & new.keys() if old[n].incarnation != new[n].incarnation]
-        for n in restarted:
-            # Its earlier run's entries are stale, and its shard died with it: it gains
-            # every key it owns, so the plan re-sends it all of them.
-            self.shard.retire(n, new[n].incarnation)
-            old_ring.remove_node(n)
-        entries = self.producer.published()
-        done = self.directory.republish(
-            entries, old_ring, new_ring, call_owners=lambda put, owners: self._answered("republish", put, owners)
-        )
-        log.info("%s: members %d -> %d, re-published %d entries", self.node_id, len(old), len(new), done.puts)
-        if done.failed:
-            # Those owners lack a replica of the entries they gained. Serve on the new ring,
-            # but remember the old membership as the one applied, so the next round (a
-            # heartbeat later, or the next change) plans from it again and re-sends them.
-            # The other steps are idempotent; an owner that already has an entry keeps it.
-            self._ring_members = old
-            log.warning(
-                "%s: re-publish to %s failed; retrying next round", self.node_id, ", ".join(sorted(done.failed))
-            )
-        if len(old) > 1:  # (a node that was alone pulls from everyone: see _sync)
-            for nid in sorted(new.keys() - old.keys()):
-                # A member back after this node expired it (a pause, a partition) still has
-                # the pages it published, but this node dropped their entries and the member
-                # may never have seen its own expiry, so it re-publishes nothing: pull them.
-                # (A new or restarted member has none: one empty answer.)
-                self._background("handoff", self._pull_from, nid)
+        return self.sync.is_ready()
 
     # ------------------------------------------------------------------ published pages
     def _pool_for(self, n: int) -> PublishedPool:
@@ -991,13 +784,14 @@ class PeerNode:
             return
         self._closed = True
         self._stop.set()
-        self._sync_wanted.set()
+        self.sync.stop()
         # One deadline for all: a thread in a call to a hung member ends with the call (its
         # RPC timeout); close does not wait for that past 5 s (the threads are daemons).
         deadline = time.monotonic() + 5.0
-        for t in (self._thread, self._prober, self._syncer):
+        for t in (self._thread, self._prober):
             if t is not None:
                 t.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self.sync.join(timeout=max(deadline - time.monotonic(), 0.0))
         if leave:
             with contextlib.suppress(Exception):
                 self.membership.leave()

@@ -24,17 +24,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hiradix.peer.config import PeerConfig
 from hiradix.peer.directory import DirectoryView, DirEntry
 from hiradix.peer.disk import DiskTier
 from hiradix.peer.metrics import PeerMetrics
 from hiradix.peer.pool import EvictedPage, PublishedPool
 from hiradix.transport.base import Transport
 
-__all__ = ["MIN_CLASS", "Producer", "size_class"]
+__all__ = ["MIN_CLASS", "Producer", "ProducerSettings", "size_class"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +52,22 @@ def size_class(n: int, page_size: int | None) -> int:
     return max(MIN_CLASS, 1 << (max(n, 1) - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class ProducerSettings:
+    """What a :class:`Producer` needs of the node's settings
+    (:meth:`PeerConfig.producer_settings <hiradix.peer.config.PeerConfig.producer_settings>`)."""
+
+    #: Bytes of each published pool, and the page size a pool slot holds (``None``: the
+    #: size class of each page, :func:`size_class`).
+    pool_size: int
+    page_size: int | None = None
+    #: The optional disk tier under the pools (:class:`~hiradix.peer.disk.DiskTier`).
+    disk_enabled: bool = False
+    disk_path: str = "/data/hiradix/peer"
+    disk_size: int = 100 << 30
+    disk_queue_depth: int = 256
+
+
 class Producer:
     """This node's published pages (module docstring).
 
@@ -60,7 +75,7 @@ class Producer:
     ----------
     node_id, incarnation:
         Who the directory entries name as the producer.
-    config:
+    settings:
         Pool size, page size and the disk tier's settings.
     transport:
         Registers the pools' memory (the only memory peers may READ).
@@ -73,7 +88,7 @@ class Producer:
         node's :meth:`~hiradix.peer.node.PeerNode._guard`): the disk tier's eviction and
         warm-up callbacks go through it.
 
-    The disk tier is opened here when ``config.disk_enabled``; :attr:`disk` is ``None``
+    The disk tier is opened here when ``settings.disk_enabled``; :attr:`disk` is ``None``
     when it is off or its path is unusable (a disabled tier holds no thread: nothing to
     close). :meth:`close` closes it.
     """
@@ -82,7 +97,7 @@ class Producer:
         self,
         node_id: str,
         incarnation: int,
-        config: PeerConfig,
+        settings: ProducerSettings,
         transport: Transport,
         directory: DirectoryView,
         metrics: PeerMetrics,
@@ -90,7 +105,7 @@ class Producer:
     ) -> None:
         self.node_id = node_id
         self.incarnation = incarnation
-        self.config = config
+        self.settings = settings
         self.transport = transport
         self.directory = directory
         self.metrics = metrics
@@ -106,13 +121,13 @@ class Producer:
         self._evict_lock = threading.Lock()
         self.evictions = 0
         self.on_evictions: Callable[[int], None] | None = None
-        metrics.track("pool", lambda: (self.used_bytes, config.pool_size, self.pages))
+        metrics.track("pool", lambda: (self.used_bytes, settings.pool_size, self.pages))
         self.disk: DiskTier | None = None
-        if config.disk_enabled:
+        if settings.disk_enabled:
             disk = DiskTier(
-                config.disk_path,
-                config.disk_size,
-                queue_depth=config.disk_queue_depth,
+                settings.disk_path,
+                settings.disk_size,
+                queue_depth=settings.disk_queue_depth,
                 on_evict=functools.partial(guard, "disk_evict", self._on_disk_evict),
             )
             if disk.enabled:
@@ -123,12 +138,12 @@ class Producer:
     def pool_for(self, n: int) -> PublishedPool:
         """The pool that holds pages of ``n`` bytes (created on first use); ``ValueError``
         when one page of ``n`` bytes cannot fit the pool. Runtime complexity: ``O(1)``."""
-        c = size_class(n, self.config.page_size)
+        c = size_class(n, self.settings.page_size)
         with self._lock:
             pool = self._pools.get(c)
             if pool is None:
                 pool = PublishedPool(
-                    self.config.pool_size,
+                    self.settings.pool_size,
                     c,
                     registrar=self.transport,
                     on_evict=self._on_pool_evict,
@@ -144,7 +159,7 @@ class Producer:
     def pool_holding(self, entry: DirEntry) -> PublishedPool | None:
         """The pool ``entry``'s page would be in (``None`` for an empty page or an unused
         class). Runtime complexity: ``O(1)``."""
-        return self._pools.get(size_class(entry.length, self.config.page_size)) if entry.length else None
+        return self._pools.get(size_class(entry.length, self.settings.page_size)) if entry.length else None
 
     def size_classes(self) -> list[int]:
         """The slot sizes of the pools in use, ascending. ``O(classes)``."""

@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,12 +48,11 @@ from hiradix.transport.base import Status, Transport, view_at
 
 if TYPE_CHECKING:
     from hiradix.net.rpc import RpcClient
-    from hiradix.peer.config import PeerConfig
     from hiradix.peer.membership import Membership
     from hiradix.peer.metrics import PeerMetrics
     from hiradix.peer.producer import Producer
 
-__all__ = ["Reader", "ReceiveRegion"]
+__all__ = ["Reader", "ReaderSettings", "ReceiveRegion"]
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +333,20 @@ class _InPlace(_Plan):
         )
 
 
+@dataclass(frozen=True)
+class ReaderSettings:
+    """What a :class:`Reader` needs of the node's settings
+    (:meth:`PeerConfig.reader_settings <hiradix.peer.config.PeerConfig.reader_settings>`)."""
+
+    #: Seconds before a batch READ, and a producer's promote of disk-resident pages, give
+    #: up (their pages are misses).
+    read_timeout_s: float = 10.0
+    promote_timeout_s: float = 10.0
+    #: Size of the receive region staged reads land in, and how many reads may use it at once.
+    recv_bytes: int = 64 << 20
+    recv_lanes: int = 4
+
+
 class Reader:
     """Every read path of a node (module docstring).
 
@@ -340,8 +354,8 @@ class Reader:
     ----------
     node_id:
         This node's id (its own pages are read locally).
-    config:
-        Read and promote timeouts.
+    settings:
+        Read and promote timeouts, and the receive region's size and lanes.
     transport:
         The node's transport: READs, and the receive regions registered with it.
     directory, membership, client:
@@ -351,25 +365,21 @@ class Reader:
         This node's pages (local reads).
     metrics:
         Records every read.
-    recv_bytes, recv_lanes:
-        Size of the receive region and how many reads may use it at once.
     """
 
     def __init__(
         self,
         node_id: str,
-        config: PeerConfig,
+        settings: ReaderSettings,
         transport: Transport,
         directory: DirectoryView,
         membership: Membership,
         client: RpcClient,
         producer: Producer,
         metrics: PeerMetrics,
-        recv_bytes: int,
-        recv_lanes: int,
     ) -> None:
         self.node_id = node_id
-        self.config = config
+        self.settings = settings
         self.transport = transport
         self.directory = directory
         self.membership = membership
@@ -378,7 +388,7 @@ class Reader:
         self.metrics = metrics
         self._lock = threading.Lock()
         self.stale_reads = 0  # remote slots fetched that failed verification
-        self.recv = ReceiveRegion(transport, recv_bytes, recv_lanes)
+        self.recv = ReceiveRegion(transport, settings.recv_bytes, settings.recv_lanes)
         #: Local receive regions (the caller's host KV pool): ``(start, end, handle)``.
         #: Payloads are READ straight into them; they are never served to peers.
         self._receive_spans: list[tuple[int, int, int]] = []
@@ -485,7 +495,7 @@ class Reader:
             return
         try:
             fresh = self.client.call(
-                info.rpc, "data_promote", [keys[i] for i in idx.tolist()], timeout=self.config.promote_timeout_s
+                info.rpc, "data_promote", [keys[i] for i in idx.tolist()], timeout=self.settings.promote_timeout_s
             )
         except Exception as exc:  # an unreachable owner: its pages are misses
             log.debug("promote on %s failed: %r", node, exc)
@@ -529,7 +539,7 @@ class Reader:
         info = self.membership.info(node)
         if info is None:
             return  # not a live member: its pages are misses
-        timeout = self.config.read_timeout_s
+        timeout = self.settings.read_timeout_s
         try:
             with self.recv.lease(timeout) as (base, lane):
                 plan = (_InPlace if in_place else _Staged)(idx, rec, keys, addrs, lens, base, lane)

@@ -211,6 +211,25 @@ def _skip(iov: list[Any], n: int) -> list[Any]:
     return []
 
 
+#: Where :meth:`FileStorage._append_many` put a record: (its index, segment, offset, generation).
+_Placed = tuple[int, _Segment, int, int]
+
+
+def _run_end(locs: list[_Loc | None], i: int) -> int:
+    """The end of the run of uncompressed records from ``locs[i]`` on that lie back to back
+    in its segment (``_IOV_RUN`` records at most: one ``preadv``)."""
+    loc = locs[i]
+    assert loc is not None
+    j, end = i + 1, loc.offset + loc.rec_len
+    while j < len(locs) and j - i < _IOV_RUN:
+        nxt = locs[j]
+        if nxt is None or nxt.seg is not loc.seg or nxt.offset != end or nxt.flags & FLAG_LZ4:
+            break
+        end += nxt.rec_len
+        j += 1
+    return j
+
+
 def _lz4_block() -> Any:
     # Imported on first use: records are flagged one by one, so an instance without
     # compression still reads lz4 records an earlier instance wrote.
@@ -240,6 +259,16 @@ def _parse_header(hdr: bytes | bytearray | memoryview) -> tuple[int, int, int, i
 def _header_ok(hdr: bytes | bytearray | memoryview, kb: bytes | bytearray | memoryview) -> bool:
     body = memoryview(hdr)[: _BODY.size]
     return _CRC.unpack_from(hdr, _BODY.size)[0] == _crc32(kb, _crc32(body))
+
+
+def _positive_int(v: Any, name: str, *, none_ok: bool = False) -> Any:
+    """``v`` if it is a positive int (or ``None`` when ``none_ok``), else a ``ValueError``
+    naming the option."""
+    if v is None and none_ok:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {v!r}")
+    return v
 
 
 def default_path() -> Path:
@@ -287,6 +316,7 @@ class FileStorage(StorageBackend):
 
     name: ClassVar[str] = "file"
     capabilities = Capabilities(supports_v1=True, zero_copy=True, persistent=True)
+    _flusher: threading.Thread | None  # the "batch" mode's fsync thread
 
     def __init__(
         self,
@@ -302,13 +332,30 @@ class FileStorage(StorageBackend):
     ) -> None:
         super().__init__(config)
         cfg = self.config
-        cap = option_value(cfg, capacity_bytes, "capacity_bytes", None)
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"capacity_bytes must be a positive int or None, got {cap!r}")
-        seg_bytes = option_value(cfg, segment_bytes, "segment_bytes", DEFAULT_SEGMENT_BYTES)
-        if not isinstance(seg_bytes, int) or isinstance(seg_bytes, bool) or seg_bytes < 1:
-            raise ValueError(f"segment_bytes must be a positive int, got {seg_bytes!r}")
-        comp = option_value(cfg, compression, "compression", "none") or "none"
+        self.capacity_bytes: int | None = _positive_int(
+            option_value(cfg, capacity_bytes, "capacity_bytes", None), "capacity_bytes", none_ok=True
+        )
+        self.segment_bytes: int = _positive_int(
+            option_value(cfg, segment_bytes, "segment_bytes", DEFAULT_SEGMENT_BYTES), "segment_bytes"
+        )
+        self._set_compression(option_value(cfg, compression, "compression", "none") or "none")
+        self._set_fsync(
+            option_value(cfg, fsync, "fsync", "none"),
+            option_value(cfg, fsync_interval, "fsync_interval", DEFAULT_FSYNC_INTERVAL),
+            option_value(cfg, fsync_bytes, "fsync_bytes", DEFAULT_FSYNC_BYTES),
+        )
+        root = Path(option_value(cfg, None if path is None else os.fspath(path), "path", None) or default_path())
+        if cfg.tp_size > 1:
+            root = root / f"tp{cfg.tp_rank}of{cfg.tp_size}"
+        self.path = root
+        self._init_state()
+        self._open_directory(root)
+        if self.fsync == "batch":
+            self._flusher = threading.Thread(target=self._flush_loop, name=f"hiradix-fsync-{root.name}", daemon=True)
+            self._flusher.start()
+
+    def _set_compression(self, comp: Any) -> None:
+        """Check the ``compression`` option; load lz4 for ``"lz4"``."""
         if comp not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {comp!r}")
         self._lz4: Any = None
@@ -319,28 +366,22 @@ class FileStorage(StorageBackend):
                 raise StorageError("compression='lz4' needs the lz4 package: pip install 'hiradix[lz4]'") from exc
             self._lz4 = lz4.block
             self.capabilities = Capabilities(supports_v1=True, zero_copy=False, persistent=True, compression=True)
-        self.capacity_bytes: int | None = cap
-        self.segment_bytes: int = seg_bytes
         self.compression: str = comp
-        mode = option_value(cfg, fsync, "fsync", "none")
+
+    def _set_fsync(self, mode: Any, interval: Any, sync_bytes: Any) -> None:
+        """Check the ``fsync``, ``fsync_interval`` and ``fsync_bytes`` options."""
         if isinstance(mode, bool):
             mode = "always" if mode else "none"
         if mode not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(map(repr, FSYNC_MODES))} or a bool, got {mode!r}")
-        interval = option_value(cfg, fsync_interval, "fsync_interval", DEFAULT_FSYNC_INTERVAL)
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
             raise ValueError(f"fsync_interval must be a positive number of seconds, got {interval!r}")
-        sync_bytes = option_value(cfg, fsync_bytes, "fsync_bytes", DEFAULT_FSYNC_BYTES)
-        if not isinstance(sync_bytes, int) or isinstance(sync_bytes, bool) or sync_bytes < 1:
-            raise ValueError(f"fsync_bytes must be a positive int, got {sync_bytes!r}")
         self.fsync: str = mode
         self.fsync_interval: float = float(interval)
-        self.fsync_bytes: int = sync_bytes
-        root = Path(option_value(cfg, None if path is None else os.fspath(path), "path", None) or default_path())
-        if cfg.tp_size > 1:
-            root = root / f"tp{cfg.tp_rank}of{cfg.tp_size}"
-        self.path = root
+        self.fsync_bytes: int = _positive_int(sync_bytes, "fsync_bytes")
 
+    def _init_state(self) -> None:
+        """The index, the segments and the bookkeeping of an instance not yet opened."""
         self._lock = threading.Lock()
         self._compact_lock = threading.Lock()
         self._index: OrderedDict[str, _Loc] = OrderedDict()  # least recently used first
@@ -360,13 +401,16 @@ class FileStorage(StorageBackend):
         self._sync_failed_seq = 0  # the newest publication whose round failed
         self._syncs = 0
         self._wake = threading.Condition(self._lock)  # the "batch" flusher waits on it
-        self._flusher: threading.Thread | None = None
+        self._flusher = None
         self._compactions = 0
         self._recovered = 0
         self._truncated_bytes = 0
         self._skipped_bytes = 0
         self._closed = False
         self._lock_fd = -1
+
+    def _open_directory(self, root: Path) -> None:
+        """Create and lock ``root``, recover its segments, open a fresh active segment."""
         try:
             root.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -383,9 +427,6 @@ class FileStorage(StorageBackend):
         except OSError as exc:
             self._close_fds()
             raise StorageError(f"cannot open storage directory {str(root)!r}: {exc}") from exc
-        if self.fsync == "batch":
-            self._flusher = threading.Thread(target=self._flush_loop, name=f"hiradix-fsync-{root.name}", daemon=True)
-            self._flusher.start()
 
     # ------------------------------------------------------------------ segments
     def _new_segment(self) -> _Segment:
@@ -561,8 +602,26 @@ class FileStorage(StorageBackend):
         records that lie back to back in a segment (pages written by one batch and read
         back in order), straight into ``outs``; then each record's header and payload
         checksums. ``O(total bytes)``."""
-        n = len(keys)
-        locs: list[_Loc | None] = [None] * n
+        locs = self._pin(keys, outs)
+        results = [False] * len(keys)
+        bad: list[int] = []
+        try:
+            i = 0
+            while i < len(keys):
+                i = self._read_run(keys, outs, locs, i, results, bad)
+        finally:
+            self._unpin(locs)
+        for k in bad:
+            rec = locs[k]
+            assert rec is not None
+            self._drop_corrupt(keys[k], rec)
+        return results
+
+    def _pin(self, keys: list[str], outs: list[memoryview]) -> list[_Loc | None]:
+        """Look ``keys`` up under one lock round: the record of each key whose page has the
+        length of its ``out`` (touched, and its segment pinned against reclaim), else
+        ``None``."""
+        locs: list[_Loc | None] = [None] * len(keys)
         with self._lock:
             if self._closed:
                 raise StorageError("storage is closed")
@@ -573,62 +632,57 @@ class FileStorage(StorageBackend):
                     index.move_to_end(key)
                     loc.seg.readers += 1
                     locs[i] = loc
-        results = [False] * n
-        bad: list[int] = []
+        return locs
+
+    def _unpin(self, locs: list[_Loc | None]) -> None:
+        """Undo :meth:`_pin`: release the segments (one dropped meanwhile goes now)."""
+        with self._lock:
+            segs = {}
+            for loc in locs:
+                if loc is not None:
+                    loc.seg.readers -= 1
+                    segs[loc.seg.id] = loc.seg
+            for seg in segs.values():
+                self._maybe_drop(seg)
+
+    def _read_run(
+        self,
+        keys: list[str],
+        outs: list[memoryview],
+        locs: list[_Loc | None],
+        i: int,
+        results: list[bool],
+        bad: list[int],
+    ) -> int:
+        """Read the records from ``i`` on that lie back to back in one segment (one
+        ``preadv``; a compressed record alone), set their ``results``, note those that
+        fail verification in ``bad``; the index after the run."""
+        loc = locs[i]
+        if loc is None:
+            return i + 1
+        if loc.flags & FLAG_LZ4:
+            results[i] = self._read_compressed(keys[i], loc, outs[i])
+            if not results[i]:
+                bad.append(i)
+            return i + 1
+        j = _run_end(locs, i)
+        heads = [bytearray(_HDR_SIZE + locs[k].key_len) for k in range(i, j)]  # type: ignore[union-attr]
+        iov: list[Any] = []
+        for k in range(i, j):
+            iov += (heads[k - i], outs[k])
         try:
-            i = 0
-            while i < n:
-                loc = locs[i]
-                if loc is None:
-                    i += 1
-                    continue
-                if loc.flags & FLAG_LZ4:
-                    results[i] = self._read_compressed(keys[i], loc, outs[i])
-                    if not results[i]:
-                        bad.append(i)
-                    i += 1
-                    continue
-                j, end = i + 1, loc.offset + loc.rec_len
-                while j < n and j - i < _IOV_RUN:
-                    nxt = locs[j]
-                    if nxt is None or nxt.seg is not loc.seg or nxt.offset != end or nxt.flags & FLAG_LZ4:
-                        break
-                    end += nxt.rec_len
-                    j += 1
-                heads = [bytearray(_HDR_SIZE + locs[k].key_len) for k in range(i, j)]  # type: ignore[union-attr]
-                iov: list[Any] = []
-                for k in range(i, j):
-                    iov += (heads[k - i], outs[k])
-                try:
-                    got = os.preadv(loc.seg.fd, iov, loc.offset)
-                except OSError as exc:  # an I/O error is a miss for the run, not corruption
-                    self._failed("get", keys[i], exc)
-                    i = j
-                    continue
-                for k in range(i, j):
-                    rec = locs[k]
-                    assert rec is not None
-                    ok = rec.offset + rec.rec_len - loc.offset <= got and self._verify(
-                        keys[k], rec, heads[k - i], outs[k]
-                    )
-                    results[k] = ok
-                    if not ok:
-                        bad.append(k)
-                i = j
-        finally:
-            with self._lock:
-                segs = {}
-                for loc in locs:
-                    if loc is not None:
-                        loc.seg.readers -= 1
-                        segs[loc.seg.id] = loc.seg
-                for seg in segs.values():
-                    self._maybe_drop(seg)
-        for k in bad:
+            got = os.preadv(loc.seg.fd, iov, loc.offset)
+        except OSError as exc:  # an I/O error is a miss for the run, not corruption
+            self._failed("get", keys[i], exc)
+            return j
+        for k in range(i, j):
             rec = locs[k]
             assert rec is not None
-            self._drop_corrupt(keys[k], rec)
-        return results
+            ok = rec.offset + rec.rec_len - loc.offset <= got and self._verify(keys[k], rec, heads[k - i], outs[k])
+            results[k] = ok
+            if not ok:
+                bad.append(k)
+        return j
 
     def _verify(self, key: str, loc: _Loc, head: bytearray, payload: Any) -> bool:
         kb = memoryview(head)[_HDR_SIZE:]
@@ -690,7 +744,29 @@ class FileStorage(StorageBackend):
         :meth:`_sync` (0: nothing to sync). A record counts as stored only once all its
         bytes are in the file; a run that fails part-way keeps the records it completed.
         """
-        plan: list[tuple[int, _Segment, int, int]] = []  # (record, segment, offset, generation)
+        plan = self._reserve(recs)
+        written = [False] * len(recs)
+        try:
+            p = 0
+            while p < len(plan):
+                q = p + 1
+                while q < len(plan) and q - p < _IOV_RUN and plan[q][1] is plan[p][1]:
+                    q += 1
+                self._write_run(recs, plan[p:q], written)
+                p = q
+        finally:
+            published, seq, evicted, need_compact = self._publish(recs, plan, written)
+        if evicted:
+            self._count(evictions=evicted)
+        if need_compact and not any(r is not None and r.expect is not None for r in recs):
+            self._compact_one()
+        return published, seq
+
+    def _reserve(self, recs: list[_Rec | None]) -> list[_Placed]:
+        """Place each record (under one lock round): its segment (a full active one is
+        sealed and a fresh one opened), offset and generation; the segments are pinned
+        (``pending``) until :meth:`_publish`."""
+        plan: list[_Placed] = []
         with self._lock:
             if self._closed:
                 raise StorageError("storage is closed")
@@ -708,71 +784,71 @@ class FileStorage(StorageBackend):
                 seg.size += rec.rec_len
                 self._disk_bytes += rec.rec_len
                 seg.pending += 1
-        written = [False] * len(recs)
-        try:
-            p = 0
-            while p < len(plan):
-                q = p + 1
-                while q < len(plan) and q - p < _IOV_RUN and plan[q][1] is plan[p][1]:
-                    q += 1
-                iov: list[Any] = []
-                total = 0
-                for i, _, _, gen in plan[p:q]:
-                    rec = recs[i]
-                    assert rec is not None
-                    iov += (
-                        _header(rec.kb, rec.flags, len(rec.payload), rec.raw_len, gen, rec.crc),
-                        rec.kb,
-                        rec.payload,
-                    )
-                    total += rec.rec_len
-                done = self._write_all(plan[p][1].fd, iov, plan[p][2], total, recs[plan[p][0]].key)  # type: ignore[union-attr]
-                start = plan[p][2]
-                for i, _, offset, _ in plan[p:q]:
-                    rec = recs[i]
-                    assert rec is not None
-                    written[i] = offset + rec.rec_len - start <= done
-                p = q
-        finally:
-            published = [False] * len(recs)
-            seq = 0
-            with self._lock:
-                evicted = 0
-                wrote = 0
-                for i, seg, offset, gen in plan:
-                    seg.pending -= 1
-                    rec = recs[i]
-                    assert rec is not None
-                    if not written[i]:
-                        continue
-                    cur = self._index.get(rec.key)
-                    # A new write loses only to a newer one; a compaction move only to any change.
-                    publish = (cur is rec.expect) if rec.expect is not None else (cur is None or cur.gen <= gen)
-                    if publish:
-                        loc = _Loc(seg, offset, len(rec.kb), len(rec.payload), rec.raw_len, rec.flags, gen, rec.crc)
-                        self._link_loc(rec.key, loc)
-                        if rec.expect is None:
-                            self._index.move_to_end(rec.key)
-                    # A write that lost to a newer one still succeeded: the key holds newer data.
-                    published[i] = True
-                    if self.fsync != "none":
-                        self._dirty.add(seg.id)
-                        wrote += rec.rec_len
-                if wrote:
-                    self._write_seq += 1
-                    seq = self._write_seq
-                    self._unsynced_bytes += wrote
-                    if self._unsynced_bytes >= self.fsync_bytes:
-                        self._wake.notify()
-                evicted = self._evict_to_capacity()
-                for seg in {id(s): s for _, s, _, _ in plan}.values():
-                    self._maybe_drop(seg)
-                need_compact = self._disk_bytes - self._live_bytes > max(self.segment_bytes, self._live_bytes // 2)
-        if evicted:
-            self._count(evictions=evicted)
-        if need_compact and not any(r is not None and r.expect is not None for r in recs):
-            self._compact_one()
-        return published, seq
+        return plan
+
+    def _write_run(self, recs: list[_Rec | None], run: list[_Placed], written: list[bool]) -> None:
+        """Write a run of records placed back to back in one segment with one ``pwritev``
+        (resumed after short writes); mark in ``written`` those whose bytes all landed."""
+        iov: list[Any] = []
+        total = 0
+        for i, _, _, gen in run:
+            rec = recs[i]
+            assert rec is not None
+            iov += (_header(rec.kb, rec.flags, len(rec.payload), rec.raw_len, gen, rec.crc), rec.kb, rec.payload)
+            total += rec.rec_len
+        first, seg, start, _ = run[0]
+        done = self._write_all(seg.fd, iov, start, total, recs[first].key)  # type: ignore[union-attr]
+        for i, _, offset, _ in run:
+            rec = recs[i]
+            assert rec is not None
+            written[i] = offset + rec.rec_len - start <= done
+
+    def _publish(
+        self, recs: list[_Rec | None], plan: list[_Placed], written: list[bool]
+    ) -> tuple[list[bool], int, int, bool]:
+        """Under one lock round: unpin the segments, index each written record unless a
+        newer write of its key (or, for a compaction move, any change) won, account the
+        bytes to sync, evict to capacity and drop emptied segments. Returns whether each
+        record is stored, the publication's sequence number (0: nothing to sync), the
+        pages evicted, and whether a compaction is due."""
+        published = [False] * len(recs)
+        seq = 0
+        with self._lock:
+            wrote = 0
+            for i, seg, offset, gen in plan:
+                seg.pending -= 1
+                rec = recs[i]
+                assert rec is not None
+                if not written[i]:
+                    continue
+                self._link_newest(rec, seg, offset, gen)
+                # A write that lost to a newer one still succeeded: the key holds newer data.
+                published[i] = True
+                if self.fsync != "none":
+                    self._dirty.add(seg.id)
+                    wrote += rec.rec_len
+            if wrote:
+                self._write_seq += 1
+                seq = self._write_seq
+                self._unsynced_bytes += wrote
+                if self._unsynced_bytes >= self.fsync_bytes:
+                    self._wake.notify()
+            evicted = self._evict_to_capacity()
+            for seg in {id(s): s for _, s, _, _ in plan}.values():
+                self._maybe_drop(seg)
+            need_compact = self._disk_bytes - self._live_bytes > max(self.segment_bytes, self._live_bytes // 2)
+        return published, seq, evicted, need_compact
+
+    def _link_newest(self, rec: _Rec, seg: _Segment, offset: int, gen: int) -> None:
+        """Index ``rec`` (written at ``offset`` of ``seg``) unless it lost. Caller holds the lock."""
+        cur = self._index.get(rec.key)
+        # A new write loses only to a newer one; a compaction move only to any change.
+        publish = (cur is rec.expect) if rec.expect is not None else (cur is None or cur.gen <= gen)
+        if publish:
+            loc = _Loc(seg, offset, len(rec.kb), len(rec.payload), rec.raw_len, rec.flags, gen, rec.crc)
+            self._link_loc(rec.key, loc)
+            if rec.expect is None:
+                self._index.move_to_end(rec.key)
 
     def _write_all(self, fd: int, iov: list[Any], offset: int, total: int, key: str) -> int:
         """``pwritev`` the ``total`` bytes of ``iov`` at ``offset``, resuming after short

@@ -506,28 +506,41 @@ class MooncakeStorage(StorageBackend):
         that is not stored is one cheap "not found" in the same round trip.) A key given
         twice is stored once, from its last page.
         """
-        oks = [False] * len(keys)
         cap = self.capacity_bytes
         last = {k: i for i, k in enumerate(keys) if cap is None or sizes[i] <= cap}
         if not last:
-            return oks
-        ks = list(last)
+            return [False] * len(keys)
+        ks = self._remove_old(list(last))
+        codes = self._batched(
+            self.client.batch_put_from, ks, [addrs[last[k]] for k in ks], [sizes[last[k]] for k in ks], self._replicate
+        )
+        self._note_errors("set", ks, codes, {_NO_SPACE})
+        stored = [k for k, c in zip(ks, codes, strict=True) if c == 0]
+        victims = self._index_stored([(k, sizes[last[k]]) for k in stored])
+        if victims:
+            self._evict(victims)
+        done = set(stored)
+        return [k in done for k in keys]
+
+    def _remove_old(self, ks: list[str]) -> list[str]:
+        """Remove the stored versions of ``ks`` (see :meth:`_store`); the keys that may be
+        written, those whose removal was not refused."""
         # Unforced unless configured: a page under a reader's lease refuses, and is kept.
         rm = self._batched_keys(lambda part: self.client.batch_remove(part, self.force_remove), ks)
         self._note_errors("replace", ks, rm, _BUSY)
         refused = {k for k, c in zip(ks, rm, strict=True) if c not in (0, _OBJECT_NOT_FOUND)}
         self._forget(k for k, c in zip(ks, rm, strict=True) if c == 0)
-        ks = [k for k in ks if k not in refused]
-        codes = self._batched(
-            self.client.batch_put_from, ks, [addrs[last[k]] for k in ks], [sizes[last[k]] for k in ks], self._replicate
-        )
-        self._note_errors("set", ks, codes, {_NO_SPACE})
-        stored = {k for k, c in zip(ks, codes, strict=True) if c == 0}
+        return [k for k in ks if k not in refused]
+
+    def _index_stored(self, stored: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Index the pages just stored, ``(key, bytes)`` in write order (the LRU order),
+        then take the least recently used off the index until the bytes fit the capacity;
+        those victims, for :meth:`_evict`."""
+        cap = self.capacity_bytes
         victims: list[tuple[str, int]] = []
         with self._lock:
             idx = self._index
-            for k in (k for k in ks if k in stored):  # in write order: the LRU order
-                n = sizes[last[k]]
+            for k, n in stored:
                 old = idx.pop(k, None)
                 self._bytes += n - (old or 0)
                 idx[k] = n
@@ -535,9 +548,7 @@ class MooncakeStorage(StorageBackend):
                 while idx and self._bytes > cap:
                     victims.append(idx.popitem(last=False))
                     self._bytes -= victims[-1][1]
-        if victims:
-            self._evict(victims)
-        return [k in stored for k in keys]
+        return victims
 
     def _batched_keys(self, fn: Any, keys: list[str]) -> list[int]:
         out: list[int] = []

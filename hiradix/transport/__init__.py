@@ -15,6 +15,7 @@ from hiradix.transport.base import (
     Status,
     Transport,
     TransportError,
+    TransportSettings,
     TransportStats,
     TransportUnavailable,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "TcpTransport",
     "Transport",
     "TransportError",
+    "TransportSettings",
     "TransportStats",
     "TransportUnavailable",
     "load_token",

@@ -58,6 +58,7 @@ __all__ = [
     "Status",
     "Transport",
     "TransportError",
+    "TransportSettings",
     "TransportStats",
     "TransportUnavailable",
     "buffer_span",
@@ -144,6 +145,46 @@ class TransportStats:
     channels_opened: int = 0
     channels_discarded: int = 0  #: channels closed after an error
     served_items: int = 0  #: items this node served as a responder
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """The settings a peer node gives its socket transport (:class:`~hiradix.transport.tcp.TcpTransport`,
+    or ``RdmaTransport``, whose bootstrap is the same authenticated listener); the defaults
+    are the transports' own. The in-process fake NIC takes only the channel cap and the
+    read timeout (:meth:`channel_kwargs`).
+
+    >>> TransportSettings(port=7000).socket_kwargs()["port"], TransportSettings().channel_kwargs()
+    (7000, {'max_channels_per_peer': 16, 'timeout': 5.0})
+    """
+
+    #: Where the responder (or the RDMA bootstrap) listens.
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: Channels this node opens to one peer at most, and seconds a batch READ waits.
+    max_channels_per_peer: int = 16
+    timeout: float = 5.0
+    #: Seconds a connection's handshake may take; connections served at once; seconds an
+    #: idle connection is kept.
+    handshake_timeout: float = 5.0
+    max_connections: int = 1024
+    idle_timeout: float = 300.0
+
+    def channel_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every transport takes (:class:`Transport`)."""
+        return {"max_channels_per_peer": self.max_channels_per_peer, "timeout": self.timeout}
+
+    def socket_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of a socket transport (TCP, RDMA), all of these settings."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "max_channels_per_peer": self.max_channels_per_peer,
+            "timeout": self.timeout,
+            "handshake_timeout": self.handshake_timeout,
+            "max_connections": self.max_connections,
+            "idle_timeout": self.idle_timeout,
+        }
 
 
 class TransportError(Exception):

@@ -150,6 +150,50 @@ def plan_frames(length: np.ndarray, max_items: int, frame_bytes: int) -> np.ndar
     return np.array(starts, dtype=np.int64)
 
 
+def _send_requests_py(
+    sock: socket.socket,
+    raddr: np.ndarray,
+    rkey: np.ndarray,
+    length: np.ndarray,
+    bounds: list[int],
+    first: int,
+    last: int,
+    seq: int,
+) -> None:
+    """Frames ``first..last-1`` as one send; frame ``f`` carries sequence ``seq + f - first``
+    (the twin of ``_tcpio._send_requests``)."""
+    reqs = []
+    for f in range(first, last):
+        fa, fb = bounds[f], bounds[f + 1]
+        reqs.append(_REQ.pack(MAGIC, OP_READ, fb - fa, (seq + f - first) & 0xFFFFFFFF, 0))
+        items = np.zeros(fb - fa, dtype=_ITEM_DTYPE)
+        items["addr"], items["length"], items["rkey"] = raddr[fa:fb], length[fa:fb], rkey[fa:fb]
+        reqs.append(items.tobytes())
+    sock.sendall(b"".join(reqs))
+
+
+def _receive_frame_py(
+    sock: socket.socket, hview: memoryview, lens: list[int], laddr: np.ndarray, a: int, b: int, seq: int
+) -> bytes | None:
+    """Receive the response to items ``a..b-1`` (sequence ``seq``) into their destinations;
+    its status codes, or ``None`` when the stream is out of step with the requests (the
+    twin of ``_tcpio._receive_frame``; socket errors propagate)."""
+    view = hview[: _RESP.size + b - a]
+    if not _recv_exact(sock, view):
+        return None
+    magic, op, r_count, r_seq, _, total = _RESP.unpack_from(view)
+    if magic != MAGIC or op != OP_READ or r_count != b - a or r_seq != seq & 0xFFFFFFFF:
+        return None
+    codes = bytes(view[_RESP.size :])
+    if max(codes) > int(Status.INVALID):
+        return None
+    ok = [k for k, c in zip(range(a, b), codes, strict=True) if c == _OK and lens[k]]
+    if sum(lens[k] for k in ok) != total:
+        return None
+    _recv_views(sock, [view_at(int(laddr[k]), lens[k]) for k in ok])
+    return codes
+
+
 def read_frames_py(
     sock: socket.socket,
     raddr: np.ndarray,
@@ -169,39 +213,21 @@ def read_frames_py(
     n_frames = len(starts) - 1
     bounds = starts.tolist()
     lens = length.tolist()
-    head = bytearray(_RESP.size + MAX_ITEMS)
-    hview = memoryview(head)
+    hview = memoryview(bytearray(_RESP.size + MAX_ITEMS))
     done = sent = 0
     while done < n_frames:
         a, b = bounds[done], bounds[done + 1]
         try:
             if sent < n_frames and sent - done < window:
                 upto = min(n_frames, done + window)
-                reqs = []
-                for f in range(sent, upto):
-                    fa, fb = bounds[f], bounds[f + 1]
-                    reqs.append(_REQ.pack(MAGIC, OP_READ, fb - fa, (seq + 1 + f) & 0xFFFFFFFF, 0))
-                    items = np.zeros(fb - fa, dtype=_ITEM_DTYPE)
-                    items["addr"], items["length"], items["rkey"] = raddr[fa:fb], length[fa:fb], rkey[fa:fb]
-                    reqs.append(items.tobytes())
-                sock.sendall(b"".join(reqs))
+                _send_requests_py(sock, raddr, rkey, length, bounds, sent, upto, seq + 1 + sent)
                 sent = upto
-            view = hview[: _RESP.size + b - a]
-            if not _recv_exact(sock, view):
-                return done, E_CHANNEL, seq + done
-            magic, op, r_count, r_seq, _, total = _RESP.unpack_from(view)
-            if magic != MAGIC or op != OP_READ or r_count != b - a or r_seq != (seq + 1 + done) & 0xFFFFFFFF:
-                return done, E_CHANNEL, seq + done
-            codes = bytes(view[_RESP.size :])
-            if max(codes) > int(Status.INVALID):
-                return done, E_CHANNEL, seq + done
-            ok = [k for k, c in zip(range(a, b), codes, strict=True) if c == _OK and lens[k]]
-            if sum(lens[k] for k in ok) != total:
-                return done, E_CHANNEL, seq + done
-            _recv_views(sock, [view_at(int(laddr[k]), lens[k]) for k in ok])
+            codes = _receive_frame_py(sock, hview, lens, laddr, a, b, seq + 1 + done)
         except (TimeoutError, BlockingIOError):
             return done, E_TIMEOUT, seq + done
         except (OSError, ValueError):
+            return done, E_CHANNEL, seq + done
+        if codes is None:
             return done, E_CHANNEL, seq + done
         # Only now, with every byte of the frame landed, do its items count.
         status[a:b] = np.frombuffer(codes, dtype=np.uint8)
