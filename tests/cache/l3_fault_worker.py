@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvdata import fill, prefix_seeds
-from scheduler_loop import prefetch_back, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
@@ -22,6 +20,8 @@ from hiradix.cache.distributed import TorchDistAgreement
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import Capabilities, MemoryStorage
+from tests.support.kvdata import fill, prefix_seeds
+from tests.support.scheduler_loop import prefetch_back, tree_fingerprint
 
 PAGE = 16
 

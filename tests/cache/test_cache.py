@@ -9,8 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvdata import fill, mismatches, prefix_seeds, scribble
-from support import tree_snapshot
 
 from hiradix.cache import HiRadixCache, Req
 from hiradix.cache.controller import HiCacheController
@@ -18,6 +16,8 @@ from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
 from hiradix.tree import Change, LockError
+from tests.support import tree_snapshot
+from tests.support.kvdata import fill, mismatches, prefix_seeds, scribble
 
 SHAPES = {"mha": MHAShape(3, 2, 4), "mla": MLAShape(3, 8, 4)}
 

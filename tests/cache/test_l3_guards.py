@@ -11,18 +11,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import l3_fault_worker
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from support import run_ranks
 
 import hiradix
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.cache.l3 import L3Controller, PrefetchConfig
 from hiradix.memory import HostKVPool, MHAShape
 from hiradix.storage import Capabilities, MemoryStorage
+from tests.cache import l3_fault_worker
+from tests.support import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

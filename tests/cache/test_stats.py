@@ -8,11 +8,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cache import compute, make_cache
 
 from hiradix.cache import CacheStats, ControllerStats, L3Stats
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.storage import MemoryStorage
+from tests.cache.test_cache import compute, make_cache
 
 
 def test_cache_and_controller_stats_are_frozen_snapshots() -> None:

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
-from scheduler_loop import run_loop
-from support import OPS
 
 from hiradix.cache import HiRadixCache
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape, MLAShape
+from tests.support import OPS
+from tests.support.scheduler_loop import run_loop
 
 pytestmark = pytest.mark.slow  # long randomized cache runs with faults
 

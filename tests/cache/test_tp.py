@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import tp_worker
-from support import OPS, run_ranks
+
+from tests.cache import tp_worker
+from tests.support import OPS, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process tensor-parallel caches
 

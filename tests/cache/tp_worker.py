@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvdata import fill, prefix_seeds
-from scheduler_loop import prefetch_back, run_loop, tree_fingerprint
 
 import hiradix
 from hiradix.cache import HiRadixCache
@@ -20,6 +18,8 @@ from hiradix.cache.distributed import LocalAgreement, RankAgreement, TorchDistAg
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import MemoryStorage
+from tests.support.kvdata import fill, prefix_seeds
+from tests.support.scheduler_loop import prefetch_back, run_loop, tree_fingerprint
 
 
 class FaultyHostPool(HostKVPool):

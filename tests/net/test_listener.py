@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 
 import pytest
-from support import FakeClock
 
 from hiradix.net.auth import AuthError
 from hiradix.net.listener import AuthListener, Backoff, dial
 from hiradix.net.rpc import RpcClient, RpcServer
 from hiradix.transport import Status, TcpTransport
+from tests.support import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,6 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import send_then_drain
 
 from hiradix.net.auth import AuthError, client_handshake, server_handshake
 from hiradix.net.rpc import (
@@ -31,6 +30,7 @@ from hiradix.net.rpc import (
     encode_frame,
     split_frames,
 )
+from tests.support import send_then_drain
 
 pytestmark = pytest.mark.timeout(60)
 

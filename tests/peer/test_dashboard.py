@@ -9,7 +9,6 @@ import re
 import socket
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.metrics import HitRateHistory, MetricsServer, PeerMetrics
 from hiradix.peer.node import InProcessCluster, PeerNode
+from tests.support import REPO
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = REPO / "examples"
 GiB = 1 << 30
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).resolve().parent.parent / "bench" / "fault_harness.py"
+from tests.support import REPO
+
+HARNESS = REPO / "bench" / "fault_harness.py"
 HARD_DEADLINE_S = 60  # the harness's own budget is lower, so it stops first and says why
 
 pytestmark = [pytest.mark.timeout(HARD_DEADLINE_S + 30), pytest.mark.slow]  # slow: the fault harness's timed scenarios

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,10 +14,6 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_storage_contract import StorageContract, make_pool
 
 from hiradix.peer.config import PeerConfig
 from hiradix.peer.directory import DirEntry
@@ -28,6 +23,7 @@ from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import StorageConfig, create_backend
 from hiradix.transport.base import Status
 from hiradix.transport.fake import FakeClock
+from tests.storage.test_contract import StorageContract, make_pool
 
 pytestmark = pytest.mark.slow  # the store's contract suite: a peer cluster set up and torn down per case
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+
 FENCE_OPEN = re.compile(r"^\s*```(bash|sh|shell)\s*$")
 FENCE_CLOSE = re.compile(r"^\s*```\s*$")
 SEPARATORS = {"&&", "||", ";", "|", "&", ";;", "|&"}

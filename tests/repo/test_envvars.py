@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hiradix import envvars
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"\bHIRADIX_[A-Z0-9_]*[A-Z0-9]\b")
 #: HIRADIX_-prefixed words that are not environment variables: C header guards, and the
 #: name of SGLang's pipeline tag (``P2PTag.HIRADIX_PP_SYNC``) that hiradix.sglang looks up.

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
+
 pytestmark = pytest.mark.slow  # runs every example script
 
-EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])

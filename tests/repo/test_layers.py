@@ -16,7 +16,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO as ROOT
+
 PACKAGE = ROOT / "hiradix"
 
 LAYERS: list[tuple[str, ...]] = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 pytest.importorskip("mypy", reason="mypy is not installed (pip install -e '.[dev]')")
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.support import REPO as ROOT
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # Absolute paths that belong to one machine's layout (a home, a workplace, a mount), not to
 # the project. Results files record the commands as they ran, with their machine; they are

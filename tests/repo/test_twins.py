@@ -13,8 +13,7 @@ import pytest
 
 from hiradix import _native
 from hiradix._native import TWINS
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
 
 
 def _dotted(pyx: Path) -> str:

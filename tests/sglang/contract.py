@@ -5,7 +5,7 @@ server): every ``tree_cache.NAME`` and ``tree_cache.cache_controller.NAME`` (or
 managers, the metrics code and the HTTP entry points. The tests check hiradix's cache has
 each name, or that the name is one of :data:`NOT_APPLICABLE`, which SGLang reaches only
 for caches or options hiradix refuses at start-up (each entry says which). Shared by
-``tests/sglang`` (0.5.18, 0.5.20) and ``tests/sglang23`` (0.5.23)."""
+``tests/sglang`` (0.5.18, 0.5.20) and ``tests/sglang/v23`` (0.5.23)."""
 
 from __future__ import annotations
 

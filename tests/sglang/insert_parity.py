@@ -6,8 +6,7 @@ the class's method. After every step both returned the same, and the two trees (
 node's fields, key, slots, host slots and hashes), the backups waiting for the step, the
 sizes and the allocators agree; the tree's invariants are checked on both.
 
-Shared by ``tests/sglang`` (SGLang 0.5.18 and 0.5.20) and ``tests/sglang23`` (0.5.23); both
-put ``tests/`` on ``sys.path``.
+Run on every SGLang version by ``tests/sglang/test_insert_compiled.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +16,13 @@ from array import array
 from typing import Any
 
 import torch
-from match_parity import token_source
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from support import tree_snapshot
 
 from hiradix._native import load
 from hiradix.sglang.cache import HiRadixCacheBase
+from tests.sglang.match_parity import token_source
+from tests.support import tree_snapshot
 
 COMPILED = load("hiradix.sglang._insert")
 

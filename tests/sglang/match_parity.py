@@ -3,9 +3,8 @@ stands in front of, on one cache: a randomized run of inserts, evictions (host-o
 tails), lock changes and matches of every kind of key, both answers compared field by
 field and the tree's invariants checked after every step.
 
-Shared by ``tests/sglang`` (SGLang 0.5.18 and 0.5.20, whose results carry the device slots)
-and ``tests/sglang23`` (0.5.23, the device prefix's length); both put ``tests/`` on
-``sys.path``.
+Run on every SGLang version by ``tests/sglang/test_match_compiled.py`` (0.5.18's and
+0.5.20's results carry the device slots, 0.5.23's the device prefix's length).
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_pools import insert
 
 from hiradix._native import load
 from hiradix.sglang.cache import HiRadixCacheBase
+from tests.sglang.pools import insert
 
 COMPILED = load("hiradix.sglang._match")
 

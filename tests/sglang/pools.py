@@ -1,10 +1,10 @@
-"""What ``tests/sglang`` (SGLang 0.5.18, main venv) and ``tests/sglang23`` (SGLang 0.5.23,
-``.venv-sglang23``) share: SGLang's CPU pools of one shape, the KV bytes a test "computes"
-and checks, the TP worker stub the cache factories call, the torch stand-ins for SGLang's
-direct host <-> device copy kernel, a bounded wait on SGLang's queues, and the few cache calls
-the unit tests of both make (``key``, ``insert``, ``match``, ``settle``). Only SGLang names
-that both versions have are used here. ``tests/conftest.py`` puts this folder on
-``sys.path``, so both suites import it by name.
+"""What ``tests/sglang/v18`` (SGLang 0.5.18, main venv) and ``tests/sglang/v23`` (SGLang
+0.5.23, ``.venv-sglang23``) share, and the tests of ``tests/sglang`` run on both: SGLang's
+CPU pools of one shape, the KV bytes a test "computes" and checks, the TP worker stub the
+cache factories call, the torch stand-ins for SGLang's direct host <-> device copy kernel,
+a bounded wait on SGLang's queues, and the few cache calls the unit tests of both make
+(``key``, ``insert``, ``match``, ``settle``). Only SGLang names that both versions have are
+used here.
 """
 
 from __future__ import annotations

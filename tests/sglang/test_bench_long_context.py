@@ -1,26 +1,24 @@
 """``bench/long_context.py --quick`` runs (issue 32): every scenario, every cache of the
 installed SGLang, and the script's own equality checks between them, so the benchmark
 cannot rot. Latencies are not asserted (the machine is shared); the run's checks are.
-Written once, collected by ``tests/sglang`` (SGLang 0.5.18's HiRadixCache) and
-``tests/sglang23`` (0.5.23's UnifiedRadixCache, both tree cores); the script compares
-no cache on 0.5.20, where this test skips."""
+Runs in every SGLang venv: 0.5.18's HiRadixCache, 0.5.23's UnifiedRadixCache (both tree
+cores); the script compares no cache on 0.5.20, where this test skips."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip("SGLang is not installed", allow_module_level=True)
+from tests.sglang import require_sglang
+from tests.support import REPO, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "long_context.py"
+require_sglang()
+
+SCRIPT = REPO / "bench" / "long_context.py"
 # Seconds. The quick run takes 30-40 s of CPU (SGLang's import, a dozen caches built); on
 # this 2-core VM under a load of 20 (parallel suites) it took 2-7 minutes of wall time.
 DEADLINE_S = 900
@@ -33,10 +31,7 @@ def test_long_context_quick_run_checks_every_scenario_and_cache(tmp_path: Path) 
     if REQUEST_API not in ("cache_req", "checkpoint"):
         pytest.skip("bench/long_context.py drives SGLang 0.5.18's and 0.5.23's request APIs")
     out = tmp_path / "lc.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "tests" / "stubs"), env.get("PYTHONPATH", "")) if p
-    )
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
         capture_output=True,

@@ -1,13 +1,17 @@
-"""The server flags README and docs/ (sglang/, storage.md) document, through SGLang's own
-command line (tests collected by the 0.5.18/0.5.20 and the 0.5.23 suites): what they print
-is accepted as printed, and what SGLang's parser refuses fails (:mod:`sglang_args`)."""
+"""The server flags README and docs/ (sglang/, storage.md) document, through the installed
+SGLang's own command line (every SGLang venv): what they print is accepted as printed, and
+what SGLang's parser refuses fails (:mod:`tests.sglang.args`)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from sglang_args import ParserRefused, parse
+
+from tests.sglang import require_sglang
+from tests.sglang.args import ParserRefused, parse
+
+require_sglang()
 
 BASE = ["--model-path", "dummy", "--device", "cpu"]
 #: README's "Use it in SGLang" command, and the storage flags of docs/storage.md.

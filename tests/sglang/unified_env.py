@@ -1,5 +1,5 @@
 """SGLang's own ``UnifiedRadixCache`` (0.5.20 and 0.5.23) on CPU, built as its scheduler
-builds it: ``tests/sglang23`` (0.5.23) and the 0.5.20 tests of ``tests/sglang``.
+builds it: ``tests/sglang/v23`` (0.5.23) and the 0.5.20 tests of ``tests/sglang``.
 
 From 0.5.20 on, with ``--enable-hierarchical-cache`` SGLang's
 ``create_tree_cache`` (the default factory, no ``--radix-cache-backend``) builds a
@@ -12,7 +12,7 @@ them (``get_memory()`` / ``get_serving()``, SGLang's runtime context).
 
 :func:`build_hiradix` builds hiradix's cache through the same ``create_tree_cache``, as
 the scheduler does with ``--radix-cache-backend hiradix`` (the plugin registered), on the
-same pools (:mod:`sglang_pools`, shared with ``tests/sglang``).
+same pools (:mod:`tests.sglang.pools`, shared with ``tests/sglang/v18``).
 
 That needs the stand-ins of :func:`patch_sglang_for_cpu`, each for one thing SGLang only
 does on an accelerator or in a launched server; they are test support and touch none of
@@ -20,7 +20,7 @@ hiradix's code. :func:`write` and :func:`read` drive a prefix through L3 as the
 scheduler does, waiting on real completion signals with bounded waits.
 
 The module skips its importer, saying why, without an SGLang whose hierarchical cache is
-the ``UnifiedRadixCache`` (0.5.18 and older build ``HiRadixCache``: ``tests/sglang``).
+the ``UnifiedRadixCache`` (0.5.18 and older build ``HiRadixCache``: ``tests/sglang/v18``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ with warnings.catch_warnings():
 # the request API that came with the UnifiedRadixCache hierarchical cache.
 if not (hasattr(BasePrefixCache, "checkpoint") or hasattr(BasePrefixCache, "free_kv_row")):
     pytest.skip(
-        "this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang covers it; these tests need the "
+        "this SGLang builds HiRadixCache (<= 0.5.18): tests/sglang/v18 covers it; these tests need the "
         "UnifiedRadixCache hierarchical cache of SGLang >= 0.5.20 (CI: 0.5.20, 0.5.23)",
         allow_module_level=True,
     )
@@ -74,12 +74,11 @@ with warnings.catch_warnings():
     import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
 
-import sglang_args
-from sglang_pools import LAYERS, KVBuffers, Worker, sglang_pools, transfer_kv_direct, wait_queue
-
 from hiradix.peer.node import InProcessCluster
 from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import MemoryStorage, StorageBackend, StorageConfig
+from tests.sglang import args as sglang_args
+from tests.sglang.pools import LAYERS, KVBuffers, Worker, sglang_pools, transfer_kv_direct, wait_queue
 
 logging.getLogger("sglang").setLevel(logging.ERROR)
 hs.register()  # what SGLang's plugin loader does at start-up (--radix-cache-backend hiradix)

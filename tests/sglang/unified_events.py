@@ -1,7 +1,7 @@
 """KV cache events of SGLang's own ``UnifiedRadixCache`` beside hiradix's cache: what the
-event parity tests of SGLang 0.5.20 (``tests/sglang/test_sglang20_kv_events.py``) and
-0.5.23 (``tests/sglang23/test_sglang23_kv_events.py``) share. :class:`Twin` gives both
-caches, built alike (:mod:`sglang_unified_env`), the same operations and compares what
+event parity tests of SGLang 0.5.20 (``tests/sglang/v18/test_kv_events_v20.py``) and
+0.5.23 (``tests/sglang/v23/test_kv_events.py``) share. :class:`Twin` gives both
+caches, built alike (:mod:`tests.sglang.unified_env`), the same operations and compares what
 they return and the events they queue after each; :func:`sglang_ids` computes event ids
 with SGLang's own hash helpers.
 """
@@ -25,10 +25,10 @@ from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
-from sglang_pools import LAYERS, device_len, key, match, only_in_l3, settle
-from sglang_unified_env import build, build_hiradix
 
 import hiradix.sglang as hs
+from tests.sglang.pools import LAYERS, device_len, key, match, only_in_l3, settle
+from tests.sglang.unified_env import build, build_hiradix
 
 GPU, CPU = StorageMedium.GPU, StorageMedium.CPU
 

@@ -1,5 +1,5 @@
 """The per-pool (v2) storage calls of ``hiradix.sglang.storage`` on one of SGLang's real
-host pools, shared by the SGLang 0.5.18 (``tests/sglang``) and 0.5.23 (``tests/sglang23``)
+host pools, shared by the SGLang 0.5.18 (``tests/sglang``) and 0.5.23 (``tests/sglang/v23``)
 tests: a KV pool and a Mamba-style sidecar pool (the same host pool registered under a
 second name, as SGLang's own draft-pool tests stage one) written, looked up under both hit
 policies and read back into other slots, byte for byte."""

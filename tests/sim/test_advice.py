@@ -211,10 +211,9 @@ def test_cli_sim_following_the_option_removes_the_finding(capsys: pytest.Capture
 
 # ------------------------------------------------------------------------- hiradix plan
 def test_cli_plan_names_a_layout_whose_l3_costs_ttft(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from test_sim_curve import random_trace, write_trace
-
     from hiradix.sim import MooncakeTrace
     from hiradix.sim.curve import CapacityCurve
+    from tests.sim.test_curve import random_trace, write_trace
 
     trace = write_trace(tmp_path / "t.jsonl", random_trace(6, 300))
     target = round(CapacityCurve.from_requests(MooncakeTrace(trace), page_size=16).ideal_token_hit_rate * 0.8, 3)

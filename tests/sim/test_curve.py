@@ -26,7 +26,7 @@ from hiradix.sim.curve import DEFAULT_PRICES, GIB, CapacityCurve, recommend, sta
 from hiradix.sim.generators import ChatWorkload, MooncakeWorkload
 from hiradix.sim.run import simulate
 from hiradix.sim.trace import BLOCK_TOKENS, MooncakeTrace, TraceRequest
-from tests.test_sim import TRACE, needs_trace
+from tests.sim.test_sim import TRACE, needs_trace
 
 
 # ----------------------------------------------------------------------------- brute force

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import require_core
 
 import hiradix
 from hiradix import cli
@@ -35,8 +34,8 @@ from hiradix.sim import (
 )
 from hiradix.sim.config import Size
 from hiradix.tree import _reference
+from tests.support import REPO, require_core
 
-REPO = Path(__file__).resolve().parent.parent
 TRACE = Path(os.environ.get(TRACE_ENV) or SHARED_TRACE)
 needs_trace = pytest.mark.skipif(
     not TRACE.is_file(), reason=f"the Mooncake conversation trace is not at {TRACE} (set ${TRACE_ENV})"

@@ -9,7 +9,6 @@ test gets a new client on an emptied store, as every backend gets a fresh store.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_storage_contract import PAGE, StorageContract, key, make_pool, payload
-
 from hiradix.storage import StorageConfig, StorageError, create_backend
 from hiradix.storage.mooncake import MooncakeMaster, MooncakeStorage, mooncake_available
+from tests.storage.test_contract import PAGE, StorageContract, key, make_pool, payload
 
 if mooncake_available() is not None:  # the outer test skips before running this module
     pytest.skip(f"the Mooncake wheel does not import: {mooncake_available()}", allow_module_level=True)

@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_storage_contract import PAGE, key, payload
 
 from hiradix.storage import FileStorage, StorageConfig, StorageError, create_backend
 from hiradix.storage.file import _HDR_SIZE, MAGIC, default_path
+from tests.storage.test_contract import PAGE, key, payload
 
 REC = _HDR_SIZE + 64 + PAGE  # one uncompressed record of a PAGE-byte page under a 64-char key
 

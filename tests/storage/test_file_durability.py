@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_storage_contract import PAGE, StorageContract, key, payload
 
 import hiradix.storage.file as file_mod
 from hiradix.storage import FileStorage, StorageConfig, StorageError, create_backend
 from hiradix.storage.file import _HDR_SIZE
+from tests.storage.test_contract import PAGE, StorageContract, key, payload
 
 pytestmark = pytest.mark.slow  # crash and fsync scenarios in subprocesses
 

@@ -85,7 +85,7 @@ def test_unknown_name() -> None:
 
 
 def test_extra_config_merges_and_registers_pool() -> None:
-    from test_storage_contract import make_pool
+    from tests.storage.test_contract import make_pool
 
     pool = make_pool("page_first", False)
     b = create_backend(

@@ -2,8 +2,11 @@
 comparison of results and whole trees, teardown checks, index allocators, and the
 operation counter that the stress and property tests report at the end of a session.
 
-Kept out of ``conftest.py`` so that test modules can import it by name; ``conftest.py``
-puts this folder on ``sys.path`` first, so this works under every pytest import mode.
+Kept out of ``conftest.py`` so that test modules import it by name: ``from tests.support
+import ...``. ``tests/`` and each folder below it are packages, so pytest (its default
+``prepend`` import mode) puts the repository's root on ``sys.path``, where ``tests`` and
+``hiradix`` both import from; processes the tests spawn inherit that ``sys.path``, and
+Python subprocesses get it as ``PYTHONPATH`` from :func:`subprocess_env`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ import pytest
 
 import hiradix.tree._reference as reference
 from hiradix.tree import _results
+
+#: The repository's root: ``tests/support/`` is two folders below it.
+REPO = Path(__file__).resolve().parents[2]
+#: The import-only ``torchvision`` stub SGLang's imports need with the CPU torch (conftest.py).
+STUBS = REPO / "tests" / "stubs"
+
+
+def subprocess_env(*first: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with ``PYTHONPATH`` set for a Python
+    subprocess that runs the repository's code: ``first`` (folders of its own, such as the
+    real-server tests' stubs), then the repository's root (``hiradix``, ``tests.support``)
+    and ``tests/stubs``, then the ``PYTHONPATH`` it had."""
+    out = dict(os.environ if env is None else env)
+    parts = [*map(str, first), str(REPO), str(STUBS), out.get("PYTHONPATH", "")]
+    out["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    return out
+
 
 # ----------------------------------------------------------------------- implementations
 PUREPYTHON = os.environ.get("HIRADIX_PUREPYTHON", "") not in ("", "0")

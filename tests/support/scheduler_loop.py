@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvdata import fill, mismatches, prefix_seeds
 
 from hiradix.cache import HiRadixCache, Req
 from hiradix.memory.copy import CopyError
+from tests.support.kvdata import fill, mismatches, prefix_seeds
 
 
 @dataclass

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import send_then_drain
 
 import hiradix.transport.tcp as tcpmod
 from hiradix.net.auth import AuthError, client_handshake, load_token, server_handshake
 from hiradix.transport import FakeClock, FakeFabric, FakeTransport, ReadOp, Status, TcpTransport
 from hiradix.transport.tcp import MAGIC, OP_READ
+from tests.support import send_then_drain
 
 pytestmark = pytest.mark.timeout(60)
 

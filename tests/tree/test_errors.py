@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import IMPLEMENTATIONS, FakeClock
-from test_tree_unit import backup, idx, whole_state
 
 import hiradix
 from hiradix.tree._results import IOStatus, LockError
+from tests.support import IMPLEMENTATIONS, FakeClock
+from tests.tree.test_unit import backup, idx, whole_state
 
 
 def refused(tree, error, call, *args, **kwargs):

@@ -9,9 +9,9 @@ import struct
 
 import numpy as np
 import pytest
-from support import IMPLEMENTATIONS
 
 import hiradix
+from tests.support import IMPLEMENTATIONS
 
 HASH_OF_1234 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import assert_same, assert_trees_equal, make_pair, result_fields
+
+from tests.support import assert_same, assert_trees_equal, make_pair, result_fields
 
 BAD = (2**31, -(2**31) - 1, 2**40)
 

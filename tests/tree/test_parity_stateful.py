@@ -29,7 +29,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import (
+
+from hiradix.tree._results import LockError
+from hiradix.tree.policy import WRITE_POLICIES, policy_names
+from tests.support import (
     CORE_BUILT,
     CORE_IMPORT_ERROR,
     CORE_SKIP_REASON,
@@ -47,9 +50,6 @@ from support import (
     sizes,
     tree_snapshot,
 )
-
-from hiradix.tree._results import LockError
-from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 pytestmark = pytest.mark.slow  # hypothesis state machines, compiled core against the twin
 

@@ -8,10 +8,10 @@ import random
 
 import numpy as np
 import pytest
-from support import all_nodes, result_fields
 
 import hiradix.tree.policy as policy_module
 from hiradix.tree.policy import EvictionPolicy, get_policy, policy_names, register_policy
+from tests.support import all_nodes, result_fields
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import (
+
+from hiradix.tree.policy import WRITE_POLICIES, policy_names
+from tests.support import (
     CORE_ENABLED,
     IMPLEMENTATIONS,
     OPS,
@@ -39,8 +41,6 @@ from support import (
     assert_trees_equal,
     reference,
 )
-
-from hiradix.tree.policy import WRITE_POLICIES, policy_names
 
 pytestmark = pytest.mark.slow  # long randomized tree runs, invariants after every step
 

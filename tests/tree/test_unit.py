@@ -12,10 +12,10 @@ import random
 
 import numpy as np
 import pytest
-from support import ChangeMirror, FakeClock, all_nodes, result_fields
 
 from hiradix.tree._reference import get_hash_str
 from hiradix.tree._results import Change, LockError
+from tests.support import ChangeMirror, FakeClock, all_nodes, result_fields
 
 
 # ----------------------------------------------------------------------------- helpers

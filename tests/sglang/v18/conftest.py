@@ -1,16 +1,13 @@
-"""Fixtures for the SGLang adapter's tests (see :mod:`sglang_env`)."""
+"""Fixtures for the SGLang adapter's tests (see :mod:`tests.sglang.v18.env`)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sglang_env import Env, build, patch_sglang_for_cpu
+from tests.sglang.v18.env import Env, build, patch_sglang_for_cpu
 
 
 @pytest.fixture

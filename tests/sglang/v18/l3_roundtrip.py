@@ -11,8 +11,9 @@ from array import array
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import Env, PageTransfers
-from sglang_pools import LAYERS, forward_read, wait_queue
+
+from tests.sglang.pools import LAYERS, forward_read, wait_queue
+from tests.sglang.v18.env import Env, PageTransfers
 
 PAGE = 4
 N = 32  # tokens per test: 8 pages

@@ -7,16 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stubs"))
 
 
 def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict[str, Any]) -> None:
@@ -25,10 +20,10 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     torch.distributed.init_process_group(
         "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    from scheduler_loop import tree_fingerprint
-    from sglang_env import build
-    from support import HostAllocFaults
-    from test_sglang_scheduler_loop import Loop
+    from tests.sglang.v18.env import build
+    from tests.sglang.v18.test_scheduler_loop import Loop
+    from tests.support import HostAllocFaults
+    from tests.support.scheduler_loop import tree_fingerprint
 
     group = torch.distributed.group.WORLD if config["agree"] else None
     if config.get("pp"):

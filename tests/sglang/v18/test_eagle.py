@@ -14,9 +14,10 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import build, build_sglang, needs_sglang_020, patch_sglang_for_parity, record
-from sglang_pools import MTPDraft, forward_read, mtp_draft_round_trip, settle
-from twin import Twin, run
+
+from tests.sglang.pools import MTPDraft, forward_read, mtp_draft_round_trip, settle
+from tests.sglang.v18.env import build, build_sglang, needs_sglang_020, patch_sglang_for_parity, record
+from tests.sglang.v18.twin import Twin, run
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from l3_roundtrip import MODEL, PAGE, N, radix_key, read, tokens_of, write
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
 from sglang.srt.mem_cache.utils import get_hash_str
@@ -26,6 +25,7 @@ from sglang.srt.mem_cache.utils import get_hash_str
 from hiradix.memory.pools import HostKVPool, MHAShape
 from hiradix.sglang.foreign import SGLangBackend, SGLangHostPoolView, is_sglang_backend
 from hiradix.storage import FileStorage, StorageConfig
+from tests.sglang.v18.l3_roundtrip import MODEL, PAGE, N, radix_key, read, tokens_of, write
 
 pytestmark = pytest.mark.slow  # stock SGLang's storage backends, built per case
 

@@ -1,31 +1,23 @@
 """The compiled ``insert`` (``hiradix.sglang._insert``) does what the Python method does, for
 every call, on SGLang 0.5.18 / 0.5.20; where it is installed and where not; which calls it
-keeps in C (:mod:`insert_parity` drives the randomized run)."""
+keeps in C (:mod:`tests.sglang.insert_parity` drives the randomized run)."""
 
 from __future__ import annotations
 
 from array import array
 
-import insert_parity
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from tests.sglang import insert_parity
 
 pytestmark = pytest.mark.slow  # randomized parity of the compiled insert against the Python one, thousands of steps
 
 compiled = pytest.mark.skipif(
     insert_parity.COMPILED is None, reason="hiradix.sglang._insert is not built (HIRADIX_PUREPYTHON or no compiler)"
 )
-
-
-@compiled
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("seed", range(3))
-def test_compiled_insert_is_the_python_insert(make_env, page_size: int, seed: int) -> None:
-    a, b = make_env(page_size, size=2048), make_env(page_size, size=2048)
-    seen = insert_parity.run(a, b, seed=seed, steps=300)
-    assert seen["prefix hits"] > 10 and seen["backups asked"] > 10, seen
 
 
 @compiled

@@ -19,7 +19,8 @@ from array import array
 
 import pytest
 import torch
-from sglang_env import NO_KV_EVENTS, SGLANG_020
+
+from tests.sglang.v18.env import NO_KV_EVENTS, SGLANG_020
 
 if SGLANG_020:  # before the imports of 0.5.18's event classes, which 0.5.20 no longer has
     pytest.skip(f"SGLang 0.5.20: {NO_KV_EVENTS}", allow_module_level=True)
@@ -34,10 +35,10 @@ from sglang.srt.disaggregation.kv_events import (
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
-from sglang_env import build, build_sglang, patch_sglang_for_parity
-from twin import Twin, run
 
 from hiradix.sglang.events import salt_seed
+from tests.sglang.v18.env import build, build_sglang, patch_sglang_for_parity
+from tests.sglang.v18.twin import Twin, run
 
 GPU, CPU = StorageMedium.GPU, StorageMedium.CPU
 

@@ -4,7 +4,7 @@ own ``UnifiedRadixCache`` (what its ``create_tree_cache`` builds for
 ``--enable-hierarchical-cache``; its ``KVCacheEventRecorder`` runs on CPU): the same block
 ids (as hashed: 0.5.20 namespaces none), parents, tokens, media, ``cache_salt`` /
 ``session_id`` fields (no ``lora_name``) and coalescing, in the same order, given the same
-operations (``sglang_unified_events.Twin``, shared with the 0.5.23 tests): inserts,
+operations (``tests.sglang.unified_events.Twin``, shared with the 0.5.23 tests): inserts,
 matches that split, backups acknowledged, evictions to the host, an insert over evicted
 nodes, loads back, host evictions and resets, with and without EAGLE bigram keys, on both
 of 0.5.20's tree cores (its default Python one and the Rust one); then requests through
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_env import SGLANG_020
+
+from tests.sglang.v18.env import SGLANG_020
 
 if not SGLANG_020:  # before the imports of 0.5.20's UnifiedRadixCache helpers
     pytest.skip(
         "needs SGLang 0.5.20 (CI: .venv-sglang20): 0.5.18's events are test_sglang_kv_events.py's, "
-        "0.5.23's tests/sglang23's",
+        "0.5.23's tests/sglang/v23's",
         allow_module_level=True,
     )
 
@@ -33,8 +34,9 @@ from typing import Any
 
 from sglang.srt.disaggregation.kv_events import BlockStored
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-from sglang_unified_env import patch_sglang_for_cpu
-from sglang_unified_events import (
+
+from tests.sglang.unified_env import patch_sglang_for_cpu
+from tests.sglang.unified_events import (
     Twin,
     ids_and_fields,
     l3_prefetch_events,
@@ -51,7 +53,7 @@ __all__ = ["tree_core"]  # the fixture, imported for this module's tests
 @pytest.fixture(autouse=True)
 def unified_cpu() -> Iterator[None]:
     """SGLang 0.5.20's caches run on CPU for the test (``patch_sglang_for_cpu`` of
-    :mod:`sglang_unified_env`); the caches built meanwhile are shut down at teardown."""
+    :mod:`tests.sglang.unified_env`); the caches built meanwhile are shut down at teardown."""
     with patch_sglang_for_cpu():
         yield
 

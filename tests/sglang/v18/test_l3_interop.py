@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sglang_env
-from l3_roundtrip import MODEL, PAGE, N, radix_key, read, tokens_of, write
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang_env import SHARED
 
 from hiradix.peer.node import InProcessCluster
 from hiradix.storage import MemoryStorage, page_keys, sglang_key_suffix
+from tests.sglang.v18 import env as sglang_env
+from tests.sglang.v18.env import SHARED
+from tests.sglang.v18.l3_roundtrip import MODEL, PAGE, N, radix_key, read, tokens_of, write
 
 pytestmark = pytest.mark.slow  # every layout x backend round trip through stock SGLang
 
@@ -72,7 +72,7 @@ def l3_flags(kind: str, impl: str, tmp_path: Path, *, node: int = 0, v1: bool = 
         return {"storage": "file" if kind == "file" else "shared", "extra_config": json.dumps({**common, **where})}
     loader = {"backend_name": f"hiradix-{kind}", "module_path": "hiradix.sglang.storage", "class_name": "FileStorage"}
     if kind != "file":  # the wrapper SGLang's loader builds, over the shared instance
-        loader.update(module_path="sglang_env", class_name="SharedStorage")
+        loader.update(module_path="tests.sglang.v18.env", class_name="SharedStorage")
     if v1:
         loader["interface_v1"] = 1
     return {"storage": "dynamic", "extra_config": json.dumps({**common, **loader, **where})}
@@ -93,7 +93,8 @@ def test_sglangs_own_cache_round_trips_through_our_backends(
         prefetch_policy="wait_complete",
         **l3_flags(kind, "sglang", tmp_path, node=0),
     )
-    assert type(writer.cache.cache_controller.storage_backend).__module__ in ("hiradix.sglang.storage", "sglang_env")
+    backend = writer.cache.cache_controller.storage_backend
+    assert type(backend).__module__ in ("hiradix.sglang.storage", "tests.sglang.v18.env")
     write(writer, tokens_of(1))
     if kind == "file":
         writer.cache.detach_storage_backend()  # a restart: the directory's lock goes with it

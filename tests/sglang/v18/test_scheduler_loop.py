@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
-from sglang_env import Env, record
-from sglang_pools import forward_read
+
+from tests.sglang.pools import forward_read
+from tests.sglang.v18.env import Env, record
 
 pytestmark = pytest.mark.slow  # randomized scheduler loops over every layout and policy
 

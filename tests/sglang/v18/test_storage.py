@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sglang_env  # noqa: F401 - skips this module without a supported SGLang
 import torch
+
+from tests.sglang.v18 import env as sglang_env  # noqa: F401 - skips this module without a supported SGLang
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -354,8 +355,8 @@ def test_the_wrapper_takes_one_extra_config_for_a_mixed_cluster() -> None:
 
 @pytest.mark.parametrize(("mla", "layout"), [(False, "layer_first"), (True, "page_first"), (False, "page_head")])
 def test_per_pool_v2_calls_on_sglangs_host_pool(make_storage: Any, mla: bool, layout: str) -> None:
-    """SGLang's v2 calls (hybrid models' sidecar pools): tests/sglang_v2_check.py."""
-    from sglang_v2_check import check_pool_pages_round_trip
+    """SGLang's v2 calls (hybrid models' sidecar pools): tests/sglang/v2_check.py."""
+    from tests.sglang.v2_check import check_pool_pages_round_trip
 
     check_pool_pages_round_trip(make_storage(mla=mla), host_pool(mla, layout), mla=mla)
 
@@ -368,9 +369,8 @@ def test_dynamic_naming_a_hiradix_class_runs_hiradix_backend_natively(
     ``hiradix.sglang.storage``'s classes: hiradix's cache builds hiradix's own backend,
     not the SGLang-interface wrapper (which wants SGLang's host pool, and failed the
     server's start-up), and pages go through L3 into a second cache and back (file)."""
-    from l3_roundtrip import PAGE, read, tokens_of, write
-
     from hiradix.storage.base import StorageBackend
+    from tests.sglang.v18.l3_roundtrip import PAGE, read, tokens_of, write
 
     extra = json.dumps(
         {

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sglang_env  # noqa: F401  (skips this module without SGLang)
 import torch.distributed as dist
-from support import run_ranks, sglang_pp_tag_rank
+
+from tests.sglang.v18 import env as sglang_env  # noqa: F401  (skips this module without SGLang)
+from tests.support import run_ranks
 
 pytestmark = pytest.mark.slow  # two-process TP/PP runs over gloo, about a minute each
 
@@ -21,7 +22,7 @@ TIMEOUT_S = 240  # the run takes seconds; past this a collective has hung
 
 
 def _run(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
-    import sglang_rank
+    from tests.sglang.v18 import rank as sglang_rank
 
     cfg = {"agree": True, "page": 4, "write_policy": "write_through", "seed": 11, "steps": 80} | config
     return run_ranks(sglang_rank.rank_main, WORLD, tmp_path, cfg, TIMEOUT_S)
@@ -54,11 +55,3 @@ def test_two_pipeline_stages_take_the_first_stages_decisions(tmp_path: Path, wri
 def test_without_the_tp_group_the_same_faults_diverge(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, agree=False)
     assert r1["failures"] > 0 and r0["fingerprint"] != r1["fingerprint"]
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
-def test_pipeline_hand_down_uses_sglangs_tag(tmp_path: Path) -> None:
-    # stage 0 sends an untagged message of its own before the hand-down; each of stage
-    # 1's receives must get its own message
-    r0, r1 = run_ranks(sglang_pp_tag_rank, WORLD, tmp_path, {}, TIMEOUT_S)
-    assert r0 == r1 == {"agreed": [5, 7], "other": [99, 99]}

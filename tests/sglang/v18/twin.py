@@ -21,7 +21,8 @@ import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved, StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_env import Env
+
+from tests.sglang.v18.env import Env
 
 
 def radix_key(tokens: list[int], extra_key: str | None = None, cache_salt: str | None = None) -> RadixKey:

@@ -12,17 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stubs"))
 
 
 def _init(rank: int, world: int, rendezvous: str) -> None:
@@ -96,10 +91,10 @@ def loop_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     """The scheduler loop on one rank; writes ``rank{rank}.json`` (tree fingerprint,
     loop stats, faults injected, agreement calls)."""
     _init(rank, world, rendezvous)
-    from scheduler_loop import tree_fingerprint
-    from sglang_unified_env import build_hiradix, patch_sglang_for_cpu
-    from support import HostAllocFaults
-    from test_sglang23_scheduler_loop import Loop
+    from tests.sglang.unified_env import build_hiradix, patch_sglang_for_cpu
+    from tests.sglang.v23.test_scheduler_loop import Loop
+    from tests.support import HostAllocFaults
+    from tests.support.scheduler_loop import tree_fingerprint
 
     groups = cache_groups(rank, world, config["shape"])
     storage = config["storage"]

@@ -28,10 +28,10 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.registry import get_radix_cache_factory
-from sglang_pools import LAYERS, attention_waits_for_load, forward_read, insert, key, match, only_in_l3, settle
-from sglang_unified_env import build_hiradix
 
 import hiradix.sglang as hs
+from tests.sglang.pools import attention_waits_for_load, forward_read, insert, key, match, only_in_l3, settle
+from tests.sglang.unified_env import build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 
@@ -92,16 +92,6 @@ def test_built_by_sglangs_registry_as_a_prefix_cache() -> None:
     env.cache.check_invariants()
 
 
-def test_has_everything_sglangs_server_reads_from_a_tree_cache() -> None:
-    """Every attribute and method 0.5.23's scheduler, metrics and entry points read from
-    ``tree_cache`` and its ``cache_controller`` (scanned from its source; its start-up read
-    of ``cache_controller.storage_backend`` stopped every server before it was there), or a
-    path hiradix's cache never takes (:data:`sglang_contract.NOT_APPLICABLE`)."""
-    from sglang_contract import missing_names
-
-    assert missing_names(build_hiradix().cache) == []
-
-
 @pytest.mark.parametrize("mla", [False, True])
 def test_attention_read_waits_for_a_load_from_host(mla: bool) -> None:
     env = build_hiradix(mla=mla)
@@ -113,27 +103,11 @@ def test_attention_read_waits_for_a_load_from_host(mla: bool) -> None:
     attention_waits_for_load(env, list(range(500, 540)), loaded_slots)
 
 
-@pytest.mark.parametrize("mla", [False, True])
-def test_device_buffers_are_sglangs_in_place(mla: bool) -> None:
-    env = build_hiradix(mla=mla)
-    pool = env.cache.core.device_pool
-    for layer in range(LAYERS):
-        if mla:
-            assert pool.kv_buffer(layer).data_ptr() == env.kv.kv_buffer[layer].data_ptr()
-        else:
-            assert pool.k_buffer(layer).data_ptr() == env.kv.k_buffer[layer].data_ptr()
-            assert pool.v_buffer(layer).data_ptr() == env.kv.v_buffer[layer].data_ptr()
-
-
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
         ({"hierarchical": False}, "needs --enable-hierarchical-cache"),
-        ({"layout": "page_last"}, "hicache-mem-layout"),
-        ({"write_policy": "write_sometimes"}, "write-policy"),
         ({"eviction_policy": "tlru"}, "radix-eviction-policy 'tlru'"),
-        ({"storage": "nosuch"}, "hicache-storage-backend"),
-        ({"storage": "memory", "extra_config": '{"prefetch_threshold": "many"}'}, "prefetch_threshold"),
         # options SGLang 0.5.20 added
         ({"params": {"eviction_policy_config": {"decay": 0.5}}}, "radix-eviction-policy-config"),
         ({"hicache_host_memory_mode": "buffer_only"}, "hicache-host-memory-mode 'buffer_only'"),
@@ -168,21 +142,6 @@ def test_insert_then_match_longest_prefix(page_size: int) -> None:
     assert empty.device_prefix_len == 0 and env.cache.is_root(empty.last_device_node)
     assert len(env.cache.path_device_indices(empty.last_device_node)) == 0
     env.cache.check_invariants()
-
-
-def test_page_alignment_truncates_keys() -> None:
-    env = build_hiradix(4)
-    assert insert(env, list(range(10))) == 0  # 8 tokens go in
-    assert env.cache.total_size() == 8
-    assert match(env, list(range(10))).device_prefix_len == 8
-    assert match(env, list(range(3))).device_prefix_len == 0
-    env.cache.check_invariants()
-
-
-def test_limit_caps_the_match() -> None:
-    env = build_hiradix(1)
-    insert(env, list(range(20)))
-    assert match(env, list(range(20)), limit=7).device_prefix_len == 7
 
 
 def test_extra_key_and_cache_salt_keep_entries_apart() -> None:

@@ -17,8 +17,9 @@ from array import array
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
-from sglang_pools import LAYERS, MTPDraft, insert, match, mtp_draft_round_trip, only_in_l3, settle
-from sglang_unified_env import build_hiradix
+
+from tests.sglang.pools import LAYERS, MTPDraft, insert, match, mtp_draft_round_trip, only_in_l3, settle
+from tests.sglang.unified_env import build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 

@@ -4,7 +4,7 @@ own ``UnifiedRadixCache`` (whose ``KVCacheEventRecorder`` runs on CPU): the same
 (namespaced by a LoRA adapter's ``extra_key``, or with ``format: dynamo`` by ``extra_key``
 and ``cache_salt``), parents, tokens, media, ``cache_salt`` / ``session_id`` /
 ``lora_name`` fields and coalescing, in the same order, given the same operations
-(``sglang_unified_events.Twin``): inserts, matches that split, backups acknowledged, evictions to the host,
+(``tests.sglang.unified_events.Twin``): inserts, matches that split, backups acknowledged, evictions to the host,
 an insert over evicted nodes, loads back, host evictions and resets, with and without
 EAGLE bigram keys, on both of SGLang's tree cores (its default Rust one and the Python
 one). An L3 prefetch's events are pinned (SGLang's own L3 path is not run beside it).
@@ -22,7 +22,8 @@ from sglang.srt.disaggregation.kv_events import kv_event_namespace_seed
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.events import KvEventLoraNames
-from sglang_unified_events import (
+
+from tests.sglang.unified_events import (
     Twin,
     ids_and_fields,
     l3_prefetch_events,
@@ -32,7 +33,7 @@ from sglang_unified_events import (
     served_twice,
     tree_core,
 )
-from test_sglang23_cache import admit
+from tests.sglang.v23.test_cache import admit
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 __all__ = ["tree_core"]  # the fixture, imported for this module's tests

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_unified_env import PAGE, SHARED, build, read, tokens_of, write
 
 from hiradix.peer.node import InProcessCluster
 from hiradix.storage import MemoryStorage
+from tests.sglang.unified_env import PAGE, SHARED, build, read, tokens_of, write
 
 BACKENDS = ["memory", "file", "peer"]
 SHAPES = [(mla, layout) for mla in (False, True) for layout in ("layer_first", "page_first_direct")]
@@ -56,7 +56,7 @@ def l3_flags(kind: str, tmp_path: Path, *, node: int = 0, v1: bool = True) -> di
     if kind == "file":
         config.update(module_path="hiradix.sglang.storage", class_name="FileStorage", path=str(tmp_path / "l3"))
     else:
-        config.update(module_path="sglang_unified_env", class_name="SharedStorage", shared=kind, node=node)
+        config.update(module_path="tests.sglang.unified_env", class_name="SharedStorage", shared=kind, node=node)
     if v1:
         config["interface_v1"] = 1
     return {"storage": "dynamic", "extra_config": json.dumps(config)}
@@ -70,7 +70,7 @@ def test_sglang23s_own_cache_round_trips_through_our_backends(
     shared(kind)
     writer = build(mla=mla, layout=layout, **l3_flags(kind, tmp_path, node=0))
     backend = writer.cache.cache_controller.storage_backend
-    assert type(backend).__module__ in ("hiradix.sglang.storage", "sglang_unified_env")
+    assert type(backend).__module__ in ("hiradix.sglang.storage", "tests.sglang.unified_env")
     assert backend.suffix == ("_org-model-7b" if mla else "_org-model-7b_0_1")
     write(writer, tokens_of(1))
     if kind == "file":

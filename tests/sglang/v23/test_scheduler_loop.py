@@ -28,8 +28,9 @@ from sglang.srt.mem_cache.common import (
     release_kv_cache,
     touch_waiting_prefix,
 )
-from sglang_pools import MTPDraft, forward_read
-from sglang_unified_env import Env, build_hiradix
+
+from tests.sglang.pools import MTPDraft, forward_read
+from tests.sglang.unified_env import Env, build_hiradix
 
 pytestmark = pytest.mark.usefixtures("sglang_cpu")
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_unified_env import build
+
+from tests.sglang.unified_env import build
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -75,7 +76,7 @@ def host_pool(mla: bool, layout: str) -> Any:
 
 @pytest.mark.parametrize(("mla", "layout"), LAYOUTS)
 def test_per_pool_v2_calls_on_sglang23s_host_pool(sglang_cpu, make_storage: Any, mla: bool, layout: str) -> None:
-    from sglang_v2_check import check_pool_pages_round_trip
+    from tests.sglang.v2_check import check_pool_pages_round_trip
 
     check_pool_pages_round_trip(make_storage(mla=mla), host_pool(mla, layout), mla=mla)
 

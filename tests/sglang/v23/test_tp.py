@@ -1,5 +1,5 @@
 """hiradix.sglang with more than one rank on SGLang 0.5.23: gloo ranks in subprocesses
-(:mod:`sglang23_rank`), the cache built by 0.5.23's ``create_tree_cache`` with SGLang's
+(:mod:`tests.sglang.v23.rank`), the cache built by 0.5.23's ``create_tree_cache`` with SGLang's
 cache groups in ``CacheInitParams`` and driven by 0.5.23's request API (the randomized
 scheduler loop, byte checks after every step), while the ranks see different host
 capacity, host-allocation failures and L3 hits. With the agreement every rank makes the
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sglang_unified_env  # noqa: F401  (skips this module without SGLang 0.5.20+)
 import torch.distributed as dist
-from support import run_ranks, sglang_pp_tag_rank
+
+from tests.sglang import unified_env as sglang_unified_env  # noqa: F401  (skips this module without SGLang 0.5.20+)
+from tests.support import run_ranks
 
 TIMEOUT_S = 300  # a run takes seconds to a minute; past this a collective has hung
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(tmp_path: Path, world: int = 2, **config: Any) -> list[dict[str, Any]]:
-    import sglang23_rank
+    from tests.sglang.v23 import rank as sglang23_rank
 
     cfg = {
         "shape": "tp",
@@ -99,9 +100,3 @@ def test_two_pipeline_stages_take_the_first_stages_decisions(tmp_path: Path, wri
 def test_without_the_groups_the_same_differences_diverge(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, shape="none", host_ratio=[2.0, 1.5])
     assert (r0["l3_cuts"] > 0 or r1["host_failures"] > 0) and r0["fingerprint"] != r1["fingerprint"]
-
-
-def test_pipeline_hand_down_uses_sglangs_tag(tmp_path: Path) -> None:
-    r0, r1 = run_ranks(sglang_pp_tag_rank, 2, tmp_path, {}, TIMEOUT_S)
-    assert r0 == {"agreed": [5, 7], "other": [99, 99]}
-    assert r1 == {"agreed": [5, 7], "other": [99, 99]}, "a stage took another message for the hand-down"

@@ -1,5 +1,5 @@
 """hiradix.sglang caches built exactly as SGLang's scheduler builds them: ``ServerArgs`` from
-SGLang's own command line (:mod:`sglang_args`) with ``--radix-cache-backend hiradix``,
+SGLang's own command line (:mod:`tests.sglang.args`) with ``--radix-cache-backend hiradix``,
 SGLang's own CPU ``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``TokenToKVPoolAllocator`` /
 ``PagedTokenToKVPoolAllocator`` and
 ``ReqToTokenPool``, and SGLang's ``create_tree_cache``. Skips, saying why, without a
@@ -56,13 +56,12 @@ with warnings.catch_warnings():
     import hiradix.sglang as hs
     from hiradix.sglang import storage as hss
 
-import sglang_args
-from sglang_pools import KVBuffers, Worker, copy_rows, sglang_pools, transfer_kv_direct
-
 from hiradix.peer.node import InProcessCluster
 from hiradix.peer.store import PeerCacheStore
 from hiradix.storage import MemoryStorage, StorageBackend, StorageConfig
 from hiradix.storage.registry import register_backend
+from tests.sglang import args as sglang_args
+from tests.sglang.pools import KVBuffers, Worker, copy_rows, sglang_pools, transfer_kv_direct
 
 logging.getLogger("sglang").setLevel(logging.WARNING)
 hs.register()
@@ -97,7 +96,7 @@ def needs_sglang_020(what: str) -> None:
 #: Why the tests beside SGLang's own HiRadixCache skip on 0.5.20.
 NO_STOCK_HIRADIX = (
     "its create_tree_cache builds UnifiedRadixCache for --enable-hierarchical-cache, so there is "
-    "no stock HiRadixCache to run beside hiradix's (tests/sglang23 covers UnifiedRadixCache on 0.5.23)"
+    "no stock HiRadixCache to run beside hiradix's (tests/sglang/v23 covers UnifiedRadixCache on 0.5.23)"
 )
 #: Why 0.5.18's KV-event tests skip on 0.5.20 (``test_sglang20_kv_events.py`` has 0.5.20's).
 NO_KV_EVENTS = (
@@ -428,7 +427,7 @@ class SharedStorage(hss.MemoryStorage):
 
 # ---------------------------------------------------------------------------- parity with SGLang's own cache
 # SGLang's HiRadixCache beside hiradix.sglang's on MHA layer_first pools, io backend direct,
-# with a deterministic clock (tests/sglang/twin.py: KV events, EAGLE).
+# with a deterministic clock (tests/sglang/v18/twin.py: KV events, EAGLE).
 def parity_pools_and_args(
     page_size: int,
     size: int,
