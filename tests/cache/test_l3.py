@@ -17,7 +17,7 @@ from hiradix.cache import HiRadixCache, Req
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.storage import Capabilities, FileStorage, KeyNamespace, MemoryStorage, StorageBackend
-from tests.support import FakeClock
+from hiradix.transport.fake import FakeClock
 from tests.support.kvdata import fill, mismatches, prefix_seeds, scribble
 
 SHAPE = MHAShape(2, 2, 4)

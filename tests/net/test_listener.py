@@ -25,7 +25,7 @@ from hiradix.net.auth import AuthError
 from hiradix.net.listener import AuthListener, Backoff, dial
 from hiradix.net.rpc import RpcClient, RpcServer
 from hiradix.transport import Status, TcpTransport
-from tests.support import FakeClock
+from hiradix.transport.fake import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 

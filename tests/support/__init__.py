@@ -103,24 +103,12 @@ def make_pair(**kwargs: Any) -> tuple[Any, Any]:
 
 
 # ----------------------------------------------------------------------- clocks
-class FakeClock:
-    """Injected clock (cachetools' fake ``Timer``): returns ``now``; tests move it."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = float(now)
-        self.calls = 0
-
-    def __call__(self) -> float:
-        self.calls += 1
-        return self.now
-
-    def advance(self, dt: float = 1.0) -> float:
-        self.now += dt
-        return self.now
-
-
 class CoarseClock:
-    """A clock with many ties: ``calls // 3``. Ties make the uid tie-break matter."""
+    """A clock with many ties: ``calls // 3``. Ties make the uid tie-break matter.
+
+    Not a fake to drive (that is :class:`hiradix.transport.fake.FakeClock`, the one the
+    tests inject): this one moves by itself as the tree reads it, the same way in the
+    core and the reference, so that a parity run meets equal access times."""
 
     def __init__(self) -> None:
         self.calls = 0

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import hiradix
+from hiradix.transport.fake import FakeClock
 from hiradix.tree._results import IOStatus, LockError
-from tests.support import IMPLEMENTATIONS, FakeClock
+from tests.support import IMPLEMENTATIONS
 from tests.tree.test_unit import backup, idx, whole_state
 
 
@@ -304,7 +305,7 @@ def test_typed_accessors_follow_a_node_through_its_lifecycle(tree_cls):
     clock = FakeClock(5.0)
     tree = tree_cls(1, clock=clock, write_policy="write_through_selective")
     node = tree.insert([1, 2], idx(0, 2), priority=3).last_node
-    clock.advance()
+    clock.advance(1)
     tree.insert([1, 2], idx(0, 2))
 
     def state():

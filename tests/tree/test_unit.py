@@ -13,9 +13,10 @@ import random
 import numpy as np
 import pytest
 
+from hiradix.transport.fake import FakeClock
 from hiradix.tree._reference import get_hash_str
 from hiradix.tree._results import Change, LockError
-from tests.support import ChangeMirror, FakeClock, all_nodes, result_fields
+from tests.support import ChangeMirror, all_nodes, result_fields
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -229,7 +230,7 @@ def test_split_keeps_the_creation_time_of_the_original(tree_cls):
     clock = FakeClock(5)
     tree = tree_cls(1, clock=clock)
     node = tree.insert([1, 2, 3], idx(0, 3)).last_node
-    clock.now = 9
+    clock.advance(4)  # to 9
     tree.match_prefix([1, 4])
     top = tree.parent(node)
     assert info(tree, top)["creation_time"] == 5.0
@@ -1100,7 +1101,7 @@ def test_injected_clock_stamps_creation_and_access_times(tree_cls):
     tree = tree_cls(1, clock=clock)
     node = tree.insert([1, 2], idx(0, 2)).last_node
     assert (info(tree, node)["creation_time"], info(tree, node)["last_access_time"]) == (100.0, 100.0)
-    clock.now = 250.5
+    clock.advance(150.5)  # to 250.5
     tree.match_prefix([1, 2])
     assert (info(tree, node)["creation_time"], info(tree, node)["last_access_time"]) == (100.0, 250.5)
 
