@@ -129,19 +129,8 @@ class BuildExt(build_ext):
         archs = [a for a in os.environ.get("HIRADIX_CUDA_ARCHS", "80;90;100").split(";") if a]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        cmd = [
-            nvcc,
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC",
-            "-std=c++17",
-            "-Ihiradix/memory",
-            *gencode,
-            "-o",
-            str(out_dir / CUDA_LIBRARY),
-            CUDA_SOURCE,
-        ]
+        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-Ihiradix/memory", *gencode,
+               "-o", str(out_dir / CUDA_LIBRARY), CUDA_SOURCE]
         print(" ".join(cmd))
         try:
             subprocess.run(cmd, check=True)

@@ -65,13 +65,13 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "hiradix.sglang._match",
         "hiradix.sglang.cache.HiRadixCacheBase.match_prefix",
-        "tests/sglang/v18/test_match_compiled.py",
+        "tests/sglang/test_match_compiled.py",
         "the Python method; the compiled one serves plain keys, on the instance",
     ),
     Twin(
         "hiradix.sglang._insert",
         "hiradix.sglang.cache.HiRadixCacheBase.insert",
-        "tests/sglang/v18/test_insert_compiled.py",
+        "tests/sglang/test_insert_compiled.py",
         "the Python method; the compiled one serves the scheduler's calls, on the instance",
     ),
     Twin(

@@ -10,7 +10,7 @@ page 1). :class:`Inserter` does that work in C for a call with nothing special a
 or int32 tensor, no KV events to record) and calls the tree's ``insert_into`` directly,
 reading the slots in place; any other call goes to the Python method it stands in front
 of. Both leave the cache in the same state and return the same ``InsertResult``
-(``tests/sglang/v18/test_insert_compiled.py``).
+(``tests/sglang/test_insert_compiled.py``).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.insert` itself: with
 ``HIRADIX_PUREPYTHON=1`` or no compiler, no inserter is installed and the method serves.

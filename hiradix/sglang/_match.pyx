@@ -9,7 +9,7 @@ for a key with nothing special about it (an ``array('q')`` of tokens, no namespa
 bigrams; a ``limit``, which the scheduler always sets, the tree honours) and calls the
 tree's ``match_into`` directly, without its result object; any other key goes to the
 Python method it stands in front of. Both give the same ``MatchResult`` for every key
-(``tests/sglang/v18/test_match_compiled.py``).
+(``tests/sglang/test_match_compiled.py``).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.match_prefix` itself: with
 ``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is installed and the method serves.

@@ -142,7 +142,7 @@ class Server:
     def _start_once(self) -> Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        env = subprocess_env(HERE / "stubs", HERE / "inject")
+        env = subprocess_env(HERE / "stubs", HERE / "inject", repo=False)  # the installed hiradix
         env.update(
             {
                 "SGLANG_USE_CPU_ENGINE": "1",

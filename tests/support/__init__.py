@@ -34,13 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 STUBS = REPO / "tests" / "stubs"
 
 
-def subprocess_env(*first: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+def subprocess_env(*first: Path, env: dict[str, str] | None = None, repo: bool = True) -> dict[str, str]:
     """``env`` (default: this process's environment) with ``PYTHONPATH`` set for a Python
     subprocess that runs the repository's code: ``first`` (folders of its own, such as the
-    real-server tests' stubs), then the repository's root (``hiradix``, ``tests.support``)
+    real-server tests' stubs), then the repository's root (``hiradix``, ``tests.support``;
+    left out with ``repo=False``, for a server that must import the installed hiradix)
     and ``tests/stubs``, then the ``PYTHONPATH`` it had."""
     out = dict(os.environ if env is None else env)
-    parts = [*map(str, first), str(REPO), str(STUBS), out.get("PYTHONPATH", "")]
+    parts = [*map(str, first), str(REPO) if repo else "", str(STUBS), out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
     return out
 
