@@ -20,6 +20,7 @@ import pytest
 from hiradix._netns import NO_NETNS, run_in_private_netns
 from hiradix.storage import StorageConfig, StorageError, backend_names, create_backend
 from hiradix.storage.mooncake import MOONCAKE_INSTALL_HINT, mooncake_available
+from tests.support import REPO
 
 pytestmark = pytest.mark.slow  # a real mooncake_master, also in a private network namespace
 
@@ -33,7 +34,7 @@ needs_wheel = pytest.mark.skipif(
 @needs_wheel
 def test_contract_against_a_real_master_in_a_private_network_namespace() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "mooncake_suite.py")]
-    res = run_in_private_netns(cmd, timeout=900, cwd=str(HERE.parent))
+    res = run_in_private_netns(cmd, timeout=900, cwd=str(REPO))
     if res.returncode == NO_NETNS:
         pytest.skip(f"no network namespace for the Mooncake client here: {res.stderr.strip()}")
     summary = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
