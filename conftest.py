@@ -4,12 +4,17 @@ SGLang imports ``torchvision`` at import time, and the PyPI torchvision wheel ca
 with the CPU torch, so an import-only stub (``tests/stubs``) is put on ``sys.path`` when no
 torchvision imports. Without a supported SGLang, ``hiradix/sglang`` is left out of doctest
 collection (its cache's names raise, by design, naming the versions they need), and
-``tests/sglang`` skips saying why. ``tests/sglang23`` (hiradix's cache on SGLang 0.5.23, and
-0.5.23's own cache on hiradix's L3 backends) is collected only where the installed SGLang's
-hierarchical cache is the ``UnifiedRadixCache`` (no ``hiradix_cache`` module): CI runs it in
-``.venv-sglang23``.
+``tests/sglang`` skips saying why. Of ``tests/sglang``'s two suites only the installed
+generation's is collected (:func:`tests.sglang.unified_hicache`): ``tests/sglang/v18``
+(SGLang's ``HiRadixCache``: 0.5.18, 0.5.20) or ``tests/sglang/v23`` (its
+``UnifiedRadixCache``: 0.5.23; CI runs it in ``.venv-sglang23``).
 The request-API module of hiradix.sglang for the other SGLang generation is left out of
 doctest collection (it does not import there).
+
+``tests/`` and its folders are packages (``__init__.py``): pytest's default ``prepend``
+import mode puts this folder, their root, on ``sys.path``, test modules import their
+helpers as ``tests.support`` or ``tests.sglang.pools``, and two folders may hold files of
+one name (``tests/cache/test_stress.py``, ``tests/tree/test_stress.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.sglang import unified_hicache
 
 _STUBS = Path(__file__).resolve().parent / "tests" / "stubs"
 
@@ -43,21 +50,19 @@ def _sglang_supported() -> bool:
     return True
 
 
-def _sglang_has_unified_hicache() -> bool:
-    # Where the files say so, without importing SGLang (seconds) at collection.
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    mem_cache = Path(next(iter(spec.submodule_search_locations))) / "srt" / "mem_cache"
-    return (mem_cache / "unified_radix_cache.py").exists() and not (mem_cache / "hiradix_cache.py").exists()
-
-
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
-# hiradix.sglang's request API for the other SGLang generation does not import here.
+# Of tests/sglang's two suites, the other generation's; hiradix.sglang's request API for the
+# other SGLang generation does not import here.
 # (api_v20 builds on api_v18, so it goes where api_v18 goes.)
-collect_ignore = (["tests/stubs"] + ([] if _sglang_supported() else ["hiradix/sglang"])
-                  + (["hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py"] if _sglang_has_unified_hicache()
-                     else ["tests/sglang23", "hiradix/sglang/api_v23.py"]))
+collect_ignore = (
+    ["tests/stubs"]
+    + ([] if _sglang_supported() else ["hiradix/sglang"])
+    + (
+        ["tests/sglang/v18", "hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py"]
+        if unified_hicache()
+        else ["tests/sglang/v23", "hiradix/sglang/api_v23.py"]
+    )
+)
 
 
 # The suite's memory, bounded. Trees (the twin's nodes link to their parents) and peer nodes

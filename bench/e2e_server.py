@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))
+sys.path.insert(0, str(HERE.parent))
 
-import tiny_model  # noqa: E402
-from server import Server, sglang_version  # noqa: E402
-from workload import shared_prefixes  # noqa: E402
+from tests.e2e import tiny_model  # noqa: E402
+from tests.e2e.server import Server, sglang_version  # noqa: E402
+from tests.e2e.workload import shared_prefixes  # noqa: E402
 
 COMMON = (
     "--enable-hierarchical-cache",

@@ -10,7 +10,7 @@ Which SGLang is installed decides the pair (run once per venv):
   ``bench/sglang_baselines.py``);
 - SGLang 0.5.23 (``.venv-sglang23``): hiradix.sglang against 0.5.23's hierarchical
   ``UnifiedRadixCache`` on its Python tree core and on its Rust tree core, all built by
-  ``tests/sglang_unified_env.py`` (``create_tree_cache`` with the flags published as a
+  ``tests/sglang/unified_env.py`` (``create_tree_cache`` with the flags published as a
   launched scheduler publishes them, its CPU stand-ins).
 
 Pools: SGLang's ``MHATokenToKVPool`` (1 layer, 1 head, head_dim 1, bf16) sized for the
@@ -137,8 +137,8 @@ class SGLang:
         hs.register()
         self.stack = ExitStack()
         if self.v23:
-            sys.path.insert(0, str(HERE.parent / "tests"))
-            import sglang_unified_env as env
+            sys.path.insert(0, str(HERE.parent))
+            from tests.sglang import unified_env as env
 
             self.env = env
             self.stack.enter_context(env.patch_sglang_for_cpu())
@@ -195,7 +195,7 @@ class SGLang:
             cache.core.close()
         elif not self.v23:
             cache.release_host_resources()
-        # 0.5.23: sglang_unified_env shuts its caches down when the run ends
+        # 0.5.23: tests.sglang.unified_env shuts its caches down when the run ends
 
     # ------------------------------------------------------------------ a request
     def admit(self, cache: Any, req_to_token: Any, tokens: array) -> Any:

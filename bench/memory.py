@@ -9,7 +9,7 @@ host/device ratio 2), as the API benchmarks build them:
                      (``.venv``), built by ``bench/sglang_api.py``'s ``build_cache``;
 ``sglang-0.5.18``    SGLang 0.5.18's ``HiRadixCache`` (the same builder);
 ``hiradix-0.5.23``   hiradix.sglang under SGLang 0.5.23 (``.venv-sglang23``), built by
-                     ``tests/sglang_unified_env.py``'s ``build_hiradix``;
+                     ``tests/sglang/unified_env.py``'s ``build_hiradix``;
 ``unified-python``   SGLang 0.5.23's hierarchical ``UnifiedRadixCache`` on its Python tree
                      core (``CacheInitParams.tree_core_backend="python"``, what
                      ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` selects), built by ``build``;
@@ -277,19 +277,19 @@ _V23_PATCH: Any = None
 
 def setup_v23() -> None:
     global _V23_PATCH
-    sys.path.insert(0, str(ROOT / "tests"))
-    import sglang_pools
+    sys.path.insert(0, str(ROOT))
+    from tests.sglang import pools as sglang_pools
 
     # 1 layer, 1 head, head_dim 1 (the tests' pools are 3 x 2 x 4): tiny KV, as on 0.5.18
     sglang_pools.LAYERS = sglang_pools.HEADS = sglang_pools.HEAD_DIM = 1
-    import sglang_unified_env as ue
+    from tests.sglang import unified_env as ue
 
     _V23_PATCH = ue.patch_sglang_for_cpu()
     _V23_PATCH.__enter__()  # held to the worker's end: the caches read the flags it publishes
 
 
 def build_v23(impl: str, page_size: int, pool_size: int) -> Built:
-    import sglang_unified_env as ue
+    from tests.sglang import unified_env as ue
 
     if impl == "hiradix-0.5.23":
         env = ue.build_hiradix(page_size, size=pool_size)

@@ -34,32 +34,32 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "hiradix.tree._core",
         "hiradix.tree._reference",
-        "tests/test_parity_stateful.py",
+        "tests/tree/test_parity_stateful.py",
         "same API, module for module; every tree_cls test runs both",
     ),
     Twin(
         "hiradix.memory._gather",
         "hiradix.memory.copy._backup_layer",
-        "tests/test_gather.py",
+        "tests/memory/test_gather.py",
         "the torch row copies of the copy engine and the pools",
     ),
     Twin(
         "hiradix.memory._kvcopy_emu",
         "hiradix.memory.copy._backup_layer",
-        "tests/test_copy_kernel.py",
+        "tests/memory/test_kernel.py",
         "CPU emulation of the CUDA kernel, checked against the torch path it replaces",
     ),
-    Twin("hiradix.peer._hash", "hiradix.peer.keyhash._key_digests_py", "tests/test_peer_keyhash.py", "hashlib per key"),
+    Twin("hiradix.peer._hash", "hiradix.peer.keyhash._key_digests_py", "tests/peer/test_keyhash.py", "hashlib per key"),
     Twin(
         "hiradix.peer._verify",
         "hiradix.peer.pool.verify_parts",
-        "tests/test_peer_store.py",
+        "tests/peer/test_store.py",
         "per-slot loop in hiradix.peer.reader",
     ),
     Twin(
         "hiradix.transport._tcpio",
         "hiradix.transport.tcp.read_frames_py",
-        "tests/test_transport_specific.py",
+        "tests/transport/test_specific.py",
         "TcpTransport(native=False): the same bytes through socket calls",
     ),
     Twin(
@@ -77,7 +77,7 @@ TWINS: tuple[Twin, ...] = (
     Twin(
         "hiradix.transport._verbs",
         None,
-        "tests/test_transport_rdma.py",
+        "tests/transport/test_rdma.py",
         "no twin: RDMA needs the NIC; the RDMA transport reports why it is unavailable",
     ),
 )

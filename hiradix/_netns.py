@@ -4,7 +4,7 @@ loopback, brought up. A server in there that binds ``0.0.0.0`` (Mooncake's trans
 engine does, with no option to bind elsewhere) listens on that private loopback and on
 nothing else. Used by the Mooncake tests and benchmark::
 
-    python -m hiradix._netns python -m pytest tests/mooncake_suite.py
+    python -m hiradix._netns python -m pytest tests/storage/mooncake_suite.py
 
 Exits with :data:`NO_NETNS` (and says why on stderr) when the namespace cannot be made.
 """

@@ -18,8 +18,8 @@ __all__ = ["SUPPORTED_VERSIONS", "TESTED_VERSIONS", "UnsupportedSGLang", "check_
 #: default hierarchical cache is its own HiRadixCache; 0.5.20 keeps 0.5.18's request calls
 #: on a new request record; 0.5.23 has a new request API: :mod:`hiradix.sglang.api`).
 SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.20", "0.5.23")
-#: Versions CI runs SGLang tests on (0.5.18 and 0.5.20: ``tests/sglang``, see the README
-#: for which of them run on 0.5.20; 0.5.23: ``tests/sglang23``).
+#: Versions CI runs SGLang tests on (0.5.18 and 0.5.20: ``tests/sglang/v18``, see the README
+#: for which of them run on 0.5.20; 0.5.23: ``tests/sglang/v23``).
 TESTED_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.20", "0.5.23")
 
 _OVERRIDE = "HIRADIX_SGLANG_ANY_VERSION"

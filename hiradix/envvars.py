@@ -65,7 +65,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Use the pure-Python twin of every compiled module (the tree, the row copy, the peer "
            "cache's hashing and slot checks, the TCP data plane, the SGLang match and insert). "
            "At build time, build no extension at all.",
-           "hiradix/_native.py, setup.py, tests/support.py"),
+           "hiradix/_native.py, setup.py, tests/support/__init__.py"),
     EnvVar("HIRADIX_TRACE", "path", None, "runtime",
            "The Mooncake-format trace `hiradix sim`, `sweep` and `plan` replay when no `--trace` is given "
            "(the Azure traces are looked up in the same folder). Unset: the full trace in `../shared/traces/` "
@@ -116,18 +116,18 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Extra include folders searched for `infiniband/verbs.h`.", "setup.py"),
     # ------------------------------------------------------------------ test
     EnvVar("HIRADIX_STRESS_SCALE", "float", "1", "test",
-           "Multiplies the number of operations of the randomized stress tests.", "tests/test_stress.py"),
+           "Multiplies the number of operations of the randomized stress tests.", "tests/tree/test_stress.py"),
     EnvVar("HIRADIX_PARITY_MAX_EXAMPLES", "int", "6", "test",
            "Hypothesis examples of the stateful parity test (compiled tree against the twin).",
-           "tests/test_parity_stateful.py"),
+           "tests/tree/test_parity_stateful.py"),
     EnvVar("HIRADIX_PARITY_STEPS", "int", "50", "test",
-           "Steps per example of the stateful parity test.", "tests/test_parity_stateful.py"),
+           "Steps per example of the stateful parity test.", "tests/tree/test_parity_stateful.py"),
     EnvVar("HIRADIX_PARITY_SELFTEST", "flag", "0", "test",
-           "Run the parity helpers against themselves (checks that the tests can fail).", "tests/support.py"),
+           "Run the parity helpers against themselves (checks that the tests can fail).", "tests/support/__init__.py"),
     EnvVar("REQUIRE_RDMA", "flag", "0", "test",
            "Fail, instead of skipping, the transport conformance suite's `rdma` case where no ACTIVE RDMA "
            "port is found.",
-           "tests/test_transport_conformance.py"),
+           "tests/transport/test_conformance.py"),
     EnvVar("HIRADIX_E2E_SLOW_LOAD_S", "float", "0", "test",
            "Set by the real-server tests for the server they start: seconds each load back is delayed, so "
            "that a forward pass that does not wait for the layer-done counter reads unloaded KV.",

@@ -10,16 +10,12 @@ and skips, saying why, when the core is unavailable or disabled.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from support import (
+from tests.support import (
     CORE_BUILT,
     CORE_ENABLED,
     CORE_SKIP_REASON,

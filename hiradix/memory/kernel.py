@@ -279,7 +279,7 @@ def kernel_by_default() -> bool:
     Off by default because the kernel has not yet run on a GPU: it is checked byte for
     byte on the CPU (the emulation, in CI) and compiled by ``nvcc``, but the one GPU
     session so far ended before it could be run and measured (``bench/RESULTS_transfer.md``).
-    ``bench/transfer_gpu.py`` and ``tests/test_copy_kernel.py`` are what a GPU session runs
+    ``bench/transfer_gpu.py`` and ``tests/memory/test_kernel.py`` are what a GPU session runs
     before turning it on.
     """
     return envvars.flag("HIRADIX_CUDA_KERNEL") and cuda_kernel_available()

@@ -87,7 +87,7 @@ from hiradix.storage.keys import sglang_key_suffix
 __all__ = ["LOADER_KEYS", "TESTED_SGLANG_VERSIONS", "FileStorage", "MemoryStorage", "PeerStorage", "key_suffix"]
 
 #: SGLang versions whose own HiCache CI runs on these classes end to end
-#: (``tests/sglang/test_sglang_l3_interop.py``, ``tests/sglang23/``).
+#: (``tests/sglang/v18/test_l3_interop.py``, ``tests/sglang/v23/``).
 TESTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.18", "0.5.23")
 
 #: Keys of the extra config that SGLang's loader reads; not passed to the backend.

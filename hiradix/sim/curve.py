@@ -57,7 +57,7 @@ Where it is exact and where it is not
 --------------------------------------
 Exact, to the token, under :class:`~hiradix.sim.replay.Replayer`'s defaults with
 ``eviction_policy="lru"`` and no L3, if the tree evicted page by page. Where the real
-cache differs (measured in ``tests/test_sim_curve.py`` and ``bench/RESULTS_capacity.md``):
+cache differs (measured in ``tests/sim/test_curve.py`` and ``bench/RESULTS_capacity.md``):
 
 * *Node-granular eviction.* The tree evicts whole leaf nodes (a node is a run of pages
   shared by the same requests), so it may free more than it needs and hold a little

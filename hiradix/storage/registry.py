@@ -168,7 +168,7 @@ def create_backend(
 # The built-in backends, by where they live, each imported on its first use (the peer cache
 # pulls in msgpack, the transports and metrics; the Mooncake wheel is imported only when a
 # backend is built, with a StorageError saying how to install it when it is missing). Named,
-# not imported: the peer cache is a layer above storage (tests/test_layers.py).
+# not imported: the peer cache is a layer above storage (tests/repo/test_layers.py).
 _BUILTINS: dict[str, tuple[str, str]] = {
     "memory": ("hiradix.storage.memory", "MemoryStorage"),
     "file": ("hiradix.storage.file", "FileStorage"),

@@ -7,7 +7,7 @@ that must itself lie inside a region registered on the reader (the receive buffe
 way an RDMA READ needs both an ``rkey`` on the remote side and an ``lkey`` on the local one.
 
 Every transport (TCP, the fake NIC, later libibverbs) implements the same contract and
-runs the same conformance suite (``tests/test_transport_conformance.py``). What a
+runs the same conformance suite (``tests/transport/test_conformance.py``). What a
 transport can do is declared in :attr:`Transport.capabilities`; callers never probe with
 ``hasattr``.
 

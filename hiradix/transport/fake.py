@@ -66,15 +66,40 @@ __all__ = ["FakeClock", "FakeFabric", "FakeHca", "FakeMr", "FakeQp", "FakeTransp
 
 
 class FakeClock:
-    """A manual monotonic clock: ``clock()`` reads it, ``advance(dt)`` moves it."""
+    """A manual monotonic clock (cachetools' fake ``Timer``), for anything that takes an
+    injected clock (the fabric, peer membership, the tree, the cache's L3 prefetches):
+    ``clock()`` reads it, ``advance(dt)`` moves it, :attr:`now` is the time without a
+    read and :attr:`calls` counts the reads.
+
+    >>> clock = FakeClock(5.0)
+    >>> clock(), clock.calls
+    (5.0, 1)
+    >>> clock.advance(2.5)
+    >>> clock.now, clock.calls
+    (7.5, 1)
+    """
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = float(start)
+        self._calls = 0
         self._lock = threading.Lock()
 
     def __call__(self) -> float:
         with self._lock:
+            self._calls += 1
             return self._now
+
+    @property
+    def now(self) -> float:
+        """The time, read without counting as a call."""
+        with self._lock:
+            return self._now
+
+    @property
+    def calls(self) -> int:
+        """How many times the clock was read (called)."""
+        with self._lock:
+            return self._calls
 
     def advance(self, dt: float) -> None:
         """Move time forward by ``dt`` seconds (``dt >= 0``)."""

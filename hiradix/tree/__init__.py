@@ -20,7 +20,7 @@ from hiradix.tree.policy import EvictionPolicy, get_policy, policy_names, regist
 
 if TYPE_CHECKING:
     # The type checker sees the compiled tree through its stub (``_core.pyi``); the twin
-    # has the same API (tests/test_tree_errors.py compares the two with the stub).
+    # has the same API (tests/tree/test_errors.py compares the two with the stub).
     from hiradix.tree._core import ROOT, HiRadixTree, get_hash_str, namespace_seed, page_digests, page_hashes
 
     IMPLEMENTATION: str

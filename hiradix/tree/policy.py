@@ -7,7 +7,7 @@ Cython core and the pure-Python twin pick exactly the same victims.
 
 Because a policy is a declaration and not a Python callback, the Cython core compiles
 it into field selectors once and compares keys in C without the GIL. Adding a policy is
-one :func:`register_policy` call; the contract suite in ``tests/test_policies.py`` runs
+one :func:`register_policy` call; the contract suite in ``tests/tree/test_policy.py`` runs
 against every registered policy.
 
 Fields a key may use:

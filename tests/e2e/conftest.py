@@ -1,5 +1,5 @@
 """Fixtures of the real-server tests: a tiny model built once per session, SGLang servers
-started as subprocesses (:mod:`server`), and the reference outputs every server's outputs
+started as subprocesses (:mod:`tests.e2e.server`), and the reference outputs every server's outputs
 must equal: the same server build with no prefix cache at all (``--disable-radix-cache``),
 one server per session answering every prompt the tests ask about.
 
@@ -10,14 +10,11 @@ its three venvs); elsewhere they skip, saying why.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _skip_reason() -> str | None:
@@ -64,7 +61,7 @@ def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(e2e_dir: Path) -> Path:
-    from tiny_model import build
+    from tests.e2e.tiny_model import build
 
     return build(e2e_dir / "model")
 
@@ -79,7 +76,7 @@ class Servers:
         self.started: list[Any] = []
 
     def start(self, args: Sequence[str], *, name: str, env: dict[str, str] | None = None) -> Any:
-        from server import Server
+        from tests.e2e.server import Server
 
         server = Server(self.model, args, self.workdir / name, env=env, name=name)
         self.started.append(server)

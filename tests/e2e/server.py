@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import subprocess_env
+
 HERE = Path(__file__).resolve().parent
 
 #: What gets SGLang's server running on a CPU (verified on 0.5.18, 0.5.20 and 0.5.23).
@@ -140,12 +142,10 @@ class Server:
     def _start_once(self) -> Server:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        env = dict(os.environ)
-        path = [str(HERE / "stubs"), str(HERE.parent / "stubs"), str(HERE / "inject"), env.get("PYTHONPATH", "")]
+        env = subprocess_env(HERE / "stubs", HERE / "inject", repo=False)  # the installed hiradix
         env.update(
             {
                 "SGLANG_USE_CPU_ENGINE": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in path if p),
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import time
 
-from server import free_port, only_on
-from workload import other_suffixes, serve_all, shared_prefixes, tier_hits, wrong
+from tests.e2e.server import free_port, only_on
+from tests.e2e.workload import other_suffixes, serve_all, shared_prefixes, tier_hits, wrong
 
 BASE = (
     "--enable-hierarchical-cache",

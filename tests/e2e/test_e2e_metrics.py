@@ -6,7 +6,7 @@ I/O: how stock's host pool copies on a CPU, with the stand-ins of
 
 from __future__ import annotations
 
-from workload import serve_all, shared_prefixes, wrong
+from tests.e2e.workload import serve_all, shared_prefixes, wrong
 
 COMMON = (
     "--enable-hierarchical-cache",

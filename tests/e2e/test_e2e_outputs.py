@@ -18,8 +18,9 @@ import threading
 import urllib.request
 
 import pytest
-from server import only_on
-from workload import serve_all, shared_prefixes, tier_hits, wrong
+
+from tests.e2e.server import only_on
+from tests.e2e.workload import serve_all, shared_prefixes, tier_hits, wrong
 
 HIRADIX = (
     "--enable-hierarchical-cache",

@@ -63,12 +63,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from server import only_on
-from workload import conversations, serve_conversations
 
 from hiradix.sim.generators import MooncakeWorkload
 from hiradix.sim.run import SimResult, simulate
 from hiradix.sim.trace import BLOCK_TOKENS, parse_line
+from tests.e2e.server import only_on
+from tests.e2e.workload import conversations, serve_conversations
 
 #: ``(system prompts, seed)`` of the workloads (:func:`workload.conversations`), 48
 #: requests each, served one after the other on one server, each from an empty tree.

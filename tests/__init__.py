@@ -1,0 +1,1 @@
+"""hiradix's tests, one folder a package of ``hiradix/`` (see docs/development.md)."""
