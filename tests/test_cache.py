@@ -12,7 +12,7 @@ import torch
 from kvdata import fill, mismatches, prefix_seeds, scribble
 from support import tree_snapshot
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, TierOptions, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
@@ -31,12 +31,16 @@ def make_cache(
     layout: str = "layer_first",
     dtype: torch.dtype = torch.float32,
     host_pool_cls: type[HostKVPool] = HostKVPool,
+    write_policy: str = "write_through",
+    load_back_threshold: int = 0,
+    batch_backups: bool = False,
     **kwargs: Any,
 ) -> HiRadixCache:
     dev = DeviceKVPool(SHAPES[shape], size=device_tokens, page_size=page_size, dtype=dtype)
     host = host_pool_cls(SHAPES[shape], host_tokens, page_size, dtype, layout, reserve_bytes=0)
-    kwargs.setdefault("load_back_threshold", 0)
-    return HiRadixCache(dev, host, **kwargs)
+    tree = TreeOptions(write_policy=write_policy)
+    tiers = TierOptions(load_back_threshold=load_back_threshold, batch_backups=batch_backups)
+    return HiRadixCache(dev, host, tree=tree, tiers=tiers, **kwargs)
 
 
 def compute(cache: HiRadixCache, tokens: np.ndarray, extra_key: str | None = None) -> tuple[Any, int]:
@@ -98,7 +102,7 @@ def test_round_trip_on_cuda(layout: str) -> None:
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=16, dtype=torch.bfloat16, device="cuda")
     host = HostKVPool.for_device(dev, ratio=2.0, layout=layout)
     assert host.pin_memory
-    with HiRadixCache(dev, host, load_back_threshold=0) as cache:
+    with HiRadixCache(dev, host, tiers=TierOptions(load_back_threshold=0)) as cache:
         tokens = np.arange(128)
         slots = cache.alloc_device(128)
         data = [torch.randn(dev.total_slots, 2, 4, device="cuda").to(torch.bfloat16) for _ in range(3)]
@@ -341,7 +345,8 @@ def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool
     copies: list[int] = []
     write_now = ctrl.write_now
     ctrl.write_now = lambda d, h: copies.append(len(d)) or write_now(d, h)  # type: ignore[method-assign]
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         a = np.arange(32)
         b = np.concatenate((a[:16], np.arange(1000, 1016)))
         for p in (a, b):
@@ -375,7 +380,8 @@ def test_an_eviction_before_the_step_keeps_the_batch_on_an_inline_write_engine_t
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
     host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
     ctrl = HiCacheController(dev, host, inline_writes=True)
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         cache.insert(np.arange(32), cache.alloc_device(32))
         assert cache.evict(32) == 0 and cache.protected_size() == 32  # in flight: kept
         cache.check_hicache_events()
@@ -391,7 +397,8 @@ def test_a_steps_backups_commit_after_those_already_in_flight(step: str) -> None
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
     host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
     ctrl = HiCacheController(dev, host, inline_writes=True)
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         tree = cache.tree
         tree.track_changes = True
         cache.insert(np.arange(32), cache.alloc_device(32))
