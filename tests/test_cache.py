@@ -3,6 +3,7 @@ eviction paths, failure handling (host allocation, copies) and layer-wise orderi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -12,11 +13,12 @@ import torch
 from kvdata import fill, mismatches, prefix_seeds, scribble
 from support import tree_snapshot
 
-from hiradix.cache import HiRadixCache, Req, TierOptions, TreeOptions
+from hiradix.cache import HiRadixCache, Req, StorageOptions, TierOptions, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
+from hiradix.storage import MemoryStorage
 from hiradix.tree import Change, LockError
 
 SHAPES = {"mha": MHAShape(3, 2, 4), "mla": MLAShape(3, 8, 4)}
@@ -681,3 +683,33 @@ def test_alloc_host_all_or_nothing_across_ranks() -> None:
         assert host.available_size() == host.size - 8
     finally:
         ctrl.close()
+
+
+def test_option_objects_refuse_bad_fields_when_built() -> None:
+    """The cache's option objects check their fields themselves, before any pool or thread
+    exists, and the cache refuses anything but them where they go."""
+    with pytest.raises(ValueError, match="unknown write policy"):
+        TreeOptions(write_policy="write_sometimes")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        TreeOptions(eviction_policy="random")
+    with pytest.raises(TypeError, match="clock must be callable"):
+        TreeOptions(clock=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="load_back_threshold"):
+        TierOptions(load_back_threshold=-1)
+    with pytest.raises(TypeError, match="key_suffix must be a str"):
+        StorageOptions(key_suffix=7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend must be a StorageBackend"):
+        StorageOptions(backend="memory")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tp_rank without a namespace"):
+        StorageOptions(tp_rank=1)
+    with pytest.raises(ValueError, match="storage key"):
+        StorageOptions(key_suffix="x" * 4096)
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    with pytest.raises(TypeError, match="storage must be StorageOptions"):
+        HiRadixCache(dev, host, storage=MemoryStorage())  # type: ignore[arg-type]
+    options = TreeOptions(write_policy="write_back")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.write_policy = "write_through"  # type: ignore[misc]
+    with HiRadixCache(dev, host, tree=options) as cache:
+        assert cache.tree.write_policy == "write_back" and not cache.storage.enable_storage

@@ -83,16 +83,18 @@ class StorageOptions:
     inline: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend is not None and not isinstance(self.backend, StorageBackend):
-            raise TypeError(f"backend must be a StorageBackend, got {type(self.backend).__name__}")
-        if self.prefetch is not None and not isinstance(self.prefetch, PrefetchConfig):
-            raise TypeError(f"prefetch must be a PrefetchConfig, got {type(self.prefetch).__name__}")
-        if self.namespace is not None and not isinstance(self.namespace, KeyNamespace):
-            raise TypeError(f"namespace must be a KeyNamespace, got {type(self.namespace).__name__}")
+        kinds: tuple[tuple[str, type], ...] = (
+            ("backend", StorageBackend),
+            ("prefetch", PrefetchConfig),
+            ("namespace", KeyNamespace),
+            ("prefetch_agreement", RankAgreement),
+        )
+        for name, kind in kinds:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
         if not isinstance(self.key_suffix, str):
             raise TypeError(f"key_suffix must be a str, got {type(self.key_suffix).__name__}")
-        if self.prefetch_agreement is not None and not isinstance(self.prefetch_agreement, RankAgreement):
-            raise TypeError(f"prefetch_agreement must be a RankAgreement, got {type(self.prefetch_agreement).__name__}")
         # A key of the longest form these options give: the TP rank fits the namespace and
         # the whole key is a valid storage key.
         check_keys([k + self.key_suffix for k in storage_keys(["0" * KEY_HEX_CHARS], self.namespace, self.tp_rank)])
