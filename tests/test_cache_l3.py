@@ -457,3 +457,23 @@ def test_prefix_keys_reach_the_backend_only_when_asked() -> None:
             first = all_keys.index(keys[0])
             assert keys == all_keys[first : first + len(keys)]
             assert info.prefix_keys == tuple(all_keys[:first]), f"{kind} at page {first}"
+
+
+def test_prefix_keys_survive_a_reset() -> None:
+    """``reset`` re-attaches the backend it detached as it was attached: with its prefix
+    keys still passed (SGLang's flush must not turn ``hicache_storage_pass_prefix_keys``
+    off)."""
+    rec = RecordingStorage()
+    t = np.arange(128)
+    with make(MemoryStorage()) as cache:
+        assert cache.storage.detach_storage_backend()[0]
+        config = PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4)
+        assert cache.storage.attach_storage_backend(rec, prefetch=config, pass_prefix_keys=True)[0]
+        cache.reset()
+        assert cache.storage.pass_prefix_keys and cache.storage.l3 is not None
+        compute(cache, t[:64])
+        compute(cache, t)
+        evict_l1_l2(cache)
+        sets = [(keys, info) for kind, keys, info in rec.calls if kind == "set"]
+        assert [len(keys) for keys, _ in sets] == [4, 4]
+        assert sets[1][1] is not None and sets[1][1].prefix_keys == tuple(sets[0][0])

@@ -860,14 +860,16 @@ class HiRadixCache:
         pools (an attached backend stays attached, its pages untouched)."""
         self.flush()
         storage = self.storage
-        l3 = storage.l3
+        l3, pass_prefix_keys = storage.l3, storage.pass_prefix_keys
         if l3 is not None:
             storage.detach_storage_backend()
         self.tree.reset()
         self.device_allocator.clear()
         self.host_pool.clear()
-        if l3 is not None:
-            storage.attach_storage_backend(l3.backend, prefetch=l3.config, inline=l3.inline)
+        if l3 is not None:  # as it was attached (its key suffix stays the tier's)
+            storage.attach_storage_backend(
+                l3.backend, prefetch=l3.config, inline=l3.inline, pass_prefix_keys=pass_prefix_keys
+            )
 
     def close(self) -> None:
         """Flush, detach any L3 backend and stop the controller's engines."""
