@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache import CacheObserver, HiRadixCache, Req, StorageOptions, TierOptions, TreeOptions
+from hiradix.cache import CacheObserver, HiRadixCache, Req, StorageOptions, TierOptions, TreeFactory, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
@@ -294,7 +294,7 @@ class Replayer:
     ----------
     tree_cls:
         The tree class (default :class:`hiradix.HiRadixTree`, the compiled core unless
-        ``HIRADIX_PUREPYTHON=1``).
+        ``HIRADIX_PUREPYTHON=1``; see :class:`~hiradix.cache.TreeFactory`).
     page_size:
         Tokens per page.
     device_tokens, host_tokens:
@@ -335,7 +335,7 @@ class Replayer:
 
     def __init__(
         self,
-        tree_cls: Any = None,
+        tree_cls: TreeFactory | None = None,
         *,
         page_size: int = 16,
         device_tokens: int | None = None,
@@ -377,7 +377,7 @@ class Replayer:
                 raise ValueError(
                     f"l3_backend must be one of {L3_BACKENDS} (or a registered backend), got {l3_backend!r}"
                 )
-        self.tree_cls = tree_cls or hiradix.HiRadixTree
+        self.tree_cls: TreeFactory = tree_cls or hiradix.HiRadixTree
         self.page_size = page_size
         self.device_tokens = device_tokens
         self.host_tokens = host_tokens
