@@ -477,3 +477,20 @@ def test_prefix_keys_survive_a_reset() -> None:
         sets = [(keys, info) for kind, keys, info in rec.calls if kind == "set"]
         assert [len(keys) for keys, _ in sets] == [4, 4]
         assert sets[1][1] is not None and sets[1][1].prefix_keys == tuple(sets[0][0])
+
+
+def test_query_hit_tokens_counts_what_l3_holds_after_the_mount() -> None:
+    """The hit length a scheduler asks before it prefetches: whole pages from the mount on,
+    0 below the threshold, and a backend that fails is a miss, not an error."""
+    storage = BrokenStorage()
+    t = np.arange(160)
+    with make(storage, threshold=32) as cache:
+        compute(cache, t[:128])
+        evict_l1_l2(cache)
+        root = cache.match_prefix(t).last_node
+        assert cache.storage.query_hit_tokens(root, t) == 128  # 10 pages asked, the first 8 held
+        assert cache.storage.query_hit_tokens(root, t[:31]) == 0  # below the threshold
+        assert cache.storage.query_hit_tokens(root, t[1:]) == 0  # another chain
+        storage.broken = True
+        assert cache.storage.query_hit_tokens(root, t) == 0
+        assert cache.storage.pending_storage() == (0, 0, 0)  # asked, nothing started

@@ -28,6 +28,7 @@ single-threaded, on the scheduler's thread, like the cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from hiradix.tree import HiRadixTree
 
 __all__ = ["OngoingPrefetch", "StorageOptions", "StorageTier"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +317,27 @@ class StorageTier:
         self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)
         self._stats["prefetch_started_tokens"] += n
         return True
+
+    def query_hit_tokens(self, mount: int, tokens: np.ndarray, last_hash: str | None = None) -> int:
+        """Page-aligned tokens of ``tokens`` that L3 holds after ``mount`` (the pages that
+        would follow it, looked up now, on the caller's thread), agreed across ranks by
+        MIN; 0 without a backend or below ``threshold_tokens``. A storage failure counts
+        as a miss (logged), never as an error. Every rank must call it alike.
+        ``O(pages)`` plus the backend's lookups."""
+        l3 = self.l3
+        if l3 is None:
+            return 0
+        n = len(tokens) // self.page_size * self.page_size
+        if n < l3.config.threshold_tokens or n == 0:
+            return 0
+        prior = last_hash if last_hash is not None else self.prior_hash(mount)
+        try:
+            prefix = l3.prefix_keys_of(self.prefix_hashes(mount)) if self.pass_prefix_keys else None
+            _, hit = l3.hit_pages(tokens[:n], prior, prefix)
+        except Exception:  # a storage failure is a miss, never an error in the scheduler
+            log.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
+            hit = 0
+        return self.agreement.min_int(hit * self.page_size)
 
     def _host_slots(self, mount: int, n: int) -> torch.Tensor | None:
         """``n`` host slots for a prefetch under ``mount``, agreed across ranks, or

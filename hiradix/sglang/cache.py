@@ -1262,24 +1262,11 @@ class HiRadixCacheBase(BasePrefixCache):
         ``last_host_node`` (agreed by MIN); 0 without storage."""
         if not self.enable_storage:
             return 0
-        storage = self.core.storage
-        l3 = storage.l3
-        assert l3 is not None
         handle = self._handle(last_host_node)
         tokens = self._storage_tokens(handle, new_input_tokens)
         if tokens is None:
             return 0
-        n = len(tokens) // self.page_size * self.page_size
-        if n < l3.config.threshold_tokens or n == 0:
-            return 0
-        prior = last_hash if last_hash is not None else storage.prior_hash(handle)
-        try:
-            prefix = l3.prefix_keys_of(storage.prefix_hashes(handle)) if storage.pass_prefix_keys else None
-            _, hit = l3.hit_pages(tokens[:n], prior, prefix)
-        except Exception:  # a storage failure is a miss, never an error in the scheduler
-            logger.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
-            hit = 0
-        return self.core.agreement.min_int(hit * self.page_size)
+        return self.core.storage.query_hit_tokens(handle, tokens, last_hash)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
