@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, StorageOptions
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 from hiradix.storage import MemoryStorage
@@ -61,8 +61,10 @@ def run_case(page_kib: int, pages: int, layout: str, repeats: int) -> tuple[floa
     cache = HiRadixCache(
         dev,
         host,
-        storage=MemoryStorage(),
-        prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=page_size, capacity_tokens=n),
+        storage=StorageOptions(
+            backend=MemoryStorage(),
+            prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=page_size, capacity_tokens=n),
+        ),
     )
     tokens = np.arange(n, dtype=np.int64)
     with cache:
@@ -73,8 +75,8 @@ def run_case(page_kib: int, pages: int, layout: str, repeats: int) -> tuple[floa
                 buf[slots] = torch.randn(n, *buf.shape[1:]).to(buf.dtype)
         cache.cache_finished_req(Req("w", tokens, slots))
         cache.flush()
-        while cache.ongoing_backup:
-            cache.ongoing_backup[0].done.wait(60)
+        while cache.storage.ongoing_backup:
+            cache.storage.ongoing_backup[0].done.wait(60)
             cache.check_hicache_events()
         cache.evict(n)
         src = torch.empty(pages * host.page_bytes, dtype=torch.uint8)
@@ -86,12 +88,12 @@ def run_case(page_kib: int, pages: int, layout: str, repeats: int) -> tuple[floa
             assert cache.tree.host_size() == 0
             t0 = time.perf_counter()
             m = cache.match_prefix(tokens)
-            mount, mlen = cache.prefetch_mount(m)
-            assert cache.prefetch_from_storage(i, mount, tokens[mlen:])
-            cache.wait_prefetch(i)
-            assert cache.check_prefetch_progress(i)
+            mount, mlen = cache.storage.prefetch_mount(m)
+            assert cache.storage.prefetch_from_storage(i, mount, tokens[mlen:])
+            cache.storage.wait_prefetch(i)
+            assert cache.storage.check_prefetch_progress(i)
             t1 = time.perf_counter()
-            assert cache.pop_prefetch_loaded_tokens(i) == n
+            assert cache.storage.pop_prefetch_loaded_tokens(i) == n
             assert cache.match_prefix(tokens).host_hit_length == n
             t2 = time.perf_counter()
             dst.copy_(src)

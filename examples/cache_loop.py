@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, TreeOptions
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
 
 PAGE = 16
@@ -26,7 +26,7 @@ system = rng.integers(0, 32_000, 128)  # a shared system prompt
 conversations = [system.copy() for _ in range(6)]
 
 reused = loaded = computed = rejected = 0
-with HiRadixCache(device, host, write_policy="write_through") as cache:
+with HiRadixCache(device, host, tree=TreeOptions(write_policy="write_through")) as cache:
     counter = cache.cache_controller.layer_done_counter
     for step in range(20):
         batch = []

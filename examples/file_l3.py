@@ -18,7 +18,7 @@ import tempfile
 import numpy as np
 import torch
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, StorageOptions
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MLAShape
 from hiradix.storage.file import FileStorage
@@ -32,7 +32,7 @@ prompt = np.arange(1000, 1000 + 256)
 
 with tempfile.TemporaryDirectory() as folder, FileStorage(path=folder) as storage:
     prefetch = PrefetchConfig(policy="wait_complete", threshold_tokens=PAGE)
-    with HiRadixCache(device, host, storage=storage, prefetch=prefetch) as cache:
+    with HiRadixCache(device, host, storage=StorageOptions(backend=storage, prefetch=prefetch)) as cache:
         # 1. compute the KV (random values), insert, back up to host and L3
         slots = cache.alloc_device(len(prompt))
         assert slots is not None
@@ -42,8 +42,8 @@ with tempfile.TemporaryDirectory() as folder, FileStorage(path=folder) as storag
         cache.cache_finished_req(Req("first", prompt, slots))
         cache.flush()  # the host copy has landed
         cache.check_hicache_events()  # ... and its L3 write is queued
-        while cache.pending_storage()[1]:  # wait for the L3 writes to be acknowledged
-            cache.check_backup_progress()
+        while cache.storage.pending_storage()[1]:  # wait for the L3 writes to be acknowledged
+            cache.storage.check_backup_progress()
         print(f"stored in L3: {storage.get_stats().pages} pages under {folder}")
 
         # 2. evict from the device (demoted to the host), then from the host
@@ -52,11 +52,11 @@ with tempfile.TemporaryDirectory() as folder, FileStorage(path=folder) as storag
         assert len(m.device_indices) == m.host_hit_length == 0, "nothing left in memory"
 
         # 3. prefetch from L3 into the host, load to the device, compare
-        mount, mounted = cache.prefetch_mount(m)
-        assert cache.prefetch_from_storage("second", mount, prompt[mounted:])
-        while not cache.check_prefetch_progress("second"):  # wait_complete: until the I/O is done
-            cache.wait_prefetch("second", 1.0)
-        print(f"prefetched {cache.pop_prefetch_loaded_tokens('second')} tokens from L3 into the host")
+        mount, mounted = cache.storage.prefetch_mount(m)
+        assert cache.storage.prefetch_from_storage("second", mount, prompt[mounted:])
+        while not cache.storage.check_prefetch_progress("second"):  # wait_complete: until the I/O is done
+            cache.storage.wait_prefetch("second", 1.0)
+        print(f"prefetched {cache.storage.pop_prefetch_loaded_tokens('second')} tokens from L3 into the host")
         m = cache.match_prefix(prompt)
         loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
         counter = cache.cache_controller.layer_done_counter

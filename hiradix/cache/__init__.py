@@ -1,7 +1,10 @@
 """The cache layer: the tree, the KV pools and the tiers' copies behind SGLang-shaped methods.
 
 - :mod:`~hiradix.cache.cache`: :class:`HiRadixCache`, the tree plus pools plus controller
-  plus L3, and the request and observer types it takes;
+  plus L3, its option objects (:class:`TreeOptions`, :class:`TierOptions`) and the request
+  and observer types it takes;
+- :mod:`~hiradix.cache.storage_tier`: :class:`StorageTier`, the cache's L3 prefetches and
+  backups between the tree and the L3 threads, configured by :class:`StorageOptions`;
 - :mod:`~hiradix.cache.controller`: :class:`HiCacheController`, the L1 <-> L2 queues and
   copy engines;
 - :mod:`~hiradix.cache.l3`: :class:`L3Controller`, the L3 <-> L2 prefetch, IO and backup
@@ -15,11 +18,21 @@
 keep the module they are defined in, so that ``inspect`` finds their source).
 """
 
-from hiradix.cache.cache import CacheMatchResult, CacheObserver, DeviceAllocator, HiRadixCache, OngoingPrefetch, Req
+from hiradix.cache.cache import (
+    CacheMatchResult,
+    CacheObserver,
+    DeviceAllocator,
+    HiRadixCache,
+    Req,
+    TierOptions,
+    TreeFactory,
+    TreeOptions,
+)
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement, MinReduceAgreement, RankAgreement, TorchDistAgreement
 from hiradix.cache.l3 import PREFETCH_POLICIES, L3Controller, PrefetchConfig
 from hiradix.cache.stats import CacheStats, ControllerStats, L3Stats
+from hiradix.cache.storage_tier import OngoingPrefetch, StorageOptions, StorageTier
 
 __all__ = [
     "PREFETCH_POLICIES",
@@ -38,5 +51,10 @@ __all__ = [
     "PrefetchConfig",
     "RankAgreement",
     "Req",
+    "StorageOptions",
+    "StorageTier",
+    "TierOptions",
     "TorchDistAgreement",
+    "TreeFactory",
+    "TreeOptions",
 ]

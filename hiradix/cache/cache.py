@@ -3,7 +3,11 @@
 The tree (:class:`hiradix.HiRadixTree`) decides: which prefix matches, which nodes to back
 up, which leaves to evict. This class acts on those decisions: it allocates and frees
 device and host slots, queues copies on the :class:`~hiradix.cache.controller.HiCacheController`,
-and completes the tree's two-phase transfers when the copies are acknowledged.
+and completes the tree's two-phase transfers when the copies are acknowledged. Its L3 side
+(prefetches from and backups to a storage backend) is its :attr:`HiRadixCache.storage`, a
+:class:`~hiradix.cache.storage_tier.StorageTier`. It is built from three frozen option
+objects (:class:`TreeOptions`, :class:`TierOptions`,
+:class:`~hiradix.cache.storage_tier.StorageOptions`) and its collaborators.
 
 Method names and semantics follow SGLang 0.5.18's ``HiRadixCache`` so that an adapter stays
 thin: ``match_prefix``, ``insert``, ``cache_finished_req`` / ``cache_unfinished_req``,
@@ -33,23 +37,34 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
 
 import hiradix
+
+if TYPE_CHECKING:
+    from hiradix.tree import HiRadixTree
 from hiradix.cache.controller import CacheOperation, HiCacheController
 from hiradix.cache.distributed import RankAgreement
-from hiradix.cache.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
 from hiradix.cache.stats import CacheStats, zeros
+from hiradix.cache.storage_tier import StorageOptions, StorageTier
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
-from hiradix.storage.base import StorageBackend, check_keys
-from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
 from hiradix.tree._results import NO_NODE, IOStatus
+from hiradix.tree.policy import EvictionPolicy, get_policy, write_through_threshold
 
-__all__ = ["CacheMatchResult", "CacheObserver", "DeviceAllocator", "HiRadixCache", "OngoingPrefetch", "Req"]
+__all__ = [
+    "CacheMatchResult",
+    "CacheObserver",
+    "DeviceAllocator",
+    "HiRadixCache",
+    "Req",
+    "TierOptions",
+    "TreeFactory",
+    "TreeOptions",
+]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -166,15 +181,113 @@ class Req:
     priority: int = 0
 
 
-@dataclass(eq=False)
-class OngoingPrefetch:
-    """A prefetch the cache is waiting for: the backed-up node its pages will hang from
-    (protected with ``inc_host_ref`` meanwhile), the tokens and the host slots."""
+_Opt = TypeVar("_Opt")
 
-    mount: int
-    tokens: np.ndarray
-    host_indices: torch.Tensor
-    op: PrefetchOperation
+
+def _options(name: str, value: _Opt | None, cls: type[_Opt]) -> _Opt:
+    """``value``, or ``cls()`` for ``None``; ``TypeError`` for anything else (a caller
+    still passing the keywords these option objects replaced gets told so)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {cls.__name__} (or None), got {type(value).__name__}")
+    return value
+
+
+class TreeFactory(Protocol):
+    """What :class:`TreeOptions` ``tree_cls`` is: :class:`hiradix.HiRadixTree` (either
+    implementation) or a callable with its constructor's signature that returns a tree with
+    its API (a test's counting wrapper)."""
+
+    def __call__(
+        self,
+        page_size: int,
+        *,
+        eviction_policy: str | EvictionPolicy = ...,
+        write_policy: str = ...,
+        enable_hash: bool = ...,
+        clock: Callable[[], float] | None = ...,
+        chain_seed: Callable[[str | None], str | None] | None = ...,
+    ) -> HiRadixTree: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TreeOptions:
+    """How a :class:`HiRadixCache` builds its tree (:class:`hiradix.HiRadixTree`'s options).
+
+    ``eviction_policy`` and ``write_policy`` as the tree's: ``write_through`` (back up on
+    first insert), ``write_through_selective`` (on the second hit) or ``write_back`` (on
+    eviction). ``enable_hash``: page hashes, on by default (they are the L3 keys; a tree
+    without them computes them when a backend is attached). ``clock``: seconds, for the
+    eviction policies' timestamps and the L3 prefetch timeouts. ``chain_seed``: where each
+    namespace's hash chain starts (see the tree; ``lambda extra_key: None`` gives
+    SGLang's token-only chains). ``tree_cls``: the tree implementation (default
+    :class:`hiradix.HiRadixTree`; see :class:`TreeFactory`).
+
+    Checked when built: ``ValueError`` for an unknown eviction or write policy,
+    ``TypeError`` for a clock, chain seed or tree class that is not callable.
+
+    >>> TreeOptions(write_policy="write_back").eviction_policy
+    'lru'
+    """
+
+    eviction_policy: str | EvictionPolicy = "lru"
+    write_policy: str = "write_through"
+    enable_hash: bool = True
+    clock: Callable[[], float] | None = None
+    chain_seed: Callable[[str | None], str | None] | None = None
+    tree_cls: TreeFactory | None = None
+
+    def __post_init__(self) -> None:
+        get_policy(self.eviction_policy)
+        write_through_threshold(self.write_policy)
+        for name in ("clock", "chain_seed", "tree_cls"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
+
+    def build(self, page_size: int) -> HiRadixTree:
+        """A new tree of ``page_size`` with these options. ``O(1)``."""
+        kwargs: dict[str, Any] = {"eviction_policy": self.eviction_policy, "write_policy": self.write_policy}
+        if self.enable_hash:
+            kwargs["enable_hash"] = True
+        if self.clock is not None:
+            kwargs["clock"] = self.clock
+        if self.chain_seed is not None:
+            kwargs["chain_seed"] = self.chain_seed
+        return (self.tree_cls or hiradix.HiRadixTree)(page_size, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class TierOptions:
+    """How a :class:`HiRadixCache` moves KV between the device and the host.
+
+    ``load_back_threshold``: evicted chains shorter than this many tokens are recomputed
+    instead of loaded (SGLang's default: 10; :attr:`HiRadixCache.load_back_threshold`
+    may be changed later). ``batch_backups``: start the backups that inserts ask for
+    together, once per scheduler step (at the next
+    :meth:`~HiRadixCache.check_hicache_events`, or sooner when
+    :meth:`~HiRadixCache.evict`, :meth:`~HiRadixCache.flush` or
+    :meth:`~HiRadixCache.writing_check` needs them started), rather than one submission
+    per insert: one host allocation, one agreement and one copy for all of a step's
+    inserts. Until then those nodes are on the device only and protected (the deepest
+    node each insert asks to back up is locked until its backups start), as they are
+    while a backup is in flight, and they complete in the order the inserts asked for
+    them (after the backups already in flight). Default ``False`` (each insert starts its
+    own); :mod:`hiradix.sglang` turns it on.
+
+    Checked when built: ``ValueError`` for a negative or non-integer threshold.
+
+    >>> TierOptions(load_back_threshold=0).batch_backups
+    False
+    """
+
+    load_back_threshold: int = 10
+    batch_backups: bool = False
+
+    def __post_init__(self) -> None:
+        threshold = self.load_back_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(f"load_back_threshold must be an int >= 0, got {threshold!r}")
 
 
 class HiRadixCache:
@@ -184,12 +297,13 @@ class HiRadixCache:
     ----------
     device_pool, host_pool:
         The L1 and L2 KV pools (same shape, dtype and page size).
-    eviction_policy, write_policy:
-        As :class:`hiradix.HiRadixTree`: ``write_through`` (back up on first insert),
-        ``write_through_selective`` (on the second hit) or ``write_back`` (on eviction).
-    load_back_threshold:
-        Evicted chains shorter than this many tokens are recomputed instead of loaded
-        (SGLang's default: 10).
+    tree:
+        The tree's options (:class:`TreeOptions`; default its defaults).
+    tiers:
+        Device <-> host options (:class:`TierOptions`; default its defaults).
+    storage:
+        L3 options (:class:`~hiradix.cache.storage_tier.StorageOptions`; default none
+        attached): the :attr:`storage` tier is built from them.
     agreement:
         Cross-rank agreement (default: one rank).
     controller:
@@ -199,31 +313,14 @@ class HiRadixCache:
         The device slot allocator (:class:`DeviceAllocator`; default: a fresh one over
         ``device_pool``). Inside SGLang it is the scheduler's own allocator, so the
         scheduler's slot accounting and the cache's are one.
-    tree_cls, enable_hash, clock, chain_seed:
-        The tree implementation (default :class:`hiradix.HiRadixTree`) and its options.
-        Page hashes are on by default: they are the L3 keys. ``chain_seed`` says where
-        each namespace's hash chain starts (see the tree; ``lambda extra_key: None``
-        gives SGLang's token-only chains).
-    storage, prefetch, namespace, tp_rank, key_suffix, prefetch_agreement:
-        An L3 backend to attach at once (see :meth:`attach_storage_backend`), the
-        prefetch policy, the key namespace (its ``extra_key()`` is the tree namespace of
-        requests that pass it), this rank's TP rank (key suffix for sharded pages), a
-        suffix appended to every storage key (SGLang's model and rank suffix, see
-        :func:`hiradix.storage.keys.sglang_key_suffix`) and the agreement the prefetch
-        thread uses (a process group of its own).
-    l3_inline:
-        Run the L3 operations in the caller's thread (simulators; see
-        :class:`~hiradix.cache.l3.L3Controller`).
-    batch_backups:
-        Start the backups that inserts ask for together, once per scheduler step (at the
-        next :meth:`check_hicache_events`, or sooner when :meth:`evict`, :meth:`flush` or
-        :meth:`writing_check` needs them started), rather than one submission per insert:
-        one host allocation, one agreement and one copy for all of a step's inserts.
-        Until then those nodes are on the device only and protected (the deepest node
-        each insert asks to back up is locked until its backups start), as they are while
-        a backup is in flight, and they complete in the order the inserts asked for them
-        (after the backups already in flight). Default ``False`` (each insert starts its
-        own); :mod:`hiradix.sglang` turns it on.
+
+    Attributes
+    ----------
+    tree:
+        The tree (built by :meth:`TreeOptions.build`).
+    storage:
+        The L3 tier (:class:`~hiradix.cache.storage_tier.StorageTier`): attach or detach
+        a backend, prefetch from it, and what it holds in flight.
     """
 
     def __init__(
@@ -231,43 +328,21 @@ class HiRadixCache:
         device_pool: DeviceKVPool,
         host_pool: HostKVPool,
         *,
-        eviction_policy: str = "lru",
-        write_policy: str = "write_through",
-        load_back_threshold: int = 10,
+        tree: TreeOptions | None = None,
+        tiers: TierOptions | None = None,
+        storage: StorageOptions | None = None,
         agreement: RankAgreement | None = None,
         controller: HiCacheController | None = None,
         layer_hook: LayerHook | None = None,
-        tree_cls: Any = None,
-        enable_hash: bool = True,
-        clock: Callable[[], float] | None = None,
-        chain_seed: Callable[[str | None], str | None] | None = None,
-        storage: StorageBackend | None = None,
-        prefetch: PrefetchConfig | None = None,
-        namespace: KeyNamespace | None = None,
-        tp_rank: int = 0,
-        key_suffix: str = "",
-        prefetch_agreement: RankAgreement | None = None,
-        l3_inline: bool = False,
         allocator: DeviceAllocator | None = None,
-        batch_backups: bool = False,
     ) -> None:
-        if load_back_threshold < 0:
-            raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
-        tree_cls = tree_cls or hiradix.HiRadixTree
-        kwargs: dict[str, Any] = {"eviction_policy": eviction_policy, "write_policy": write_policy}
-        if enable_hash:
-            kwargs["enable_hash"] = True
-        if clock is not None:
-            kwargs["clock"] = clock
-        if chain_seed is not None:
-            kwargs["chain_seed"] = chain_seed
-        if not isinstance(key_suffix, str):
-            raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
-        check_keys(["0" * KEY_HEX_CHARS + (namespace.rank_suffix(tp_rank) if namespace else "") + key_suffix])
+        tree = _options("tree", tree, TreeOptions)
+        tiers = _options("tiers", tiers, TierOptions)
+        storage = _options("storage", storage, StorageOptions)
         self.page_size = device_pool.page_size
-        self.tree = tree_cls(self.page_size, **kwargs)
-        self.write_policy = write_policy
-        self.load_back_threshold = load_back_threshold
+        self.tree: HiRadixTree = tree.build(self.page_size)
+        self.load_back_threshold = tiers.load_back_threshold
+        self.batch_backups = tiers.batch_backups
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._on_cpu = device_pool.device.type == "cpu"
@@ -279,27 +354,19 @@ class HiRadixCache:
         # Pending-transfer protections, each released exactly once (popped on ack).
         self.ongoing_write_through: dict[int, np.ndarray] = {}  # node -> host slots (int64)
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
-        self.batch_backups = batch_backups
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
         self._held: list[int] = []  # the node each insert(hold=True) locked, until the backups start
-        self._stats = zeros(CacheStats)  # counted here; read as a snapshot (stats)
-        # L3 (storage) state; see attach_storage_backend.
-        self.enable_hash = enable_hash
-        self.clock = clock
-        self.namespace = namespace
-        self.tp_rank = tp_rank
-        self.key_suffix = key_suffix
-        self.pass_prefix_keys = False  # set per attached backend (attach_storage_backend)
-        self.prefetch_agreement = prefetch_agreement
-        self.l3: L3Controller | None = None
-        self.ongoing_prefetch: dict[Any, OngoingPrefetch] = {}
-        self.ongoing_backup: list[BackupOperation] = []
-        self.prefetch_loaded_tokens_by_reqid: dict[Any, int] = {}
-        self._release_queue: list[tuple[PrefetchOperation, torch.Tensor]] = []
+        self._stats = zeros(CacheStats)  # counted here and by the storage tier; read as a snapshot (stats)
         self._observers: list[CacheObserver] = []
-        if storage is not None:
-            ok, msg = self.attach_storage_backend(storage, prefetch=prefetch, inline=l3_inline)
-            assert ok, msg
+        self.storage = StorageTier(
+            storage,
+            tree=self.tree,
+            host_pool=host_pool,
+            controller=self.cache_controller,
+            evict_host=self.evict_host,
+            stats=self._stats,
+            clock=tree.clock,
+        )
 
     # ------------------------------------------------------------------ observers
     def get_stats(self) -> CacheStats:
@@ -593,7 +660,7 @@ class HiRadixCache:
         copy landed on every rank if ``ok``: each becomes backed up (and goes on to L3),
         or, if not committed, is left as it was and its host slots are freed. Observers
         hear of each (``ops``: the nodes' operations). ``O(nodes)``."""
-        l3, observers = self.l3, self._observers
+        storage, observers = self.storage, self._observers
         done = failed = 0
         results = self.tree.commit_backups(nodes, ok)
         for i, node in enumerate(nodes):
@@ -601,8 +668,7 @@ class HiRadixCache:
             committed = results[i]
             if committed:
                 done += host.shape[0]
-                if l3 is not None:
-                    self.write_backup_storage(node)
+                storage.backed_up(node)
             else:
                 self.host_pool.free(host)
                 failed += host.shape[0]
@@ -689,254 +755,7 @@ class HiRadixCache:
         asked for."""
         self.writing_check()
         self.loading_check()
-        if self.l3 is not None or self.ongoing_backup:
-            self.check_backup_progress()
-        self._drain_release_queue()
-
-    # ------------------------------------------------------------------ L3 (storage)
-    @property
-    def enable_storage(self) -> bool:
-        """Whether an L3 backend is attached."""
-        return self.l3 is not None
-
-    def _key_fn(self, hashes: Sequence[str]) -> list[str]:
-        keys = storage_keys(hashes, self.namespace, self.tp_rank)
-        suffix = self.key_suffix
-        return [k + suffix for k in keys] if suffix else keys
-
-    def attach_storage_backend(
-        self,
-        backend: StorageBackend,
-        *,
-        prefetch: PrefetchConfig | None = None,
-        inline: bool = False,
-        key_suffix: str | None = None,
-        pass_prefix_keys: bool = False,
-    ) -> tuple[bool, str]:
-        """Attach an L3 backend at runtime (every rank together). Returns ``(ok,
-        message)``; refuses while another backend is attached. ``inline`` runs the L3
-        operations in the caller's thread (see :class:`~hiradix.cache.l3.L3Controller`);
-        ``key_suffix``, if given, replaces the storage-key suffix from this backend on
-        (one that appends its own, as SGLang's do, takes ``""``); ``pass_prefix_keys``
-        hands the backend, with each call, the keys of the pages before those of the
-        call (SGLang's ``hicache_storage_pass_prefix_keys``, for backends that place pages
-        by prefix). ``O(1)`` plus starting the three L3 threads, and ``O(cached
-        tokens)`` once in a cache built with ``enable_hash=False``, whose tree then
-        hashes the pages it holds."""
-        if self.l3 is not None:
-            return False, f"storage backend {self.l3.backend.name!r} is attached; detach it first"
-        if key_suffix is not None and not isinstance(key_suffix, str):
-            raise TypeError(f"key_suffix must be a str, got {type(key_suffix).__name__}")
-        if not self.enable_hash:
-            # L3 keys are page hashes: a tree built without them hashes what it holds now.
-            self.tree.enable_hashing()
-            self.enable_hash = True
-        if key_suffix is not None:
-            self.key_suffix = key_suffix
-        self.pass_prefix_keys = bool(pass_prefix_keys)
-        kwargs: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}
-        self.l3 = L3Controller(
-            backend,
-            self.host_pool,
-            config=prefetch,
-            key_fn=self._key_fn,
-            agreement=self.prefetch_agreement,
-            inline=inline,
-            **kwargs,
-        )
-        return True, f"attached storage backend {backend.name!r}"
-
-    def detach_storage_backend(self) -> tuple[bool, str]:
-        """Detach the L3 backend (every rank together): abort the prefetches in flight,
-        let the L3 threads finish what they hold, then release every protection and every
-        prefetch slot. The tree and both pools are left consistent; nothing is lost but
-        the L3 copies themselves. ``O(in-flight operations)``."""
-        l3 = self.l3
-        if l3 is None:
-            return False, "no storage backend is attached"
-        for req_id in list(self.ongoing_prefetch):
-            self.release_aborted_request(req_id)
-        l3.stop()
-        self.check_backup_progress()
-        assert not self.ongoing_backup, "backups still pending after the L3 threads stopped"
-        self._drain_release_queue()
-        assert not self._release_queue, "prefetch slots still held after the L3 threads stopped"
-        self.l3 = None
-        return True, f"detached storage backend {l3.backend.name!r}"
-
-    def prior_hash(self, node: int) -> str | None:
-        """The hash the chain of pages below ``node`` continues from: its last page's,
-        or at a (namespace) root the chain's seed (``None``: unseeded). ``O(1)``."""
-        if self.tree.parent(node) == NO_NODE:
-            return self.tree.root_seed(node)  # type: ignore[no-any-return]
-        hashes = self.tree.hash_value(node)
-        assert hashes, f"node {node} has no page hashes"
-        return str(hashes[-1])
-
-    def prefix_hashes(self, node: int) -> list[str]:
-        """The page hashes from ``node``'s (namespace) root down to ``node`` inclusive,
-        in order: the prefix keys of what follows it. ``O(depth + pages)``."""
-        parts: list[list[str]] = []
-        while self.tree.parent(node) != NO_NODE:
-            parts.append(self.tree.hash_value(node) or [])
-            node = self.tree.parent(node)
-        return [h for part in reversed(parts) for h in part]
-
-    def prefetch_from_storage(
-        self,
-        req_id: Any,
-        last_host_node: int,
-        new_input_tokens: Any,
-        last_hash: str | None = None,
-    ) -> bool:
-        """Start fetching the pages that follow the backed-up ``last_host_node`` from L3
-        into freshly allocated host slots; returns whether a prefetch was started.
-
-        Nothing starts without storage, for fewer than ``threshold_tokens`` page-aligned
-        tokens, past the prefetch capacity or without host room once host-only pages
-        were evicted for it (each counted in :attr:`stats`). ``last_hash`` defaults to
-        :meth:`prior_hash` of the node (the hash of its last page, or its root's seed).
-        Every rank must call it alike.
-        Runtime: ``O(1)`` here; the work runs on the L3 threads.
-        """
-        l3 = self.l3
-        if l3 is None:
-            return False
-        if req_id in self.ongoing_prefetch:
-            raise ValueError(f"request {req_id!r} already has a prefetch in flight")
-        tokens = np.asarray(new_input_tokens)
-        n = len(tokens) // self.page_size * self.page_size
-        if n < max(l3.config.threshold_tokens, self.page_size):
-            return False
-        if not self.tree.is_root(last_host_node) and not self.tree.is_backed_up(last_host_node):
-            raise ValueError(f"prefetch mount point {last_host_node} is not backed up")
-        in_flight = sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
-        if in_flight + n > l3.capacity_tokens:
-            self._stats["prefetch_skipped_capacity"] += n
-            return False
-        self.tree.inc_host_ref(last_host_node)  # the mount stays while room is made below
-        (host,) = self.cache_controller.alloc_host([n])
-        if host is None:
-            # As SGLang's, room for a prefetch is taken from the host's least recently used
-            # pages (every rank alike: the same tree evicts the same nodes).
-            self.evict_host(n)
-            (host,) = self.cache_controller.alloc_host([n])
-        if host is None:
-            self.tree.dec_host_ref(last_host_node)
-            self._stats["prefetch_skipped_no_host"] += n
-            return False
-        prior = last_hash if last_hash is not None else self.prior_hash(last_host_node)
-        prefix = self.prefix_hashes(last_host_node) if self.pass_prefix_keys else None
-        op = l3.prefetch(req_id, host, tokens[:n], prior, prefix)
-        self.ongoing_prefetch[req_id] = OngoingPrefetch(last_host_node, tokens[:n], host, op)
-        self._stats["prefetch_started_tokens"] += n
-        return True
-
-    def prefetch_mount(self, match: CacheMatchResult) -> tuple[int, int]:
-        """Where an L3 prefetch for ``match``'s key attaches: the deepest matched node that
-        is backed up (a root if none), and the number of key tokens up to it. The tokens
-        after those are what :meth:`prefetch_from_storage` should fetch.
-        Runtime: ``O(depth)``."""
-        tree = self.tree
-        node = match.last_node
-        while not tree.is_root(node) and not tree.is_backed_up(node):
-            node = tree.parent(node)
-        length, walk = 0, node
-        while tree.parent(walk) != NO_NODE:
-            length += tree.key_len(walk)
-            walk = tree.parent(walk)
-        return node, length
-
-    def wait_prefetch(self, req_id: Any, timeout: float | None = None) -> bool:
-        """Block until the L3 threads are done with ``req_id``'s prefetch (rank-local, no
-        agreement); returns whether they are. For a caller that wants the whole prefetch,
-        e.g. a simulator, before :meth:`check_prefetch_progress`."""
-        entry = self.ongoing_prefetch.get(req_id)
-        return True if entry is None else entry.op.io_done.wait(timeout)
-
-    def check_prefetch_progress(self, req_id: Any) -> bool:
-        """If the prefetch policy lets ``req_id``'s prefetch end now (agreed across
-        ranks), end it: insert the pages that landed on every rank as host-only nodes
-        under the mount point, release the rest, and return ``True``. The tokens newly
-        loaded are kept for :meth:`pop_prefetch_loaded_tokens`. Returns ``True`` at once
-        for a request with no prefetch. Runtime: ``O(tokens)``."""
-        entry = self.ongoing_prefetch.get(req_id)
-        if entry is None:
-            return True
-        l3 = self.l3
-        assert l3 is not None, "prefetches are aborted when the backend is detached"
-        if not self.agreement.all_true([l3.can_terminate(entry.op)])[0]:
-            return False
-        pages = self.agreement.min_int(l3.terminate(entry.op))
-        n = pages * self.page_size
-        loaded = 0
-        if n:
-            res = self.tree.insert_host(entry.mount, entry.tokens[:n], entry.host_indices[:n])
-            lo, hi = int(res.matched_length), int(res.matched_length + res.inserted_length)
-            loaded = hi - lo
-            unused = torch.cat((entry.host_indices[:lo], entry.host_indices[hi:n]))
-            if len(unused):
-                self.host_pool.free(unused)
-        self._release_queue.append((entry.op, entry.host_indices[n:]))
-        self.tree.dec_host_ref(entry.mount)
-        del self.ongoing_prefetch[req_id]
-        self.prefetch_loaded_tokens_by_reqid[req_id] = loaded
-        self._stats["prefetch_loaded_tokens"] += loaded
-        self._stats["prefetch_wasted_tokens"] += len(entry.host_indices) - loaded
-        return True
-
-    def release_aborted_request(self, req_id: Any) -> None:
-        """Forget ``req_id``'s prefetch: stop it, unprotect its mount point and release all
-        its slots (once the L3 threads are done with them). ``O(1)``."""
-        self.prefetch_loaded_tokens_by_reqid.pop(req_id, None)
-        entry = self.ongoing_prefetch.pop(req_id, None)
-        if entry is None:
-            return
-        assert self.l3 is not None
-        self.l3.terminate(entry.op)
-        self._release_queue.append((entry.op, entry.host_indices))
-        self.tree.dec_host_ref(entry.mount)
-        self._stats["prefetch_wasted_tokens"] += len(entry.host_indices)
-
-    def pop_prefetch_loaded_tokens(self, req_id: Any) -> int:
-        """Tokens ``req_id``'s finished prefetch added to the tree (0 if none). ``O(1)``."""
-        return self.prefetch_loaded_tokens_by_reqid.pop(req_id, 0)
-
-    def _drain_release_queue(self) -> None:
-        keep = []
-        for op, slots in self._release_queue:
-            if op.finished():
-                if len(slots):
-                    self.host_pool.free(slots)
-            else:
-                keep.append((op, slots))
-        self._release_queue = keep
-
-    def write_backup_storage(self, node: int) -> None:
-        """Queue an L2 -> L3 write of a backed-up node, protecting its host copy until
-        :meth:`check_backup_progress` sees it done. ``O(pages)``."""
-        assert self.l3 is not None
-        hashes = self.tree.hash_value(node)
-        host = self.tree.host_value(node)
-        if hashes is None or host is None:
-            raise ValueError(f"write_backup_storage: node {node} has no host copy or no page hashes")
-        self.tree.inc_host_ref(node)
-        prefix = self.prefix_hashes(self.tree.parent(node)) if self.pass_prefix_keys else None
-        self.ongoing_backup.append(self.l3.backup(node, hashes, torch.from_numpy(host), prefix))
-        self._stats["storage_backup_tokens"] += len(host)
-
-    def check_backup_progress(self) -> None:
-        """Unprotect the nodes whose L3 writes every rank has finished (agreed by MIN,
-        in queue order). ``O(finished)``."""
-        local = 0
-        for op in self.ongoing_backup:
-            if not op.done.is_set():
-                break
-            local += 1
-        n = self.agreement.min_int(local)
-        for op in self.ongoing_backup[:n]:
-            self.tree.dec_host_ref(op.node)
-        del self.ongoing_backup[:n]
+        self.storage.check_events()
 
     # ------------------------------------------------------------------ eviction
     def _free_device(self, indices: Any, evicted: bool = False) -> None:
@@ -1040,20 +859,23 @@ class HiRadixCache:
         """Wait for in-flight copies and L3 operations, then empty the tree and both
         pools (an attached backend stays attached, its pages untouched)."""
         self.flush()
-        l3 = self.l3
+        storage = self.storage
+        l3, pass_prefix_keys = storage.l3, storage.pass_prefix_keys
         if l3 is not None:
-            self.detach_storage_backend()
+            storage.detach_storage_backend()
         self.tree.reset()
         self.device_allocator.clear()
         self.host_pool.clear()
-        if l3 is not None:
-            self.attach_storage_backend(l3.backend, prefetch=l3.config, inline=l3.inline)
+        if l3 is not None:  # as it was attached (its key suffix stays the tier's)
+            storage.attach_storage_backend(
+                l3.backend, prefetch=l3.config, inline=l3.inline, pass_prefix_keys=pass_prefix_keys
+            )
 
     def close(self) -> None:
         """Flush, detach any L3 backend and stop the controller's engines."""
         self.flush()
-        if self.l3 is not None:
-            self.detach_storage_backend()
+        if self.storage.l3 is not None:
+            self.storage.detach_storage_backend()
         self.cache_controller.close()
 
     def __enter__(self) -> HiRadixCache:
@@ -1075,8 +897,7 @@ class HiRadixCache:
                 f"outstanding != {self.device_allocator.size}"
             )
         in_flight = sum(len(h) for h in self.ongoing_write_through.values())
-        in_flight += sum(len(p.host_indices) for p in self.ongoing_prefetch.values())
-        in_flight += sum(len(slots) for _, slots in self._release_queue)
+        in_flight += self.storage.host_slots_in_flight()
         host_free = self.host_pool.available_size()
         if host_free + self.tree.host_size() + in_flight != self.host_pool.size:
             raise AssertionError(
@@ -1087,8 +908,3 @@ class HiRadixCache:
     def pending_protections(self) -> tuple[int, int]:
         """Nodes locked by in-flight backups and loads (both 0 once :meth:`flush` ran)."""
         return len(self.ongoing_write_through), len(self.ongoing_load_back)
-
-    def pending_storage(self) -> tuple[int, int, int]:
-        """Prefetches in flight, L3 backups unacknowledged and prefetch slot batches not
-        yet released (all 0 after a detach)."""
-        return len(self.ongoing_prefetch), len(self.ongoing_backup), len(self._release_queue)

@@ -84,6 +84,7 @@ import hiradix
 from hiradix import envvars
 from hiradix._native import load
 from hiradix.cache import HiRadixCache as CoreCache
+from hiradix.cache import StorageOptions, TierOptions, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
@@ -585,18 +586,14 @@ class HiRadixCacheBase(BasePrefixCache):
         self.core = CoreCache(
             device_pool,
             host_pool,
-            # Page hashes are the L3 keys; as SGLang, they are computed only when there is an
-            # L3 (one attached at runtime hashes what the tree holds then, once).
-            enable_hash=backend is not None,
-            eviction_policy=self.eviction_policy,
-            write_policy=write_policy,
-            controller=controller,
-            allocator=allocator,
-            chain_seed=chain_seed,
-            namespace=self.storage_config.namespace,
-            tp_rank=self.storage_config.tp_rank,
-            key_suffix=key_suffix,
-            prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
+            tree=TreeOptions(
+                eviction_policy=self.eviction_policy,
+                write_policy=write_policy,
+                # Page hashes are the L3 keys; as SGLang, they are computed only when there is
+                # an L3 (one attached at runtime hashes what the tree holds then, once).
+                enable_hash=backend is not None,
+                chain_seed=chain_seed,
+            ),
             # The backups a step's inserts ask for start at the step's check_hicache_events
             # (the scheduler calls it at the top of every loop iteration, before its idle
             # checks), as one submission; until then the tree holds those nodes locked,
@@ -604,7 +601,15 @@ class HiRadixCacheBase(BasePrefixCache):
             # complete, with their KV events, in SGLang's order. One difference: a full host
             # pool evicts for them at the step, where SGLang evicts inside the insert.
             # HIRADIX_BATCH_BACKUPS=0 starts each insert's backups in the insert instead.
-            batch_backups=envvars.flag("HIRADIX_BATCH_BACKUPS"),
+            tiers=TierOptions(batch_backups=envvars.flag("HIRADIX_BATCH_BACKUPS")),
+            storage=StorageOptions(
+                namespace=self.storage_config.namespace,
+                tp_rank=self.storage_config.tp_rank,
+                key_suffix=key_suffix,
+                prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
+            ),
+            controller=controller,
+            allocator=allocator,
         )
         self.tree = self.core.tree
         # The tree holds at most the device and the host pool's tokens: size and touch its
@@ -839,11 +844,11 @@ class HiRadixCacheBase(BasePrefixCache):
 
     @property
     def ongoing_prefetch(self) -> dict[Any, Any]:
-        return self.core.ongoing_prefetch
+        return self.core.storage.ongoing_prefetch
 
     @property
     def ongoing_backup(self) -> list[Any]:
-        return self.core.ongoing_backup
+        return self.core.storage.ongoing_backup
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -1114,7 +1119,7 @@ class HiRadixCacheBase(BasePrefixCache):
                 suffix = self._key_suffix
         except StorageConfigError as e:
             raise ValueError(f"--hicache-storage-backend {backend!r}: {e}") from e
-        ok, msg = self.core.attach_storage_backend(
+        ok, msg = self.core.storage.attach_storage_backend(
             storage, prefetch=prefetch, key_suffix=suffix, pass_prefix_keys=self.hicache_storage_pass_prefix_keys
         )
         if not ok:
@@ -1173,8 +1178,8 @@ class HiRadixCacheBase(BasePrefixCache):
         """Detach the L3 backend (draining its I/O, as the core does) and close it: this
         cache built it, and a file backend holds its directory's lock until closed (as
         SGLang's detach closes its backend). ``(ok, message)``."""
-        l3 = self.core.l3
-        ok, msg = self.core.detach_storage_backend()
+        l3 = self.core.storage.l3
+        ok, msg = self.core.storage.detach_storage_backend()
         if ok:
             self.enable_storage = False
             self.cache_controller.storage_backend_type = None
@@ -1184,7 +1189,7 @@ class HiRadixCacheBase(BasePrefixCache):
         return ok, msg
 
     def clear_storage_backend(self) -> bool:
-        l3 = self.core.l3
+        l3 = self.core.storage.l3
         if l3 is None:
             return False
         clear = getattr(l3.backend, "clear", None)
@@ -1210,7 +1215,7 @@ class HiRadixCacheBase(BasePrefixCache):
         tokens = self._storage_tokens(handle, new_input_tokens)
         if tokens is None:
             return False
-        return self.core.prefetch_from_storage(req_id, handle, tokens, last_hash)
+        return self.core.storage.prefetch_from_storage(req_id, handle, tokens, last_hash)
 
     def _storage_tokens(self, mount: int, new_input_tokens: Sequence[int]) -> np.ndarray | None:
         """The tree tokens of what follows ``mount``: the tokens themselves, or with
@@ -1229,21 +1234,22 @@ class HiRadixCacheBase(BasePrefixCache):
         return tokens[1:] if int(tokens[0]) == boundary else None
 
     def check_prefetch_progress(self, req_id: str) -> bool:
-        done = self.core.check_prefetch_progress(req_id)
+        done = self.core.storage.check_prefetch_progress(req_id)
         self._sync_events()  # the pages that landed are new nodes
         return done
 
     def pop_prefetch_loaded_tokens(self, req_id: str) -> int:
-        return self.core.pop_prefetch_loaded_tokens(req_id)
+        return self.core.storage.pop_prefetch_loaded_tokens(req_id)
 
     def terminate_prefetch(self, req_id: str) -> None:
         """Stop fetching more pages for ``req_id``; what has landed is kept."""
-        entry = self.core.ongoing_prefetch.get(req_id)
-        if entry is not None and self.core.l3 is not None:
-            self.core.l3.terminate(entry.op)
+        storage = self.core.storage
+        entry = storage.ongoing_prefetch.get(req_id)
+        if entry is not None and storage.l3 is not None:
+            storage.l3.terminate(entry.op)
 
     def release_aborted_request(self, rid: str) -> None:
-        self.core.release_aborted_request(rid)
+        self.core.storage.release_aborted_request(rid)
 
     def query_storage_hit_length(
         self,
@@ -1256,23 +1262,11 @@ class HiRadixCacheBase(BasePrefixCache):
         ``last_host_node`` (agreed by MIN); 0 without storage."""
         if not self.enable_storage:
             return 0
-        l3 = self.core.l3
-        assert l3 is not None
         handle = self._handle(last_host_node)
         tokens = self._storage_tokens(handle, new_input_tokens)
         if tokens is None:
             return 0
-        n = len(tokens) // self.page_size * self.page_size
-        if n < l3.config.threshold_tokens or n == 0:
-            return 0
-        prior = last_hash if last_hash is not None else self.core.prior_hash(handle)
-        try:
-            prefix = l3.prefix_keys_of(self.core.prefix_hashes(handle)) if self.core.pass_prefix_keys else None
-            _, hit = l3.hit_pages(tokens[:n], prior, prefix)
-        except Exception:  # a storage failure is a miss, never an error in the scheduler
-            logger.warning("hiradix: batch_exists failed on %s; counting a miss", l3.backend.name, exc_info=True)
-            hit = 0
-        return self.core.agreement.min_int(hit * self.page_size)
+        return self.core.storage.query_hit_tokens(handle, tokens, last_hash)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:

@@ -96,11 +96,11 @@ class MetricsReporter:
             c.observe_backup_duration(seconds)
         for seconds in controller.pop_durations("load"):
             c.observe_load_back_duration(seconds)
-        if self.storage is not None and core.l3 is not None:
+        if self.storage is not None and core.storage.l3 is not None:
             self._report_storage(core, stats)
 
     def _report_storage(self, core: CoreCache, stats: Any) -> None:
-        s, l3, page = self.storage, core.l3, core.page_size
+        s, l3, page = self.storage, core.storage.l3, core.page_size
         assert l3 is not None
         if l3 is not self._l3:  # a new attach: its controller counts from zero
             self._seen = {k: v for k, v in self._seen.items() if not k.startswith("l3.")}

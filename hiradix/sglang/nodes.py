@@ -145,4 +145,4 @@ class TreeNode:
 
     def get_prefix_hash_values(self, node: TreeNode | None) -> list[str]:
         """Page hashes from the root down to ``node`` (inclusive), in root-to-node order."""
-        return [] if node is None else self._cache.core.prefix_hashes(node.id)
+        return [] if node is None else self._cache.core.storage.prefix_hashes(node.id)

@@ -6,7 +6,7 @@ backend, the controller and its L3 threads) one request at a time, as a schedule
 1. ``match_prefix``; a request that cannot fit on the device even after evicting every
    unlocked token stops here (counted as too large, nothing inserted).
 2. With an L3 tier and at least ``threshold_tokens`` missed: ``prefetch_from_storage``
-   of the key after :meth:`~hiradix.cache.HiRadixCache.prefetch_mount` (host room made
+   of the key after :meth:`~hiradix.cache.StorageTier.prefetch_mount` (host room made
    with ``evict_host`` first, as SGLang's ``prefetch_from_storage`` does), then
    ``check_prefetch_progress`` until the policy lets it end, and a second match.
 3. ``init_load_back`` of the host tail (host hit plus what L3 brought), ``inc_lock_ref``,
@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache import CacheObserver, HiRadixCache, Req
+from hiradix.cache import CacheObserver, HiRadixCache, Req, StorageOptions, TierOptions, TreeFactory, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.l3 import PREFETCH_POLICIES, PrefetchConfig
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
@@ -294,7 +294,7 @@ class Replayer:
     ----------
     tree_cls:
         The tree class (default :class:`hiradix.HiRadixTree`, the compiled core unless
-        ``HIRADIX_PUREPYTHON=1``).
+        ``HIRADIX_PUREPYTHON=1``; see :class:`~hiradix.cache.TreeFactory`).
     page_size:
         Tokens per page.
     device_tokens, host_tokens:
@@ -335,7 +335,7 @@ class Replayer:
 
     def __init__(
         self,
-        tree_cls: Any = None,
+        tree_cls: TreeFactory | None = None,
         *,
         page_size: int = 16,
         device_tokens: int | None = None,
@@ -377,7 +377,7 @@ class Replayer:
                 raise ValueError(
                     f"l3_backend must be one of {L3_BACKENDS} (or a registered backend), got {l3_backend!r}"
                 )
-        self.tree_cls = tree_cls or hiradix.HiRadixTree
+        self.tree_cls: TreeFactory = tree_cls or hiradix.HiRadixTree
         self.page_size = page_size
         self.device_tokens = device_tokens
         self.host_tokens = host_tokens
@@ -433,17 +433,21 @@ class Replayer:
         cache = HiRadixCache(
             device,
             host,
-            eviction_policy=self.eviction_policy,
-            write_policy=self.write_policy,
-            load_back_threshold=self.load_back_threshold,
+            tree=TreeOptions(
+                eviction_policy=self.eviction_policy,
+                write_policy=self.write_policy,
+                enable_hash=storage is not None,
+                tree_cls=self.tree_cls,
+            ),
+            tiers=TierOptions(load_back_threshold=self.load_back_threshold),
+            storage=StorageOptions(
+                backend=storage,
+                prefetch=self.prefetch if storage is not None else None,
+                # Waiting for every L3 operation anyway: run them inline, without the
+                # thread hand-offs (the same L3 code; see hiradix.cache.l3.L3Controller).
+                inline=storage is not None and self.prefetch_wait,
+            ),
             controller=controller,
-            tree_cls=self.tree_cls,
-            enable_hash=storage is not None,
-            storage=storage,
-            prefetch=self.prefetch if storage is not None else None,
-            # Waiting for every L3 operation anyway: run them inline, without the thread
-            # hand-offs (the same L3 code; see hiradix.cache.l3.L3Controller).
-            l3_inline=storage is not None and self.prefetch_wait,
         )
         ledger = _EvictionLedger(device.total_slots)
         cache.add_observer(ledger)
@@ -531,7 +535,7 @@ class Replayer:
             return Served(device_hit, 0, fitted=False)
         outcome = ""
         l3_hit = 0
-        if cache.l3 is not None and n - device_hit - host_hit >= max(self.prefetch.threshold_tokens, 1):
+        if cache.storage.l3 is not None and n - device_hit - host_hit >= max(self.prefetch.threshold_tokens, 1):
             outcome, gained = self._prefetch(rid, prompt, m)
             if gained:
                 m2 = cache.match_prefix(prompt)
@@ -578,21 +582,22 @@ class Replayer:
         """Prefetch the key after the match's mount point from L3; returns the outcome
         (``""`` when L3 held too little to start) and the tokens it added to the tree."""
         cache = self.cache
-        mount, mount_len = cache.prefetch_mount(m)
+        storage = cache.storage
+        mount, mount_len = storage.prefetch_mount(m)
         want = len(prompt) - mount_len
         short = want - cache.host_pool.available_size()
         if short > 0:  # room first, as SGLang's prefetch_from_storage; keep the mount
             cache.tree.inc_host_ref(mount)
             cache.evict_host(short)
             cache.tree.dec_host_ref(mount)
-        if not cache.prefetch_from_storage(rid, mount, prompt[mount_len:]):
+        if not storage.prefetch_from_storage(rid, mount, prompt[mount_len:]):
             return "", 0
-        op = cache.ongoing_prefetch[rid].op
+        op = storage.ongoing_prefetch[rid].op
         if self.prefetch_wait:
-            cache.wait_prefetch(rid)
-        while not cache.check_prefetch_progress(rid):
-            cache.wait_prefetch(rid, 0.001)
-        gained = cache.pop_prefetch_loaded_tokens(rid)
+            storage.wait_prefetch(rid)
+        while not storage.check_prefetch_progress(rid):
+            storage.wait_prefetch(rid, 0.001)
+        gained = storage.pop_prefetch_loaded_tokens(rid)
         self.stats.prefetch_issued += 1
         if op.revoked or op.hit_pages == 0:
             return "", gained
@@ -603,10 +608,11 @@ class Replayer:
     def _end_step(self) -> None:
         cache = self.cache
         cache.check_hicache_events()
-        if cache.l3 is not None and cache.ongoing_backup and self.prefetch_wait:
-            for op in cache.ongoing_backup:  # L3 writes land before the next request
+        storage = cache.storage
+        if storage.l3 is not None and storage.ongoing_backup and self.prefetch_wait:
+            for op in storage.ongoing_backup:  # L3 writes land before the next request
                 op.done.wait()
-            cache.check_backup_progress()
+            storage.check_backup_progress()
 
     # ------------------------------------------------------------------ replay loop
     def replay(
@@ -697,9 +703,9 @@ class Replayer:
         """Tokens held by each tier now: ``device_used``, ``host_used`` (slots in use,
         in-flight prefetches included) and ``l3_used`` (pages stored, in tokens). ``O(1)``."""
         cache = self.cache
-        l3_used = 0
-        if cache.l3 is not None:
-            l3_used = cache.l3.backend.get_stats().pages * self.page_size
+        l3_used, l3 = 0, cache.storage.l3
+        if l3 is not None:
+            l3_used = l3.backend.get_stats().pages * self.page_size
         return {
             "device_used": cache.device_allocator.size - cache.available_device_size(),
             "host_used": cache.host_pool.size - cache.host_pool.available_size(),

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 import hiradix
+from hiradix.cache import TreeFactory
 from hiradix.sim.config import SimConfig
 from hiradix.sim.generators import MooncakeWorkload, Workload
 from hiradix.sim.replay import Replayer, ReplayStats, RequestRecord
@@ -99,7 +100,7 @@ def simulate(
     *,
     timing: TimingModel | None = None,
     progress: bool | None = False,
-    tree_cls: Any = None,
+    tree_cls: TreeFactory | None = None,
     **settings: Any,
 ) -> SimResult:
     """Replay ``workload`` and time it.

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache import HiRadixCache
+from hiradix.cache import HiRadixCache, StorageOptions, TierOptions
 from hiradix.cache.distributed import TorchDistAgreement
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
@@ -72,11 +72,13 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     cache = HiRadixCache(
         dev,
         host,
-        load_back_threshold=0,
+        tiers=TierOptions(load_back_threshold=0),
+        storage=StorageOptions(
+            backend=storage,
+            prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
+            prefetch_agreement=TorchDistAgreement(prefetch_group),
+        ),
         agreement=TorchDistAgreement(),
-        prefetch_agreement=TorchDistAgreement(prefetch_group),
-        storage=storage,
-        prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
     )
     with cache:
         for s in seqs:
@@ -85,19 +87,19 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
             fill(dev, slots, prefix_seeds(s))
             cache.insert(s, slots)
         cache.flush()
-        while cache.ongoing_backup:
-            assert cache.ongoing_backup[-1].done.wait(30), "a backup never reached done"
+        while cache.storage.ongoing_backup:
+            assert cache.storage.ongoing_backup[-1].done.wait(30), "a backup never reached done"
             cache.check_hicache_events()
         loaded = prefetch_back(cache, seqs)
-        assert cache.l3 is not None
-        l3_stats = dict(cache.l3.stats)
+        assert cache.storage.l3 is not None
+        l3_stats = dict(cache.storage.l3.stats)
         fingerprint = json.dumps(tree_fingerprint(cache))
     result = {
         "rank": rank,
         "fingerprint": hashlib.sha256(fingerprint.encode()).hexdigest(),
         "loaded": loaded,
         "l3": l3_stats,
-        "pending": len(cache.ongoing_prefetch),
+        "pending": len(cache.storage.ongoing_prefetch),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

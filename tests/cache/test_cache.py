@@ -3,6 +3,7 @@ eviction paths, failure handling (host allocation, copies) and layer-wise orderi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, StorageOptions, TierOptions, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.memory.copy import CopyError
+from hiradix.storage import MemoryStorage
 from hiradix.tree import Change, LockError
 from tests.support import tree_snapshot
 from tests.support.kvdata import fill, mismatches, prefix_seeds, scribble
@@ -31,12 +33,16 @@ def make_cache(
     layout: str = "layer_first",
     dtype: torch.dtype = torch.float32,
     host_pool_cls: type[HostKVPool] = HostKVPool,
+    write_policy: str = "write_through",
+    load_back_threshold: int = 0,
+    batch_backups: bool = False,
     **kwargs: Any,
 ) -> HiRadixCache:
     dev = DeviceKVPool(SHAPES[shape], size=device_tokens, page_size=page_size, dtype=dtype)
     host = host_pool_cls(SHAPES[shape], host_tokens, page_size, dtype, layout, reserve_bytes=0)
-    kwargs.setdefault("load_back_threshold", 0)
-    return HiRadixCache(dev, host, **kwargs)
+    tree = TreeOptions(write_policy=write_policy)
+    tiers = TierOptions(load_back_threshold=load_back_threshold, batch_backups=batch_backups)
+    return HiRadixCache(dev, host, tree=tree, tiers=tiers, **kwargs)
 
 
 def compute(cache: HiRadixCache, tokens: np.ndarray, extra_key: str | None = None) -> tuple[Any, int]:
@@ -98,7 +104,7 @@ def test_round_trip_on_cuda(layout: str) -> None:
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=16, dtype=torch.bfloat16, device="cuda")
     host = HostKVPool.for_device(dev, ratio=2.0, layout=layout)
     assert host.pin_memory
-    with HiRadixCache(dev, host, load_back_threshold=0) as cache:
+    with HiRadixCache(dev, host, tiers=TierOptions(load_back_threshold=0)) as cache:
         tokens = np.arange(128)
         slots = cache.alloc_device(128)
         data = [torch.randn(dev.total_slots, 2, 4, device="cuda").to(torch.bfloat16) for _ in range(3)]
@@ -341,7 +347,8 @@ def test_a_steps_backups_on_an_inline_write_engine_commit_in_the_step(fail: bool
     copies: list[int] = []
     write_now = ctrl.write_now
     ctrl.write_now = lambda d, h: copies.append(len(d)) or write_now(d, h)  # type: ignore[method-assign]
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         a = np.arange(32)
         b = np.concatenate((a[:16], np.arange(1000, 1016)))
         for p in (a, b):
@@ -375,7 +382,8 @@ def test_an_eviction_before_the_step_keeps_the_batch_on_an_inline_write_engine_t
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
     host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
     ctrl = HiCacheController(dev, host, inline_writes=True)
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         cache.insert(np.arange(32), cache.alloc_device(32))
         assert cache.evict(32) == 0 and cache.protected_size() == 32  # in flight: kept
         cache.check_hicache_events()
@@ -391,7 +399,8 @@ def test_a_steps_backups_commit_after_those_already_in_flight(step: str) -> None
     dev = DeviceKVPool(SHAPES["mha"], size=256, page_size=4, dtype=torch.float32)
     host = HostKVPool(SHAPES["mha"], 512, 4, torch.float32, "layer_first", reserve_bytes=0)
     ctrl = HiCacheController(dev, host, inline_writes=True)
-    with HiRadixCache(dev, host, controller=ctrl, batch_backups=True, load_back_threshold=0) as cache:
+    tiers = TierOptions(load_back_threshold=0, batch_backups=True)
+    with HiRadixCache(dev, host, tiers=tiers, controller=ctrl) as cache:
         tree = cache.tree
         tree.track_changes = True
         cache.insert(np.arange(32), cache.alloc_device(32))
@@ -674,3 +683,33 @@ def test_alloc_host_all_or_nothing_across_ranks() -> None:
         assert host.available_size() == host.size - 8
     finally:
         ctrl.close()
+
+
+def test_option_objects_refuse_bad_fields_when_built() -> None:
+    """The cache's option objects check their fields themselves, before any pool or thread
+    exists, and the cache refuses anything but them where they go."""
+    with pytest.raises(ValueError, match="unknown write policy"):
+        TreeOptions(write_policy="write_sometimes")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        TreeOptions(eviction_policy="random")
+    with pytest.raises(TypeError, match="clock must be callable"):
+        TreeOptions(clock=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="load_back_threshold"):
+        TierOptions(load_back_threshold=-1)
+    with pytest.raises(TypeError, match="key_suffix must be a str"):
+        StorageOptions(key_suffix=7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend must be a StorageBackend"):
+        StorageOptions(backend="memory")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tp_rank without a namespace"):
+        StorageOptions(tp_rank=1)
+    with pytest.raises(ValueError, match="storage key"):
+        StorageOptions(key_suffix="x" * 4096)
+    dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
+    host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
+    with pytest.raises(TypeError, match="storage must be StorageOptions"):
+        HiRadixCache(dev, host, storage=MemoryStorage())  # type: ignore[arg-type]
+    options = TreeOptions(write_policy="write_back")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.write_policy = "write_through"  # type: ignore[misc]
+    with HiRadixCache(dev, host, tree=options) as cache:
+        assert cache.tree.write_policy == "write_back" and not cache.storage.enable_storage

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hiradix.cache import HiRadixCache, Req
+from hiradix.cache import HiRadixCache, Req, StorageOptions, TierOptions, TreeOptions
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from hiradix.storage import Capabilities, FileStorage, KeyNamespace, MemoryStorage, StorageBackend
@@ -73,12 +73,14 @@ def make(
     return HiRadixCache(
         dev,
         hpool,
-        load_back_threshold=0,
-        storage=storage,
-        prefetch=PrefetchConfig(policy=policy, threshold_tokens=threshold, batch_pages=4),
-        clock=clock,
-        namespace=namespace,
-        l3_inline=inline,
+        tree=TreeOptions(clock=clock),
+        tiers=TierOptions(load_back_threshold=0),
+        storage=StorageOptions(
+            backend=storage,
+            prefetch=PrefetchConfig(policy=policy, threshold_tokens=threshold, batch_pages=4),
+            namespace=namespace,
+            inline=inline,
+        ),
     )
 
 
@@ -95,8 +97,8 @@ def compute(cache: HiRadixCache, tokens: np.ndarray, extra_key: str | None = Non
 
 def evict_l1_l2(cache: HiRadixCache) -> None:
     cache.flush()
-    while cache.ongoing_backup:  # L3 writes hold the host copies until they land
-        cache.ongoing_backup[0].done.wait(30)
+    while cache.storage.ongoing_backup:  # L3 writes hold the host copies until they land
+        cache.storage.ongoing_backup[0].done.wait(30)
         cache.check_hicache_events()
     cache.evict(10**9)
     cache.evict_host(10**9)
@@ -108,12 +110,12 @@ def fetch(cache: HiRadixCache, tokens: np.ndarray, rid: str = "r", extra_key: st
     """Serve ``tokens`` through L3 -> L2 -> L1 like a scheduler; returns (tokens loaded
     from L3, tokens reused) after checking every reused byte."""
     m = cache.match_prefix(tokens, extra_key)
-    mount, mlen = cache.prefetch_mount(m)
+    mount, mlen = cache.storage.prefetch_mount(m)
     from_l3 = 0
-    if cache.prefetch_from_storage(rid, mount, tokens[mlen:]):
-        assert cache.wait_prefetch(rid, 30)
-        assert cache.check_prefetch_progress(rid)
-        from_l3 = cache.pop_prefetch_loaded_tokens(rid)
+    if cache.storage.prefetch_from_storage(rid, mount, tokens[mlen:]):
+        assert cache.storage.wait_prefetch(rid, 30)
+        assert cache.storage.check_prefetch_progress(rid)
+        from_l3 = cache.storage.pop_prefetch_loaded_tokens(rid)
         m = cache.match_prefix(tokens, extra_key)
     loaded, _node = cache.init_load_back(m.last_node, m.host_hit_length)
     prefix = torch.cat((m.device_indices, loaded))
@@ -129,9 +131,9 @@ def fetch(cache: HiRadixCache, tokens: np.ndarray, rid: str = "r", extra_key: st
 
 def settle(cache: HiRadixCache) -> None:
     """Let the L3 threads finish every operation, then consume the results."""
-    for entry in list(cache.ongoing_prefetch.values()):
+    for entry in list(cache.storage.ongoing_prefetch.values()):
         assert entry.op.io_done.wait(30)
-    for op, _ in list(cache._release_queue):
+    for op, _ in list(cache.storage._release_queue):
         assert op.io_done.wait(30)
     cache.flush()
     cache.check_hicache_events()
@@ -160,12 +162,12 @@ def test_round_trip_through_storage(storage: StorageBackend, page: int, layout: 
         for t in (a, b):
             compute(cache, t)
         evict_l1_l2(cache)
-        assert cache.l3 is not None and cache.l3.stats["backup_pages"] == 144 // page
+        assert cache.storage.l3 is not None and cache.storage.l3.stats["backup_pages"] == 144 // page
         for t in (a, b):
             _from_l3, reused = fetch(cache, t)
             assert reused == len(t)
         assert cache.stats["prefetch_loaded_tokens"] == 144  # b's shared half came from L2
-    assert cache.pending_storage() == (0, 0, 0)
+    assert cache.storage.pending_storage() == (0, 0, 0)
 
 
 def test_round_trip_mla_page_first_direct(tmp_path: Path) -> None:
@@ -181,17 +183,17 @@ def test_below_threshold_no_prefetch_and_revocation() -> None:
         compute(cache, np.arange(48))
         evict_l1_l2(cache)
         m = cache.match_prefix(np.arange(48))
-        mount, _mlen = cache.prefetch_mount(m)
-        assert not cache.prefetch_from_storage("short", mount, np.arange(48))  # 48 < 64 tokens
+        mount, _mlen = cache.storage.prefetch_mount(m)
+        assert not cache.storage.prefetch_from_storage("short", mount, np.arange(48))  # 48 < 64 tokens
         # enough tokens asked, but storage holds only 48 of them: revoked, slots released
         t = np.arange(96)
-        assert cache.prefetch_from_storage("rev", mount, t)
-        assert cache.wait_prefetch("rev", 30)
-        assert cache.ongoing_prefetch["rev"].op.revoked
-        assert cache.check_prefetch_progress("rev") and cache.pop_prefetch_loaded_tokens("rev") == 0
+        assert cache.storage.prefetch_from_storage("rev", mount, t)
+        assert cache.storage.wait_prefetch("rev", 30)
+        assert cache.storage.ongoing_prefetch["rev"].op.revoked
+        assert cache.storage.check_prefetch_progress("rev") and cache.storage.pop_prefetch_loaded_tokens("rev") == 0
         cache.check_hicache_events()
         assert cache.host_pool.available_size() == cache.host_pool.size
-        assert cache.l3 is not None and cache.l3.stats["prefetch_revoked"] == 1
+        assert cache.storage.l3 is not None and cache.storage.l3.stats["prefetch_revoked"] == 1
         cache.check_invariants()
 
 
@@ -208,8 +210,8 @@ def test_a_full_host_pool_makes_room_for_a_prefetch_from_its_least_recent_pages(
         for _ in range(2):
             compute(cache, rng.integers(1000, 2000, 48))
         cache.flush()
-        while cache.ongoing_backup:
-            cache.ongoing_backup[0].done.wait(30)
+        while cache.storage.ongoing_backup:
+            cache.storage.ongoing_backup[0].done.wait(30)
             cache.check_hicache_events()
         cache.evict(10**9)  # everything host-only
         assert cache.host_pool.available_size() < 48
@@ -223,7 +225,7 @@ def test_capacity_below_threshold_is_refused() -> None:
         make_cfg = PrefetchConfig(threshold_tokens=256, capacity_tokens=128)
         dev = DeviceKVPool(SHAPE, size=64, page_size=16, dtype=torch.float16)
         host = HostKVPool(SHAPE, 512, 16, torch.float16, reserve_bytes=0)
-        HiRadixCache(dev, host, storage=MemoryStorage(), prefetch=make_cfg)
+        HiRadixCache(dev, host, storage=StorageOptions(backend=MemoryStorage(), prefetch=make_cfg))
 
 
 def test_timeout_formula_defaults() -> None:
@@ -246,34 +248,34 @@ def test_prefetch_policies_with_a_slow_backend(policy: str) -> None:
         storage.gate.clear()
         storage.reading.clear()
         m = cache.match_prefix(t)
-        mount, _mlen = cache.prefetch_mount(m)
-        assert cache.prefetch_from_storage("r", mount, t)
+        mount, _mlen = cache.storage.prefetch_mount(m)
+        assert cache.storage.prefetch_from_storage("r", mount, t)
         assert storage.reading.wait(30)  # the IO thread is stuck in the first read
         if policy == "best_effort":
-            assert cache.check_prefetch_progress("r")  # ends at once with what landed: nothing
-            assert cache.pop_prefetch_loaded_tokens("r") == 0
+            assert cache.storage.check_prefetch_progress("r")  # ends at once with what landed: nothing
+            assert cache.storage.pop_prefetch_loaded_tokens("r") == 0
         elif policy == "wait_complete":
-            assert not cache.check_prefetch_progress("r")
+            assert not cache.storage.check_prefetch_progress("r")
             clock.advance(1000)
-            assert not cache.check_prefetch_progress("r")
+            assert not cache.storage.check_prefetch_progress("r")
             storage.gate.set()
-            assert cache.wait_prefetch("r", 30)
-            assert cache.check_prefetch_progress("r")
-            assert cache.pop_prefetch_loaded_tokens("r") == 128
+            assert cache.storage.wait_prefetch("r", 30)
+            assert cache.storage.check_prefetch_progress("r")
+            assert cache.storage.pop_prefetch_loaded_tokens("r") == 128
         else:
-            assert not cache.check_prefetch_progress("r")
+            assert not cache.storage.check_prefetch_progress("r")
             clock.advance(PrefetchConfig().timeout_for(128) - 0.01)
-            assert not cache.check_prefetch_progress("r")
+            assert not cache.storage.check_prefetch_progress("r")
             clock.advance(0.02)
-            assert cache.check_prefetch_progress("r")  # timed out: what landed (nothing yet)
-            assert cache.pop_prefetch_loaded_tokens("r") == 0
+            assert cache.storage.check_prefetch_progress("r")  # timed out: what landed (nothing yet)
+            assert cache.storage.pop_prefetch_loaded_tokens("r") == 0
         storage.gate.set()
         settle(cache)
-        assert cache.pending_storage()[0] == 0
+        assert cache.storage.pending_storage()[0] == 0
         cache.check_invariants()
         if policy != "wait_complete":  # the terminated prefetch's slots all came back
             assert cache.host_pool.available_size() == cache.host_pool.size
-    assert cache.pending_storage() == (0, 0, 0)
+    assert cache.storage.pending_storage() == (0, 0, 0)
 
 
 def test_detach_with_prefetch_and_backup_in_flight_loses_nothing() -> None:
@@ -286,26 +288,26 @@ def test_detach_with_prefetch_and_backup_in_flight_loses_nothing() -> None:
         storage.gate.clear()
         storage.reading.clear()
         m = cache.match_prefix(t[:128])
-        mount, _ = cache.prefetch_mount(m)
-        assert cache.prefetch_from_storage("a", mount, t[:128])
+        mount, _ = cache.storage.prefetch_mount(m)
+        assert cache.storage.prefetch_from_storage("a", mount, t[:128])
         assert storage.reading.wait(30)
         compute(cache, t[128:] + 5000)  # a backup to L3 queued behind nothing: runs now
         held_before = cache.host_pool.available_size()
         storage.gate.set()  # detach waits for the stuck read; it must not hang
-        ok, msg = cache.detach_storage_backend()
+        ok, msg = cache.storage.detach_storage_backend()
         assert ok, msg
-        assert not cache.enable_storage and cache.pending_storage() == (0, 0, 0)
+        assert not cache.storage.enable_storage and cache.storage.pending_storage() == (0, 0, 0)
         assert cache.host_pool.available_size() > held_before  # the prefetch slots came back
         cache.check_invariants()
         assert cache.tree.protected_size() == 0
         # attach again and keep serving: the pages written before are still in L3
-        ok, msg = cache.attach_storage_backend(storage, prefetch=PrefetchConfig(threshold_tokens=32))
+        ok, msg = cache.storage.attach_storage_backend(storage, prefetch=PrefetchConfig(threshold_tokens=32))
         assert ok, msg
-        assert cache.attach_storage_backend(storage)[0] is False  # already attached
+        assert cache.storage.attach_storage_backend(storage)[0] is False  # already attached
         cache.evict(10**9)
         cache.evict_host(10**9)
         assert fetch(cache, t[:128], rid="b") == (128, 128)
-    assert cache.detach_storage_backend() == (False, "no storage backend is attached")
+    assert cache.storage.detach_storage_backend() == (False, "no storage backend is attached")
 
 
 def test_detach_and_attach_under_a_running_loop() -> None:
@@ -316,10 +318,10 @@ def test_detach_and_attach_under_a_running_loop() -> None:
         bases = [rng.integers(0, 9999, 128) for _ in range(6)]
         for step in range(60):
             t = bases[step % 6]
-            if cache.enable_storage and step % 7 == 3:
-                assert cache.detach_storage_backend()[0]
-            elif not cache.enable_storage and step % 7 == 5:
-                assert cache.attach_storage_backend(storage, prefetch=PrefetchConfig(threshold_tokens=32))[0]
+            if cache.storage.enable_storage and step % 7 == 3:
+                assert cache.storage.detach_storage_backend()[0]
+            elif not cache.storage.enable_storage and step % 7 == 5:
+                assert cache.storage.attach_storage_backend(storage, prefetch=PrefetchConfig(threshold_tokens=32))[0]
             _, reused = fetch(cache, t, rid=f"s{step}")
             slots = cache.alloc_device(len(t) - reused)
             if slots is None:
@@ -334,7 +336,7 @@ def test_detach_and_attach_under_a_running_loop() -> None:
                 cache.evict(200)
                 cache.evict_host(100)
         cache.flush()
-    assert cache.pending_storage() == (0, 0, 0)
+    assert cache.storage.pending_storage() == (0, 0, 0)
 
 
 @pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline"])
@@ -375,10 +377,10 @@ def test_aborted_request_releases_its_prefetch() -> None:
         evict_l1_l2(cache)
         storage.gate.clear()
         m = cache.match_prefix(t)
-        mount, _ = cache.prefetch_mount(m)
-        assert cache.prefetch_from_storage("gone", mount, t)
-        cache.release_aborted_request("gone")
-        assert cache.pending_storage()[0] == 0
+        mount, _ = cache.storage.prefetch_mount(m)
+        assert cache.storage.prefetch_from_storage("gone", mount, t)
+        cache.storage.release_aborted_request("gone")
+        assert cache.storage.pending_storage()[0] == 0
         storage.gate.set()
         settle(cache)
         assert cache.host_pool.available_size() == cache.host_pool.size
@@ -395,7 +397,7 @@ class GenericOnlyStorage(MemoryStorage):
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 def test_round_trip_through_a_generic_backend(layout: str) -> None:
     with make(GenericOnlyStorage(), layout=layout) as cache:
-        assert cache.l3 is not None and not cache.l3.use_v1
+        assert cache.storage.l3 is not None and not cache.storage.l3.use_v1
         t = np.arange(128)
         compute(cache, t)
         evict_l1_l2(cache)
@@ -432,8 +434,8 @@ def test_prefix_keys_reach_the_backend_only_when_asked() -> None:
         compute(cache, t[:64])
         evict_l1_l2(cache)
         assert rec.calls and all(info is None for _, _, info in rec.calls)
-        assert cache.detach_storage_backend()[0]
-        ok, msg = cache.attach_storage_backend(
+        assert cache.storage.detach_storage_backend()[0]
+        ok, msg = cache.storage.attach_storage_backend(
             rec,
             prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4),
             pass_prefix_keys=True,
@@ -455,3 +457,40 @@ def test_prefix_keys_reach_the_backend_only_when_asked() -> None:
             first = all_keys.index(keys[0])
             assert keys == all_keys[first : first + len(keys)]
             assert info.prefix_keys == tuple(all_keys[:first]), f"{kind} at page {first}"
+
+
+def test_prefix_keys_survive_a_reset() -> None:
+    """``reset`` re-attaches the backend it detached as it was attached: with its prefix
+    keys still passed (SGLang's flush must not turn ``hicache_storage_pass_prefix_keys``
+    off)."""
+    rec = RecordingStorage()
+    t = np.arange(128)
+    with make(MemoryStorage()) as cache:
+        assert cache.storage.detach_storage_backend()[0]
+        config = PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=4)
+        assert cache.storage.attach_storage_backend(rec, prefetch=config, pass_prefix_keys=True)[0]
+        cache.reset()
+        assert cache.storage.pass_prefix_keys and cache.storage.l3 is not None
+        compute(cache, t[:64])
+        compute(cache, t)
+        evict_l1_l2(cache)
+        sets = [(keys, info) for kind, keys, info in rec.calls if kind == "set"]
+        assert [len(keys) for keys, _ in sets] == [4, 4]
+        assert sets[1][1] is not None and sets[1][1].prefix_keys == tuple(sets[0][0])
+
+
+def test_query_hit_tokens_counts_what_l3_holds_after_the_mount() -> None:
+    """The hit length a scheduler asks before it prefetches: whole pages from the mount on,
+    0 below the threshold, and a backend that fails is a miss, not an error."""
+    storage = BrokenStorage()
+    t = np.arange(160)
+    with make(storage, threshold=32) as cache:
+        compute(cache, t[:128])
+        evict_l1_l2(cache)
+        root = cache.match_prefix(t).last_node
+        assert cache.storage.query_hit_tokens(root, t) == 128  # 10 pages asked, the first 8 held
+        assert cache.storage.query_hit_tokens(root, t[:31]) == 0  # below the threshold
+        assert cache.storage.query_hit_tokens(root, t[1:]) == 0  # another chain
+        storage.broken = True
+        assert cache.storage.query_hit_tokens(root, t) == 0
+        assert cache.storage.pending_storage() == (0, 0, 0)  # asked, nothing started

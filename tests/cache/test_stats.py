@@ -35,12 +35,12 @@ def test_cache_and_controller_stats_are_frozen_snapshots() -> None:
 def test_l3_stats_snapshot() -> None:
     with make_cache(page_size=4) as cache:
         config = PrefetchConfig(threshold_tokens=4)
-        ok, why = cache.attach_storage_backend(MemoryStorage(), prefetch=config, inline=True)
+        ok, why = cache.storage.attach_storage_backend(MemoryStorage(), prefetch=config, inline=True)
         assert ok, why
-        assert cache.l3 is not None
+        assert cache.storage.l3 is not None
         compute(cache, np.arange(32) * 5)
         cache.flush()
-        snap = cache.l3.get_stats()
+        snap = cache.storage.l3.get_stats()
         assert isinstance(snap, L3Stats)
-        assert snap.backup_pages == 8 == cache.l3.stats["backup_pages"]
-        assert dataclasses.asdict(snap) == cache.l3.stats
+        assert snap.backup_pages == 8 == cache.storage.l3.stats["backup_pages"]
+        assert dataclasses.asdict(snap) == cache.storage.l3.stats

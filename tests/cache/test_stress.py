@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hiradix.cache import HiRadixCache
+from hiradix.cache import HiRadixCache, TierOptions, TreeOptions
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape, MLAShape
 from tests.support import OPS
 from tests.support.scheduler_loop import run_loop
@@ -51,11 +51,9 @@ def test_scheduler_loop(
     cache = HiRadixCache(
         dev,
         hpool,
-        eviction_policy=policy,
-        write_policy=write,
-        load_back_threshold=page,
+        tree=TreeOptions(eviction_policy=policy, write_policy=write),
+        tiers=TierOptions(load_back_threshold=page, batch_backups=batch),
         layer_hook=hook,
-        batch_backups=batch,
     )
     with cache:
         fail.set()

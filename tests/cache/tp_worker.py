@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import hiradix
-from hiradix.cache import HiRadixCache
+from hiradix.cache import HiRadixCache, StorageOptions, TierOptions, TreeOptions
 from hiradix.cache.distributed import LocalAgreement, RankAgreement, TorchDistAgreement
 from hiradix.cache.l3 import PrefetchConfig
 from hiradix.memory import DeviceKVPool, HostKVPool, MHAShape
@@ -69,9 +69,8 @@ def rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
     cache = HiRadixCache(
         dev,
         host,
-        eviction_policy=config["policy"],
-        write_policy=config["write_policy"],
-        load_back_threshold=page,
+        tree=TreeOptions(eviction_policy=config["policy"], write_policy=config["write_policy"]),
+        tiers=TierOptions(load_back_threshold=page),
         agreement=agreement,
         layer_hook=hook,
     )
@@ -123,11 +122,13 @@ def l3_rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: d
     cache = HiRadixCache(
         dev,
         host,
-        load_back_threshold=0,
+        tiers=TierOptions(load_back_threshold=0),
+        storage=StorageOptions(
+            backend=storage,
+            prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
+            prefetch_agreement=TorchDistAgreement(prefetch_group),
+        ),
         agreement=TorchDistAgreement(),
-        prefetch_agreement=TorchDistAgreement(prefetch_group),
-        storage=storage,
-        prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=32, batch_pages=2),
     )
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, 9999, 160) for _ in range(4)]
@@ -138,8 +139,8 @@ def l3_rank_main(rank: int, world: int, rendezvous: str, out_dir: str, config: d
             fill(dev, slots, prefix_seeds(s))
             cache.insert(s, slots)
         cache.flush()
-        while cache.ongoing_backup:
-            cache.ongoing_backup[-1].done.wait(30)
+        while cache.storage.ongoing_backup:
+            cache.storage.ongoing_backup[-1].done.wait(30)
             cache.check_hicache_events()
         if rank == 1:  # this rank's L3 lost the tail of sequence 1 and all of sequence 3
             keys = [str(h) for h in hiradix.page_hashes(seqs[1], page)][5:]

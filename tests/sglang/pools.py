@@ -328,7 +328,7 @@ def only_in_l3(env: Any, timeout: float = 30.0) -> None:
     ``timeout`` seconds."""
     settle(env)
     deadline = time.monotonic() + timeout
-    while env.cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+    while env.cache.core.storage.pending_storage()[1]:  # the L2 -> L3 writes
         if time.monotonic() > deadline:
             raise TimeoutError(f"L3 writes still pending after {timeout} s")
         env.cache.check_hicache_events()

@@ -293,7 +293,7 @@ def l3_prefetch_events(*, seed: bytes | None = None, fields: dict[str, Any] | No
     assert cache.prefetch_from_storage(
         handle, req.last_host_node, array("q", tokens), cache.get_last_hash_value(req.last_host_node), None
     )
-    cache.core.wait_prefetch(handle, timeout=30)
+    cache.core.storage.wait_prefetch(handle, timeout=30)
     assert cache.check_prefetch_progress(handle)
     assert cache.pop_prefetch_loaded_span(handle) == (32, None)
     want = dict(

@@ -43,8 +43,8 @@ def test_peer_cluster_sized_from_l3_tokens_holds_that_many_pages() -> None:
     with Replayer(**SMALL, l3_backend="peer", l3_tokens=cap) as r:
         stats = r.replay(ChatWorkload(requests=200, seed=4))
         used = r.occupancy()["l3_used"]
-        assert r.cache.l3 is not None
-        evictions = r.cache.l3.backend.get_stats().evictions
+        assert r.cache.storage.l3 is not None
+        evictions = r.cache.storage.l3.backend.get_stats().evictions
     assert used == cap and evictions > 0
     assert 0 < stats.l3_hit_tokens < replay(l3_backend="memory").l3_hit_tokens
     assert stats.corrupt_tokens == 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hiradix.cache import CacheObserver, HiRadixCache, Req
+from hiradix.cache import CacheObserver, HiRadixCache, Req, TierOptions, TreeOptions
 from hiradix.cache.controller import HiCacheController
 from hiradix.memory.copy import CopyError, ThreadCopyEngine
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, MLAShape
@@ -140,7 +140,8 @@ class Recorder(CacheObserver):
 def inline_cache(tree_cls: Any, device_tokens: int = 16, host_tokens: int = 64, **kwargs: Any) -> HiRadixCache:
     dev, host = pools(device_tokens, host_tokens)
     controller = HiCacheController(dev, host, inline_copies=True)
-    return HiRadixCache(dev, host, controller=controller, tree_cls=tree_cls, load_back_threshold=0, **kwargs)
+    tree = TreeOptions(tree_cls=tree_cls)
+    return HiRadixCache(dev, host, tree=tree, tiers=TierOptions(load_back_threshold=0), controller=controller, **kwargs)
 
 
 def serve(cache: HiRadixCache, tokens: list[int]) -> Any:
@@ -207,7 +208,7 @@ def test_observer_sees_failed_backups_as_not_ok(tree_cls: Any) -> None:
 
     controller = HiCacheController(dev, host, inline_copies=True, layer_hook=hook)
     rec = Recorder()
-    with HiRadixCache(dev, host, controller=controller, tree_cls=tree_cls) as cache:
+    with HiRadixCache(dev, host, tree=TreeOptions(tree_cls=tree_cls), controller=controller) as cache:
         cache.add_observer(rec)
         serve(cache, [1, 2, 3, 4])
         finished = [e for e in rec.events if e[0] == "backup_finished"]

@@ -205,12 +205,12 @@ def prefetch_back(cache: HiRadixCache, seqs: list[np.ndarray]) -> list[int]:
     loaded = []
     for i, s in enumerate(seqs):
         m = cache.match_prefix(s)
-        mount, mlen = cache.prefetch_mount(m)
-        if cache.prefetch_from_storage(i, mount, s[mlen:]):
-            cache.wait_prefetch(i, 30)
-            while not cache.check_prefetch_progress(i):  # agreed: same number of calls everywhere
-                cache.wait_prefetch(i, 30)
-        loaded.append(cache.pop_prefetch_loaded_tokens(i))
+        mount, mlen = cache.storage.prefetch_mount(m)
+        if cache.storage.prefetch_from_storage(i, mount, s[mlen:]):
+            cache.storage.wait_prefetch(i, 30)
+            while not cache.storage.check_prefetch_progress(i):  # agreed: same number of calls everywhere
+                cache.storage.wait_prefetch(i, 30)
+        loaded.append(cache.storage.pop_prefetch_loaded_tokens(i))
         cache.check_hicache_events()
         cache.check_invariants()
     return loaded

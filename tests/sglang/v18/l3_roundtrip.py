@@ -39,10 +39,10 @@ def write(env: Env, tokens: list[int], extra_key: str | None = None) -> None:
     if env.impl == "hiradix":
         cache.core.flush()  # the L1 -> L2 copy
         cache.check_hicache_events()  # its ack queues the L2 -> L3 write (and may ack it at once)
-        assert all(op.done.wait(TIMEOUT) for op in list(cache.core.ongoing_backup))
+        assert all(op.done.wait(TIMEOUT) for op in list(cache.core.storage.ongoing_backup))
         cache.check_hicache_events()
-        assert cache.core.pending_storage() == (0, 0, 0)
-        assert cache.core.l3.stats["backup_pages"] == N // PAGE
+        assert cache.core.storage.pending_storage() == (0, 0, 0)
+        assert cache.core.storage.l3.stats["backup_pages"] == N // PAGE
     else:
         cache.check_hicache_events()  # acks the (synchronous on CPU) L1 -> L2 copy, queues the L3 write
         assert cache.ongoing_backup
@@ -67,7 +67,7 @@ def read(env: Env, tokens: list[int], extra_key: str | None = None, rid: str = "
     # The scheduler's _prefetch_kvcache: the mount point's last hash (None at a root).
     cache.prefetch_from_storage(rid, m.last_host_node, array("q", tokens), cache.get_last_hash_value(m.last_host_node))
     if transfers is None:
-        assert cache.core.wait_prefetch(rid, TIMEOUT)
+        assert cache.core.storage.wait_prefetch(rid, TIMEOUT)
     else:
         wait_queue(cache.cache_controller.prefetch_hit_queue, 1, TIMEOUT)  # L3 answered batch_exists
         cache.check_hicache_events()  # host slots for the hits; the I/O thread starts reading

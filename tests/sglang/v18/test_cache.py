@@ -418,8 +418,8 @@ def test_storage_backup_prefetch_round_trip(make_env) -> None:
     tokens = list(range(200, 232))
     insert(env, tokens)
     settle(env)
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
-        cache.core.l3.drain() if hasattr(cache.core.l3, "drain") else None
+    while cache.core.storage.pending_storage()[1]:  # the L2 -> L3 writes
+        cache.core.storage.l3.drain() if hasattr(cache.core.storage.l3, "drain") else None
         cache.check_hicache_events()
     cache.reset()  # device and host empty; L3 keeps the pages
     assert cache.enable_storage
@@ -427,7 +427,7 @@ def test_storage_backup_prefetch_round_trip(make_env) -> None:
     req.init_next_round_input(cache)
     assert cache.query_storage_hit_length(req.last_host_node, tokens) == 32
     assert cache.prefetch_from_storage(req.rid, req.last_host_node, tokens)
-    cache.core.wait_prefetch(req.rid, timeout=10)
+    cache.core.storage.wait_prefetch(req.rid, timeout=10)
     assert cache.check_prefetch_progress(req.rid)
     assert cache.pop_prefetch_loaded_tokens(req.rid) == 32
     m = match(env, tokens)

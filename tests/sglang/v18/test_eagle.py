@@ -167,7 +167,7 @@ def test_bigram_pages_round_trip_through_storage(make_env) -> None:
     insert(env, tokens)
     env.cache.core.flush()
     cache.check_hicache_events()
-    while cache.core.pending_storage()[1]:  # the L2 -> L3 writes
+    while cache.core.storage.pending_storage()[1]:  # the L2 -> L3 writes
         cache.check_hicache_events()
     cache.reset()  # device and host empty; L3 keeps the pages
     req = env.new_req(tokens)
@@ -175,7 +175,7 @@ def test_bigram_pages_round_trip_through_storage(make_env) -> None:
     assert cache.query_storage_hit_length(req.last_host_node, tokens) == 32
     assert cache.query_storage_hit_length(req.last_host_node, [201, *tokens[1:]]) == 0  # another first bigram
     assert cache.prefetch_from_storage(req.rid, req.last_host_node, tokens)
-    cache.core.wait_prefetch(req.rid, timeout=10)
+    cache.core.storage.wait_prefetch(req.rid, timeout=10)
     assert cache.check_prefetch_progress(req.rid)
     assert cache.pop_prefetch_loaded_tokens(req.rid) == 32
     m = match(env, tokens)

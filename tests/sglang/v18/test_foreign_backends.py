@@ -58,7 +58,7 @@ def test_hiradix_on_sglangs_file_backend_reads_stock_sglangs_pages_and_back(
     opts = {"layout": layout, "mla": mla, "model": MODEL, "prefetch_policy": "wait_complete"}
     writer = builders[writer_impl](PAGE, **opts, **flags(writer_impl))
     if writer_impl == "hiradix":
-        backend = writer.cache.core.l3.backend
+        backend = writer.cache.core.storage.l3.backend
         assert isinstance(backend, SGLangBackend) and isinstance(backend.inner, HiCacheFile)
     write(writer, tokens_of(11))
     assert len(list(hicache_dir.glob("*.bin"))) == N // PAGE, "SGLang's HiCacheFile holds one file per page"
@@ -118,7 +118,7 @@ def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by
     pages go to L3 under those keys."""
     env = make_env(PAGE, model=MODEL, prefetch_policy="wait_complete", extra_config=json.dumps({"l3_format": "sglang"}))
     cache = env.cache
-    assert not cache.enable_storage and not cache.core.enable_hash
+    assert not cache.enable_storage and not cache.core.tree.enable_hash
     held = tokens_of(15)
     slots = env.allocator.alloc(N)
     env.write_kv(slots, torch.tensor(held), torch.arange(N))
@@ -132,15 +132,15 @@ def test_a_backend_attached_to_a_cache_started_without_one_keys_what_it_holds_by
     for start in range(0, N, PAGE):
         prior = get_hash_str(held[start : start + PAGE], prior)
         chain.append(prior)
-    assert cache.core.prefix_hashes(node.id) == chain
+    assert cache.core.storage.prefix_hashes(node.id) == chain
     cache.core.tree.check_invariants()
     # The held pages' backup (started at the step, after the attach) goes on to L3 under
     # those keys, where stock SGLang reads them.
     cache.core.flush()
     cache.check_hicache_events()
-    assert all(op.done.wait(60) for op in list(cache.core.ongoing_backup))
+    assert all(op.done.wait(60) for op in list(cache.core.storage.ongoing_backup))
     cache.check_hicache_events()
-    assert cache.core.l3.stats["backup_pages"] == N // PAGE
+    assert cache.core.storage.l3.stats["backup_pages"] == N // PAGE
     read(make_sglang(PAGE, model=MODEL, prefetch_policy="wait_complete", **flags("sglang")), held)
 
 
@@ -157,7 +157,7 @@ def test_dynamic_takes_sglang_storage_classes(make_env, make_sglang, hicache_dir
     writer = make_env(
         PAGE, model=MODEL, prefetch_policy="wait_complete", storage="dynamic", extra_config=json.dumps(loader)
     )
-    backend = writer.cache.core.l3.backend
+    backend = writer.cache.core.storage.l3.backend
     assert isinstance(backend, SGLangBackend) and backend.label == "files" and isinstance(backend.inner, HiCacheFile)
     write(writer, tokens_of(14))
     reader = make_sglang(
@@ -175,7 +175,7 @@ def test_names_resolve_to_hiradix_first_then_sglang(make_env, hicache_dir: Path)
     with pytest.raises(ValueError, match="neither a hiradix StorageBackend nor a SGLang HiCacheStorage"):
         is_sglang_backend("dynamic", {"module_path": "json", "class_name": "JSONDecoder"})
     env = make_env(PAGE, storage="file", extra_config=json.dumps({"path": str(hicache_dir / "own")}))
-    assert isinstance(env.cache.core.l3.backend, FileStorage)
+    assert isinstance(env.cache.core.storage.l3.backend, FileStorage)
     with pytest.raises(ValueError, match=r"SGLang has no storage backend 'nope'.*hiradix's: .*peer"):
         make_env(PAGE, storage="sglang:nope")
 

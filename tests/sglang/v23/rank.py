@@ -113,8 +113,8 @@ def loop_main(rank: int, world: int, rendezvous: str, out_dir: str, config: dict
         host_faults = HostAllocFaults(core.host_pool, seed=99 + rank) if rank == config["host_faults_rank"] else None
         l3_faults = None
         if storage and rank == config["l3_faults_rank"]:
-            assert core.l3 is not None
-            l3_faults = L3HitFaults(core.l3.backend, seed=7 + rank)
+            assert core.storage.l3 is not None
+            l3_faults = L3HitFaults(core.storage.l3.backend, seed=7 + rank)
         loop = Loop(env, seed=config["seed"])
         for _ in range(config["steps"]):
             loop.step()

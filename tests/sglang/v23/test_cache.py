@@ -335,7 +335,7 @@ def test_storage_backup_prefetch_round_trip_by_request_handle() -> None:
         storage_hit_end=None,
     )
     assert len(cache.ongoing_prefetch) == 1
-    cache.core.wait_prefetch(handle, timeout=30)
+    cache.core.storage.wait_prefetch(handle, timeout=30)
     assert cache.check_prefetch_progress(handle)
     assert cache.pop_prefetch_loaded_span(handle) == (32, None)
     m = match(env, tokens)

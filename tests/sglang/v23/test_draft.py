@@ -73,7 +73,7 @@ def test_l3_carries_the_targets_kv_with_a_draft_and_says_the_draft_is_not_stored
     req.init_next_round_input(cache)
     handle = req.cache_request_handle
     assert cache.prefetch_from_storage(handle, req.last_host_node, array("q", tokens))
-    cache.core.wait_prefetch(handle, timeout=30)
+    cache.core.storage.wait_prefetch(handle, timeout=30)
     assert cache.check_prefetch_progress(handle)
     assert cache.pop_prefetch_loaded_span(handle) == (32, None)
     m = match(env, tokens)

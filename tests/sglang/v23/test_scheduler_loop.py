@@ -107,7 +107,7 @@ class Loop:
             storage_hit_end=None,
         )
         if started:
-            assert cache.core.wait_prefetch(handle, timeout=TIMEOUT)
+            assert cache.core.storage.wait_prefetch(handle, timeout=TIMEOUT)
         assert cache.check_prefetch_progress(handle)
         loaded, _ = cache.pop_prefetch_loaded_span(handle)
         self.stats["l3_loaded"] += loaded
