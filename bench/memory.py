@@ -34,9 +34,10 @@ nothing an earlier cache left in the heap counts:
    own), the backups drained (every
    node on device and host, as a write-through server holds them); ``gc.collect()``; ``R2``.
 
-Reported: ``built`` = R1 - R0 - pools (what the cache itself holds when empty: for
-hiradix.sglang its tree's token/slot buffers, reserved and touched at start-up for the
-device and host pools' capacity, 20 bytes a token), ``grown`` = R2 - R1 (what the inserts
+Reported: ``built`` = R1 - R0 - pools (what the cache itself holds when empty; until
+bench/RESULTS_memory.md's run 2, for hiradix.sglang, its tree's token/slot buffers
+reserved and touched at start-up for the device and host pools' capacity, 20 bytes a
+token; since, they grow as tokens are cached), ``grown`` = R2 - R1 (what the inserts
 added), and the headline ``metadata`` = built + grown, per cached token and per node. A
 second subprocess per cache (up to ``--tracemalloc-max-tokens``) runs the same with
 ``tracemalloc`` started before the build

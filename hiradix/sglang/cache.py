@@ -612,13 +612,14 @@ class HiRadixCacheBase(BasePrefixCache):
             allocator=allocator,
         )
         self.tree = self.core.tree
-        # The tree holds at most the device and the host pool's tokens: size and touch its
-        # buffers now, at start-up, so that no insert on the scheduler thread grows them or
-        # waits for the kernel to zero their huge pages (20-50% of an insert phase's CPU
-        # in bench/sglang_api.py before this; 20 bytes a token).
-        # Likewise a buffer for evict's device indices, which evict-all would otherwise
-        # take first-touch faults for (3-40 ms a million tokens, against 2 ms to evict).
-        self.tree.reserve_tokens(device_pool.size + host_pool.size, evict_tokens=device_pool.size)
+        # The tree's token and slot buffers grow as tokens are cached (20 bytes a token,
+        # doubling a mapping, touching only what is written), not reserved for the pools'
+        # capacity: that held 20 bytes for every device and host slot from start-up
+        # (bench/RESULTS_memory.md). Their first-touch faults are taken once, as the cache
+        # first fills. Evict's device indices go into a reused buffer (made at the first
+        # evict, grown to the largest eviction), whose faults an evict-all of a million
+        # tokens would otherwise take every time (3-40 ms, against 2 ms to evict).
+        self.tree.reserve_tokens(0, evict_tokens=device_pool.size)
         self.cache_controller = controller
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)

@@ -100,6 +100,7 @@ cdef class HiRadixTree:
     cdef int64_t buf_len
     cdef int64_t buf_cap
     cdef int64_t buf_garbage      # tokens of deleted spans still in the buffers
+    cdef int64_t buf_hwm          # high-water mark of buf_len: the tokens' memory touched
     cdef int64_t hash_bytes       # capacity of the hash buffer in bytes
 
     # child table: open addressing on (parent, first page)
@@ -115,9 +116,11 @@ cdef class HiRadixTree:
     # scratch of int64 triples for evict/evict_host records and compaction
     cdef int64_t* scratch
     cdef int64_t scratch_cap
-    # reserve_tokens(evict_tokens=): a touched int64 buffer that evict's device indices
-    # are a view of while no earlier result still refers to it (None: always new arrays)
+    # reserve_tokens(evict_tokens=): an int64 buffer that evict's device indices are a
+    # view of while no earlier result still refers to it, made at the first evict and
+    # grown geometrically up to _evict_cap slots (None: not made yet)
     cdef object _evict_out
+    cdef int64_t _evict_cap
 
     # change log (track_changes): rows of (kind, node handle, other handle, tokens)
     cdef bint _track

@@ -142,8 +142,7 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
     cdef int64_t pos = 0, plen = 0, prefix_len = 0
     cdef Node* c
     with nogil:
-        if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
-            _compact(self)
+        _compact_before_append(self, n)
         while not self.nodes[root].is_root:  # O(depth in nodes), not in tokens
             _touch(self, root, now)
             _refresh(self, root)
@@ -410,8 +409,7 @@ cdef class HiRadixTree:
         cdef int64_t pos = 0, plen = 0
         cdef InsertHostResult r = InsertHostResult.__new__(InsertHostResult)
         with nogil:
-            if self.buf_garbage > COMPACT_MIN and 2 * self.buf_garbage > self.buf_len:
-                _compact(self)
+            _compact_before_append(self, n)
             _touch(self, mount, now)
             _refresh(self, mount)
             while pos < n:
@@ -542,9 +540,7 @@ cdef class HiRadixTree:
                     _backup_chain(self, v, backup, seen)
         cdef EvictResult r = EvictResult.__new__(EvictResult)
         r.num_evicted = evicted
-        out = self._evict_out
-        # Two references, the tree's and ``out``: no earlier result (a view) is alive.
-        r.device_indices = _spans(self, k, self.dev, out if out is not None and Py_REFCNT(out) == 2 else None)
+        r.device_indices = _spans(self, k, self.dev, _evict_buffer(self, k))
         r.write_back_nodes = tuple(write_back_nodes)
         r.backup_nodes = tuple(backup)
         return r
@@ -1033,14 +1029,17 @@ cdef class HiRadixTree:
     def reserve_tokens(self, n_tokens, evict_tokens=0):
         """Size the token and slot buffers for ``n_tokens`` cached tokens and touch their
         memory now, so that inserts up to that size never grow them nor take their
-        first-touch page faults (huge pages zeroed by the kernel, on the serving thread;
-        measured 20-50% of an insert phase's CPU time). With ``evict_tokens``, also keep a
-        touched buffer of that many slots for :meth:`evict`'s device indices: a result
-        that fits is a view of it whenever no earlier result (or anything made from one)
-        still refers to it, else a new array as always. An evict of a million tokens
-        otherwise takes its result's first-touch faults, 3-40 ms on a VM, against 2 ms
-        for the evict itself. Capacity hints only: the tree still grows past them.
-        ``O(n_tokens + evict_tokens)`` once."""
+        first-touch page faults (huge pages zeroed by the kernel), at the cost of holding
+        20 bytes a token for them from now on. Without it the buffers grow as tokens are
+        cached (doubling their mapping, touching only what is written) and take those
+        faults once, as they first reach each size. With ``evict_tokens``, evict's device
+        indices of up to that many slots go into a reused buffer: a result that fits is
+        a view of it whenever no earlier result (or anything made from one) still refers
+        to it, else a new array as always. The buffer is made at the first evict and
+        doubled up to ``evict_tokens`` as results outgrow it, so it holds about the
+        largest eviction's slots and its faults are taken once, not at every evict.
+        Capacity hints only: the tree still grows past them.
+        ``O(n_tokens)`` once."""
         cdef int64_t n = _as_int64(n_tokens, "n_tokens")
         cdef int64_t e = _as_int64(evict_tokens, "evict_tokens")
         cdef int64_t start
@@ -1048,21 +1047,26 @@ cdef class HiRadixTree:
             raise ValueError(f"n_tokens must be >= 0, got {n}")
         if e < 0:
             raise ValueError(f"evict_tokens must be >= 0, got {e}")
-        if e and (self._evict_out is None or e > (<cnp.ndarray>self._evict_out).shape[0]):
-            # Written now, so its pages are touched at start-up (np.zeros would only map
-            # the kernel's zero pages: calloc leaves the first write to fault them in).
-            self._evict_out = np.full(e, -1, dtype=np.int64)
+        if e > self._evict_cap:
+            self._evict_cap = e
         if n > self.buf_len:
             _reserve_span(self, n - self.buf_len, True)
-        start = self.buf_len
-        with nogil:
-            memset(self.tokens + start, 0, (self.buf_cap - start) * sizeof(token_t))
-            memset(self.dev + start, 0, (self.buf_cap - start) * sizeof(index_t))
-            memset(self.host + start, 0, (self.buf_cap - start) * sizeof(index_t))
+        start = self.buf_hwm   # below it, written (touched) already
+        if n > start:
+            with nogil:
+                memset(self.tokens + start, 0, (n - start) * sizeof(token_t))
+                memset(self.dev + start, 0, (n - start) * sizeof(index_t))
+                memset(self.host + start, 0, (n - start) * sizeof(index_t))
+            self.buf_hwm = n
 
     def _test_compact(self):
         """Force a buffer compaction (tests check that nothing moves but offsets)."""
         _compact(self)
+
+    def _test_buffers(self):
+        """The span buffers' bookkeeping, in tokens, for tests of their memory: used
+        length, garbage in it, high-water mark (written, so touched) and capacity."""
+        return {"len": self.buf_len, "garbage": self.buf_garbage, "touched": self.buf_hwm, "capacity": self.buf_cap}
 
     # ------------------------------------------------------------------ invariants
 
@@ -1070,6 +1074,27 @@ cdef class HiRadixTree:
         """Verify every structural invariant against a full recount; raise
         ``AssertionError`` with the offending node's fields on failure. ``O(n log n)``."""
         _check_invariants(self)
+
+
+cdef object _evict_buffer(HiRadixTree self, int64_t k):
+    # The buffer evict's ``k`` spans of the scratch buffer may be written into (None: a
+    # new array): reserve_tokens(evict_tokens=)'s, when the result fits its hint and no
+    # earlier result still refers to it. Made at the first such evict and replaced by one
+    # twice as large (up to the hint) when a result outgrows it, so it holds about the
+    # largest eviction's slots, not the hint's, and its first-touch faults are taken once.
+    cdef int64_t j, total = 0, size
+    for j in range(k):
+        total += self.scratch[3 * j + 1]
+    if total == 0 or total > self._evict_cap:
+        return None
+    out = self._evict_out
+    if out is not None and total <= (<cnp.ndarray>out).shape[0]:
+        # Two references, the tree's and ``out``: no earlier result (a view) is alive.
+        return out if Py_REFCNT(out) == 2 else None
+    size = 0 if out is None else 2 * (<cnp.ndarray>out).shape[0]
+    size = min(max(size, total, 4096), self._evict_cap)
+    self._evict_out = _empty(size, cnp.NPY_INT64)
+    return self._evict_out
 
 
 cdef bint _commit_backup(HiRadixTree self, node_t i, bint ok) except -1:

@@ -38,8 +38,9 @@ cdef int _grow_nodes(HiRadixTree self) except -1 nogil:
 
 cdef int _reserve_span(HiRadixTree self, int64_t n, bint exact=False) except -1 nogil:
     # Room for ``n`` more tokens: doubling (amortized O(1) appends), or, for a capacity
-    # hint (``exact``), exactly that many: a hint sized to the pools would otherwise hold
-    # up to twice the pools' 20 bytes a token, touched, for nothing.
+    # hint (``exact``), exactly that many. The buffers are mapped, not touched
+    # (hr_buf_grow: mremap, no copy), so a capacity costs memory only as far as tokens
+    # are written (buf_hwm): doubling holds no untouched half in memory.
     cdef int64_t cap = self.buf_cap if self.buf_cap else 4096
     cdef int64_t pages, hash_bytes
     cdef void* p
@@ -200,10 +201,25 @@ cdef void _release(HiRadixTree self, node_t i) noexcept nogil:
     self.nodes_freed += 1
 
 
+cdef int _compact_before_append(HiRadixTree self, int64_t n) except -1 nogil:
+    # Before appending up to ``n`` tokens: compact instead of writing past the buffers'
+    # high-water mark (memory not touched yet) when deleted spans are a quarter or more
+    # of the used length. Memory then grows only while garbage is under a quarter, so the
+    # touched buffers stay within 4/3 of the live tokens (plus COMPACT_MIN and one
+    # insert) at their peak, where compacting only past half the buffer let them reach
+    # twice. Hysteresis: a compaction empties the garbage and the next one waits for the
+    # appends to reach the mark again, with a quarter of the length deleted since, so
+    # its O(used length) cost is amortized over at least that many deleted tokens (each
+    # inserted once): O(1) a token.
+    if (self.buf_len + n > self.buf_hwm and self.buf_garbage > COMPACT_MIN
+            and 4 * self.buf_garbage >= self.buf_len):
+        _compact(self)
+    return 0
+
+
 cdef int _compact(HiRadixTree self) except -1 nogil:
-    # Slide live spans down over deleted ones, in offset order. Runs only when more
-    # than half the buffers are garbage, so its O(live) cost is amortized over the
-    # deletions that made the garbage.
+    # Slide live spans down over deleted ones, in offset order (_compact_before_append
+    # says when). Offsets move; nothing a caller sees does.
     cdef int64_t k = 0
     cdef int64_t j, off, ln, pos = 0
     cdef node_t i

@@ -111,6 +111,8 @@ cdef node_t _new_child(HiRadixTree self, node_t parent, const token_t* toks, int
     nd.last_access_time = now
     nd.creation_time = now
     self.buf_len += n
+    if self.buf_len > self.buf_hwm:
+        self.buf_hwm = self.buf_len
     memcpy(self.tokens + nd.key_off, toks, n * sizeof(token_t))
     if self.enable_hash:
         if p.is_root:
