@@ -6,7 +6,8 @@ holds about the largest eviction, not its hint."""
 from __future__ import annotations
 
 import numpy as np
-from support import require_core
+
+from tests.support import require_core
 
 COMPACT_MIN = 1 << 16  # _core.pyx: garbage tokens below which nothing is compacted
 
