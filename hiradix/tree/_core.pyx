@@ -65,6 +65,7 @@ cdef extern from "_platform.h" nogil:
     uint64_t hr_high64(const int64_t* src, size_t n)
     size_t hr_common64(const int32_t* tree, const int64_t* key, const int64_t* dev, size_t n)
     void hr_prefetch_key(const int64_t* key, size_t n)
+    void HR_PREFETCH(const void* p)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}

@@ -234,6 +234,8 @@ cdef int64_t _walk64(HiRadixTree self, const int64_t* key, int64_t n, node_t nod
             return -1
         klen = self.nodes[child].key_len
         m = klen if klen < n - pos else n - pos
+        if klen + self.page_size <= n - pos:  # the key goes on past this span
+            _prefetch_child64(self, child, key + pos + klen)
         m = <int64_t>hr_common64(self.tokens + self.nodes[child].key_off, key + pos,
                                  self.dev + self.nodes[child].key_off if slots else NULL, m)
         m -= m % self.page_size
