@@ -169,7 +169,9 @@ static inline uint64_t hr_high64(const int64_t *src, size_t n)
  * slots `dev` (which the match copies out next, and which nothing else reads before)
  * are all cold in a scheduler's match, and the hardware prefetchers stop at each 4 KiB
  * page: the three streams are prefetched ahead (addresses past the end included: a
- * prefetch never faults), so their misses overlap instead of coming one after another. */
+ * prefetch never faults), so their misses overlap instead of coming one after another.
+ * A NULL `dev` (a match that counts the slots without reading them) is not prefetched:
+ * two streams, and 8 bytes a token less to bring in. */
 #define HR_AHEAD_KEY 512 /* int64 ids: 4 KiB */
 #define HR_AHEAD_TOK 512 /* int32 tokens: 2 KiB */
 #define HR_AHEAD_DEV 256 /* int64 slots: 2 KiB */
@@ -187,13 +189,15 @@ static inline size_t hr_common64(const int32_t *tree, const int64_t *key, const 
 {
     size_t i = 0, j;
     uint64_t diff;
-    for (j = 0; j < HR_AHEAD_DEV && j < n; j += 8) /* the slots the ahead-prefetch skips */
-        HR_PREFETCH((uintptr_t)(dev + j));
+    if (dev)
+        for (j = 0; j < HR_AHEAD_DEV && j < n; j += 8) /* the slots the ahead-prefetch skips */
+            HR_PREFETCH((uintptr_t)(dev + j));
     for (; i + 64 <= n; i += 64) {
-        for (j = 0; j < 64; j += 8) {
+        for (j = 0; j < 64; j += 8)
             HR_PREFETCH((uintptr_t)(key + i + j) + HR_AHEAD_KEY * sizeof *key);
-            HR_PREFETCH((uintptr_t)(dev + i + j) + HR_AHEAD_DEV * sizeof *dev);
-        }
+        if (dev)
+            for (j = 0; j < 64; j += 8)
+                HR_PREFETCH((uintptr_t)(dev + i + j) + HR_AHEAD_DEV * sizeof *dev);
         for (j = 0; j < 64; j += 16)
             HR_PREFETCH((uintptr_t)(tree + i + j) + HR_AHEAD_TOK * sizeof *tree);
         diff = 0;

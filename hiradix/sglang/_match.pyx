@@ -84,7 +84,8 @@ cdef class Matcher:
     - ``node``: the node view type, :class:`hiradix.sglang.nodes.TreeNode`, whose two
       fields (``_cache``, ``id``) a view is made of here without its ``__init__``;
     - ``wrap(device_indices)``: the result's first field from the matched slots (a CPU
-      tensor of them, or their number on SGLang 0.5.23);
+      tensor of them), or ``len`` for their number (SGLang 0.5.23): the tree then
+      counts them without reading or copying them;
     - ``result`` / ``tail``: SGLang's ``MatchResult`` (a ``NamedTuple``) and the defaults
       of its fields after the first five. A result is allocated at its full length and
       filled, as ``tuple.__new__(result, items)`` does, without the temporary tuples.
@@ -93,6 +94,7 @@ cdef class Matcher:
     cdef HiRadixTree tree
     cdef object cache, general, node, wrap, result
     cdef tuple tail
+    cdef bint count  # wrap is len: the tree's walk counts the slots (match_into's out[4])
     # Where the fields live in the node views (-1: made through object.__new__ and
     # setattr instead) and in the keys of type key_type (KEY_FIELDS; learnt from the
     # first key, again whenever the type changes; -1: read through getattr).
@@ -108,6 +110,7 @@ cdef class Matcher:
         self.general = general
         self.node = node
         self.wrap = wrap
+        self.count = wrap is len
         self.result = result
         self.tail = tail
         self.node_cache = _slot(node, "_cache")
@@ -160,14 +163,19 @@ cdef class Matcher:
         if n < self.tree.page_size:
             return self.general(cache, params)
         # The tree matches whole pages only, and reads no token past the limit.
-        cdef int64_t out[4]  # last device node, last host node, host hit length, last node
-        indices = self.tree.match_into(ids, None, out, cap)
+        # last device node, last host node, host hit length, last node, device prefix length
+        cdef int64_t out[5]
+        if self.count:
+            self.tree.match_into(ids, None, out, cap, False)
+            first = out[4]
+        else:
+            first = self.wrap(self.tree.match_into(ids, None, out, cap, True))
         # The deepest backed-up matched node, as the Python method picks it: the end of an
         # evicted tail, else the tree's anchor at or above the device part.
         cdef int64_t host = out[3] if out[2] else out[1]
         node = self._view(out[0])
         anchor = node if host == out[0] else self._view(host)
-        return self._result(self.wrap(indices), node, anchor, out[2])
+        return self._result(first, node, anchor, out[2])
 
     cdef object _view(self, int64_t handle):
         cdef TypeObject* t

@@ -151,9 +151,10 @@ cdef class HiRadixTree:
 
     # match_prefix's work for compiled callers (hiradix.sglang._match), without the result
     # object, on the first ``limit`` tokens of ``key`` (all when negative): returns the
-    # device indices, ``out`` gets the last device node, the last backed-up node, the host
-    # hit length and the last matched node
-    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit)
+    # device indices (``slots``; else None: their number alone, without reading them),
+    # ``out`` (5 fields) gets the last device node, the last backed-up node, the host hit
+    # length, the last matched node and the device prefix's length
+    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit, bint slots)
     # insert's work for compiled callers (hiradix.sglang._insert), without the result
     # object: the first ``n`` tokens of ``key`` (a multiple of the page size, at most its
     # length) with the device indices ``values[:n]``; ``out`` gets the prefix length and

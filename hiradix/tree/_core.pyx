@@ -65,6 +65,7 @@ cdef extern from "_platform.h" nogil:
     uint64_t hr_high64(const int64_t* src, size_t n)
     size_t hr_common64(const int32_t* tree, const int64_t* key, const int64_t* dev, size_t n)
     void hr_prefetch_key(const int64_t* key, size_t n)
+    void HR_PREFETCH(const void* p)
 
 ROOT = 0
 IO_NAMES = {IO_IDLE: "idle", IO_WRITING: "writing", IO_LOADING: "loading"}
@@ -297,19 +298,20 @@ cdef class HiRadixTree:
 
     def match_prefix(self, key, extra_key=None):
         """Longest cached prefix of ``key``; see the twin. ``O(len(key))``."""
-        cdef int64_t out[4]
+        cdef int64_t out[5]
         cdef MatchResult r = MatchResult.__new__(MatchResult)
-        r.device_indices = self.match_into(key, extra_key, out, -1)
+        r.device_indices = self.match_into(key, extra_key, out, -1, True)
         r.last_device_node = out[0]
         r.last_host_node = out[1]
         r.host_hit_length = out[2]
         r.last_node = out[3]
         return r
 
-    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit):
+    cdef object match_into(self, object key, object extra_key, int64_t* out, Py_ssize_t limit, bint slots):
         # match_prefix of the first ``limit`` tokens of ``key`` (all when negative), its
         # result's fields in ``out`` (last device node, last host node, host hit length,
-        # last node) and the device indices returned (_core.pxd).
+        # last node, device prefix length) and the device indices returned, or None
+        # without ``slots`` (_core.pxd).
         cdef Py_buffer view
         cdef Py_ssize_t total
         cdef node_t ns_root
@@ -328,9 +330,9 @@ cdef class HiRadixTree:
                         total = view.len // 8
                         if 0 <= limit < total:
                             total = limit
-                        result = _match64(self, <const int64_t*>view.buf, total, ns_root, out)
+                        result = _match64(self, <const int64_t*>view.buf, total, ns_root, out, slots)
                         if result is not None:
-                            return result
+                            return result if slots else None
                 finally:
                     PyBuffer_Release(&view)
         cdef cnp.ndarray toks = _as_tokens(key, limit)
@@ -357,7 +359,8 @@ cdef class HiRadixTree:
         out[1] = _handle(&self.nodes[last_host], last_host)
         out[2] = host_hit
         out[3] = _handle(&self.nodes[node], node)
-        return _gather(self, root, last_dev, False)
+        out[4] = pos - host_hit  # the device part: the path's top, down to last_dev
+        return _gather(self, root, last_dev, False) if slots else None
 
     def insert(self, key, value, extra_key=None, *, priority=0, bint chunked=False, bint hold=False, start=None):
         """Insert ``key`` with device indices ``value``; see the twin. ``O(len(key))``,

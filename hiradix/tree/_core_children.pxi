@@ -42,14 +42,30 @@ cdef node_t _find_child(HiRadixTree self, node_t parent, const token_t* page) no
         slot = (slot + 1) & mask
 
 
-cdef node_t _find_child64(HiRadixTree self, node_t parent, const int64_t* page) noexcept nogil:
-    # _find_child of a page of int64 ids (_match64): the same hash as _page_hash's for ids
-    # that fit int32; one that does not equals no token.
+cdef inline uint64_t _page_hash64(HiRadixTree self, node_t parent, const int64_t* page) noexcept nogil:
+    # _page_hash of a page of int64 ids: the same hash for ids that fit int32
     cdef uint64_t h = (<uint64_t>parent + 1) * <uint64_t>0x9E3779B97F4A7C15
     cdef int64_t k
     for k in range(self.page_size):
         h = (h ^ <uint32_t>page[k]) * <uint64_t>0x100000001B3
-    h = _mix(h)
+    return _mix(h)
+
+
+cdef inline void _prefetch_child64(HiRadixTree self, node_t parent, const int64_t* page) noexcept nogil:
+    # The table slot where _find_child64(parent, page) will start, requested ahead: the
+    # match walk asks for the next span's slot before it compares the current span, so
+    # the slot's misses (two arrays) overlap with that compare instead of preceding the
+    # next lookup.
+    cdef uint64_t slot = _page_hash64(self, parent, page) & <uint64_t>(self.ht_cap - 1)
+    HR_PREFETCH(&self.ht_vals[slot])
+    HR_PREFETCH(&self.ht_keys[slot])
+
+
+cdef node_t _find_child64(HiRadixTree self, node_t parent, const int64_t* page) noexcept nogil:
+    # _find_child of a page of int64 ids (_match64): the same hash as _page_hash's for ids
+    # that fit int32; one that does not equals no token.
+    cdef uint64_t h = _page_hash64(self, parent, page)
+    cdef int64_t k
     cdef uint64_t mask = <uint64_t>(self.ht_cap - 1)
     cdef uint64_t slot = h & mask
     cdef node_t c

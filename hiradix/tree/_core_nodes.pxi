@@ -218,10 +218,12 @@ cdef node_t _descend(HiRadixTree self, node_t node, const token_t* ptr, int64_t 
 
 
 cdef int64_t _walk64(HiRadixTree self, const int64_t* key, int64_t n, node_t node, node_t* path,
-                     int* depth, int64_t* cut) noexcept nogil:
+                     int* depth, int64_t* cut, bint slots) noexcept nogil:
     # _match64's read-only descent: the spans ``key[:n]`` (page-aligned) matches, into
     # ``path``; ``cut`` is where the match ends inside the last one (0: at its end);
-    # returns the matched length, or -1 for a path deeper than MATCH64_DEPTH.
+    # returns the matched length, or -1 for a path deeper than MATCH64_DEPTH. With
+    # ``slots`` the spans' device slots are prefetched for the gather that follows; a
+    # match that only counts them leaves them unread.
     cdef int64_t pos = 0, klen, m
     cdef node_t child
     depth[0] = 0
@@ -234,8 +236,10 @@ cdef int64_t _walk64(HiRadixTree self, const int64_t* key, int64_t n, node_t nod
             return -1
         klen = self.nodes[child].key_len
         m = klen if klen < n - pos else n - pos
+        if klen + self.page_size <= n - pos:  # the key goes on past this span
+            _prefetch_child64(self, child, key + pos + klen)
         m = <int64_t>hr_common64(self.tokens + self.nodes[child].key_off, key + pos,
-                                 self.dev + self.nodes[child].key_off, m)
+                                 self.dev + self.nodes[child].key_off if slots else NULL, m)
         m -= m % self.page_size
         path[depth[0]] = child
         depth[0] += 1
@@ -247,14 +251,16 @@ cdef int64_t _walk64(HiRadixTree self, const int64_t* key, int64_t n, node_t nod
     return pos
 
 
-cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t root, int64_t* out):
+cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t root, int64_t* out,
+                     bint slots):
     # match_into's work on int64 ids (SGLang's array('q') keys), each read once where it
     # is, without narrowing the key into a buffer first. The descent first only reads
     # (_walk64), and the tree is touched and split as _descend does only once the ids not
     # matched are known to fit int32: a key with one that does not leaves the tree as it
     # was, as _as_tokens's OverflowError does. Returns None where match_into's general
     # path must serve (a path deeper than MATCH64_DEPTH; an id out of range, which that
-    # path raises for).
+    # path raises for); else the device indices, or True without ``slots`` (match_into's
+    # ``out`` holds all the rest).
     cdef node_t path[MATCH64_DEPTH]
     cdef int depth = 0, d
     cdef int64_t n = total - total % self.page_size
@@ -263,9 +269,9 @@ cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t
     hr_prefetch_key(key, n)
     if n >= NOGIL_MIN:
         with nogil:
-            pos = _walk64(self, key, n, root, path, &depth, &cut)
+            pos = _walk64(self, key, n, root, path, &depth, &cut, slots)
     else:
-        pos = _walk64(self, key, n, root, path, &depth, &cut)
+        pos = _walk64(self, key, n, root, path, &depth, &cut, slots)
     if pos < 0 or (pos < total and hr_high64(key + pos, total - pos)):
         return None
     cdef double now = _tick(self)
@@ -287,7 +293,8 @@ cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t
     out[1] = _handle(&self.nodes[last_host], last_host)
     out[2] = host_hit
     out[3] = _handle(&self.nodes[node], node)
-    return _gather(self, root, last_dev, False)
+    out[4] = pos - host_hit  # the device part: the path's top, down to last_dev
+    return _gather(self, root, last_dev, False) if slots else True
 
 
 cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None):
