@@ -306,7 +306,7 @@ class CudaLauncher(Launcher):
     def host_delta(self, host_pool: HostKVPool) -> int:
         """The pinned host pool's device address minus its host address (0 under unified
         addressing). Raises :class:`KernelError` if the pool is not pinned and mapped."""
-        buf = host_pool._buf
+        buf = host_pool.backing_tensor
         if not buf.is_pinned():
             raise KernelError("the host pool is not in pinned memory; the kernel cannot reach it")
         out = ctypes.c_void_p()

@@ -521,6 +521,12 @@ class HostKVPool(_KVPoolBase):
         self._buf = alloc_cpu_buffer(self.size * self._elems_per_token, dtype, pin_memory=self.pin_memory)
         self.allocator = PagedSlotAllocator(self.size, page_size, "cpu", reserve_first_page=False)
 
+    @property
+    def backing_tensor(self) -> torch.Tensor:
+        """The one flat tensor that holds every layer and component of the pool (for code
+        that needs its address or whether it is pinned, such as the CUDA copy kernel)."""
+        return self._buf
+
     @classmethod
     def for_device(
         cls,

@@ -741,7 +741,7 @@ class HiRadixCacheBase(BasePrefixCache):
         return TreeNode(self, handle)
 
     def _handle(self, node: Any) -> int:
-        if not isinstance(node, TreeNode) or node._cache is not self:
+        if not isinstance(node, TreeNode) or not node.belongs_to(self):
             raise TypeError(f"expected a node of this cache, got {node!r}")
         return node.id
 
@@ -988,7 +988,7 @@ class HiRadixCacheBase(BasePrefixCache):
             or aligned < protected
             or self._events is not None
             or type(last_node) is not TreeNode
-            or last_node._cache is not self
+            or not last_node.belongs_to(self)
         ):
             return None
         tree = self.tree

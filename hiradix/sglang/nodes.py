@@ -43,6 +43,10 @@ class TreeNode:
         self._cache = cache
         self.id = int(handle)
 
+    def belongs_to(self, cache: object) -> bool:
+        """Whether this is a view of a node of ``cache`` (and not of another cache's tree)."""
+        return self._cache is cache
+
     # identity: views of one handle are interchangeable (dict keys, sets, ``==``)
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TreeNode) and other.id == self.id and other._cache is self._cache

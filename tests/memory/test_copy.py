@@ -185,15 +185,15 @@ def test_backup_now_lands_the_bytes_backup_would(layout: str, page_size: int, na
     _, host2 = _pools(SHAPES["mha"], page_size, torch.bfloat16, layout)
     _fill_random(dev, 7)
     src_idx, host_idx = _random_sets(dev, host, random.Random(7), 3, whole_pages=False)
-    host2._buf.zero_()  # pool buffers start as whatever the allocator hands out
+    host2.backing_tensor.zero_()  # pool buffers start as whatever the allocator hands out
     with ThreadCopyEngine() as queued:
         queued.backup(dev, host2, src_idx, host_idx).wait(T)
     calls: list[tuple[str, int, int]] = []
     for hook in (None, lambda kind, op, layer: calls.append((kind, op, layer))):
-        host._buf.zero_()
+        host.backing_tensor.zero_()
         with ThreadCopyEngine(inline=True, native=native, layer_hook=hook) as eng:
             assert eng.backup_now(dev, host, src_idx, host_idx) is None
-        assert torch.equal(_bytes(host._buf), _bytes(host2._buf))
+        assert torch.equal(_bytes(host.backing_tensor), _bytes(host2.backing_tensor))
     assert calls == [("backup", 0, layer) for layer in range(dev.layer_num)]
 
 

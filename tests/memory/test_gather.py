@@ -69,7 +69,7 @@ def _fill(pool: DeviceKVPool, seed: int) -> None:
 
 def _fill_host(host: HostKVPool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    raw = host._buf.view(torch.uint8)
+    raw = host.backing_tensor.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
 
 
@@ -135,7 +135,9 @@ def _backup_case(layout: str, shape: str, ps: int, dtype: torch.dtype, scattered
             eng.backup(dev, h, d_idx, h_idx).wait(T)
         hosts[native] = h
     if NATIVE:
-        assert torch.equal(_raw(hosts[True]._buf), _raw(hosts[False]._buf)), "native and torch paths differ"
+        assert torch.equal(_raw(hosts[True].backing_tensor), _raw(hosts[False].backing_tensor)), (
+            "native and torch paths differ"
+        )
     got = hosts[NATIVE]
     background = HostKVPool.for_device(dev, ratio=2.0, layout=layout, reserve_bytes=0)  # type: ignore[arg-type]
     _fill_host(background, seed + 1)

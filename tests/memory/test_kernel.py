@@ -45,7 +45,7 @@ def _randomize(dev: DeviceKVPool, host: HostKVPool, seed: int) -> None:
         for buf in dev.layer_buffers(layer):
             raw = buf.view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    raw = host._buf.view(torch.uint8)
+    raw = host.backing_tensor.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
 
 
@@ -58,7 +58,7 @@ def _twin(dev: DeviceKVPool, host: HostKVPool) -> tuple[DeviceKVPool, HostKVPool
     for layer in range(dev.layer_num):
         for a, b in zip(dev2.layer_buffers(layer), dev.layer_buffers(layer), strict=True):
             a.copy_(b)
-    host2._buf.copy_(host._buf)
+    host2.backing_tensor.copy_(host.backing_tensor)
     return dev2, host2
 
 
@@ -66,7 +66,7 @@ def _same(a: tuple[DeviceKVPool, HostKVPool], b: tuple[DeviceKVPool, HostKVPool]
     for layer in range(a[0].layer_num):
         for x, y in zip(a[0].layer_buffers(layer), b[0].layer_buffers(layer), strict=True):
             assert torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8)), f"device layer {layer}"
-    assert torch.equal(a[1]._buf.view(torch.uint8), b[1]._buf.view(torch.uint8)), "host pool"
+    assert torch.equal(a[1].backing_tensor.view(torch.uint8), b[1].backing_tensor.view(torch.uint8)), "host pool"
 
 
 def _slots(dev: DeviceKVPool, host: HostKVPool, rng: random.Random, whole_pages: bool):

@@ -279,7 +279,7 @@ def test_host_pool_shapes_and_page_round_trip(kind: str, dtype: torch.dtype, pag
     assert host.pin_memory == CUDA
     assert host.bytes_per_token == DeviceKVPool(shape, page_size, page_size, dtype).bytes_per_token
     assert host.page_bytes == page_size * host.bytes_per_token
-    assert host._buf.numel() * host.itemsize == host.size_bytes
+    assert host.backing_tensor.numel() * host.itemsize == host.size_bytes
     for layer in range(shape.layer_num):
         views = host.get_page_layer_view(layer)
         assert [tuple(v.shape) for v in views] == [(host.page_num, page_size, *c) for c in shape.components]
@@ -450,7 +450,7 @@ def test_default_reserve_uses_larger_of_10pct_and_2gib(tmp_path) -> None:  # typ
 @needs_cuda
 def test_host_pool_is_pinned_on_cuda() -> None:
     host = _host("mha", torch.bfloat16, 16, "page_first")
-    assert host.pin_memory and host._buf.is_pinned()
+    assert host.pin_memory and host.backing_tensor.is_pinned()
 
 
 @pytest.mark.parametrize("order", PAGE_ORDERS)
@@ -470,7 +470,9 @@ def test_batched_page_reads_and_writes_match_per_page_bytes(kind: str, layout: s
         reserve_bytes=0,
     )
     g = torch.Generator().manual_seed(page_size)
-    pool._buf.view(torch.uint8).copy_(torch.randint(0, 256, (pool._buf.numel() * 2,), generator=g, dtype=torch.uint8))
+    pool.backing_tensor.view(torch.uint8).copy_(
+        torch.randint(0, 256, (pool.backing_tensor.numel() * 2,), generator=g, dtype=torch.uint8)
+    )
     starts = [5 * page_size, 0, 7 * page_size, 2 * page_size]
     out = torch.empty((4, pool.page_bytes), dtype=torch.uint8)
     pool.read_pages(starts, out)
@@ -541,7 +543,7 @@ def test_cpu_device_pool_layers_share_one_huge_buffer_without_overlap() -> None:
 def test_huge_host_pool_page_round_trip(layout: str) -> None:
     shape = MHAShape(layer_num=2, head_num=2, head_dim=64)
     host = HostKVPool(shape, 8192, 16, torch.float16, layout, **NO_RESERVE)  # type: ignore[arg-type]
-    assert host.size_bytes >= HUGE_PAGE and host._buf.data_ptr() % HUGE_PAGE == 0
+    assert host.size_bytes >= HUGE_PAGE and host.backing_tensor.data_ptr() % HUGE_PAGE == 0
     page = torch.arange(host.page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
     host.set_page_bytes(16 * 100, page)
     assert torch.equal(host.get_page_bytes(16 * 100), page)

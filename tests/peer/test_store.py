@@ -75,7 +75,7 @@ def test_set_on_one_node_get_on_the_others(cluster: InProcessCluster) -> None:
 def test_v1_remote_into_host_pool(cluster: InProcessCluster) -> None:
     a, b, _ = stores(cluster)
     src, dst = make_pool("page_first", False), make_pool("page_first", False)
-    dst._buf.zero_()
+    dst.backing_tensor.zero_()
     a.register_mem_pool_host(src)
     b.register_mem_pool_host(dst)
     ps = src.page_size
@@ -88,8 +88,8 @@ def test_v1_remote_into_host_pool(cluster: InProcessCluster) -> None:
     assert b.node.transport.stats.remote_items == 6
     # The host (L2) pool is a local receive region of b only, and never published: a
     # peer presenting its handle is refused, and no directory entry names it.
-    lo = dst._buf.data_ptr()
-    hi = lo + dst._buf.numel() * dst._buf.element_size()
+    lo = dst.backing_tensor.data_ptr()
+    hi = lo + dst.backing_tensor.numel() * dst.backing_tensor.element_size()
     handle = b._receive_handle
     assert handle is not None
     for node in cluster.nodes:

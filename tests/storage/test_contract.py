@@ -43,7 +43,7 @@ def make_pool(layout: str, mla: bool, page_size: int = 4, pages: int = 8, order:
         reserve_bytes=0,
     )
     g = torch.Generator().manual_seed(1)
-    pool._buf.copy_(torch.randn(pool._buf.numel(), generator=g).to(torch.float16))
+    pool.backing_tensor.copy_(torch.randn(pool.backing_tensor.numel(), generator=g).to(torch.float16))
     return pool
 
 
@@ -159,7 +159,7 @@ class StorageContract:
     @pytest.mark.parametrize("order", PAGE_ORDERS)
     def test_v1_pages_move_between_layouts_of_one_byte_order(self, store: StorageBackend, order: str) -> None:
         a, b = make_pool("layer_first", False, order=order), make_pool("page_first_direct", False, order=order)
-        b._buf.zero_()
+        b.backing_tensor.zero_()
         store.register_mem_pool_host(a)
         assert store.batch_set_v1([key(0)], [4]) == [True]
         store.register_mem_pool_host(b)
