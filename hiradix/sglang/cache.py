@@ -500,6 +500,27 @@ class HiRadixCacheBase(BasePrefixCache):
 
     def __init__(self, params: Any, server_args: Any) -> None:
         check_supported(params, server_args)
+        self._read_params(params)
+        self._init_metrics(params, server_args)
+        extra, prefetch = self._read_options(params, server_args)
+        device_pool, drafts, self.token_to_kv_pool_host = self._build_pools(params, server_args)
+        chain_seed = self._init_l3_keys(params, server_args)
+        agreement, controller = self._build_controller(params, server_args, device_pool, drafts)
+        backend = getattr(server_args, "hicache_storage_backend", None)
+        self.core = self._build_core(
+            device_pool, controller, agreement, chain_seed, backend, params.token_to_kv_pool_allocator
+        )
+        self._init_tree(device_pool, controller)
+        self.enable_storage = False
+        if backend is not None:
+            self._attach(backend, extra, prefetch)
+        self._init_kv_events(params)
+        self._install_matcher()
+        self._install_inserter()
+        atexit.register(self.shutdown)
+
+    def _read_params(self, params: Any) -> None:
+        """The ``CacheInitParams`` fields this cache keeps as SGLang's own does."""
         self.disable = params.disable
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -511,6 +532,10 @@ class HiRadixCacheBase(BasePrefixCache):
         self.eviction_policy = str(params.eviction_policy).lower()
         self._bigram = 1 if self.is_eagle else 0  # tokens a key has beyond its slots
         self.pp_rank, self.pp_size = params.pp_rank, params.pp_size
+
+    def _init_metrics(self, params: Any, server_args: Any) -> None:
+        """SGLang's metrics collector and hiradix's reporter into it, with ``--enable-metrics``,
+        and the labels (attention-DP rank, ``extra_metric_labels``) of an L3's metrics (:meth:`_attach`)."""
         self.metrics_collector = None
         self.metrics: MetricsReporter | None = None
         self._dp_rank = _attention_dp_rank()
@@ -519,6 +544,10 @@ class HiRadixCacheBase(BasePrefixCache):
             self.init_metrics_collector()
             self.metrics = MetricsReporter(self.metrics_collector)
 
+    def _read_options(self, params: Any, server_args: Any) -> tuple[dict[str, Any], PrefetchConfig]:
+        """The KV pools' device, and ``--hicache-storage-backend-extra-config`` with
+        ``--hicache-storage-prefetch-policy``: sets the options hiradix reads from them and
+        returns what is left of the extra config (for the backend) and the prefetch config."""
         allocator = params.token_to_kv_pool_allocator
         self.kv_cache = allocator.get_kvcache()
         self.device = torch.device(allocator.device)
@@ -537,6 +566,14 @@ class HiRadixCacheBase(BasePrefixCache):
                 "--hicache-storage-backend-extra-config l3_format 'sglang' is not supported with EAGLE "
                 "(bigram keys); use the default l3_format 'hiradix'"
             )
+        return extra, prefetch
+
+    def _build_pools(
+        self, params: Any, server_args: Any
+    ) -> tuple[DeviceKVPool, list[tuple[DeviceKVPool, str]], HostKVPool]:
+        """The device pool over SGLang's KV buffers, the MTP draft pools
+        (:func:`_mtp_draft_pools`) and the host pool (allocated here) sized from
+        ``--hicache-ratio`` / ``--hicache-size`` in ``--hicache-mem-layout``."""
         device_pool = device_pool_from_sglang(self.kv_cache)
         drafts = _mtp_draft_pools(params)
         host_pool = host_pool_for(
@@ -550,11 +587,21 @@ class HiRadixCacheBase(BasePrefixCache):
             layout=server_args.hicache_mem_layout,
             page_order="sglang" if self.l3_format == "sglang" else "hiradix",
         )
-        self.token_to_kv_pool_host = host_pool
-        self.storage_config, chain_seed, key_suffix = self._l3_keys(params, server_args, host_pool)
+        return device_pool, drafts, host_pool
+
+    def _init_l3_keys(self, params: Any, server_args: Any) -> Callable[[str | None], str | None]:
+        """:attr:`storage_config`, the key suffix of hiradix's own backends and the
+        attention-CP shape (:meth:`_l3_keys`); returns the tree's chain seeds."""
+        self.storage_config, chain_seed, key_suffix = self._l3_keys(params, server_args, self.token_to_kv_pool_host)
         self._key_suffix = key_suffix  # what hiradix's own backends get appended to each key
         self._cp = (int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "attn_cp_size", 1) or 1))
+        return chain_seed
 
+    def _build_controller(
+        self, params: Any, server_args: Any, device_pool: DeviceKVPool, drafts: list[tuple[DeviceKVPool, str]]
+    ) -> tuple[SGLangAgreement, SGLangCacheController]:
+        """The agreement over SGLang's TP / attention-CP / PP groups and the controller
+        moving KV between the pools, with the MTP draft pools following the target's KV."""
         agreement = SGLangAgreement(
             params.tp_cache_group,
             params.attn_cp_cache_group,
@@ -563,11 +610,10 @@ class HiRadixCacheBase(BasePrefixCache):
             params.pp_rank,
             params.pp_size,
         )
-        write_policy = server_args.hicache_write_policy
         controller = SGLangCacheController(
             device_pool,
-            host_pool,
-            write_policy=write_policy,
+            self.token_to_kv_pool_host,
+            write_policy=server_args.hicache_write_policy,
             io_backend=server_args.hicache_io_backend,
             agreement=agreement,
             # On CPU pools a thread hand-off per step cost the scheduler more than the copy
@@ -582,13 +628,24 @@ class HiRadixCacheBase(BasePrefixCache):
                 raise ValueError(
                     f"hiradix.sglang: mtp_draft_device_pools[{i}] ({name}) cannot follow the target's KV: {e}"
                 ) from e
-        backend = getattr(server_args, "hicache_storage_backend", None)
-        self.core = CoreCache(
+        return agreement, controller
+
+    def _build_core(
+        self,
+        device_pool: DeviceKVPool,
+        controller: SGLangCacheController,
+        agreement: SGLangAgreement,
+        chain_seed: Callable[[str | None], str | None],
+        backend: str | None,
+        allocator: Any,
+    ) -> CoreCache:
+        """The core cache on the pools and ``controller``, with slots from SGLang's ``allocator``."""
+        return CoreCache(
             device_pool,
-            host_pool,
+            self.token_to_kv_pool_host,
             tree=TreeOptions(
                 eviction_policy=self.eviction_policy,
-                write_policy=write_policy,
+                write_policy=controller.write_policy,
                 # Page hashes are the L3 keys; as SGLang, they are computed only when there is
                 # an L3 (one attached at runtime hashes what the tree holds then, once).
                 enable_hash=backend is not None,
@@ -605,12 +662,15 @@ class HiRadixCacheBase(BasePrefixCache):
             storage=StorageOptions(
                 namespace=self.storage_config.namespace,
                 tp_rank=self.storage_config.tp_rank,
-                key_suffix=key_suffix,
+                key_suffix=self._key_suffix,
                 prefetch_agreement=agreement if agreement.single_rank else agreement.for_background_thread(),
             ),
             controller=controller,
             allocator=allocator,
         )
+
+    def _init_tree(self, device_pool: DeviceKVPool, controller: SGLangCacheController) -> None:
+        """The core's tree and root as SGLang names them, and the request namespaces' maps."""
         self.tree = self.core.tree
         # The tree's token and slot buffers grow as tokens are cached (20 bytes a token,
         # doubling a mapping, touching only what is written), not reserved for the pools'
@@ -628,9 +688,10 @@ class HiRadixCacheBase(BasePrefixCache):
         # root handle -> (extra_key, cache_salt, first token of a bigram namespace)
         self._ns_parts: dict[int, tuple[str | None, str | None, int | None]] = {}
         self.load_back_threshold = self.core.load_back_threshold
-        self.enable_storage = False
-        if backend is not None:
-            self._attach(backend, extra, prefetch)
+
+    def _init_kv_events(self, params: Any) -> None:
+        """With ``enable_kv_cache_events``, the log of SGLang's KV events
+        (:mod:`hiradix.sglang.events`)."""
         # KV events come from the tree's change log, which is on only with them. Imported
         # here: the module loads SGLang's event classes, needed only with events on.
         self._events: KVEventLog | None = None
@@ -638,9 +699,6 @@ class HiRadixCacheBase(BasePrefixCache):
             from hiradix.sglang.events import KVEventLog
 
             self._events = KVEventLog(self, params)
-        self._install_matcher()
-        self._install_inserter()
-        atexit.register(self.shutdown)
 
     def _install_matcher(self) -> None:
         """Put the compiled ``match_prefix`` (:mod:`hiradix.sglang._match`) in front of the
