@@ -39,7 +39,7 @@ from hiradix.sim.advice import PLAN_REMEDIES, Finding, explain, ttft_metrics
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
 from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
-from hiradix.sim.run import simulate
+from hiradix.sim.run import SimResult, simulate
 from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, ModelShape, TimingModel
 from hiradix.storage.base import StorageError
 from hiradix.tree.policy import WRITE_POLICIES
@@ -548,48 +548,64 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         resolved = _config(args, "sim")
         workload = _workload(args)
-        _check_writable(args.json)
-        _check_writable(args.html)
-        if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
-            raise _UsageError(f"--plots {args.plots}: not a folder")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SimWarning)  # printed above, once
-            result = simulate(
-                workload,
-                resolved.config,
-                timing=resolved.timing,
-                progress=False if args.no_progress else None,
-            )
-    except _UsageError as exc:
-        return _fail("sim", str(exc))
-    except TraceError as exc:
-        is_trace = workload is not None and workload.name == "trace"
-        return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc))
-    except ValueError as exc:  # ConfigError, an empty trace, a generator running out of block ids
-        return _fail("sim", str(exc))
-    except StorageError as exc:  # an L3 backend that cannot be built (no Mooncake wheel, no master)
-        return _fail("sim", f"--l3-backend {args.l3_backend}: {exc}")
-    except OSError as exc:
-        return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
+        result = _replay(args, workload, resolved)
+    except (_UsageError, ValueError, StorageError, OSError) as exc:
+        return _fail("sim", _sim_error(args, exc, workload))
     print(summary(result))
     curve_png = _sim_curve(args, workload, resolved, result) if args.curve else None
     try:
-        if args.json is not None:
-            args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
-        if args.plots is not None or args.html is not None:
-            rendered = render_plots(result)
-            if curve_png is not None:
-                rendered["capacity_curve"] = curve_png
-            if args.plots is not None:
-                paths = write_plots(result, args.plots, rendered)
-                print(f"  plots         {', '.join(str(p) for p in paths)}")
-            if args.html is not None:
-                print(f"  html          {write_html(result, args.html, rendered)}")
+        _write_sim_outputs(args, result, curve_png)
     except OSError as exc:
         return _fail("sim", f"cannot write {exc.filename}: {exc.strerror or exc}")
     if result.stats.corrupt_tokens:
         return _fail("sim", f"{result.stats.corrupt_tokens:,} reused tokens came back with wrong KV bytes")
     return 0
+
+
+def _replay(args: argparse.Namespace, workload: Workload, resolved: ResolvedConfig) -> SimResult:
+    """``hiradix sim``'s replay, once its output paths are checked (:class:`_UsageError`)."""
+    _check_writable(args.json)
+    _check_writable(args.html)
+    if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
+        raise _UsageError(f"--plots {args.plots}: not a folder")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SimWarning)  # printed by _config, once
+        return simulate(
+            workload,
+            resolved.config,
+            timing=resolved.timing,
+            progress=False if args.no_progress else None,
+        )
+
+
+def _sim_error(args: argparse.Namespace, exc: Exception, workload: Workload | None) -> str:
+    """The one-line message of ``hiradix sim``'s error ``exc``, raised before the report."""
+    if isinstance(exc, TraceError):
+        is_trace = workload is not None and workload.name == "trace"
+        return f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc)
+    if isinstance(exc, StorageError):  # an L3 backend that cannot be built (no Mooncake wheel, no master)
+        return f"--l3-backend {args.l3_backend}: {exc}"
+    if isinstance(exc, OSError):
+        return f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}"
+    # a _UsageError, or a ValueError: ConfigError, an empty trace, a generator running out of block ids
+    return str(exc)
+
+
+def _write_sim_outputs(args: argparse.Namespace, result: SimResult, curve_png: bytes | None) -> None:
+    """``hiradix sim --json/--plots/--html``: the files asked for (``curve_png``: the
+    capacity curve of ``--curve``, added to the plots)."""
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    if args.plots is None and args.html is None:
+        return
+    rendered = render_plots(result)
+    if curve_png is not None:
+        rendered["capacity_curve"] = curve_png
+    if args.plots is not None:
+        paths = write_plots(result, args.plots, rendered)
+        print(f"  plots         {', '.join(str(p) for p in paths)}")
+    if args.html is not None:
+        print(f"  html          {write_html(result, args.html, rendered)}")
 
 
 def _sim_curve(args: argparse.Namespace, workload: Workload, resolved: ResolvedConfig, result: Any) -> bytes | None:
