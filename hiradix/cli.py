@@ -26,7 +26,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -39,10 +39,13 @@ from hiradix.sim.advice import PLAN_REMEDIES, Finding, explain, ttft_metrics
 from hiradix.sim.config import GPUS, ConfigError, ResolvedConfig, SimConfig, SimWarning, Size, format_tokens
 from hiradix.sim.generators import AZURE_FILES, WORKLOADS, Workload, make_workload
 from hiradix.sim.report import render_plots, source_name, summary, to_json, write_html, write_plots
-from hiradix.sim.run import simulate
-from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, TimingModel
+from hiradix.sim.run import SimResult, simulate
+from hiradix.sim.timing import DTYPE_BYTES, LINKS, MODELS, Link, ModelShape, TimingModel
 from hiradix.storage.base import StorageError
 from hiradix.tree.policy import WRITE_POLICIES
+
+if TYPE_CHECKING:
+    from hiradix.sim.curve import CapacityCurve, Plan
 
 __all__ = ["BUNDLED_TRACE", "SHARED_TRACE", "TRACE_ENV", "build_parser", "default_trace", "main"]
 
@@ -545,48 +548,64 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         resolved = _config(args, "sim")
         workload = _workload(args)
-        _check_writable(args.json)
-        _check_writable(args.html)
-        if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
-            raise _UsageError(f"--plots {args.plots}: not a folder")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SimWarning)  # printed above, once
-            result = simulate(
-                workload,
-                resolved.config,
-                timing=resolved.timing,
-                progress=False if args.no_progress else None,
-            )
-    except _UsageError as exc:
-        return _fail("sim", str(exc))
-    except TraceError as exc:
-        is_trace = workload is not None and workload.name == "trace"
-        return _fail("sim", f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc))
-    except ValueError as exc:  # ConfigError, an empty trace, a generator running out of block ids
-        return _fail("sim", str(exc))
-    except StorageError as exc:  # an L3 backend that cannot be built (no Mooncake wheel, no master)
-        return _fail("sim", f"--l3-backend {args.l3_backend}: {exc}")
-    except OSError as exc:
-        return _fail("sim", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
+        result = _replay(args, workload, resolved)
+    except (_UsageError, ValueError, StorageError, OSError) as exc:
+        return _fail("sim", _sim_error(args, exc, workload))
     print(summary(result))
     curve_png = _sim_curve(args, workload, resolved, result) if args.curve else None
     try:
-        if args.json is not None:
-            args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
-        if args.plots is not None or args.html is not None:
-            rendered = render_plots(result)
-            if curve_png is not None:
-                rendered["capacity_curve"] = curve_png
-            if args.plots is not None:
-                paths = write_plots(result, args.plots, rendered)
-                print(f"  plots         {', '.join(str(p) for p in paths)}")
-            if args.html is not None:
-                print(f"  html          {write_html(result, args.html, rendered)}")
+        _write_sim_outputs(args, result, curve_png)
     except OSError as exc:
         return _fail("sim", f"cannot write {exc.filename}: {exc.strerror or exc}")
     if result.stats.corrupt_tokens:
         return _fail("sim", f"{result.stats.corrupt_tokens:,} reused tokens came back with wrong KV bytes")
     return 0
+
+
+def _replay(args: argparse.Namespace, workload: Workload, resolved: ResolvedConfig) -> SimResult:
+    """``hiradix sim``'s replay, once its output paths are checked (:class:`_UsageError`)."""
+    _check_writable(args.json)
+    _check_writable(args.html)
+    if args.plots is not None and args.plots.exists() and not args.plots.is_dir():
+        raise _UsageError(f"--plots {args.plots}: not a folder")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SimWarning)  # printed by _config, once
+        return simulate(
+            workload,
+            resolved.config,
+            timing=resolved.timing,
+            progress=False if args.no_progress else None,
+        )
+
+
+def _sim_error(args: argparse.Namespace, exc: Exception, workload: Workload | None) -> str:
+    """The one-line message of ``hiradix sim``'s error ``exc``, raised before the report."""
+    if isinstance(exc, TraceError):
+        is_trace = workload is not None and workload.name == "trace"
+        return f"{exc} (--skip-bad-lines skips such lines)" if is_trace else str(exc)
+    if isinstance(exc, StorageError):  # an L3 backend that cannot be built (no Mooncake wheel, no master)
+        return f"--l3-backend {args.l3_backend}: {exc}"
+    if isinstance(exc, OSError):
+        return f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}"
+    # a _UsageError, or a ValueError: ConfigError, an empty trace, a generator running out of block ids
+    return str(exc)
+
+
+def _write_sim_outputs(args: argparse.Namespace, result: SimResult, curve_png: bytes | None) -> None:
+    """``hiradix sim --json/--plots/--html``: the files asked for (``curve_png``: the
+    capacity curve of ``--curve``, added to the plots)."""
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    if args.plots is None and args.html is None:
+        return
+    rendered = render_plots(result)
+    if curve_png is not None:
+        rendered["capacity_curve"] = curve_png
+    if args.plots is not None:
+        paths = write_plots(result, args.plots, rendered)
+        print(f"  plots         {', '.join(str(p) for p in paths)}")
+    if args.html is not None:
+        print(f"  html          {write_html(result, args.html, rendered)}")
 
 
 def _sim_curve(args: argparse.Namespace, workload: Workload, resolved: ResolvedConfig, result: Any) -> bytes | None:
@@ -782,64 +801,37 @@ def _add_plan_parser(commands: Any) -> None:
     plan.set_defaults(run=run_plan)
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What ``hiradix plan`` computed, for its report: the curve from the one pass over
+    the workload (and the pass's wall time), the timing model of the TTFT estimates, the
+    hit-rate target and the cheapest layouts, best first."""
+
+    workload: Workload
+    model: ModelShape
+    curve: CapacityCurve
+    wall: float
+    timing: TimingModel
+    target: float
+    plans: list[Plan]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.model.bytes_per_token
+
+    def gib(self, tokens: int) -> str:
+        from hiradix.sim.curve import GIB
+
+        return f"{tokens * self.bytes_per_token / GIB:,.1f}"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``hiradix plan``; returns the exit status."""
-    import time
-
-    from hiradix.sim.curve import (
-        GIB,
-        CapacityCurve,
-        check_prices,
-        format_size,
-        plot_curve,
-        recommend,
-        recommend_for_ttft,
-    )
-    from hiradix.sim.generators import MooncakeWorkload
-    from hiradix.sim.report import png_bytes
+    from hiradix.sim.curve import check_prices
 
     model = MODELS[args.model].with_dtype(args.kv_dtype)
-    bpt = model.bytes_per_token
     try:
-        workload = _workload(args)
-        _check_writable(args.json)
-        _check_writable(args.plot)
-        start = time.perf_counter()
-        source: Any = workload.trace() if isinstance(workload, MooncakeWorkload) else workload
-        curve = CapacityCurve.from_requests(
-            source,
-            page_size=args.page_size,
-            progress=not args.no_progress,
-            total=None if args.no_progress else workload.count(),
-        )
-        wall = time.perf_counter() - start
-        target = args.target_hit_rate or 0.9 * curve.ideal_token_hit_rate
-        l3_link = LINKS[args.l3_link]
-        if args.l3_gbps is not None:
-            l3_link = Link(l3_link.name, args.l3_gbps, l3_link.latency_us)
-        timing = TimingModel(model=model, tp=args.tp, l3=l3_link)
-        if args.target_p90_ttft is not None:
-            if args.target_hit_rate is not None:
-                raise _UsageError("give --target-hit-rate or --target-p90-ttft, not both")
-            plans = recommend_for_ttft(
-                curve,
-                timing,
-                args.target_p90_ttft,
-                bytes_per_token=bpt,
-                prices=args.prices,
-                min_device_tokens=args.min_device_tokens,
-            )
-            if not plans:
-                no_cache = float(np.percentile(curve.ttft(timing, 0), 90))
-                raise _UsageError(
-                    f"no layout reaches a p90 TTFT of {args.target_p90_ttft:g} s (no cache: {no_cache:.3g} s; "
-                    f"with everything cached on the device: "
-                    f"{float(np.percentile(curve.ttft(timing, curve.max_useful_tokens), 90)):.3g} s)"
-                )
-        else:
-            plans = recommend(
-                curve, target, bytes_per_token=bpt, prices=args.prices, min_device_tokens=args.min_device_tokens
-            )
+        run = _plan(args, model)
     except _UsageError as exc:
         return _fail("plan", str(exc))
     except TraceError as exc:
@@ -849,23 +841,105 @@ def run_plan(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail("plan", f"cannot read {exc.filename or args.trace}: {exc.strerror or exc}")
     prices = check_prices(args.prices)
-    description = workload.describe()
-    name = Path(description["path"]).name if "path" in description else f"{workload.name} (seed {args.seed})"
+    description = run.workload.describe()
+    name = Path(description["path"]).name if "path" in description else f"{run.workload.name} (seed {args.seed})"
+    _print_plan_curve(run, name)
+    checked, no_cache_ttft = _print_plan_layouts(args, run, prices)
+    try:
+        if args.json is not None:
+            data = _plan_json(args, run, description, prices, checked, no_cache_ttft)
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+        if args.plot is not None:
+            _write_plan_plot(args.plot, run, name)
+    except OSError as exc:
+        return _fail("plan", f"cannot write {exc.filename}: {exc.strerror or exc}")
+    return 0
+
+
+def _plan(args: argparse.Namespace, model: ModelShape) -> _Plan:
+    """``hiradix plan``'s computation: the workload read, the output paths checked, the
+    curve from one pass and the cheapest layouts for the target. Raises
+    :class:`_UsageError` (and the workload's errors)."""
+    import time
+
+    from hiradix.sim.curve import CapacityCurve
+    from hiradix.sim.generators import MooncakeWorkload
+
+    workload = _workload(args)
+    _check_writable(args.json)
+    _check_writable(args.plot)
+    start = time.perf_counter()
+    source: Any = workload.trace() if isinstance(workload, MooncakeWorkload) else workload
+    curve = CapacityCurve.from_requests(
+        source,
+        page_size=args.page_size,
+        progress=not args.no_progress,
+        total=None if args.no_progress else workload.count(),
+    )
+    wall = time.perf_counter() - start
+    target = args.target_hit_rate or 0.9 * curve.ideal_token_hit_rate
+    l3_link = LINKS[args.l3_link]
+    if args.l3_gbps is not None:
+        l3_link = Link(l3_link.name, args.l3_gbps, l3_link.latency_us)
+    timing = TimingModel(model=model, tp=args.tp, l3=l3_link)
+    run = _Plan(workload, model, curve, wall, timing, target, plans=[])
+    run.plans = _plan_layouts(args, run)
+    return run
+
+
+def _plan_layouts(args: argparse.Namespace, run: _Plan) -> list[Plan]:
+    """The cheapest layouts, best first, for ``--target-p90-ttft`` if given, else for the
+    hit-rate target. Raises :class:`_UsageError` when both targets are given or when no
+    layout reaches the TTFT target."""
+    from hiradix.sim.curve import recommend, recommend_for_ttft
+
+    curve, timing = run.curve, run.timing
+    if args.target_p90_ttft is None:
+        return recommend(
+            curve,
+            run.target,
+            bytes_per_token=run.bytes_per_token,
+            prices=args.prices,
+            min_device_tokens=args.min_device_tokens,
+        )
+    if args.target_hit_rate is not None:
+        raise _UsageError("give --target-hit-rate or --target-p90-ttft, not both")
+    plans = recommend_for_ttft(
+        curve,
+        timing,
+        args.target_p90_ttft,
+        bytes_per_token=run.bytes_per_token,
+        prices=args.prices,
+        min_device_tokens=args.min_device_tokens,
+    )
+    if not plans:
+        no_cache = float(np.percentile(curve.ttft(timing, 0), 90))
+        raise _UsageError(
+            f"no layout reaches a p90 TTFT of {args.target_p90_ttft:g} s (no cache: {no_cache:.3g} s; "
+            f"with everything cached on the device: "
+            f"{float(np.percentile(curve.ttft(timing, curve.max_useful_tokens), 90)):.3g} s)"
+        )
+    return plans
+
+
+def _print_plan_curve(run: _Plan, name: str) -> None:
+    """``hiradix plan``'s first part: the workload, the ideal hit rate, the knee and the
+    hit rate at round sizes."""
+    from hiradix.sim.curve import format_size
+
+    curve, model, bpt = run.curve, run.model, run.bytes_per_token
     knee = curve.knee()
-
-    def gib(tokens: int) -> str:
-        return f"{tokens * bpt / GIB:,.1f}"
-
     print(
         f"hiradix plan: {name}, {curve.requests:,} requests, {format_tokens(curve.prompt_tokens)} prompt tokens, "
-        f"page {curve.page_size}, {model.name} {model.dtype} ({bpt:,} KV bytes/token); one pass in {wall:.1f} s"
+        f"page {curve.page_size}, {model.name} {model.dtype} ({bpt:,} KV bytes/token); one pass in {run.wall:.1f} s"
     )
     print(
         f"  ideal (unbounded)  {curve.ideal_token_hit_rate:.2%} of tokens, {curve.ideal_block_hit_rate:.2%} of blocks; "
-        f"reached at {format_size(curve.max_useful_tokens)} tokens ({gib(curve.max_useful_tokens)} GiB)"
+        f"reached at {format_size(curve.max_useful_tokens)} tokens ({run.gib(curve.max_useful_tokens)} GiB)"
     )
     print(
-        f"  knee               {format_size(knee)} tokens ({gib(knee)} GiB): {curve.token_hit_rate(knee):.2%} of tokens"
+        f"  knee               {format_size(knee)} tokens ({run.gib(knee)} GiB): {curve.token_hit_rate(knee):.2%} of "
+        "tokens"
     )
     print()
     print(f"  {'capacity':>9} {'GiB':>10} {'token hit':>10} {'block hit':>10} {'/ideal':>7}")
@@ -873,16 +947,27 @@ def run_plan(args: argparse.Namespace) -> int:
         rate = curve.token_hit_rate(size)
         small = " *" if size < curve.max_prompt_tokens else ""
         print(
-            f"  {format_tokens(size):>9} {gib(size):>10} {rate:>10.2%} {curve.block_hit_rate(size):>10.2%} "
+            f"  {format_tokens(size):>9} {run.gib(size):>10} {rate:>10.2%} {curve.block_hit_rate(size):>10.2%} "
             f"{rate / curve.ideal_token_hit_rate:>7.1%}{small}"
         )
     if curve.sizes()[0] < curve.max_prompt_tokens:
         print(f"  * below the longest prompt ({format_size(curve.max_prompt_tokens)} tokens): approximate")
     print()
+
+
+def _print_plan_layouts(
+    args: argparse.Namespace, run: _Plan, prices: dict[str, float]
+) -> tuple[list[tuple[dict[str, float], list[Finding]]], dict[str, float]]:
+    """``hiradix plan``'s second part: the cheapest layouts with their estimated TTFT,
+    the no-cache TTFT, the recommendation and the findings. Returns each layout's
+    :func:`_plan_ttft` and the no-cache TTFT metrics."""
+    from hiradix.sim.curve import format_size
+
+    curve, timing, plans = run.curve, run.timing, run.plans
     goal = (
         f"a p90 TTFT of at most {args.target_p90_ttft:g} s (tp {args.tp}, L3 over {args.l3_link})"
         if args.target_p90_ttft is not None
-        else f"a {target:.2%} token hit rate"
+        else f"a {run.target:.2%} token hit rate"
     )
     print(
         f"Cheapest sizes for {goal} (prices per GiB: "
@@ -915,35 +1000,48 @@ def run_plan(args: argparse.Namespace) -> int:
     for plan, (_, found) in zip(plans, checked, strict=True):
         for finding in found:
             print(f"  finding: {plan.layout}: {finding.line()}")
-    try:
-        if args.json is not None:
-            data = {
-                "hiradix_version": hiradix.__version__,
-                "workload": description,
-                "model": model.name,
-                "kv_dtype": model.dtype,
-                "bytes_per_token": bpt,
-                "wall_s": wall,
-                "target_hit_rate": None if args.target_p90_ttft is not None else target,
-                "target_p90_ttft_s": args.target_p90_ttft,
-                "prices": prices,
-                "curve": curve.to_dict(),
-                "no_cache_ttft_s": no_cache_ttft,
-                "plans": [
-                    {**p.to_dict(), "ttft_s_metrics": metrics, "findings": [f.to_dict() for f in found]}
-                    for p, (metrics, found) in zip(plans, checked, strict=True)
-                ],
-            }
-            args.json.write_text(json.dumps(data, indent=2) + "\n")
-        if args.plot is not None:
-            marks = {"device": best.device_tokens, "host": best.host_tokens, "L3": best.l3_tokens}
-            marks = {k: v for k, v in marks.items() if v}
-            title = f"LRU hit rate by capacity: {name}, page {curve.page_size}"
-            args.plot.write_bytes(png_bytes(plot_curve(curve, title, marks=marks, bytes_per_token=bpt)))
-            print(f"  plot: {args.plot}")
-    except OSError as exc:
-        return _fail("plan", f"cannot write {exc.filename}: {exc.strerror or exc}")
-    return 0
+    return checked, no_cache_ttft
+
+
+def _plan_json(
+    args: argparse.Namespace,
+    run: _Plan,
+    description: dict[str, Any],
+    prices: dict[str, float],
+    checked: list[tuple[dict[str, float], list[Finding]]],
+    no_cache_ttft: dict[str, float],
+) -> dict[str, Any]:
+    """``hiradix plan --json``: the workload, the curve and each layout with its TTFT and findings."""
+    return {
+        "hiradix_version": hiradix.__version__,
+        "workload": description,
+        "model": run.model.name,
+        "kv_dtype": run.model.dtype,
+        "bytes_per_token": run.bytes_per_token,
+        "wall_s": run.wall,
+        "target_hit_rate": None if args.target_p90_ttft is not None else run.target,
+        "target_p90_ttft_s": args.target_p90_ttft,
+        "prices": prices,
+        "curve": run.curve.to_dict(),
+        "no_cache_ttft_s": no_cache_ttft,
+        "plans": [
+            {**p.to_dict(), "ttft_s_metrics": metrics, "findings": [f.to_dict() for f in found]}
+            for p, (metrics, found) in zip(run.plans, checked, strict=True)
+        ],
+    }
+
+
+def _write_plan_plot(path: Path, run: _Plan, name: str) -> None:
+    """``hiradix plan --plot``: the curve as a PNG, the recommended sizes marked."""
+    from hiradix.sim.curve import plot_curve
+    from hiradix.sim.report import png_bytes
+
+    best = run.plans[0]
+    marks = {"device": best.device_tokens, "host": best.host_tokens, "L3": best.l3_tokens}
+    marks = {k: v for k, v in marks.items() if v}
+    title = f"LRU hit rate by capacity: {name}, page {run.curve.page_size}"
+    path.write_bytes(png_bytes(plot_curve(run.curve, title, marks=marks, bytes_per_token=run.bytes_per_token)))
+    print(f"  plot: {path}")
 
 
 def _plan_ttft(curve: Any, timing: TimingModel, plan: Any) -> tuple[dict[str, float], list[Finding]]:

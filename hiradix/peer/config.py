@@ -53,6 +53,14 @@ TRANSPORTS = ("auto", "tcp", "rdma", "fake")
 
 
 _SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
+_TIMEOUT_FIELDS = (
+    "join_timeout_s",
+    "connect_timeout_s",
+    "rpc_timeout_s",
+    "read_timeout_s",
+    "promote_timeout_s",
+    "idle_timeout_s",
+)
 
 
 @dataclass(frozen=True)
@@ -153,47 +161,51 @@ class PeerConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        def need_int(name: str, lo: int, hi: int | None = None) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{name}: expected an integer, got {v!r}")
-            if v < lo or (hi is not None and v > hi):
-                bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-                raise ConfigError(f"{name}: must be {bound}, got {v}")
-
-        def need_bool(name: str) -> None:
+        """Raise :class:`ConfigError` for the first bad setting: counts, flags, hosts, choices,
+        timeouts, the discovery address, the cluster token, in that order."""
+        self._validate_counts()
+        for name in ("disk_enabled", "metrics_enabled", "metrics_dashboard"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true/false, got {getattr(self, name)!r}")
-
-        def need_str(name: str, optional: bool = False) -> None:
+        self._validate_hosts()
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(
+                f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.pool_policy not in ("lru",):
+            raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
+        for name in _TIMEOUT_FIELDS:
             v = getattr(self, name)
-            if v is None and optional:
-                return
-            if not isinstance(v, str) or not v.strip():
-                raise ConfigError(f"{name}: expected a non-empty string, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
+        self._validate_discovery()
+        self._validate_token()
 
+    def _validate_counts(self) -> None:
+        """The ports, counts and sizes: integers in range; the pool holds a page."""
         for name in ("rpc_port", "data_port", "metrics_port"):
-            need_int(name, 0, 65535)
-        need_int("max_masters", 1)
-        need_int("virtual_nodes", 1, 100_000)
-        need_int("directory_replicas", 1)
-        need_int("max_channels_per_peer", 1, 4096)
-        need_int("pool_size", 1)
-        need_int("disk_size", 1)
-        need_int("disk_queue_depth", 1)
-        need_int("max_connections", 1)
+            self._need_int(name, 0, 65535)
+        self._need_int("max_masters", 1)
+        self._need_int("virtual_nodes", 1, 100_000)
+        self._need_int("directory_replicas", 1)
+        self._need_int("max_channels_per_peer", 1, 4096)
+        self._need_int("pool_size", 1)
+        self._need_int("disk_size", 1)
+        self._need_int("disk_queue_depth", 1)
+        self._need_int("max_connections", 1)
         if self.page_size is not None:
-            need_int("page_size", 1)
+            self._need_int("page_size", 1)
             # one slot = 64-byte header + page, rounded to 64 bytes (hiradix.peer.pool)
             if self.pool_size < self.page_size + 64:
                 raise ConfigError(
                     f"pool_size: {self.pool_size} bytes cannot hold one page of page_size={self.page_size} bytes"
                 )
-        for name in ("disk_enabled", "metrics_enabled", "metrics_dashboard"):
-            need_bool(name)
-        need_str("node_id", optional=True)
-        need_str("bind_host")
-        need_str("advertise_addr", optional=True)
+
+    def _validate_hosts(self) -> None:
+        """The node id, host names, advertised address and disk path."""
+        self._need_str("node_id", optional=True)
+        self._need_str("bind_host")
+        self._need_str("advertise_addr", optional=True)
         if self.advertise_addr is not None and (
             self.advertise_addr in WILDCARD_HOSTS
             or not (_HOST_RE.match(self.advertise_addr) or is_ipv6(self.advertise_addr))
@@ -202,29 +214,19 @@ class PeerConfig:
                 f"advertise_addr: expected the host name or address other nodes dial (no port, "
                 f"not a wildcard), got {self.advertise_addr!r}"
             )
-        need_str("metrics_host", optional=True)
-        need_str("disk_path")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(
-                f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {self.transport!r}"
-            )
-        if self.pool_policy not in ("lru",):
-            raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
-        for name in (
-            "join_timeout_s",
-            "connect_timeout_s",
-            "rpc_timeout_s",
-            "read_timeout_s",
-            "promote_timeout_s",
-            "idle_timeout_s",
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
+        self._need_str("metrics_host", optional=True)
+        self._need_str("disk_path")
+
+    def _validate_discovery(self) -> None:
+        """The discovery address: ``host:port``."""
         if self.discovery_addr is not None:
             host, sep, port = str(self.discovery_addr).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"discovery_addr: expected 'host:port', got {self.discovery_addr!r}")
+
+    def _validate_token(self) -> None:
+        """The cluster token: a non-empty string if given, and required (here or in
+        ``$HIRADIX_CLUSTER_TOKEN``) when a listener is not on loopback."""
         if self.cluster_token is not None and (not isinstance(self.cluster_token, str) or not self.cluster_token):
             raise ConfigError("cluster_token: expected a non-empty string or null")
         exposed = [h for h in (self.bind_host, self.metrics_host) if h is not None and not is_loopback(h)]
@@ -233,6 +235,21 @@ class PeerConfig:
                 f"bind_host/metrics_host {exposed[0]!r} is not loopback and no cluster token is set: "
                 f"set cluster_token or ${TOKEN_ENV}, or bind 127.0.0.1"
             )
+
+    def _need_int(self, name: str, lo: int, hi: int | None = None) -> None:
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}: expected an integer, got {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{name}: must be {bound}, got {v}")
+
+    def _need_str(self, name: str, optional: bool = False) -> None:
+        v = getattr(self, name)
+        if v is None and optional:
+            return
+        if not isinstance(v, str) or not v.strip():
+            raise ConfigError(f"{name}: expected a non-empty string, got {v!r}")
 
     # ------------------------------------------------------------------ loading
     @classmethod

@@ -95,6 +95,16 @@ WEIGHTS = {
 weights every TP rank holds 1/tp of)."""
 
 _OPTION = {"prefetch_wait": "--no-prefetch-wait"}  # CLI spelling where it is not --name-with-dashes
+# The settings of the L3 tier, refused without one unless left at their defaults.
+_L3_SETTINGS = (
+    "l3_tokens",
+    "l3_path",
+    "l3_master",
+    "prefetch_policy",
+    "prefetch_threshold",
+    "prefetch_wait",
+    "l3_link",
+)
 
 DEFAULT_HICACHE_RATIO = 2.0
 """SGLang's default ``--hicache-ratio``: host pool = ratio x device pool."""
@@ -291,84 +301,16 @@ class SimConfig:
         ``timing`` (default :meth:`timing_model`) gives the KV bytes per token.
         Runtime: ``O(1)``."""
         timing = timing or self.timing_model()
-        if self.gpu not in GPUS:
-            raise ConfigError(f"unknown GPU {self.gpu!r}: choose from {', '.join(GPUS)}")
-        if self.page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.prefetch_policy not in PREFETCH_POLICIES:
-            raise ConfigError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        self._check_choices()
         notes: list[str] = []
-        rank_bytes = timing.rank_bytes_per_token
-        gpu = GPUS[self.gpu]
-        fraction = self.mem_fraction_static or sglang_mem_fraction_static(gpu, self.tp)
-        params, bytes_per_param = WEIGHTS.get(timing.model.name, (timing.model.active_params, 2.0))
-        weights = params * bytes_per_param / self.tp
-        kv_room = gpu.memory_bytes * fraction - weights
-        fits = max(0, int(kv_room // rank_bytes))
-        where = (
-            f"{gpu.name} ({gpu.memory_mib / 1024:.0f} GiB x mem_fraction_static {fraction:g} - "
-            f"{format_gib(weights)} of {timing.model.name} weights per GPU at tp {self.tp})"
-        )
-        device = Size.of(self.device_tokens)
-        if device.auto:
-            if fits < self.page_size:
-                raise ConfigError(
-                    f"the device tier cannot be sized: {where} leaves no room for KV; "
-                    f"raise --tp, pick a larger --gpu, or give --device-tokens"
-                )
-            device_tokens: int | None = fits // self.page_size * self.page_size
-        else:
-            device_tokens = device.to_tokens(rank_bytes)
-            if device_tokens is not None and device_tokens > fits:
-                notes.append(
-                    f"the device tier ({format_tokens(device_tokens)} tokens, {format_gib(device_tokens * rank_bytes)} "
-                    f"of KV per GPU) does not fit on {where}: at most {format_tokens(fits)} tokens "
-                    f"({format_gib(max(kv_room, 0))}); --device-tokens auto sizes it from --gpu"
-                )
-        if device_tokens is not None and device_tokens < self.page_size:
-            raise ConfigError(f"the device tier ({device_tokens} tokens) holds no page of {self.page_size} tokens")
+        room = self._device_room(timing)
+        device_tokens = self._device_tokens(room, timing.rank_bytes_per_token, notes)
         host = Size.of(self.host_tokens)
         if host.auto:
             host_tokens = None if device_tokens is None else int(device_tokens * DEFAULT_HICACHE_RATIO)
         else:
-            host_tokens = host.to_tokens(rank_bytes)
-        l3_backend = self.l3_backend
-        defaults = SimConfig()
-        if l3_backend is None:
-            ignored = [
-                name
-                for name in (
-                    "l3_tokens",
-                    "l3_path",
-                    "l3_master",
-                    "prefetch_policy",
-                    "prefetch_threshold",
-                    "prefetch_wait",
-                    "l3_link",
-                )
-                if getattr(self, name) != getattr(defaults, name)
-            ]
-            if ignored:
-                named = ", ".join(f"{n} ({_OPTION.get(n, '--' + n.replace('_', '-'))})" for n in ignored)
-                raise ConfigError(f"{named} set without an L3 tier (l3_backend none): ignored, so refused")
-            l3_tokens: int | None = 0
-        else:
-            if host_tokens == 0:
-                raise ConfigError(
-                    "an L3 tier needs a host tier (L3 pages are read into host memory): give a host size > 0, "
-                    "or no L3 (--l3-backend none)"
-                )
-            if self.l3_path is not None and l3_backend != "file":
-                raise ConfigError("l3_path is for the file backend (--l3-backend file)")
-            if self.l3_master is not None and l3_backend != "mooncake":
-                raise ConfigError("l3_master is for the mooncake backend (--l3-backend mooncake)")
-            l3_tokens = Size.of(self.l3_tokens).to_tokens(timing.moved_bytes_per_token)
-            if not isinstance(l3_backend, str) and self.l3_tokens != defaults.l3_tokens:
-                raise ConfigError("l3_tokens is ignored with a backend instance: size the backend itself")
+            host_tokens = host.to_tokens(timing.rank_bytes_per_token)
+        l3_tokens = self._l3_tokens(host_tokens, timing)
         if host_tokens is not None and 0 < host_tokens <= (device_tokens if device_tokens is not None else host_tokens):
             notes.append(
                 f"the host tier ({format_tokens(host_tokens)} tokens) is not larger than the device tier "
@@ -382,11 +324,96 @@ class SimConfig:
             device_tokens=device_tokens,
             host_tokens=host_tokens,
             l3_tokens=l3_tokens,
-            device_fit_tokens=fits,
-            mem_fraction_static=fraction,
-            weights_bytes_per_gpu=weights,
+            device_fit_tokens=room.fits,
+            mem_fraction_static=room.fraction,
+            weights_bytes_per_gpu=room.weights,
             warnings=tuple(notes),
         )
+
+    def _check_choices(self) -> None:
+        """:meth:`resolve`'s checks of the GPU, page size, memory fraction and policies."""
+        if self.gpu not in GPUS:
+            raise ConfigError(f"unknown GPU {self.gpu!r}: choose from {', '.join(GPUS)}")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+
+    def _device_room(self, timing: TimingModel) -> _DeviceRoom:
+        """The KV room of one GPU of :attr:`gpu` after the model's weights."""
+        gpu = GPUS[self.gpu]
+        fraction = self.mem_fraction_static or sglang_mem_fraction_static(gpu, self.tp)
+        params, bytes_per_param = WEIGHTS.get(timing.model.name, (timing.model.active_params, 2.0))
+        weights = params * bytes_per_param / self.tp
+        kv_room = gpu.memory_bytes * fraction - weights
+        where = (
+            f"{gpu.name} ({gpu.memory_mib / 1024:.0f} GiB x mem_fraction_static {fraction:g} - "
+            f"{format_gib(weights)} of {timing.model.name} weights per GPU at tp {self.tp})"
+        )
+        fits = max(0, int(kv_room // timing.rank_bytes_per_token))
+        return _DeviceRoom(fits=fits, kv_room=kv_room, fraction=fraction, weights=weights, where=where)
+
+    def _device_tokens(self, room: _DeviceRoom, rank_bytes: float, notes: list[str]) -> int | None:
+        """The device tier in tokens: ``auto`` sizes it to ``room``; a given size that
+        does not fit there adds a warning to ``notes``."""
+        device = Size.of(self.device_tokens)
+        if device.auto:
+            if room.fits < self.page_size:
+                raise ConfigError(
+                    f"the device tier cannot be sized: {room.where} leaves no room for KV; "
+                    f"raise --tp, pick a larger --gpu, or give --device-tokens"
+                )
+            device_tokens: int | None = room.fits // self.page_size * self.page_size
+        else:
+            device_tokens = device.to_tokens(rank_bytes)
+            if device_tokens is not None and device_tokens > room.fits:
+                notes.append(
+                    f"the device tier ({format_tokens(device_tokens)} tokens, {format_gib(device_tokens * rank_bytes)} "
+                    f"of KV per GPU) does not fit on {room.where}: at most {format_tokens(room.fits)} tokens "
+                    f"({format_gib(max(room.kv_room, 0))}); --device-tokens auto sizes it from --gpu"
+                )
+        if device_tokens is not None and device_tokens < self.page_size:
+            raise ConfigError(f"the device tier ({device_tokens} tokens) holds no page of {self.page_size} tokens")
+        return device_tokens
+
+    def _l3_tokens(self, host_tokens: int | None, timing: TimingModel) -> int | None:
+        """The L3 tier in tokens (0 without one), its settings checked against
+        :attr:`l3_backend` and the host tier."""
+        defaults = SimConfig()
+        if self.l3_backend is None:
+            ignored = [name for name in _L3_SETTINGS if getattr(self, name) != getattr(defaults, name)]
+            if ignored:
+                named = ", ".join(f"{n} ({_OPTION.get(n, '--' + n.replace('_', '-'))})" for n in ignored)
+                raise ConfigError(f"{named} set without an L3 tier (l3_backend none): ignored, so refused")
+            return 0
+        if host_tokens == 0:
+            raise ConfigError(
+                "an L3 tier needs a host tier (L3 pages are read into host memory): give a host size > 0, "
+                "or no L3 (--l3-backend none)"
+            )
+        if self.l3_path is not None and self.l3_backend != "file":
+            raise ConfigError("l3_path is for the file backend (--l3-backend file)")
+        if self.l3_master is not None and self.l3_backend != "mooncake":
+            raise ConfigError("l3_master is for the mooncake backend (--l3-backend mooncake)")
+        l3_tokens = Size.of(self.l3_tokens).to_tokens(timing.moved_bytes_per_token)
+        if not isinstance(self.l3_backend, str) and self.l3_tokens != defaults.l3_tokens:
+            raise ConfigError("l3_tokens is ignored with a backend instance: size the backend itself")
+        return l3_tokens
+
+
+@dataclass(frozen=True)
+class _DeviceRoom:
+    """The KV room of one GPU after the model's weights (:meth:`SimConfig.resolve`)."""
+
+    fits: int  # tokens of KV that fit, >= 0
+    kv_room: float  # bytes (negative when the weights do not fit)
+    fraction: float  # the mem_fraction_static used
+    weights: float  # bytes of weights per GPU
+    where: str  # the GPU, fraction and weights, for messages
 
 
 @dataclass(frozen=True)

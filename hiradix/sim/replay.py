@@ -287,6 +287,46 @@ def _host_pool(tokens: int, page_size: int) -> HostKVPool:
     return pool
 
 
+def _check_capacities(
+    page_size: int, device_tokens: int | None, host_tokens: int | None, l3_tokens: int | None, check_every: int
+) -> None:
+    """:class:`Replayer`'s checks of ``check_every`` and the tier sizes (``ValueError``)."""
+    if check_every < 0:
+        raise ValueError(f"check_every must be >= 0, got {check_every}")
+    for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens), ("l3_tokens", l3_tokens)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0 or None, got {value}")
+    if device_tokens is not None and device_tokens < page_size:
+        raise ValueError(f"device_tokens {device_tokens} holds no page of {page_size} tokens")
+
+
+def _check_l3_options(
+    l3_backend: str | StorageBackend | None,
+    host_tokens: int | None,
+    l3_tokens: int | None,
+    l3_path: str | None,
+    l3_master: str | None,
+    prefetch_policy: str,
+) -> None:
+    """:class:`Replayer`'s checks of the L3 settings against the backend and the host
+    tier (``ValueError``)."""
+    if l3_backend is not None and host_tokens == 0:
+        raise ValueError("an L3 tier needs a host tier (L3 pages are read into host memory): host_tokens is 0")
+    if l3_backend is None and (l3_tokens is not None or l3_path is not None):
+        raise ValueError("l3_tokens / l3_path without an l3_backend would be ignored")
+    if l3_path is not None and l3_backend != "file":
+        raise ValueError("l3_path is for the file backend")
+    if l3_master is not None and l3_backend != "mooncake":
+        raise ValueError("l3_master is for the mooncake backend")
+    if prefetch_policy not in PREFETCH_POLICIES:
+        raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
+    if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
+        from hiradix.storage.registry import backend_names
+
+        if l3_backend not in backend_names():
+            raise ValueError(f"l3_backend must be one of {L3_BACKENDS} (or a registered backend), got {l3_backend!r}")
+
+
 class Replayer:
     """Replays requests through one :class:`~hiradix.cache.HiRadixCache` (module docstring).
 
@@ -353,30 +393,8 @@ class Replayer:
         prefetch_wait: bool = True,
         load_back_threshold: int = 10,
     ) -> None:
-        if check_every < 0:
-            raise ValueError(f"check_every must be >= 0, got {check_every}")
-        for name, value in (("device_tokens", device_tokens), ("host_tokens", host_tokens), ("l3_tokens", l3_tokens)):
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {value}")
-        if device_tokens is not None and device_tokens < page_size:
-            raise ValueError(f"device_tokens {device_tokens} holds no page of {page_size} tokens")
-        if l3_backend is not None and host_tokens == 0:
-            raise ValueError("an L3 tier needs a host tier (L3 pages are read into host memory): host_tokens is 0")
-        if l3_backend is None and (l3_tokens is not None or l3_path is not None):
-            raise ValueError("l3_tokens / l3_path without an l3_backend would be ignored")
-        if l3_path is not None and l3_backend != "file":
-            raise ValueError("l3_path is for the file backend")
-        if l3_master is not None and l3_backend != "mooncake":
-            raise ValueError("l3_master is for the mooncake backend")
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch policy must be one of {PREFETCH_POLICIES}, got {prefetch_policy!r}")
-        if isinstance(l3_backend, str) and l3_backend not in L3_BACKENDS:
-            from hiradix.storage.registry import backend_names
-
-            if l3_backend not in backend_names():
-                raise ValueError(
-                    f"l3_backend must be one of {L3_BACKENDS} (or a registered backend), got {l3_backend!r}"
-                )
+        _check_capacities(page_size, device_tokens, host_tokens, l3_tokens, check_every)
+        _check_l3_options(l3_backend, host_tokens, l3_tokens, l3_path, l3_master, prefetch_policy)
         self.tree_cls: TreeFactory = tree_cls or hiradix.HiRadixTree
         self.page_size = page_size
         self.device_tokens = device_tokens

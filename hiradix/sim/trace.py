@@ -89,6 +89,15 @@ def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
     ``hash_ids`` length other than ``ceil(input_length / 512)``.
     Runtime complexity: ``O(len(text))``.
     """
+    record = _load_record(text)
+    _check_numbers(record)
+    hash_ids = record["hash_ids"]
+    _check_hash_ids(hash_ids, record["input_length"])
+    return TraceRequest(line, record["timestamp"], record["input_length"], record["output_length"], tuple(hash_ids))
+
+
+def _load_record(text: str | bytes) -> dict[str, Any]:
+    """The line's JSON object, with every field of :data:`_FIELDS` (``ValueError``)."""
     try:
         record = json.loads(text)
     except UnicodeDecodeError:  # a ValueError too, but its message reads badly
@@ -100,7 +109,12 @@ def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
     for field in _FIELDS:
         if field not in record:
             raise ValueError(f"missing field {field!r}")
-    timestamp, hash_ids = record["timestamp"], record["hash_ids"]
+    return record
+
+
+def _check_numbers(record: dict[str, Any]) -> None:
+    """``timestamp`` a finite number, the lengths integers, none negative (``ValueError``)."""
+    timestamp = record["timestamp"]
     if not (_is_int(timestamp) or isinstance(timestamp, float)) or not math.isfinite(timestamp):
         raise ValueError(f"'timestamp' must be a finite number, got {timestamp!r}")
     for field in ("timestamp", "input_length", "output_length"):
@@ -109,9 +123,13 @@ def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
             raise ValueError(f"{field!r} must be an integer, got {value!r}")
         if value < 0:
             raise ValueError(f"{field!r} is negative ({value})")
+
+
+def _check_hash_ids(hash_ids: Any, input_length: int) -> None:
+    """``hash_ids`` a list of ``ceil(input_length / 512)`` block ids in
+    ``0..MAX_BLOCK_ID`` (``ValueError``)."""
     if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
         raise ValueError("'hash_ids' must be a list of integers")
-    input_length = record["input_length"]
     expected = -(-input_length // BLOCK_TOKENS)
     if len(hash_ids) != expected:
         raise ValueError(
@@ -121,7 +139,6 @@ def parse_line(text: str | bytes, line: int = 0) -> TraceRequest:
     if hash_ids and (min(hash_ids) < 0 or max(hash_ids) > MAX_BLOCK_ID):
         bad = min(hash_ids) if min(hash_ids) < 0 else max(hash_ids)
         raise ValueError(f"block id {bad} is out of range 0..{MAX_BLOCK_ID} (its token ids would not fit in int32)")
-    return TraceRequest(line, timestamp, input_length, record["output_length"], tuple(hash_ids))
 
 
 class MooncakeTrace:
