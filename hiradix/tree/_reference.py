@@ -673,27 +673,11 @@ class HiRadixTree:
         n = len(tokens)
         root = self._namespace_root(extra_key) if start_node is None else start_node
         now = self._tick()
-        if start_node is not None:
-            up = start_node
-            while not up.is_root:
-                self._touch(up, now)
-                self._refresh(up)
-                up = up.parent  # type: ignore[assignment]
         prefix_len = 0
         backup: dict[int, None] = {}
         report = self.write_through_threshold > 0 and not chunked
-        if start_node is not None and report:
-            # The path above ``start`` is not descended (no hit is counted there), but
-            # its nodes that reached the threshold are backed up as after any insert
-            # through them: parents first, before the nodes below.
-            above = []
-            up = start_node
-            while not up.is_root:
-                above.append(up)
-                up = up.parent  # type: ignore[assignment]
-            for node in reversed(above):
-                if node.hit_count >= self.write_through_threshold:
-                    self._backup_chain(node, backup)
+        if start_node is not None:
+            self._stamp_path_above(start_node, now, backup if report else None)
 
         def visit(node: _Node, pos: int, plen: int) -> None:
             nonlocal prefix_len
@@ -729,6 +713,25 @@ class HiRadixTree:
         if hold and backup:
             self.inc_lock_ref(next(reversed(backup)))  # the deepest: its lock covers them all
         return InsertResult(prefix_len, node.handle, tuple(backup))
+
+    def _stamp_path_above(self, start: _Node, now: float, backup: dict[int, None] | None) -> None:
+        # An insert that continues from ``start`` stamps the path above it as a descent
+        # through it would. That path is not descended (no hit is counted there), but
+        # with ``backup`` (write-through reporting on) its nodes that reached the
+        # threshold are backed up as after any insert through them: parents first,
+        # before the nodes below.
+        above = []
+        up = start
+        while not up.is_root:
+            self._touch(up, now)
+            self._refresh(up)
+            above.append(up)
+            up = up.parent  # type: ignore[assignment]
+        if backup is None:
+            return
+        for node in reversed(above):
+            if node.hit_count >= self.write_through_threshold:
+                self._backup_chain(node, backup)
 
     def insert_host(self, node: int, key: Any, host_value: Any) -> InsertHostResult:
         """Attach host-only KV (an L3 prefetch result) below the backed-up ``node``.
