@@ -1,5 +1,6 @@
 """KV transfer benchmark on a CUDA GPU: :class:`CudaCopyEngine` between a device pool and a
-pinned host pool, against the link's limit, and the layer-wise overlap with a forward pass.
+pinned host pool, against the link's limit. (The layer-wise overlap with a forward pass,
+through SGLang's KV pool, is ``bench/layer_wait_gpu.py``.)
 
 **A. Page copies** (``load`` = H2D into the device pool, ``backup`` = D2H into the host
 pool). For each host layout x model x page size, ``--total-mib`` of whole pages in random
@@ -18,13 +19,6 @@ time. Target: kernel >= 80% of contig at page >= 16 for page_first and layer_fir
 
 **G. Grid.** The kernel's blocks per component, swept on one case, since the copy shares
 the SMs with the model.
-
-**D. Layer-wise overlap.** A load consumed by a synthetic Llama-3-8B forward pass: per
-layer the four projections (``[T, 4096] @ [4096, 6144]``, ``[4096, 4096]``,
-``[4096, 28672]``, ``[14336, 4096]``, bf16) after ``wait_until(layer)``, with ``T`` chosen
-so that compute is a set multiple of the load. Timed with CUDA events on the compute
-stream: load alone, compute alone, both pipelined; ideal = max(load, compute) + one
-layer's load. Target: pipelined <= 1.10 x ideal.
 
 Models: ``mha`` = Llama-3-8B at TP 1 (32 layers, 8 KV heads of 128, bf16: 2 KiB rows,
 128 KiB per token); ``mla`` = DeepSeek-V3 (61 layers, 512 + 64 latent, bf16: 1152 B rows).
@@ -178,102 +172,8 @@ def bench_grid(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- D
-class Forward:
-    """Llama-3-8B's per-layer projections for ``tokens`` tokens (bf16), one weight set
-    shared by every layer (the bytes a matmul reads are the same either way)."""
-
-    def __init__(self, tokens: int) -> None:
-        g = torch.Generator(device="cuda").manual_seed(0)
-
-        def w(k: int, n: int) -> torch.Tensor:
-            return torch.randn(k, n, device="cuda", dtype=DTYPE, generator=g) / 64
-
-        self.x = torch.randn(tokens, 4096, device="cuda", dtype=DTYPE, generator=g)
-        self.w = [w(4096, 6144), w(4096, 4096), w(4096, 28672), w(14336, 4096)]
-
-    def layer(self) -> None:
-        qkv = self.x @ self.w[0]
-        _ = qkv[:, :4096] @ self.w[1]
-        gu = self.x @ self.w[2]
-        _ = gu[:, :14336] @ self.w[3]
-
-
-def _events_ms(fn: Callable[[], None]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def bench_overlap(args: argparse.Namespace) -> list[dict]:
-    case = Case("mha", 16, args.pipeline_mib * MIB, "layer_first", seed=5)
-    layers = case.dev.layer_num
-    rows = []
-    for path in ("kernel", "torch"):
-        eng = CudaCopyEngine(kernel=path == "kernel", blocks=args.blocks)
-
-        def load(eng: CudaCopyEngine = eng) -> None:
-            h = eng.load(case.host, case.dev, case.h_idx, case.d_idx)
-            h.wait_until(layers - 1)
-
-        for _ in range(2):
-            _events_ms(load)
-        load_ms = statistics.median(_events_ms(load) for _ in range(args.repeats))
-        # T tokens: the forward's time grows about linearly in T past a few hundred tokens.
-        probe = Forward(1024)
-        for _ in range(3):
-            _events_ms(lambda p=probe: [p.layer() for _ in range(layers)])
-        per_1024 = statistics.median(_events_ms(lambda p=probe: [p.layer() for _ in range(layers)]) for _ in range(5))
-        del probe
-        for ratio in args.ratios:
-            tokens = max(64, round(1024 * ratio * load_ms / per_1024 / 64) * 64)
-            fwd = Forward(tokens)
-
-            def compute(fwd: Forward = fwd) -> None:
-                for _ in range(layers):
-                    fwd.layer()
-
-            def pipelined(eng: CudaCopyEngine = eng, fwd: Forward = fwd) -> None:
-                h = eng.load(case.host, case.dev, case.h_idx, case.d_idx)
-                for layer in range(layers):
-                    h.wait_until(layer)
-                    fwd.layer()
-
-            for fn in (compute, pipelined):
-                _events_ms(fn)
-            t = {"load": [], "compute": [], "pipelined": []}
-            for _ in range(args.repeats):  # alternated, as in section A
-                t["load"].append(_events_ms(load))
-                t["compute"].append(_events_ms(compute))
-                t["pipelined"].append(_events_ms(pipelined))
-            ideals = [max(lo, co) + lo / layers for lo, co in zip(t["load"], t["compute"], strict=True)]
-            row = {
-                "path": path,
-                "compute_over_load": ratio,
-                "tokens": tokens,
-                "layers": layers,
-                "load_ms": statistics.median(t["load"]),
-                "compute_ms": statistics.median(t["compute"]),
-                "pipelined_ms": statistics.median(t["pipelined"]),
-                "ideal_ms": statistics.median(ideals),
-                "ratio": statistics.median(p / i for p, i in zip(t["pipelined"], ideals, strict=True)),
-            }
-            rows.append(row)
-            log(
-                f"  overlap {path} r={ratio}: load {row['load_ms']:.2f} ms, compute {row['compute_ms']:.2f} ms, "
-                f"pipelined {row['pipelined_ms']:.2f} ms, ideal {row['ideal_ms']:.2f} ms, ratio {row['ratio']:.3f}"
-            )
-            del fwd
-        eng.close()
-        torch.cuda.empty_cache()
-    return rows
-
-
 # ----------------------------------------------------------------------------- report
-def report(meta: dict, pages: list[dict], grid: list[dict], overlap: list[dict]) -> str:
+def report(meta: dict, pages: list[dict], grid: list[dict]) -> str:
     g, m = meta["gpu"], meta["machine"]
     lines = [
         f"## transfer on the GPU — {g['gpu']} ({g['sms']} SMs), {m['cpu']} ({m['nproc']} cores), {meta['date']}",
@@ -320,20 +220,6 @@ def report(meta: dict, pages: list[dict], grid: list[dict], overlap: list[dict])
             "|---|---|---|---|",
         ]
         lines += [f"| {r['direction']} | {r['blocks']} | {r['gbs']:.2f} | {r['vs_link']:.0%} |" for r in grid]
-    if overlap:
-        lines += [
-            "",
-            f"### D. Layer-wise overlap (mha, layer_first, page 16, {meta['pipeline_mib']} MiB per load; "
-            "Llama-3-8B projections per layer; CUDA events)",
-            "",
-            "| path | compute / load | tokens | load | compute | pipelined | ideal | pipelined / ideal |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in overlap:
-            lines.append(
-                f"| {r['path']} | {r['compute_over_load']} | {r['tokens']} | {r['load_ms']:.2f} ms | "
-                f"{r['compute_ms']:.2f} ms | {r['pipelined_ms']:.2f} ms | {r['ideal_ms']:.2f} ms | {r['ratio']:.3f} |"
-            )
     lines.append("")
     return "\n".join(lines)
 
@@ -343,13 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="mha,mla")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--total-mib", type=int, default=1024, help="MiB per copy in sections A and G")
-    ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
-    ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--blocks", type=int, default=K.DEFAULT_BLOCKS, help="kernel blocks per component")
     ap.add_argument("--grid", default="4,8,16,32,64,132", help="blocks swept in section G")
     ap.add_argument("--no-torch", action="store_true", help="leave the torch path out of section A")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,G,D")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,G")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -358,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.models = args.models.split(",")
     args.page_sizes = [int(p) for p in args.page_sizes.split(",")]
-    args.ratios = [float(r) for r in args.ratios.split(",")]
     args.grid = [int(b) for b in args.grid.split(",") if b]
     skip = {s.strip().upper() for s in args.skip.split(",") if s.strip()}
     meta = {
@@ -368,17 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/transfer_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "repeats": args.repeats,
         "total_mib": args.total_mib,
-        "pipeline_mib": args.pipeline_mib,
         "blocks": args.blocks,
     }
     grid = [] if "G" in skip else bench_grid(args)
     pages = [] if "A" in skip else bench_pages(args)
-    overlap = [] if "D" in skip else bench_overlap(args)
-    text = report(meta, pages, grid, overlap)
+    text = report(meta, pages, grid)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "grid": grid, "overlap": overlap}, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "grid": grid}, indent=1))
     if args.md:
         args.md.write_text(text)
     return 0

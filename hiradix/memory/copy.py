@@ -879,6 +879,11 @@ class CudaCopyEngine(CopyEngine):
     :class:`~hiradix.memory.kernel.KernelError` instead; ``kernel=False`` never uses it.
     ``blocks`` and ``threads`` set the kernel's grid per component.
 
+    ``layer_delay_cycles`` (a test seam, the GPU's counterpart of
+    :class:`ThreadCopyEngine`'s ``layer_hook``): spin that many GPU clock cycles on the
+    copy stream before each layer, so loads land late and a consumer that does not wait
+    for a layer's event reads stale bytes. 0 (the default) adds nothing.
+
     Index validation runs on the host: CUDA index tensors are read back once (a sync);
     pass CPU indices to avoid it.
     """
@@ -890,7 +895,10 @@ class CudaCopyEngine(CopyEngine):
         kernel: bool | None = None,
         blocks: int = _kernel.DEFAULT_BLOCKS,
         threads: int = _kernel.DEFAULT_THREADS,
+        layer_delay_cycles: int = 0,
     ) -> None:
+        if layer_delay_cycles < 0:
+            raise ValueError(f"layer_delay_cycles must be >= 0, got {layer_delay_cycles}")
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaCopyEngine needs CUDA, but torch.cuda.is_available() is False; use ThreadCopyEngine "
@@ -908,6 +916,12 @@ class CudaCopyEngine(CopyEngine):
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        self.layer_delay_cycles = layer_delay_cycles
+
+    def _delay(self) -> None:
+        """The test seam's spin before a layer (on the copy stream, the current one here)."""
+        if self.layer_delay_cycles:
+            torch.cuda._sleep(self.layer_delay_cycles)
 
     @property
     def uses_kernel(self) -> bool:
@@ -964,6 +978,7 @@ class CudaCopyEngine(CopyEngine):
                 offsets = staged.to(self.device, non_blocking=True)
                 stream = self._stream.cuda_stream
                 for layer in range(device_pool.layer_num):
+                    self._delay()
                     p.launch_layer(launcher, layer, offsets.data_ptr(), delta, to_device, stream)
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
@@ -985,6 +1000,7 @@ class CudaCopyEngine(CopyEngine):
                 dev_idx = self._on_copy_stream(dev)
                 keep.append(dev_idx)
                 for layer in range(device_pool.layer_num):
+                    self._delay()
                     for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
                         staged = _host_gather(hview, hidx)
                         if not staged.is_pinned():

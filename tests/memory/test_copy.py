@@ -423,6 +423,11 @@ def test_cuda_engine_without_cuda_is_a_clear_error() -> None:
         make_copy_engine("cuda")
 
 
+def test_cuda_engine_rejects_a_negative_layer_delay() -> None:
+    with pytest.raises(ValueError, match="layer_delay_cycles"):
+        CudaCopyEngine(layer_delay_cycles=-1)
+
+
 # ----------------------------------------------------------------------------- CUDA
 def _cuda_paths() -> list:
     from hiradix.memory.kernel import cuda_kernel_available
@@ -457,7 +462,9 @@ def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
     idx = _page_slots([1, 2, 3], 16)
     h_idx = _page_slots([0, 5, 9], 16)
     expected = [_bytes(dev.k_buffer(layer)[idx.cuda()]) for layer in range(shape.layer_num)]
-    with make_copy_engine("cuda", kernel=kernel) as eng:
+    # Each layer's copy starts ~10 ms late (the engine's test seam): a wait_until that did
+    # not order the current stream would read the zeros below.
+    with make_copy_engine("cuda", kernel=kernel, layer_delay_cycles=20_000_000) as eng:
         eng.backup(dev, host, idx, h_idx).wait()
         _zero(dev)
         handle = eng.load(host, dev, h_idx, idx.cuda())

@@ -49,9 +49,10 @@ def _randomize(dev: DeviceKVPool, host: HostKVPool, seed: int) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
 
 
-def _twin(dev: DeviceKVPool, host: HostKVPool) -> tuple[DeviceKVPool, HostKVPool]:
-    """A second pair of pools with the same bytes (the oracle's)."""
-    dev2 = DeviceKVPool(dev.shape, dev.size, dev.page_size, dev.dtype, dev.device)
+def _twin(dev: DeviceKVPool, host: HostKVPool, device: str | None = None) -> tuple[DeviceKVPool, HostKVPool]:
+    """A second pair of pools with the same bytes (the oracle's), on ``device`` (default:
+    the device pool's)."""
+    dev2 = DeviceKVPool(dev.shape, dev.size, dev.page_size, dev.dtype, device or dev.device)
     host2 = HostKVPool(
         dev.shape, host.size, host.page_size, host.dtype, host.layout, reserve_bytes=0, pin_memory=host.pin_memory
     )
@@ -222,24 +223,33 @@ def test_kernel_required_without_it_is_a_clear_error() -> None:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool) -> None:
+    """The kernel's bytes equal both oracles': the CUDA engine's torch path, and (compiled
+    builds) the kernel's own body run on the CPU over CPU copies of the pools."""
     rng = random.Random(f"cuda{layout}{shape}{ps}{whole_pages}")
     dtype = torch.uint8 if shape == "odd" else torch.bfloat16
     dev, host = _pools(SHAPES[shape], ps, dtype, layout, device="cuda")
     _randomize(dev, host, rng.randrange(1 << 30))
     oracle = _twin(dev, host)
+    emulated = _twin(dev, host, "cpu") if K._emu is not None else None
+    launcher = K.EmulatedLauncher(blocks=3, threads=64) if emulated else None
     with CudaCopyEngine(kernel=True) as eng, CudaCopyEngine(kernel=False) as ref:
         assert eng.uses_kernel and not ref.uses_kernel
         for step in range(4):
             d, h = _slots(dev, host, rng, whole_pages)
-            if step % 2 == 0:
+            to_device = step % 2 == 1
+            if not to_device:
                 eng.backup(dev, host, d, h).wait()
                 ref.backup(oracle[0], oracle[1], d, h).wait()
             else:
                 handle = eng.load(host, dev, h, d.cuda())
                 ref.load(oracle[1], oracle[0], h, d).wait()
                 handle.wait()
+            if emulated is not None and launcher is not None:
+                _emulate(emulated[0], emulated[1], d, h, to_device, launcher)
             torch.cuda.synchronize()
             _same((dev, host), oracle)
+            if emulated is not None:
+                _same((dev, host), emulated)
 
 
 @needs_kernel
