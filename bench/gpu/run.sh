@@ -26,7 +26,7 @@ step "setup and build"
 source bench/gpu/setup.sh || { echo "build failed"; exit 1; }
 
 step "CUDA tests of the copy path"
-timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" -rA \
+timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -n 8 -rA \
     tests/memory/test_kernel.py tests/memory/test_copy.py tests/memory/test_pools.py tests/cache/test_cache.py \
     >"$OUT/tests.log" 2>&1
 echo "tests rc=$?"
@@ -38,12 +38,12 @@ grep -E "^SKIPPED" "$OUT/tests.log" | head -10
 
 step "layer waits through SGLang's KV pool (W) and overlap (D)"
 timeout "${WAIT_TIMEOUT:-200}" python3 bench/layer_wait_gpu.py --sglang-src .gpu/sglang-0.5.23.tar.gz \
-    --rounds "${WAIT_ROUNDS:-200}" --repeats "${REPEATS:-5}" \
+    --rounds 200 --repeats 5 \
     --json "$OUT/layer_wait.json" --md "$OUT/layer_wait.md" 2>&1 | grep -vE "UserWarning|warnings.warn"
 echo "layer_wait rc=${PIPESTATUS[0]}"
 
 step "page copies against the link (A) and the kernel grid (G)"
-timeout "${TRANSFER_TIMEOUT:-200}" python3 bench/transfer_gpu.py --total-mib "${TOTAL_MIB:-256}" \
-    --repeats "${REPEATS:-5}" --json "$OUT/transfer_gpu.json" --md "$OUT/transfer_gpu.md"
+timeout "${TRANSFER_TIMEOUT:-200}" python3 bench/transfer_gpu.py --total-mib 256 --repeats 5 \
+    --json "$OUT/transfer_gpu.json" --md "$OUT/transfer_gpu.md"
 echo "transfer_gpu rc=$?"
 step "done"
