@@ -88,32 +88,41 @@ static inline void hr_buf_free(void *p, size_t bytes)
 }
 #endif
 
-/* Copy n bytes (a multiple of 8, both pointers 8-byte aligned) to a destination that
- * will not be read again soon, with non-temporal stores where the CPU has them (x86-64:
- * SSE2, always there). A large eviction's result is written this way: plain stores
- * first read every destination line into the cache (the write-allocate), a third of the
- * memory traffic of a copy that misses the cache anyway. Call hr_stream_fence() after
- * the last copy, before anything else may read the destination. Elsewhere: memcpy. */
+/* Widen n int32 slots to int64 (as hr_slots_out, below) into a destination that will not
+ * be read again soon, with non-temporal stores where the CPU has them (x86-64: SSE2,
+ * always there). A large eviction's result is written this way: plain stores first read
+ * every destination line into the cache (the write-allocate), a third of the memory
+ * traffic of a copy that misses the cache anyway. `dst` must be 8-byte aligned. Call
+ * hr_stream_fence() after the last copy, before anything else may read the destination.
+ * Elsewhere: the plain loop. */
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
-static inline void hr_copy_stream(void *dst, const void *src, size_t n)
+static inline void hr_slots_out_stream(int64_t *dst, const int32_t *src, size_t n)
 {
-    char *d = (char *)dst;
-    const char *s = (const char *)src;
-    if (n >= 8 && ((uintptr_t)d & 15) != 0) { /* to a 16-byte boundary */
-        _mm_stream_si64((long long *)(void *)d, *(const long long *)(const void *)s);
-        d += 8;
-        s += 8;
-        n -= 8;
+    __m128i v, sign;
+    if (n && ((uintptr_t)dst & 15) != 0) { /* to a 16-byte boundary */
+        _mm_stream_si64((long long *)dst, (long long)*src);
+        dst++;
+        src++;
+        n--;
     }
-    for (; n >= 16; n -= 16, d += 16, s += 16)
-        _mm_stream_si128((__m128i *)(void *)d, _mm_loadu_si128((const __m128i *)(const void *)s));
-    if (n >= 8)
-        _mm_stream_si64((long long *)(void *)d, *(const long long *)(const void *)s);
+    for (; n >= 4; n -= 4, dst += 4, src += 4) {
+        v = _mm_loadu_si128((const __m128i *)(const void *)src);
+        sign = _mm_srai_epi32(v, 31); /* the high halves: sign extension */
+        _mm_stream_si128((__m128i *)(void *)dst, _mm_unpacklo_epi32(v, sign));
+        _mm_stream_si128((__m128i *)(void *)(dst + 2), _mm_unpackhi_epi32(v, sign));
+    }
+    for (; n; n--, dst++, src++)
+        _mm_stream_si64((long long *)dst, (long long)*src);
 }
 static inline void hr_stream_fence(void) { _mm_sfence(); }
 #else
-static inline void hr_copy_stream(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+static inline void hr_slots_out_stream(int64_t *dst, const int32_t *src, size_t n)
+{
+    size_t k;
+    for (k = 0; k < n; k++)
+        dst[k] = src[k];
+}
 static inline void hr_stream_fence(void) {}
 #endif
 
@@ -143,6 +152,22 @@ static inline uint64_t hr_narrow(const int64_t *src, int32_t *dst, size_t n)
         high |= ((uint64_t)src[k] + 2147483648u) >> 32;
     }
     return high;
+}
+
+/* KV slots between the API (int64) and the tree's span buffers (int32): the narrowing
+ * copy of slots already checked to fit (hr_high64 at every entry), and the widening one
+ * out. Plain loops, no branch: both vectorize, at memcpy's speed on the sizes here. */
+static inline void hr_slots_in(int32_t *dst, const int64_t *src, size_t n)
+{
+    size_t k;
+    for (k = 0; k < n; k++)
+        dst[k] = (int32_t)src[k];
+}
+static inline void hr_slots_out(int64_t *dst, const int32_t *src, size_t n)
+{
+    size_t k;
+    for (k = 0; k < n; k++)
+        dst[k] = src[k];
 }
 
 /* The OR of every (src[k] + 2**31) >> 32: zero exactly when all n ids fit int32 (as
@@ -185,7 +210,7 @@ static inline void hr_prefetch_key(const int64_t *key, size_t n)
         HR_PREFETCH((uintptr_t)(key + j));
 }
 
-static inline size_t hr_common64(const int32_t *tree, const int64_t *key, const int64_t *dev, size_t n)
+static inline size_t hr_common64(const int32_t *tree, const int64_t *key, const int32_t *dev, size_t n)
 {
     size_t i = 0, j;
     uint64_t diff;

@@ -11,7 +11,8 @@ buffer at ``offset / page_size`` pages.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 ctypedef int32_t token_t      # a token id
-ctypedef int64_t index_t      # a KV slot index (device or host pool)
+ctypedef int64_t index_t      # a KV slot index (device or host pool), as the API takes it
+ctypedef int32_t slot_t       # a KV slot index as the span buffers store it (fits int32)
 ctypedef int32_t node_t       # an arena index
 
 cdef enum:
@@ -94,8 +95,8 @@ cdef class HiRadixTree:
 
     # span buffers, parallel, indexed by Node.key_off
     cdef token_t* tokens
-    cdef index_t* dev
-    cdef index_t* host
+    cdef slot_t* dev              # checked into int32 at every entry (_as_indices)
+    cdef slot_t* host
     cdef uint8_t* hashes          # DIGEST bytes per page, at key_off / page_size
     cdef int64_t buf_len
     cdef int64_t buf_cap

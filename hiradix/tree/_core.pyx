@@ -59,11 +59,13 @@ cdef extern from "_sha256.h" nogil:
 cdef extern from "_platform.h" nogil:
     void* hr_buf_grow(void* old, size_t old_bytes, size_t new_bytes)
     void hr_buf_free(void* p, size_t bytes)
-    void hr_copy_stream(void* dst, const void* src, size_t n)
+    void hr_slots_out_stream(int64_t* dst, const int32_t* src, size_t n)
     void hr_stream_fence()
     uint64_t hr_narrow(const int64_t* src, int32_t* dst, size_t n)
     uint64_t hr_high64(const int64_t* src, size_t n)
-    size_t hr_common64(const int32_t* tree, const int64_t* key, const int64_t* dev, size_t n)
+    size_t hr_common64(const int32_t* tree, const int64_t* key, const int32_t* dev, size_t n)
+    void hr_slots_in(int32_t* dst, const int64_t* src, size_t n)
+    void hr_slots_out(int64_t* dst, const int32_t* src, size_t n)
     void hr_prefetch_key(const int64_t* key, size_t n)
     void HR_PREFETCH(const void* p)
 
@@ -118,7 +120,7 @@ cdef int _start_writing(HiRadixTree self, node_t i, const index_t* hosts) except
     """Begin a backup of node ``i`` (checked by the caller) to the host slots ``hosts``
     (its length of them): note them, mark it in flight and lock its path."""
     cdef Node* n = &self.nodes[i]
-    memcpy(self.host + n.key_off, hosts, n.key_len * sizeof(index_t))
+    hr_slots_in(self.host + n.key_off, hosts, n.key_len)
     self._ticket += 1
     n.pending = 1
     n.io_status = IO_WRITING
@@ -157,7 +159,7 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
                 c.priority = prio
             if not c.on_device:
                 # re-materialize: the recomputed KV replaces the evicted copy
-                memcpy(self.dev + c.key_off, vptr + pos, plen * sizeof(index_t))
+                hr_slots_in(self.dev + c.key_off, vptr + pos, plen)
                 _set_device(self, child, 1)
                 _size_delta(self, child, plen)
                 _refresh(self, c.parent)
@@ -174,7 +176,7 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
             parent = node
             node = _new_child(self, parent, ptr + pos, n - pos, now)
             c = &self.nodes[node]
-            memcpy(self.dev + c.key_off, vptr + pos, (n - pos) * sizeof(index_t))
+            hr_slots_in(self.dev + c.key_off, vptr + pos, n - pos)
             c.priority = prio
             if not chunked:
                 c.hit_count = 1
@@ -221,8 +223,8 @@ cdef class HiRadixTree:
         hr_buf_free(self.heap[0], self.n_cap * sizeof(HeapEntry))
         hr_buf_free(self.heap[1], self.n_cap * sizeof(HeapEntry))
         hr_buf_free(self.tokens, self.buf_cap * sizeof(token_t))
-        hr_buf_free(self.dev, self.buf_cap * sizeof(index_t))
-        hr_buf_free(self.host, self.buf_cap * sizeof(index_t))
+        hr_buf_free(self.dev, self.buf_cap * sizeof(slot_t))
+        hr_buf_free(self.host, self.buf_cap * sizeof(slot_t))
         hr_buf_free(self.hashes, self.hash_bytes)
         free(self.ht_keys)
         free(self.ht_vals)
@@ -391,6 +393,7 @@ cdef class HiRadixTree:
         cdef cnp.ndarray toks = _as_tokens(key, n)
         if cnp.PyArray_SIZE(toks) != n:
             raise ValueError(f"insert_into: {n} tokens asked of a key of {cnp.PyArray_SIZE(toks)}")
+        _check_slots(values, n, "value")
         return _insert(self, toks, values, extra_key, priority, chunked, hold, out)
 
     def insert_host(self, node, key, host_value):
@@ -424,7 +427,7 @@ cdef class HiRadixTree:
                 pos += plen
             if pos < n and self.nodes[last].backed_up:
                 child = _new_child(self, last, ptr + pos, n - pos, now)
-                memcpy(self.host + self.nodes[child].key_off, hptr + pos, (n - pos) * sizeof(index_t))
+                hr_slots_in(self.host + self.nodes[child].key_off, hptr + pos, n - pos)
                 self.nodes[child].backed_up = 1
                 self._host_size += n - pos
                 _refresh(self, child)
@@ -689,7 +692,7 @@ cdef class HiRadixTree:
             n = &self.nodes[i]
             p = &self.nodes[n.parent]
             if p.backed_up or p.io_status == IO_WRITING:
-                memcpy(dptr + filled, self.dev + n.key_off, n.key_len * sizeof(index_t))
+                hr_slots_out(dptr + filled, self.dev + n.key_off, n.key_len)
                 filled += n.key_len
                 _start_writing(self, i, hptr + start)
                 started.append(True)
@@ -737,7 +740,7 @@ cdef class HiRadixTree:
         off = total
         while m != top:       # bottom-up, filling from the end
             off -= self.nodes[m].key_len
-            memcpy(self.dev + self.nodes[m].key_off, src + off, self.nodes[m].key_len * sizeof(index_t))
+            hr_slots_in(self.dev + self.nodes[m].key_off, src + off, self.nodes[m].key_len)
             _set_device(self, m, 1)
             self.nodes[m].io_status = IO_LOADING
             self.nodes[m].io_ticket = self._ticket
@@ -1058,8 +1061,8 @@ cdef class HiRadixTree:
         if n > start:
             with nogil:
                 memset(self.tokens + start, 0, (n - start) * sizeof(token_t))
-                memset(self.dev + start, 0, (n - start) * sizeof(index_t))
-                memset(self.host + start, 0, (n - start) * sizeof(index_t))
+                memset(self.dev + start, 0, (n - start) * sizeof(slot_t))
+                memset(self.host + start, 0, (n - start) * sizeof(slot_t))
             self.buf_hwm = n
 
     def _test_compact(self):

@@ -56,16 +56,16 @@ cdef int _reserve_span(HiRadixTree self, int64_t n, bint exact=False) except -1 
         with gil:
             raise MemoryError()
     self.tokens = <token_t*>p
-    p = hr_buf_grow(self.dev, self.buf_cap * sizeof(index_t), cap * sizeof(index_t))
+    p = hr_buf_grow(self.dev, self.buf_cap * sizeof(slot_t), cap * sizeof(slot_t))
     if p == NULL:
         with gil:
             raise MemoryError()
-    self.dev = <index_t*>p
-    p = hr_buf_grow(self.host, self.buf_cap * sizeof(index_t), cap * sizeof(index_t))
+    self.dev = <slot_t*>p
+    p = hr_buf_grow(self.host, self.buf_cap * sizeof(slot_t), cap * sizeof(slot_t))
     if p == NULL:
         with gil:
             raise MemoryError()
-    self.host = <index_t*>p
+    self.host = <slot_t*>p
     hash_bytes = (pages if self.enable_hash else 1) * DIGEST
     if hash_bytes > self.hash_bytes:
         p = hr_buf_grow(self.hashes, self.hash_bytes, hash_bytes)
@@ -236,8 +236,8 @@ cdef int _compact(HiRadixTree self) except -1 nogil:
         ln = self.nodes[i].key_len
         if off != pos:
             memmove(self.tokens + pos, self.tokens + off, ln * sizeof(token_t))
-            memmove(self.dev + pos, self.dev + off, ln * sizeof(index_t))
-            memmove(self.host + pos, self.host + off, ln * sizeof(index_t))
+            memmove(self.dev + pos, self.dev + off, ln * sizeof(slot_t))
+            memmove(self.host + pos, self.host + off, ln * sizeof(slot_t))
             if self.enable_hash:
                 memmove(self.hashes + pos // self.page_size * DIGEST,
                         self.hashes + off // self.page_size * DIGEST,

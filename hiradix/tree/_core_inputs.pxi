@@ -90,8 +90,8 @@ cdef cnp.ndarray _as_tokens(object key, Py_ssize_t limit=-1):
     return out
 
 
-cdef cnp.ndarray _as_indices(object value, str name):
-    """KV indices as a C-contiguous 1-D int64 array."""
+cdef cnp.ndarray _as_int64s(object value, str name):
+    """Integers as a C-contiguous 1-D int64 array."""
     cdef cnp.ndarray arr
     if type(value) is np.ndarray:
         arr = <cnp.ndarray>value
@@ -111,6 +111,27 @@ cdef cnp.ndarray _as_indices(object value, str name):
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > INT64_MAX_:
         raise OverflowError(f"{name} out of int64 range: max {int(arr.max())}")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+cdef int _check_slots(const int64_t* p, int64_t n, str name) except -1:
+    """``OverflowError`` unless all ``n`` slots fit int32, the type the span buffers store
+    them in (a pool of 2**31 slots or more has none here). One vectorized pass."""
+    cdef int64_t k, lo, hi
+    if n == 0 or not hr_high64(p, n):
+        return 0
+    lo = hi = p[0]
+    for k in range(n):
+        lo = min(lo, p[k])
+        hi = max(hi, p[k])
+    raise OverflowError(f"{name} out of the tree's slot range (int32): min {lo}, max {hi}")
+
+
+cdef cnp.ndarray _as_indices(object value, str name):
+    """KV slot indices as a C-contiguous 1-D int64 array, each checked to fit int32
+    (:func:`_check_slots`)."""
+    cdef cnp.ndarray arr = _as_int64s(value, name)
+    _check_slots(<const int64_t*>cnp.PyArray_DATA(arr), cnp.PyArray_SIZE(arr), name)
+    return arr
 
 
 cdef inline cnp.ndarray _empty(int64_t n, int typenum):

@@ -178,7 +178,7 @@ cdef object _gather(HiRadixTree self, node_t top_exclusive, node_t bottom, bint 
     # ``bottom``, filled from the end so no reversal is needed.
     cdef int64_t total = 0
     cdef node_t i = bottom
-    cdef index_t* src = self.host if host else self.dev
+    cdef slot_t* src = self.host if host else self.dev
     while i != top_exclusive:
         total += self.nodes[i].key_len
         i = self.nodes[i].parent
@@ -192,11 +192,11 @@ cdef object _gather(HiRadixTree self, node_t top_exclusive, node_t bottom, bint 
     return out
 
 
-cdef void _fill(HiRadixTree self, node_t top_exclusive, node_t i, const index_t* src, index_t* dst,
+cdef void _fill(HiRadixTree self, node_t top_exclusive, node_t i, const slot_t* src, index_t* dst,
                 int64_t total) noexcept nogil:
     while i != top_exclusive:
         total -= self.nodes[i].key_len
-        memcpy(dst + total, src + self.nodes[i].key_off, self.nodes[i].key_len * sizeof(index_t))
+        hr_slots_out(dst + total, src + self.nodes[i].key_off, self.nodes[i].key_len)
         i = self.nodes[i].parent
 
 
@@ -297,7 +297,7 @@ cdef object _match64(HiRadixTree self, const int64_t* key, int64_t total, node_t
     return _gather(self, root, last_dev, False) if slots else True
 
 
-cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None):
+cdef object _spans(HiRadixTree self, int64_t k, slot_t* buf, object reuse=None):
     # Concatenate ``k`` (offset, length) records of the scratch buffer, into a view of
     # ``reuse`` (an int64 array nothing else refers to: the caller checks) when it is
     # large enough.
@@ -313,12 +313,12 @@ cdef object _spans(HiRadixTree self, int64_t k, index_t* buf, object reuse=None)
     with nogil:
         if total >= STREAM_MIN:  # an eviction's worth: non-temporal stores (_platform.h)
             for j in range(k):
-                hr_copy_stream(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
+                hr_slots_out_stream(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1])
                 pos += self.scratch[3 * j + 1]
             hr_stream_fence()
         else:
             for j in range(k):
-                memcpy(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1] * sizeof(index_t))
+                hr_slots_out(dst + pos, buf + self.scratch[3 * j], self.scratch[3 * j + 1])
                 pos += self.scratch[3 * j + 1]
     return out
 

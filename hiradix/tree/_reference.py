@@ -17,8 +17,9 @@ Errors (the same types from both implementations; a refused call changes nothing
 ``TypeError``      an argument of the wrong type: a handle or count that is not an
                    integer (floats are never truncated), token ids or indices of a
                    non-integer dtype, an ``extra_key`` that is not a ``str``
-``OverflowError``  an integer outside what the tree stores: a token id outside int32,
-                   an index, count or priority outside int64, ``page_size`` beyond int64
+``OverflowError``  an integer outside what the tree stores: a token id or a KV slot
+                   index outside int32 (the compiled tree keeps slots in 4 bytes), a
+                   count or priority outside int64, ``page_size`` beyond int64
 ``ValueError``     a bad value: arrays that are not 1-D, lengths that disagree, a node
                    in a state where the operation means nothing (not on the device, not
                    evicted, not backed up, children in the way, a parent not backed up)
@@ -98,8 +99,9 @@ def as_tokens(key: Any) -> np.ndarray:
 
 
 def as_indices(value: Any, name: str = "value") -> IndexArray:
-    """KV indices as a 1-D int64 array. ``ValueError`` if not 1-D, ``TypeError`` for a
-    non-integer dtype, ``OverflowError`` for an index beyond int64 (never wrapped)."""
+    """KV slot indices as a 1-D int64 array. ``ValueError`` if not 1-D, ``TypeError`` for a
+    non-integer dtype, ``OverflowError`` for an index outside int32 (never wrapped): the
+    compiled tree stores slots as int32, and the twin refuses what it refuses."""
     arr = np.asarray(value)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
@@ -109,7 +111,11 @@ def as_indices(value: Any, name: str = "value") -> IndexArray:
         reject_dtype(arr, name, _INT64_MIN, _INT64_MAX)
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
         raise OverflowError(f"{name} out of int64 range: max {int(arr.max())}")
-    return arr.astype(np.int64, copy=False)
+    out = arr.astype(np.int64, copy=False)
+    lo, hi = int(out.min()), int(out.max())
+    if lo < _INT32_MIN or hi > _INT32_MAX:
+        raise OverflowError(f"{name} out of the tree's slot range (int32): min {lo}, max {hi}")
+    return out
 
 
 def as_int64(x: Any, name: str) -> int:

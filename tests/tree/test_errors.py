@@ -252,11 +252,21 @@ def test_bad_token_ids_are_refused_alike_everywhere(tree_cls, tokens, error):
     [
         (np.array([2**63, 1], dtype=np.uint64), OverflowError),  # used to wrap to a negative
         ([2**70, 1], OverflowError),
+        (np.array([1, 2**31], dtype=np.int64), OverflowError),  # slots are stored as int32
+        ([-(2**31) - 1, 1], OverflowError),
         ([1.0, 2.0], TypeError),
         (np.zeros((2, 1), dtype=np.int64), ValueError),
         ([1, 2, 3], ValueError),
     ],
-    ids=["uint64 beyond int64", "python int beyond 64 bits", "float", "2-D", "wrong length"],
+    ids=[
+        "uint64 beyond int64",
+        "python int beyond 64 bits",
+        "int64 beyond int32",
+        "below int32",
+        "float",
+        "2-D",
+        "wrong length",
+    ],
 )
 def test_bad_kv_indices_are_refused_alike_everywhere(tree_cls, indices, error):
     tree = tree_cls(1)
@@ -264,9 +274,27 @@ def test_bad_kv_indices_are_refused_alike_everywhere(tree_cls, indices, error):
     refused(tree, error, tree.insert, [5, 6], indices)
     refused(tree, error, tree.insert_host, tree.root, [5, 6], indices)
     refused(tree, error, tree.begin_backup, node, indices)
+    refused(tree, error, tree.begin_backups, [node], indices)
     backup(tree, node, 100)
     tree.evict(2)
     refused(tree, error, tree.begin_load_back, node, indices)
+
+
+def test_kv_indices_at_the_int32_bounds_round_trip_through_every_tier(tree_cls):
+    """The span buffers keep slots in 4 bytes: the extremes they take come back as given."""
+    lo, hi = -(2**31), 2**31 - 1
+    tree = tree_cls(1)
+    node = tree.insert([1, 2, 3], [hi, lo, 0]).last_node
+    assert tree.match_prefix([1, 2, 3]).device_indices.tolist() == [hi, lo, 0]
+    assert tree.begin_backup(node, [lo, hi, 7]).tolist() == [hi, lo, 0]
+    assert tree.commit_backup(node)
+    assert tree.host_value(node).tolist() == [lo, hi, 7]
+    assert tree.evict(3).device_indices.tolist() == [hi, lo, 0]
+    assert tree.evicted_host_indices(node).tolist() == [lo, hi, 7]
+    assert tree.begin_load_back(node, [lo + 1, hi - 1, 5]) == 3
+    tree.finish_load_back(node)
+    assert tree.match_prefix([1, 2, 3]).device_indices.tolist() == [lo + 1, hi - 1, 5]
+    tree.check_invariants()
 
 
 @pytest.mark.parametrize(
