@@ -12,15 +12,27 @@ reading the slots in place; any other call goes to the Python method it stands i
 of. Both leave the cache in the same state and return the same ``InsertResult``
 (``tests/sglang/test_insert_compiled.py``).
 
-Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.insert` itself: with
-``HIRADIX_PUREPYTHON=1`` or no compiler, no inserter is installed and the method serves.
+SGLang 0.5.23's ``checkpoint`` (every chunk and every finish of a request) goes through
+:meth:`Inserter.checkpoint` where it can: the insert, the match's walk and the rewrite of
+the request's row in one call, without the key, params and result objects, the walk's
+slot gather or torch's indexing of the row (a 1,343-token page-1 checkpoint 61 -> 37 us
+in ``bench/sglang_api.py``'s loop; ``tests/sglang/v23/test_checkpoint_compiled.py``
+drives both paths in lockstep).
+
+Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.insert` itself (and the Python
+half of ``api_v23.HiRadixCache.checkpoint``): with ``HIRADIX_PUREPYTHON=1`` or no compiler,
+no inserter is installed and the methods serve.
 """
 
+cimport numpy as cnp
 from cpython.array cimport array
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy
 
 from hiradix.tree._core cimport HiRadixTree, index_t
+
+cnp.import_array()
 
 
 def applies_to(tree):
@@ -99,6 +111,36 @@ cdef class Inserter:
         if backup:
             core._backups_asked(backup)
         return self.result(out[0], n)
+
+    def checkpoint(self, ids, row, Py_ssize_t n, int64_t protected, int64_t priority):
+        """The tree's part of SGLang 0.5.23's ``checkpoint`` for a plain request whose row
+        lives on the CPU (``HiRadixCache.checkpoint`` checks that, and everything
+        :meth:`__call__` checks, before calling): insert the first ``n`` tokens of ``ids``
+        with the row's slots ``row[:n]`` (an int32 CPU tensor, contiguous), walk the key
+        again as a match does (its effect on the eviction order and hit counts), and point
+        ``row[protected:end]`` at the tree's slots, ``end`` being the prefix the tree held
+        before. Returns ``(end, the last node's handle, duplicates)``: the row's slots
+        ``[protected, end)`` as they were (a new int32 array, for the caller to free), or
+        ``None``. ``O(n)``."""
+        cdef int32_t* r = <int32_t*><uintptr_t>row.data_ptr()
+        cdef const index_t* slots = self._widen(r, n)
+        cdef int64_t out[2]  # prefix length, last node
+        cdef int64_t walk[5]
+        core = self.core
+        backup = self.tree.insert_into(ids, slots, n, None, priority, False, core.batch_backups, out)
+        if backup:
+            core._backups_asked(backup)
+        self.tree.match_into(ids, None, walk, n, False)  # walk[4]: the device prefix's length
+        if walk[4] != n or walk[0] != out[1]:
+            raise RuntimeError(f"checkpoint: {walk[4]} of {n} tokens cached after the insert")
+        cdef int64_t end = out[0]
+        if end <= protected:
+            return end, out[1], None
+        cdef cnp.npy_intp k = end - protected
+        cdef cnp.ndarray dup = cnp.PyArray_EMPTY(1, &k, cnp.NPY_INT32, 0)
+        memcpy(cnp.PyArray_DATA(dup), r + protected, k * sizeof(int32_t))
+        self.tree.path_slots_into(out[1], n, protected, end, r + protected)
+        return end, out[1], dup
 
     cdef const index_t* _widen(self, const int32_t* src, Py_ssize_t n) except NULL:
         cdef Py_ssize_t i

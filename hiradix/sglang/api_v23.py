@@ -22,6 +22,7 @@ option (:func:`check_supported_v23`).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -255,12 +256,18 @@ class HiRadixCache(ServerSince020):
         fill = req.full_untruncated_fill_ids
         aligned = self._aligned_len(min(up_to, len(fill)))
         protected = int(kv.cache_protected_len)
+        row = self._req_row(kv.req_pool_idx)
+        # A first checkpoint (nothing protected yet, so no chunk to continue) in C where it
+        # can be; the same, below, once a later one is known not to continue.
+        if protected <= 0 and self._compiled_checkpoint(req, fill, row, aligned, protected):
+            return
         # the tokens as a limit, not a slice: the tree reads them in place
         key = RadixKey(fill, req.extra_key, limit=aligned + self._bigram, cache_salt=req.cache_salt)
-        row = self._req_row(kv.req_pool_idx)
         # A chunked prefill's next chunk continues from the request's locked node and
         # reads and writes no more than the chunk (HiRadixCacheBase._insert_continuing).
         done = self._insert_continuing(req.last_node, protected, key, aligned, row, req.priority or 0, False)
+        if done is None and protected > 0 and self._compiled_checkpoint(req, fill, row, aligned, protected):
+            return
         if done is not None:
             end, last, tail = done
             kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
@@ -298,6 +305,41 @@ class HiRadixCache(ServerSince020):
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
+
+    def _compiled_checkpoint(self, req: Any, fill: Any, row: torch.Tensor, aligned: int, protected: int) -> bool:
+        """The rest of :meth:`checkpoint` for a whole-key insert in C
+        (:meth:`hiradix.sglang._insert.Inserter.checkpoint`: the insert, the match's walk
+        and the row's rewrite, without the key, params and result objects, the second
+        walk's slot gather or the torch indexing), where it applies: the compiled inserter
+        installed, the row on the CPU, a plain request (no namespace, no KV events to
+        record, an int priority, the tokens an ``array('q')`` or a list). Returns whether
+        it served; the cache, the row and the allocator end as the Python path leaves
+        them (``tests/sglang/v23/test_checkpoint_compiled.py``)."""
+        inserter = self._inserter
+        priority = req.priority or 0
+        if (
+            inserter is None
+            or not self._on_cpu
+            or aligned == 0
+            or self._events is not None
+            or req.extra_key is not None
+            or req.cache_salt is not None
+            or type(priority) is not int
+            or (type(fill) is not array and type(fill) is not list)
+            or row.dtype is not torch.int32
+        ):
+            return False
+        _, handle, duplicates = inserter.checkpoint(fill, row, aligned, protected, priority)
+        kv = req.kv
+        kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
+        if duplicates is not None:  # the row's copies of what the tree held: whole pages
+            self.token_to_kv_pool_allocator.free_segment(torch.from_numpy(duplicates), start_pos=protected)
+        kv.cache_protected_len = aligned
+        node = self.node_view(handle)
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.last_node = node
+        return True
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         """Give back half-open ranges of ``kv``'s row (ascending, disjoint; adjacent ones

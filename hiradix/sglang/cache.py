@@ -725,12 +725,13 @@ class HiRadixCacheBase(BasePrefixCache):
         EAGLE bigrams, and the subclass keeps this class's method. It serves the
         scheduler's calls (plain tokens, CPU slots, no KV events) and hands every other to
         the method; the cache ends in the same state either way."""
+        self._inserter: Any = None  # also serves 0.5.23's checkpoint (api_v23.py)
         compiled = load("hiradix.sglang._insert")
         if compiled is None or self.is_eagle or not compiled.applies_to(self.tree):
             return
         if type(self).insert is not HiRadixCacheBase.insert:
             return  # a subclass's own insert is the one to call
-        self.__dict__["insert"] = compiled.Inserter(
+        self._inserter = self.__dict__["insert"] = compiled.Inserter(
             self, HiRadixCacheBase.insert, InsertResult, torch.Tensor, torch.int64, torch.int32
         )
 

@@ -162,3 +162,8 @@ cdef class HiRadixTree:
     # the last node, and the nodes to back up are returned (``hold`` as insert's)
     cdef tuple insert_into(self, object key, const index_t* values, Py_ssize_t n, object extra_key,
                            int64_t priority, bint chunked, bint hold, int64_t* out)
+    # the device slots of positions [start, stop) of the path from the root down to node
+    # ``handle``, whose span ends at position ``path_len``, into ``dst[:stop - start]``
+    # (hiradix.sglang._insert's checkpoint writes them into a request's row)
+    cdef int path_slots_into(self, int64_t handle, int64_t path_len, int64_t start, int64_t stop,
+                             int32_t* dst) except -1

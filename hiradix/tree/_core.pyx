@@ -396,6 +396,28 @@ cdef class HiRadixTree:
         _check_slots(values, n, "value")
         return _insert(self, toks, values, extra_key, priority, chunked, hold, out)
 
+    cdef int path_slots_into(self, int64_t handle, int64_t path_len, int64_t start, int64_t stop,
+                             int32_t* dst) except -1:
+        # (_core.pxd) ValueError if a node of the range is not on the device or the path
+        # is shorter than ``start``. O(depth + stop - start).
+        cdef node_t i = _node(self, handle)
+        cdef int64_t e = path_len, s, lo, hi
+        if not 0 <= start <= stop <= path_len:
+            raise ValueError(f"path_slots_into: [{start}, {stop}) is not within [0, {path_len}]")
+        while e > start:
+            if self.nodes[i].key_len == 0:  # a root: the path is shorter than path_len
+                raise ValueError(f"path_slots_into: the path to node {handle} is {path_len - e} tokens short")
+            s = e - self.nodes[i].key_len
+            lo = max(s, start)
+            hi = min(e, stop)
+            if hi > lo:
+                if not self.nodes[i].on_device:
+                    raise ValueError(f"path_slots_into: a node on the path to {handle} is not on the device")
+                memcpy(dst + (lo - start), self.dev + self.nodes[i].key_off + (lo - s), (hi - lo) * sizeof(slot_t))
+            e = s
+            i = self.nodes[i].parent
+        return 0
+
     def insert_host(self, node, key, host_value):
         """Attach host-only KV below the backed-up ``node``; see the twin. ``O(len(key))``."""
         cdef node_t mount = _node(self, node)
