@@ -121,7 +121,10 @@ cdef class Inserter:
         ``row[protected:end]`` at the tree's slots, ``end`` being the prefix the tree held
         before. Returns ``(end, the last node's handle, duplicates)``: the row's slots
         ``[protected, end)`` as they were (a new int32 array, for the caller to free), or
-        ``None``. ``O(n)``."""
+        ``None``. ``ValueError`` for a row that is not that, or shorter than ``n``. ``O(n)``."""
+        if (type(row) is not self.tensor or row.dtype is not self.int32 or not row.is_cpu or row.dim() != 1
+                or not row.is_contiguous() or row.numel() < n or not 0 <= protected <= n):
+            raise ValueError(f"checkpoint: the row must be a contiguous 1-D CPU int32 tensor of >= {n} slots")
         cdef int32_t* r = <int32_t*><uintptr_t>row.data_ptr()
         cdef const index_t* slots = self._widen(r, n)
         cdef int64_t out[2]  # prefix length, last node

@@ -321,12 +321,14 @@ class HiRadixCache(ServerSince020):
             inserter is None
             or not self._on_cpu
             or aligned == 0
+            or protected > aligned
             or self._events is not None
             or req.extra_key is not None
             or req.cache_salt is not None
             or type(priority) is not int
             or (type(fill) is not array and type(fill) is not list)
             or row.dtype is not torch.int32
+            or aligned > row.shape[0]
         ):
             return False
         _, handle, duplicates = inserter.checkpoint(fill, row, aligned, protected, priority)
