@@ -42,7 +42,6 @@ Usage (on the GPU machine, after ``source bench/gpu/setup.sh``)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -54,7 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer import log, machine
+from transfer import log, machine, write_outputs
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -456,11 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"placeholders called in the whole run: {', '.join(CALLED) or 'none'}")
     text = report(meta, overlap, waits)
     print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "overlap": overlap, "waits": waits}, indent=1))
-    if args.md:
-        args.md.write_text(text)
+    write_outputs(args, text, {"meta": meta, "overlap": overlap, "waits": waits})
     bad = any(r["stale_layers"] for r in waits if r["counter_registered"])
     return 1 if bad else 0
 

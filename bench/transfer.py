@@ -95,6 +95,17 @@ def machine() -> dict:
     }
 
 
+def write_outputs(args: argparse.Namespace, text: str, data: dict) -> None:
+    """The report as printed to ``--md`` and the figures to ``--json``, where given."""
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1))
+        log(f"wrote {args.json}")
+    if args.md:
+        args.md.write_text(text)
+        log(f"wrote {args.md}")
+
+
 def thp_setting() -> str:
     try:
         return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
@@ -475,13 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     text = report(meta, pages, pipe)
     print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "pipeline": pipe}, indent=1))
-        log(f"wrote {args.json}")
-    if args.md:
-        args.md.write_text(text)
-        log(f"wrote {args.md}")
+    write_outputs(args, text, {"meta": meta, "pages": pages, "pipeline": pipe})
     return 0
 
 

@@ -31,7 +31,6 @@ Usage (on the GPU machine, after ``source bench/gpu/setup.sh``)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from hiradix.memory import HOST_LAYOUTS, CudaCopyEngine, DeviceKVPool, HostKVPoo
 from hiradix.memory import kernel as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer import interleaved, log, machine, shuffled_slots
+from transfer import interleaved, log, machine, shuffled_slots, write_outputs
 
 MIB = 1 << 20
 DTYPE = torch.bfloat16
@@ -257,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = [] if "A" in skip else bench_pages(args)
     text = report(meta, pages, grid)
     print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "pages": pages, "grid": grid}, indent=1))
-    if args.md:
-        args.md.write_text(text)
+    write_outputs(args, text, {"meta": meta, "pages": pages, "grid": grid})
     return 0
 
 

@@ -113,18 +113,20 @@ cdef class Inserter:
         return self.result(out[0], n)
 
     def checkpoint(self, ids, row, Py_ssize_t n, int64_t protected, int64_t priority):
-        """The tree's part of SGLang 0.5.23's ``checkpoint`` for a plain request whose row
-        lives on the CPU (``HiRadixCache.checkpoint`` checks that, and everything
-        :meth:`__call__` checks, before calling): insert the first ``n`` tokens of ``ids``
-        with the row's slots ``row[:n]`` (an int32 CPU tensor, contiguous), walk the key
-        again as a match does (its effect on the eviction order and hit counts), and point
-        ``row[protected:end]`` at the tree's slots, ``end`` being the prefix the tree held
-        before. Returns ``(end, the last node's handle, duplicates)``: the row's slots
-        ``[protected, end)`` as they were (a new int32 array, for the caller to free), or
-        ``None``. ``ValueError`` for a row that is not that, or shorter than ``n``. ``O(n)``."""
+        """The tree's part of SGLang 0.5.23's ``checkpoint`` for a plain request
+        (``HiRadixCache._compiled_checkpoint`` checks the request and the cache, as
+        :meth:`__call__` checks its params): insert the first ``n`` tokens of ``ids`` with
+        the row's slots ``row[:n]``, walk the key again as a match does (its effect on the
+        eviction order and hit counts), and point ``row[protected:end]`` at the tree's
+        slots, ``end`` being the prefix the tree held before. Returns ``(end, the last
+        node's handle, duplicates)``: the row's slots ``[protected, end)`` as they were (a
+        new int32 array, for the caller to free), or ``None``. Returns ``None`` without
+        doing anything where the row is not a contiguous 1-D CPU int32 tensor of at least
+        ``n`` slots, or ``protected`` is not within ``[0, n]``: the Python path serves
+        those. ``O(n)``."""
         if (type(row) is not self.tensor or row.dtype is not self.int32 or not row.is_cpu or row.dim() != 1
                 or not row.is_contiguous() or row.numel() < n or not 0 <= protected <= n):
-            raise ValueError(f"checkpoint: the row must be a contiguous 1-D CPU int32 tensor of >= {n} slots")
+            return None
         cdef int32_t* r = <int32_t*><uintptr_t>row.data_ptr()
         cdef const index_t* slots = self._widen(r, n)
         cdef int64_t out[2]  # prefix length, last node

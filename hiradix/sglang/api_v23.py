@@ -312,26 +312,26 @@ class HiRadixCache(ServerSince020):
         and the row's rewrite, without the key, params and result objects, the second
         walk's slot gather or the torch indexing), where it applies: the compiled inserter
         installed, the row on the CPU, a plain request (no namespace, no KV events to
-        record, an int priority, the tokens an ``array('q')`` or a list). Returns whether
-        it served; the cache, the row and the allocator end as the Python path leaves
-        them (``tests/sglang/v23/test_checkpoint_compiled.py``)."""
+        record, an int priority, the tokens an ``array('q')`` or a list; the inserter checks
+        the row). Returns whether it served; the cache, the row and the allocator end as the
+        Python path leaves them (``tests/sglang/v23/test_checkpoint_compiled.py``)."""
         inserter = self._inserter
         priority = req.priority or 0
         if (
             inserter is None
             or not self._on_cpu
             or aligned == 0
-            or protected > aligned
             or self._events is not None
             or req.extra_key is not None
             or req.cache_salt is not None
             or type(priority) is not int
             or (type(fill) is not array and type(fill) is not list)
-            or row.dtype is not torch.int32
-            or aligned > row.shape[0]
         ):
             return False
-        _, handle, duplicates = inserter.checkpoint(fill, row, aligned, protected, priority)
+        served = inserter.checkpoint(fill, row, aligned, protected, priority)
+        if served is None:
+            return False
+        _, handle, duplicates = served
         kv = req.kv
         kv.cache_inserted_len = max(int(kv.cache_inserted_len), aligned)
         if duplicates is not None:  # the row's copies of what the tree held: whole pages
