@@ -26,7 +26,10 @@ bytes an independent CPU load of the same host pages gives. With the counter reg
 layer may be stale; the control run unregisters it (what hiradix did before the fix) and
 must see stale layers, or the check proves nothing.
 
-Both sections run for the CUDA engine's kernel and torch paths. On a machine without CUDA
+Both sections run for the CUDA engine's three paths: ``kernel`` (the SM gather/scatter
+kernel), ``dma`` (the same rows as runs on the copy engines) and ``torch``. The torch path
+gathers each layer on the host before queueing it, so its spin is ``--torch-delay``
+(longer): the GPU must lag the host for its control run to be able to see stale layers. On a machine without CUDA
 ``--device cpu`` runs the same code on CPU pools with the thread engine (its layer hook
 slows the loads), a dry run of the script; timings then mean nothing.
 
@@ -106,7 +109,7 @@ class Rig:
 
 
 def make_rig(mp: Any, device: str, tokens: int, host_tokens: int, path: str, delay: float) -> Rig:
-    """``path``: ``kernel`` or ``torch`` (CUDA engine), ``thread`` (CPU). ``delay``: the
+    """``path``: ``kernel``, ``dma`` or ``torch`` (CUDA engine), ``thread`` (CPU). ``delay``: the
     per-layer slow-down, GPU cycles (CUDA) or seconds (CPU)."""
     from hiradix.memory import CudaCopyEngine, HostKVPool, ThreadCopyEngine
     from hiradix.sglang.cache import SGLangCacheController
@@ -125,7 +128,7 @@ def make_rig(mp: Any, device: str, tokens: int, host_tokens: int, path: str, del
     dev = device_pool_from_sglang(kv)
     host = HostKVPool(dev.shape, host_tokens, PAGE, DTYPE, "layer_first", reserve_bytes=0)
     if device == "cuda":
-        engine: Any = CudaCopyEngine(kernel=path == "kernel", layer_delay_cycles=int(delay))
+        engine: Any = CudaCopyEngine(kernel=path != "torch", dma=path == "dma", layer_delay_cycles=int(delay))
     else:
 
         def slow(kind: str, op_id: int, layer: int) -> None:
@@ -288,7 +291,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_waits(mp: Any, args: argparse.Namespace, path: str) -> list[dict]:
     n_pages = args.check_pages
     dev_pages, host_pages = 4 * n_pages + 1, 8 * n_pages
-    rig = make_rig(mp, args.device, dev_pages * PAGE, host_pages * PAGE, path, args.delay)
+    delay = args.torch_delay if path == "torch" else args.delay
+    rig = make_rig(mp, args.device, dev_pages * PAGE, host_pages * PAGE, path, delay)
     raw = rig.ctrl.host_pool.backing_tensor.view(torch.uint8)
     g = torch.Generator().manual_seed(11)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
@@ -326,7 +330,7 @@ def check_waits(mp: Any, args: argparse.Namespace, path: str) -> list[dict]:
             "stale_layers": stale_layers,
             "stale_rounds": stale_rounds,
             "tokens_per_load": n_pages * PAGE,
-            "delay": args.delay,
+            "delay": delay,
             "seconds": time.perf_counter() - t0,
         }
         out.append(row)
@@ -371,16 +375,17 @@ def report(meta: dict, overlap: list[dict], waits: list[dict]) -> str:
     if waits:
         lines += [
             "",
-            f"### W. Wait correctness ({waits[0]['tokens_per_load']} tokens per load, every layer's copy slowed by "
-            f"{meta['delay_desc']}; snapshots taken right after `get_key_buffer` / `get_value_buffer`, checked "
-            "against an independent CPU load)",
+            f"### W. Wait correctness ({waits[0]['tokens_per_load']} tokens per load, every layer's copy slowed "
+            f"(the spin per layer: {meta['delay_unit']}); snapshots taken right after `get_key_buffer` / "
+            "`get_value_buffer`, checked against an independent CPU load)",
             "",
-            "| path | counter registered with the pool | rounds | layers checked | stale layers | stale rounds |",
-            "|---|---|---|---|---|---|",
+            "| path | spin per layer | counter registered with the pool | rounds | layers checked | stale layers "
+            "| stale rounds |",
+            "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['path']} | {'yes' if r['counter_registered'] else 'no (control)'} | {r['rounds']} | "
-            f"{r['layers_checked']} | {r['stale_layers']} | {r['stale_rounds']} |"
+            f"| {r['path']} | {r['delay']:g} | {'yes' if r['counter_registered'] else 'no (control)'} | "
+            f"{r['rounds']} | {r['layers_checked']} | {r['stale_layers']} | {r['stale_rounds']} |"
             for r in waits
         ]
         good = all(r["stale_layers"] == 0 for r in waits if r["counter_registered"])
@@ -395,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the logic")
     ap.add_argument("--sglang-src", default=None, help="SGLang's source (folder or .tar.gz) when it is not installed")
-    ap.add_argument("--paths", default=None, help="engine paths (default: kernel,torch on CUDA, thread on CPU)")
+    ap.add_argument("--paths", default=None, help="engine paths (default: kernel,dma,torch on CUDA, thread on CPU)")
     ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
     ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
     ap.add_argument("--repeats", type=int, default=7)
@@ -403,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-pages", type=int, default=16, help="pages per load in section W")
     ap.add_argument(
         "--delay", type=float, default=None, help="per-layer slow-down in W: GPU cycles (default 200000) or CPU seconds"
+    )
+    ap.add_argument(
+        "--torch-delay",
+        type=float,
+        default=None,
+        help="the same for the torch path, whose host gathers pace the queue (default 10x --delay)",
     )
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: D,W")
     ap.add_argument("--json", type=Path, default=None)
@@ -414,14 +425,16 @@ def main(argv: list[str] | None = None) -> int:
         log("--device cuda needs a CUDA GPU; torch.cuda.is_available() is False here (--device cpu: a dry run)")
         return 2
     args.ratios = [float(r) for r in args.ratios.split(",")]
-    paths = (args.paths or ("kernel,torch" if cuda else "thread")).split(",")
+    paths = (args.paths or ("kernel,dma,torch" if cuda else "thread")).split(",")
     if args.delay is None:
         args.delay = 200_000 if cuda else 0.002
+    if args.torch_delay is None:
+        args.torch_delay = 10 * args.delay
     skip = {s.strip().upper() for s in args.skip.split(",") if s.strip()}
     mp = load_sglang(args.sglang_src)
     from importlib.metadata import version
 
-    if cuda and "kernel" in paths:
+    if cuda and {"kernel", "dma"} & set(paths):
         from hiradix.memory import kernel as K
 
         if not K.cuda_kernel_available():
@@ -436,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "repeats": args.repeats,
         "timer": "CUDA events on the compute stream" if cuda else "wall clock",
-        "delay_desc": f"{int(args.delay)} GPU cycles" if cuda else f"{args.delay * 1e3:.1f} ms",
+        "delay_unit": "GPU cycles" if cuda else "seconds",
     }
     waits: list[dict] = []
     overlap: list[dict] = []

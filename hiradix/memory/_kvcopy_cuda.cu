@@ -5,8 +5,13 @@
 // The kernel reads (load) or writes (backup) the host pool in place through its mapped
 // device address: no staging buffer, no host thread touching the bytes. Its body is
 // kvcopy.h, shared with the CPU emulation that CI runs.
+//
+// hr_kvcopy_runs is the other way to move the same rows: runs of rows contiguous on both
+// sides, handed to the GPU's copy engines in one batch (cudaMemcpyBatchAsync). No SM does
+// the copy, so it does not compete with the forward pass for them.
 
 #include <cuda_runtime.h>
+#include <string.h>
 
 #include "kvcopy.h"
 
@@ -31,7 +36,7 @@ __global__ void hr_copy_kernel(hr_jobs jobs) {
 extern "C" {
 
 // ABI version of this library; hiradix.memory.kernel refuses a library of another.
-int hr_kvcopy_abi(void) { return 1; }
+int hr_kvcopy_abi(void) { return 2; }
 
 // Launch one copy of `njobs` jobs (one per component of a layer) on `stream`, with
 // `blocks` blocks of `threads` threads per job and chunks of `width` bytes. Returns a
@@ -53,6 +58,34 @@ int hr_kvcopy_launch(const hr_job* jobs, int njobs, int width, int blocks, int t
         default: return (int)cudaErrorInvalidValue;
     }
     return (int)cudaGetLastError();
+}
+
+// Enqueue `count` copies on `stream` for the copy engines: copy i moves sizes[i] bytes
+// from srcs[i] to dsts[i] (device or pinned host addresses; no two overlap). One batch
+// where the runtime has cudaMemcpyBatchAsync (CUDA 12.8+), one cudaMemcpyAsync per copy
+// before. Returns a cudaError_t.
+int hr_kvcopy_runs(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count, void* stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    if (count == 0) return (int)cudaSuccess;
+#if CUDART_VERSION >= 12080
+    cudaMemcpyAttributes attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the source is written earlier on the stream
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t first = 0;
+#if CUDART_VERSION >= 13000
+    return (int)cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &first, 1, s);
+#else
+    size_t failed = 0;
+    return (int)cudaMemcpyBatchAsync((void**)dsts, (void**)srcs, (size_t*)sizes, count, &attr, &first, 1, &failed, s);
+#endif
+#else
+    for (size_t i = 0; i < count; ++i) {
+        cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, s);
+        if (e != cudaSuccess) return (int)e;
+    }
+    return (int)cudaSuccess;
+#endif
 }
 
 // The device address of pinned host memory `host` (cudaHostGetDevicePointer), for the

@@ -873,6 +873,12 @@ class CudaCopyEngine(CopyEngine):
         the device, copies to pinned staging and scatters into the host pool when the
         handle is first seen done (``query``/``wait``). Two host passes per layer.
 
+    ``dma=True`` (needs the kernel library, as ``kernel=True``): the same plan, but each layer's rows, merged
+    into runs contiguous on both sides, go to the GPU's copy engines in one
+    ``cudaMemcpyBatchAsync`` (:meth:`~hiradix.memory.kernel.KernelPlan.copy_layer_runs`)
+    instead of the SM kernel: no SM does the copy, so it does not compete with the forward
+    pass, and a page-major layout moves whole pages per run.
+
     ``kernel=None`` takes the kernel where :func:`~hiradix.memory.kernel.kernel_by_default`
     says so and then falls back per operation where it cannot address the pools (an
     unpinned host pool); ``kernel=True`` requires it and raises
@@ -895,10 +901,13 @@ class CudaCopyEngine(CopyEngine):
         kernel: bool | None = None,
         blocks: int = _kernel.DEFAULT_BLOCKS,
         threads: int = _kernel.DEFAULT_THREADS,
+        dma: bool = False,
         layer_delay_cycles: int = 0,
     ) -> None:
         if layer_delay_cycles < 0:
             raise ValueError(f"layer_delay_cycles must be >= 0, got {layer_delay_cycles}")
+        if dma and kernel is False:
+            raise ValueError("dma=True goes through the kernel library's plan; it cannot be combined with kernel=False")
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaCopyEngine needs CUDA, but torch.cuda.is_available() is False; use ThreadCopyEngine "
@@ -909,9 +918,10 @@ class CudaCopyEngine(CopyEngine):
             raise ValueError(f"CudaCopyEngine needs a cuda device, got {dev}")
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self._launcher: _kernel.CudaLauncher | None = None
-        self._require_kernel = kernel is True
-        if kernel or (kernel is None and _kernel.kernel_by_default()):
+        self._require_kernel = kernel is True or dma
+        if kernel or dma or (kernel is None and _kernel.kernel_by_default()):
             self._launcher = _kernel.CudaLauncher(blocks, threads)
+        self.dma = dma
         self._stream = torch.cuda.Stream(device=self.device)
         self._lock = threading.Lock()
         self._next_id = 0
@@ -973,6 +983,16 @@ class CudaCopyEngine(CopyEngine):
         with self._lock:
             op_id = self._begin(device_pool)
             events: list[torch.cuda.Event] = []
+            if self.dma:
+                runs = p.runs()
+                with torch.cuda.stream(self._stream):
+                    for layer in range(device_pool.layer_num):
+                        self._delay()
+                        p.copy_layer_runs(launcher, layer, runs, to_device, self._stream.cuda_stream)
+                        ev = torch.cuda.Event()
+                        ev.record(self._stream)
+                        events.append(ev)
+                return _CudaHandle(op_id, kind, events, self.device, [])
             with torch.cuda.stream(self._stream):
                 staged = p.offsets.pin_memory()
                 offsets = staged.to(self.device, non_blocking=True)

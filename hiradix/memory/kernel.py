@@ -16,6 +16,11 @@ that divides every row, base and stride. A :class:`Launcher` then runs one layer
     (:mod:`hiradix.memory._kvcopy_emu`), so that CI, without a GPU, checks the plan, the
     widths and the kernel's index arithmetic byte for byte against the torch path.
 
+:meth:`KernelPlan.runs` merges the rows into runs contiguous on both sides (a whole page of
+a page-major layout is one run) for the other way to move them, the GPU's copy engines
+(``Launcher.copy_runs``: one ``cudaMemcpyBatchAsync`` per layer; on the CPU, one
+``memmove`` per run): no SM does the copy, so it cannot compete with the forward pass.
+
 The grid is small on purpose: the copy shares the GPU with the model's forward pass, and a
 zero-copy read over PCIe needs bytes in flight (``HR_UNROLL`` chunks per thread), not SMs.
 ``bench/transfer.py`` measures the choice (``bench/RESULTS_transfer.md``).
@@ -45,6 +50,7 @@ __all__ = [
     "KernelError",
     "KernelPlan",
     "Launcher",
+    "Runs",
     "cuda_kernel_available",
     "kernel_by_default",
     "library_abi",
@@ -52,7 +58,7 @@ __all__ = [
 ]
 
 LIBRARY = Path(__file__).with_name("libhiradix_kvcopy.so")
-ABI = 1
+ABI = 2
 MAX_JOBS = 4  # HR_MAX_JOBS in _kvcopy_cuda.cu
 DEFAULT_BLOCKS = 16
 """Blocks per component per launch (see the module docstring)."""
@@ -135,6 +141,62 @@ class KernelPlan:
         ``to_device``, else device -> host."""
         launcher.launch(self.jobs(layer, offsets_ptr, host_delta, to_device), self.width, stream)
 
+    def runs(self) -> Runs:
+        """The rows merged into :class:`Runs` (once per operation). ``O(n x components)``."""
+        offsets = self.offsets.numpy()
+        dev_off, host_off, sizes = [], [], []
+        for c, (d, _) in enumerate(self.layers[0]):
+            do, ho, n = merge_rows(offsets[2 * c], offsets[2 * c + 1], d.row_bytes)
+            dev_off.append(do)
+            host_off.append(ho)
+            sizes.append(n)
+        return Runs(dev_off, host_off, np.concatenate(sizes).astype(np.uintp))
+
+    def copy_layer_runs(self, launcher: Launcher, layer: int, runs: Runs, to_device: bool, stream: int = 0) -> None:
+        """Copy ``layer`` as the :class:`Runs` ``runs``, all components in one batch,
+        host -> device if ``to_device``, else device -> host. The host pool is addressed
+        by its host address (unified addressing: the copy engines take it as is)."""
+        pairs = self.layers[layer]
+        dev = np.concatenate([d.ptr + off for (d, _), off in zip(pairs, runs.dev_off, strict=True)])
+        host = np.concatenate([h.ptr + off for (_, h), off in zip(pairs, runs.host_off, strict=True)])
+        dsts, srcs = (dev, host) if to_device else (host, dev)
+        launcher.copy_runs(dsts.astype(np.uintp), srcs.astype(np.uintp), runs.sizes, stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """A :class:`KernelPlan`'s rows merged into runs contiguous on both sides: per
+    component, the device and host byte offsets where each run starts (int64, the same
+    for every layer, as the plan's offsets), and ``sizes``, every component's run lengths
+    in bytes, concatenated in component order (size_t: one layer's batch)."""
+
+    dev_off: list[np.ndarray]
+    host_off: list[np.ndarray]
+    sizes: np.ndarray
+
+    @property
+    def count(self) -> int:
+        """Runs per layer, all components together."""
+        return int(self.sizes.size)
+
+
+def merge_rows(dev_off: np.ndarray, host_off: np.ndarray, row_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (paired device and host byte offsets, ``row_bytes`` each) merged into runs: a
+    row starts a new run unless it follows the previous one on both sides. Returns the
+    runs' device offsets, host offsets and lengths in bytes. ``O(n)``.
+
+    >>> d, h, n = merge_rows(np.array([0, 8, 16, 40]), np.array([0, 8, 16, 24]), 8)
+    >>> d.tolist(), h.tolist(), n.tolist()
+    ([0, 40], [0, 24], [24, 8])
+    """
+    n = dev_off.size
+    starts_run = np.ones(n, dtype=bool)
+    if n > 1:
+        starts_run[1:] = (dev_off[1:] != dev_off[:-1] + row_bytes) | (host_off[1:] != host_off[:-1] + row_bytes)
+    starts = np.flatnonzero(starts_run)
+    lengths = np.diff(np.append(starts, n)) * row_bytes
+    return dev_off[starts], host_off[starts], lengths
+
 
 def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor) -> KernelPlan | None:
     """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
@@ -198,6 +260,11 @@ class Launcher:
     def launch(self, jobs: Any, width: int, stream: int) -> None:
         raise NotImplementedError
 
+    def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Copy ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i``
+        (uintp arrays of one length; no two copies overlap)."""
+        raise NotImplementedError
+
 
 def _check_grid(blocks: int, threads: int) -> None:
     if not isinstance(blocks, int) or not 1 <= blocks <= 65535:
@@ -218,6 +285,10 @@ class EmulatedLauncher(Launcher):
 
     def launch(self, jobs: Any, width: int, stream: int = 0) -> None:
         _emu.launch(ctypes.addressof(jobs), len(jobs), width, self.blocks, self.threads)
+
+    def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int = 0) -> None:
+        for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(dst, src, size)
 
 
 _LIB_LOCK = threading.Lock()
@@ -245,6 +316,14 @@ def _library() -> Any:
                         ctypes.c_int,
                         ctypes.c_int,
                         ctypes.c_int,
+                        ctypes.c_void_p,
+                    ]
+                    lib.hr_kvcopy_runs.restype = ctypes.c_int
+                    lib.hr_kvcopy_runs.argtypes = [
+                        ctypes.c_void_p,
+                        ctypes.c_void_p,
+                        ctypes.c_void_p,
+                        ctypes.c_size_t,
                         ctypes.c_void_p,
                     ]
                     lib.hr_kvcopy_host_pointer.restype = ctypes.c_int
@@ -319,3 +398,15 @@ class CudaLauncher(Launcher):
         code = self._lib.hr_kvcopy_launch(jobs, len(jobs), width, self.blocks, self.threads, ctypes.c_void_p(stream))
         if code:
             raise KernelError(f"kernel launch failed: {self._error(code)}")
+
+    def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        if not dsts.size == srcs.size == sizes.size:
+            raise ValueError(f"copy_runs: {dsts.size} destinations, {srcs.size} sources, {sizes.size} sizes")
+        for a in (dsts, srcs, sizes):
+            if a.dtype != np.uintp or not a.flags.c_contiguous:
+                raise ValueError("copy_runs takes C-contiguous uintp arrays")
+        code = self._lib.hr_kvcopy_runs(
+            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size, ctypes.c_void_p(stream)
+        )
+        if code:
+            raise KernelError(f"copy-engine batch failed: {self._error(code)}")

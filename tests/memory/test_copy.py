@@ -428,23 +428,33 @@ def test_cuda_engine_rejects_a_negative_layer_delay() -> None:
         CudaCopyEngine(layer_delay_cycles=-1)
 
 
+def test_cuda_engine_rejects_dma_without_the_kernel_library() -> None:
+    with pytest.raises(ValueError, match="dma=True"):
+        CudaCopyEngine(kernel=False, dma=True)
+
+
 # ----------------------------------------------------------------------------- CUDA
 def _cuda_paths() -> list:
+    """The CUDA engine's three ways to move a layer, as its keyword arguments."""
     from hiradix.memory.kernel import cuda_kernel_available
 
     no_kernel = pytest.mark.skipif(not cuda_kernel_available(), reason="the CUDA kernel library was not built")
-    return [pytest.param(False, id="torch"), pytest.param(True, id="kernel", marks=no_kernel)]
+    return [
+        pytest.param({"kernel": False}, id="torch"),
+        pytest.param({"kernel": True}, id="kernel", marks=no_kernel),
+        pytest.param({"kernel": True, "dma": True}, id="dma", marks=no_kernel),
+    ]
 
 
 @needs_cuda
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kernel", _cuda_paths())
+@pytest.mark.parametrize("path", _cuda_paths())
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("shape", ["mha", "mla"])
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: int, kernel: bool) -> None:
+def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: int, path: dict) -> None:
     dev, host = _pools(SHAPES[shape], page_size, torch.bfloat16, layout, device="cuda")
-    eng = CudaCopyEngine(kernel=kernel)
+    eng = CudaCopyEngine(**path)
     try:
         _round_trip(eng, dev, host, seed=page_size, whole_pages=True)
         _round_trip(eng, dev, host, seed=page_size + 1, whole_pages=False)
@@ -454,8 +464,8 @@ def test_cuda_round_trip_is_byte_identical(layout: str, shape: str, page_size: i
 
 @needs_cuda
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kernel", _cuda_paths())
-def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
+@pytest.mark.parametrize("path", _cuda_paths())
+def test_cuda_wait_until_orders_the_current_stream(path: dict) -> None:
     shape = MHAShape(layer_num=4, head_num=8, head_dim=128)
     dev, host = _pools(shape, 16, torch.float16, "page_first_direct", device="cuda")
     _fill_random(dev, 1)
@@ -464,7 +474,7 @@ def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
     expected = [_bytes(dev.k_buffer(layer)[idx.cuda()]) for layer in range(shape.layer_num)]
     # Each layer's copy starts ~10 ms late (the engine's test seam): a wait_until that did
     # not order the current stream would read the zeros below.
-    with make_copy_engine("cuda", kernel=kernel, layer_delay_cycles=20_000_000) as eng:
+    with make_copy_engine("cuda", layer_delay_cycles=20_000_000, **path) as eng:
         eng.backup(dev, host, idx, h_idx).wait()
         _zero(dev)
         handle = eng.load(host, dev, h_idx, idx.cuda())
@@ -481,8 +491,8 @@ def test_cuda_wait_until_orders_the_current_stream(kernel: bool) -> None:
 
 @needs_cuda
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kernel", _cuda_paths())
-def test_cuda_backup_waits_for_the_fence_stream(kernel: bool) -> None:
+@pytest.mark.parametrize("path", _cuda_paths())
+def test_cuda_backup_waits_for_the_fence_stream(path: dict) -> None:
     """A backup submitted while another stream (a forward pass under SGLang's overlap
     scheduler) is still writing the KV copies what that stream wrote: the engine's copy
     stream waits for ``fence_stream`` as well as for the submitting thread's stream."""
@@ -491,7 +501,7 @@ def test_cuda_backup_waits_for_the_fence_stream(kernel: bool) -> None:
     idx = _page_slots([1, 2], 16)
     h_idx = _page_slots([0, 3], 16)
     forward = torch.cuda.Stream()
-    with make_copy_engine("cuda", kernel=kernel) as eng:
+    with make_copy_engine("cuda", **path) as eng:
         eng.fence_stream = forward
         with torch.cuda.stream(forward):
             torch.cuda._sleep(200_000_000)  # the forward pass is still busy ...
@@ -501,7 +511,7 @@ def test_cuda_backup_waits_for_the_fence_stream(kernel: bool) -> None:
         eng.backup(dev, host, idx, h_idx).wait()
     torch.cuda.synchronize()
     back = _pools(shape, 16, torch.float16, "page_first_direct", device="cuda")[0]
-    with make_copy_engine("cuda", kernel=kernel) as eng:
+    with make_copy_engine("cuda", **path) as eng:
         eng.load(host, back, h_idx, idx.cuda()).wait()
     torch.cuda.synchronize()
     for layer in range(shape.layer_num):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,13 +84,25 @@ def _slots(dev: DeviceKVPool, host: HostKVPool, rng: random.Random, whole_pages:
 
 
 def _emulate(
-    dev: DeviceKVPool, host: HostKVPool, d: torch.Tensor, h: torch.Tensor, to_device: bool, launcher: K.Launcher
+    dev: DeviceKVPool,
+    host: HostKVPool,
+    d: torch.Tensor,
+    h: torch.Tensor,
+    to_device: bool,
+    launcher: K.Launcher,
+    runs: bool = False,
 ) -> K.KernelPlan:
+    """The plan the CUDA engine builds, run on CPU pools: the kernel's body thread by
+    thread, or (``runs``) its rows merged into runs, one memmove each."""
     d, h = _validate_cpu(dev, host, d, h)
     p = K.plan(dev, host, d, h)
     assert p is not None
+    merged = p.runs() if runs else None
     for layer in range(dev.layer_num):
-        p.launch_layer(launcher, layer, p.offsets.data_ptr(), 0, to_device)
+        if merged is not None:
+            p.copy_layer_runs(launcher, layer, merged, to_device)
+        else:
+            p.launch_layer(launcher, layer, p.offsets.data_ptr(), 0, to_device)
     return p
 
 
@@ -115,6 +128,51 @@ def test_emulated_kernel_matches_the_torch_path(layout: str, shape: str, ps: int
                 _emulate(dev, host, d, h, True, launcher)
                 eng.load(oracle[1], oracle[0], h, d).wait()
             _same((dev, host), oracle)
+
+
+@needs_emulation
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_runs_of_the_plan_move_the_bytes_of_the_torch_path(layout: str, shape: str, ps: int) -> None:
+    # The copy engines' path (dma=True) on the CPU: the plan's rows merged into runs.
+    rng = random.Random(f"runs{layout}{shape}{ps}")
+    dev, host = _pools(SHAPES[shape], ps, torch.bfloat16, layout)
+    _randomize(dev, host, rng.randrange(1 << 30))
+    oracle = _twin(dev, host)
+    launcher = K.EmulatedLauncher()
+    with ThreadCopyEngine(native=False) as eng:
+        for step in range(4):
+            d, h = _slots(dev, host, rng, whole_pages=step < 2)
+            if step % 2 == 0:
+                _emulate(dev, host, d, h, False, launcher, runs=True)
+                eng.backup(oracle[0], oracle[1], d, h).wait()
+            else:
+                _emulate(dev, host, d, h, True, launcher, runs=True)
+                eng.load(oracle[1], oracle[0], h, d).wait()
+            _same((dev, host), oracle)
+
+
+@pytest.mark.parametrize(("layout", "rows_per_run"), [("layer_first", 4), ("page_first_direct", 4), ("page_first", 1)])
+def test_runs_merge_only_rows_that_follow_on_both_sides(layout: str, rows_per_run: int) -> None:
+    # page_first keeps a token's layers together on the host, so a layer's rows never
+    # follow each other there; the two other layouts keep a page's rows of a layer together.
+    dev, host = _pools(SHAPES["mha"], 4, torch.bfloat16, layout)
+    d, h = _validate_cpu(dev, host, torch.tensor([8, 9, 10, 11, 20, 21, 22, 23]), torch.tensor(list(range(8))))
+    p = K.plan(dev, host, d, h)
+    assert p is not None
+    runs = p.runs()
+    row = p.layers[0][0][0].row_bytes
+    assert runs.count == 2 * 8 // rows_per_run  # K and V
+    assert runs.sizes.tolist() == [rows_per_run * row] * runs.count
+    assert runs.sizes.dtype == np.uintp
+    if layout == "page_first_direct":  # a device page across two host pages: a run stops at the host page's end
+        d, h = _validate_cpu(dev, host, torch.tensor([8, 9, 10, 11]), torch.tensor([2, 3, 4, 5]))
+        p = K.plan(dev, host, d, h)
+        assert p is not None
+        assert p.runs().sizes.tolist() == [2 * row] * 4
+    dev_off, host_off, lengths = K.merge_rows(np.array([0, 8, 24]), np.array([0, 16, 24]), 8)
+    assert (dev_off.tolist(), host_off.tolist(), lengths.tolist()) == ([0, 8, 24], [0, 16, 24], [8, 8, 8])
 
 
 @needs_emulation
@@ -218,13 +276,15 @@ def test_kernel_required_without_it_is_a_clear_error() -> None:
 # ----------------------------------------------------------------------------- GPU
 @needs_kernel
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dma", [False, True], ids=["kernel", "dma"])
 @pytest.mark.parametrize("whole_pages", [True, False])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool) -> None:
-    """The kernel's bytes equal both oracles': the CUDA engine's torch path, and (compiled
-    builds) the kernel's own body run on the CPU over CPU copies of the pools."""
+def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool, dma: bool) -> None:
+    """The kernel's bytes (or, ``dma``, the copy engines' over the same plan) equal both
+    oracles': the CUDA engine's torch path, and (compiled builds) the same plan run on the
+    CPU over CPU copies of the pools."""
     rng = random.Random(f"cuda{layout}{shape}{ps}{whole_pages}")
     dtype = torch.uint8 if shape == "odd" else torch.bfloat16
     dev, host = _pools(SHAPES[shape], ps, dtype, layout, device="cuda")
@@ -232,7 +292,7 @@ def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, wh
     oracle = _twin(dev, host)
     emulated = _twin(dev, host, "cpu") if K._emu is not None else None
     launcher = K.EmulatedLauncher(blocks=3, threads=64) if emulated else None
-    with CudaCopyEngine(kernel=True) as eng, CudaCopyEngine(kernel=False) as ref:
+    with CudaCopyEngine(kernel=True, dma=dma) as eng, CudaCopyEngine(kernel=False) as ref:
         assert eng.uses_kernel and not ref.uses_kernel
         for step in range(4):
             d, h = _slots(dev, host, rng, whole_pages)
@@ -245,7 +305,7 @@ def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, wh
                 ref.load(oracle[1], oracle[0], h, d).wait()
                 handle.wait()
             if emulated is not None and launcher is not None:
-                _emulate(emulated[0], emulated[1], d, h, to_device, launcher)
+                _emulate(emulated[0], emulated[1], d, h, to_device, launcher, runs=dma)
             torch.cuda.synchronize()
             _same((dev, host), oracle)
             if emulated is not None:
