@@ -20,6 +20,11 @@ alternation round by round; ``% link`` is the median over rounds of contig time 
 time. Target: kernel >= 80% of contig at page >= 16 for page_first and layer_first (and the
 same bar, reported, for ``dma``).
 
+**Q. Queued.** The same copies with the host's part hidden: a spin holds the copy stream
+until the engine has planned and queued every layer, and CUDA events time the GPU alone
+(from the spin's end to the last layer), with the host's submit time beside it. It tells
+the copy's own rate from the engine's per-operation cost.
+
 **G. Grid.** The kernel's blocks per component, swept on one case, since the copy shares
 the SMs with the model.
 
@@ -157,6 +162,74 @@ def bench_pages(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+SPIN_CYCLES = 100_000_000  # ~50 ms at 2 GHz: longer than any engine's host part here
+
+
+def _gpu_ms(stream: torch.cuda.Stream, submit: Callable[[], None]) -> tuple[float, float]:
+    """(GPU ms, host submit ms) of ``submit``'s work on ``stream``, timed from the end of a
+    spin that holds the stream until ``submit`` has queued everything."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SPIN_CYCLES)
+        start.record(stream)
+    t0 = time.perf_counter()
+    submit()
+    host = (time.perf_counter() - t0) * 1e3
+    end.record(stream)
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), host
+
+
+def _queued_rows(args: argparse.Namespace, layout: str, ps: int) -> list[dict]:
+    case = Case("mha", ps, args.total_mib * MIB, layout, seed=ps * 5 + 3)
+    engines = {"kernel": CudaCopyEngine(kernel=True, blocks=args.blocks), "dma": CudaCopyEngine(kernel=True, dma=True)}
+    side = torch.cuda.Stream()
+    rows = []
+    for direction in ("backup", "load"):
+
+        def submit(eng: CudaCopyEngine, direction: str = direction) -> None:
+            if direction == "backup":
+                eng.backup(case.dev, case.host, case.d_idx, case.h_idx)
+            else:
+                eng.load(case.host, case.dev, case.h_idx, case.d_idx)
+
+        def contig(direction: str = direction) -> None:
+            with torch.cuda.stream(side):
+                case.contig(direction)()
+
+        got: dict[str, list[tuple[float, float]]] = {"contig": [], **{k: [] for k in engines}}
+        for i in range(args.repeats + 1):  # the first round warms up
+            for name, eng in engines.items():
+                r = _gpu_ms(eng._stream, lambda eng=eng: submit(eng))
+                if i:
+                    got[name].append(r)
+            r = _gpu_ms(side, contig)
+            if i:
+                got["contig"].append(r)
+        row: dict = {"layout": layout, "page_size": ps, "direction": direction, "bytes": case.nbytes}
+        for k, rs in got.items():
+            row[f"{k}_gpu_gbs"] = case.nbytes / (statistics.median(g for g, _ in rs) / 1e3) / 1e9
+            row[f"{k}_submit_ms"] = statistics.median(h for _, h in rs)
+        rows.append(row)
+        log(
+            f"  Q {layout:18s} ps={ps:3d} {direction:6s}: "
+            + ", ".join(f"{k}={v:.2f}" for k, v in row.items() if k.endswith(("gbs", "_ms")))
+        )
+    for eng in engines.values():
+        eng.close()
+    return rows
+
+
+def bench_queued(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for layout in ("layer_first", "page_first_direct", "page_first"):
+        for ps in (16, 64):
+            rows += _queued_rows(args, layout, ps)
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_grid(args: argparse.Namespace) -> list[dict]:
     rows = []
     case = Case("mha", 16, args.total_mib * MIB, "page_first", seed=3)
@@ -183,7 +256,7 @@ def bench_grid(args: argparse.Namespace) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- report
-def report(meta: dict, pages: list[dict], grid: list[dict]) -> str:
+def report(meta: dict, pages: list[dict], grid: list[dict], queued: list[dict] | None = None) -> str:
     g, m = meta["gpu"], meta["machine"]
     lines = [
         f"## transfer on the GPU — {g['gpu']} ({g['sms']} SMs), {m['cpu']} ({m['nproc']} cores), {meta['date']}",
@@ -224,6 +297,25 @@ def report(meta: dict, pages: list[dict], grid: list[dict]) -> str:
             f"cases; lowest {worst[key]:.0%} ({worst['model']} {worst['layout']} {worst['direction']}, "
             f"page {worst['page_size']})."
         )
+    if queued:
+        lines += [
+            "",
+            "### Q. GPU time alone (mha; the copy stream held by a spin until everything is queued)",
+            "",
+            "GB/s over the GPU's time from the spin's end to the last layer; `submit` = the host's time to plan "
+            "and queue the operation.",
+            "",
+            "| layout | page | direction | contig | kernel | kernel % contig | kernel submit | dma | dma % contig "
+            "| dma submit |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['layout']} | {r['page_size']} | {r['direction']} | {r['contig_gpu_gbs']:.2f} | "
+            f"{r['kernel_gpu_gbs']:.2f} | {r['kernel_gpu_gbs'] / r['contig_gpu_gbs']:.0%} | "
+            f"{r['kernel_submit_ms']:.2f} ms | {r['dma_gpu_gbs']:.2f} | {r['dma_gpu_gbs'] / r['contig_gpu_gbs']:.0%} | "
+            f"{r['dma_submit_ms']:.2f} ms |"
+            for r in queued
+        ]
     if grid:
         lines += [
             "",
@@ -246,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=K.DEFAULT_BLOCKS, help="kernel blocks per component")
     ap.add_argument("--grid", default="4,8,16,32,64,132", help="blocks swept in section G")
     ap.add_argument("--no-torch", action="store_true", help="leave the torch path out of section A")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,G")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: A,Q,G")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -266,11 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         "total_mib": args.total_mib,
         "blocks": args.blocks,
     }
+    queued = [] if "Q" in skip else bench_queued(args)
     grid = [] if "G" in skip else bench_grid(args)
     pages = [] if "A" in skip else bench_pages(args)
-    text = report(meta, pages, grid)
+    text = report(meta, pages, grid, queued)
     print(text)
-    write_outputs(args, text, {"meta": meta, "pages": pages, "grid": grid})
+    write_outputs(args, text, {"meta": meta, "pages": pages, "grid": grid, "queued": queued})
     return 0
 
 

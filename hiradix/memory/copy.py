@@ -885,6 +885,10 @@ class CudaCopyEngine(CopyEngine):
     :class:`~hiradix.memory.kernel.KernelError` instead; ``kernel=False`` never uses it.
     ``blocks`` and ``threads`` set the kernel's grid per component.
 
+    ``stream_priority``: the copy stream's CUDA priority (lower is higher; torch clamps it
+    to the device's range): with a higher priority than the forward pass, the kernel's
+    blocks are scheduled ahead of the forward's waiting ones.
+
     ``layer_delay_cycles`` (a test seam, the GPU's counterpart of
     :class:`ThreadCopyEngine`'s ``layer_hook``): spin that many GPU clock cycles on the
     copy stream before each layer, so loads land late and a consumer that does not wait
@@ -902,6 +906,7 @@ class CudaCopyEngine(CopyEngine):
         blocks: int = _kernel.DEFAULT_BLOCKS,
         threads: int = _kernel.DEFAULT_THREADS,
         dma: bool = False,
+        stream_priority: int = 0,
         layer_delay_cycles: int = 0,
     ) -> None:
         if layer_delay_cycles < 0:
@@ -922,7 +927,7 @@ class CudaCopyEngine(CopyEngine):
         if kernel or dma or (kernel is None and _kernel.kernel_by_default()):
             self._launcher = _kernel.CudaLauncher(blocks, threads)
         self.dma = dma
-        self._stream = torch.cuda.Stream(device=self.device)
+        self._stream = torch.cuda.Stream(device=self.device, priority=stream_priority)
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
