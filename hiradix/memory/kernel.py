@@ -355,9 +355,9 @@ def kernel_by_default() -> bool:
     """Whether :class:`~hiradix.memory.copy.CudaCopyEngine` uses the kernel unless told
     otherwise: only with ``HIRADIX_CUDA_KERNEL=1`` (and :func:`cuda_kernel_available`).
 
-    Off by default because the kernel has not yet run on a GPU: it is checked byte for
-    byte on the CPU (the emulation, in CI) and compiled by ``nvcc``, but the one GPU
-    session so far ended before it could be run and measured (``bench/RESULTS_transfer.md``).
+    Off by default because on an H200 (``bench/RESULTS_transfer.md``, 2026-11-27) it reached
+    55-66% of a contiguous pinned copy at page >= 16, short of the 80% bar set for turning it
+    on, although it passed every parity and wait check and was 2.1-9.1x the torch path.
     ``bench/transfer_gpu.py`` and ``tests/memory/test_kernel.py`` are what a GPU session runs
     before turning it on.
     """
