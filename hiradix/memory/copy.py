@@ -927,6 +927,7 @@ class CudaCopyEngine(CopyEngine):
         if kernel or dma or (kernel is None and _kernel.kernel_by_default()):
             self._launcher = _kernel.CudaLauncher(blocks, threads)
         self.dma = dma
+        self._geometries = _kernel.GeometryCache()
         self._stream = torch.cuda.Stream(device=self.device, priority=stream_priority)
         self._lock = threading.Lock()
         self._next_id = 0
@@ -971,7 +972,8 @@ class CudaCopyEngine(CopyEngine):
         dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
         try:
             delta = self._launcher.host_delta(host_pool)
-            p = _kernel.plan(device_pool, host_pool, dev, host)
+            geo = self._geometries.get(device_pool, host_pool)
+            p = None if geo is None else _kernel.plan(device_pool, host_pool, dev, host, geo)
             if p is None or delta % p.width:
                 raise _kernel.KernelError(f"the kernel cannot address these pools ({device_pool}, {host_pool})")
         except _kernel.KernelError:

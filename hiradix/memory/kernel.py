@@ -47,13 +47,16 @@ __all__ = [
     "DEFAULT_THREADS",
     "CudaLauncher",
     "EmulatedLauncher",
+    "Geometry",
     "KernelError",
     "KernelPlan",
     "Launcher",
     "Runs",
     "cuda_kernel_available",
+    "geometry",
     "kernel_by_default",
     "library_abi",
+    "merge_rows",
     "plan",
 ]
 
@@ -198,21 +201,24 @@ def merge_rows(dev_off: np.ndarray, host_off: np.ndarray, row_bytes: int) -> tup
     return dev_off[starts], host_off[starts], lengths
 
 
-def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, host: torch.Tensor) -> KernelPlan | None:
-    """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
-    where the kernel cannot address the pools (rows not dense, strides that change with
-    the layer, more than :data:`MAX_JOBS` components); the torch path serves then.
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The half of a plan that depends on the pools alone, not on the indices: per layer,
+    per component, the device and host :class:`_Side`, and the widest chunk ``width``
+    that divides every row, stride and base. A pair of pools keeps it for life (their
+    buffers never move), so :class:`~hiradix.memory.copy.CudaCopyEngine` computes it once
+    per pair (``O(layers x components)`` tensor views: most of a plan's host time)."""
 
-    Rows are sorted by host slot, as the CPU row copy does: the host side is the one whose
-    layouts scatter a page, and walking it in address order keeps each warp's reads (or
-    writes) over PCIe in few, long runs. Runtime complexity: ``O(n log n)`` for the sort
-    (skipped when in order), ``O(n x components)`` for the offsets.
-    """
-    if dev.device.type != "cpu" or host.device.type != "cpu":
-        raise ValueError("plan() takes CPU indices")
-    n = dev.numel()
-    comps = len(device_pool.layer_buffers(0))
-    if comps > MAX_JOBS or n == 0:
+    layers: list[list[tuple[_Side, _Side]]]
+    width: int
+
+
+def geometry(device_pool: DeviceKVPool, host_pool: HostKVPool) -> Geometry | None:
+    """The :class:`Geometry` of two pools, or ``None`` where the kernel cannot address them
+    (rows not dense, strides that change with the layer, more than :data:`MAX_JOBS`
+    components); the torch path serves then. Raises ``ValueError`` for pools whose rows
+    differ in size."""
+    if len(device_pool.layer_buffers(0)) > MAX_JOBS:
         return None
     layers: list[list[tuple[_Side, _Side]]] = []
     for layer in range(device_pool.layer_num):
@@ -232,22 +238,74 @@ def plan(device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, ho
                 h0.slot_stride,
             ):
                 return None
-    dev_np, host_np = in_host_order(dev.numpy(), host.numpy())
-    ps = host_pool.page_size
-    rows: list[np.ndarray] = []
     g = 0
     for c, (d, h) in enumerate(first):
         if d.row_bytes != h.row_bytes:
             raise ValueError(f"component {c}: device rows have {d.row_bytes} bytes, host rows {h.row_bytes}")
-        rows.append(slot_offsets(dev_np, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
-        rows.append(slot_offsets(host_np, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
         g = math.gcd(g, d.row_bytes, d.page_stride, h.page_stride, h.slot_stride)
-    offsets = torch.from_numpy(np.stack(rows))
     for pairs in layers:
         for d, h in pairs:
             g = math.gcd(g, d.ptr, h.ptr)
-    width = next(w for w in WIDTHS if g % w == 0)
-    return KernelPlan(layers, offsets, n, width)
+    return Geometry(layers, next(w for w in WIDTHS if g % w == 0))
+
+
+class GeometryCache:
+    """The :func:`geometry` of the last few pool pairs (``kept``), each computed once. An
+    entry holds its pools, so their ids stay theirs, and is recomputed should their first
+    buffers move."""
+
+    def __init__(self, kept: int = 8) -> None:
+        self.kept = kept
+        self._entries: dict[tuple[int, int], tuple[DeviceKVPool, HostKVPool, tuple[int, int], Geometry | None]] = {}
+        self.computed = 0  # geometries computed, for tests
+
+    def get(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> Geometry | None:
+        key = (id(device_pool), id(host_pool))
+        bases = (device_pool.layer_buffers(0)[0].data_ptr(), host_pool.backing_tensor.data_ptr())
+        hit = self._entries.get(key)
+        if hit is not None and hit[2] == bases:
+            return hit[3]
+        geo = geometry(device_pool, host_pool)
+        self.computed += 1
+        self._entries.pop(key, None)
+        if len(self._entries) >= self.kept:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (device_pool, host_pool, bases, geo)
+        return geo
+
+
+def plan(
+    device_pool: DeviceKVPool,
+    host_pool: HostKVPool,
+    dev: torch.Tensor,
+    host: torch.Tensor,
+    geo: Geometry | None = None,
+) -> KernelPlan | None:
+    """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
+    where the kernel cannot address the pools (see :func:`geometry`; ``geo``, when given,
+    is theirs, computed once) or there is nothing to copy.
+
+    Rows are sorted by host slot, as the CPU row copy does: the host side is the one whose
+    layouts scatter a page, and walking it in address order keeps each warp's reads (or
+    writes) over PCIe in few, long runs. Runtime complexity: ``O(n log n)`` for the sort
+    (skipped when in order), ``O(n x components)`` for the offsets.
+    """
+    if dev.device.type != "cpu" or host.device.type != "cpu":
+        raise ValueError("plan() takes CPU indices")
+    n = dev.numel()
+    if n == 0:
+        return None
+    if geo is None:
+        geo = geometry(device_pool, host_pool)
+        if geo is None:
+            return None
+    dev_np, host_np = in_host_order(dev.numpy(), host.numpy())
+    ps = host_pool.page_size
+    rows: list[np.ndarray] = []
+    for d, h in geo.layers[0]:
+        rows.append(slot_offsets(dev_np, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
+        rows.append(slot_offsets(host_np, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
+    return KernelPlan(geo.layers, torch.from_numpy(np.stack(rows)), n, geo.width)
 
 
 # ----------------------------------------------------------------------------- launchers

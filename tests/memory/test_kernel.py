@@ -153,6 +153,37 @@ def test_runs_of_the_plan_move_the_bytes_of_the_torch_path(layout: str, shape: s
             _same((dev, host), oracle)
 
 
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_a_plan_from_the_pools_geometry_equals_a_plan_from_scratch(layout: str) -> None:
+    dev, host = _pools(SHAPES["mha"], 4, torch.bfloat16, layout)
+    geo = K.geometry(dev, host)
+    assert geo is not None
+    d, h = _validate_cpu(dev, host, torch.tensor([9, 4, 5, 13]), torch.tensor([40, 2, 3, 17]))
+    a, b = K.plan(dev, host, d, h), K.plan(dev, host, d, h, geo)
+    assert a is not None and b is not None
+    assert (a.layers, a.rows, a.width) == (b.layers, b.rows, b.width)
+    assert torch.equal(a.offsets, b.offsets)
+
+
+def test_geometry_cache_computes_once_per_pool_pair_and_keeps_a_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = K.GeometryCache(kept=2)
+    pairs = [_pools(SHAPES["mha"], 4, torch.bfloat16, layout) for layout in HOST_LAYOUTS]
+    first = cache.get(*pairs[0])
+    assert first is not None
+    assert cache.get(*pairs[0]) is first and cache.computed == 1
+    cache.get(*pairs[1])
+    cache.get(*pairs[2])  # the oldest entry (pairs[0]) goes
+    assert cache.computed == 3
+    assert cache.get(*pairs[2]) is not None and cache.computed == 3
+    cache.get(*pairs[0])
+    assert cache.computed == 4
+    # Pools the kernel cannot address (geometry None) are remembered as such.
+    monkeypatch.setattr(K, "geometry", lambda dev, host: None)
+    dev, host = _pools(SHAPES["mla"], 4, torch.bfloat16, "layer_first")
+    assert cache.get(dev, host) is None and cache.get(dev, host) is None
+    assert cache.computed == 5
+
+
 @pytest.mark.parametrize(("layout", "rows_per_run"), [("layer_first", 4), ("page_first_direct", 4), ("page_first", 1)])
 def test_runs_merge_only_rows_that_follow_on_both_sides(layout: str, rows_per_run: int) -> None:
     # page_first keeps a token's layers together on the host, so a layer's rows never
