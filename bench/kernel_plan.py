@@ -13,7 +13,7 @@ Each case times both variants alternated round by round (warm-up, repeats, media
 
 Usage::
 
-    python bench/kernel_plan.py --md bench/results_kernel_plan.md
+    python bench/kernel_plan.py          # tables for bench/RESULTS_transfer.md
 """
 
 from __future__ import annotations
