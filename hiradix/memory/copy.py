@@ -873,11 +873,12 @@ class CudaCopyEngine(CopyEngine):
         the device, copies to pinned staging and scatters into the host pool when the
         handle is first seen done (``query``/``wait``). Two host passes per layer.
 
-    ``dma=True`` (needs the kernel library, as ``kernel=True``): the same plan, but each layer's rows, merged
-    into runs contiguous on both sides, go to the GPU's copy engines in one
-    ``cudaMemcpyBatchAsync`` (:meth:`~hiradix.memory.kernel.KernelPlan.copy_layer_runs`)
-    instead of the SM kernel: no SM does the copy, so it does not compete with the forward
-    pass, and a page-major layout moves whole pages per run.
+    ``dma=True`` (needs the kernel library, as ``kernel=True``): the same plan, but each
+    layer's rows, merged into runs contiguous on both sides, go to the GPU's copy engines in
+    one ``cudaMemcpyBatchAsync`` (:meth:`~hiradix.memory.kernel.KernelPlan.copy_layer_runs`)
+    instead of the SM kernel. Measured on an H200 (``bench/RESULTS_transfer.md``): no faster
+    than the kernel at page >= 16, far slower where runs are single rows (page 1, the
+    page_first layout), and worse at overlapping a forward pass. Kept for measurement.
 
     ``kernel=None`` takes the kernel where :func:`~hiradix.memory.kernel.kernel_by_default`
     says so and then falls back per operation where it cannot address the pools (an
@@ -886,8 +887,8 @@ class CudaCopyEngine(CopyEngine):
     ``blocks`` and ``threads`` set the kernel's grid per component.
 
     ``stream_priority``: the copy stream's CUDA priority (lower is higher; torch clamps it
-    to the device's range): with a higher priority than the forward pass, the kernel's
-    blocks are scheduled ahead of the forward's waiting ones.
+    to the device's range). Above the forward pass's, the kernel's blocks should be
+    scheduled ahead of the forward's waiting ones; not yet measured (``bench/gpu/README.md``).
 
     ``layer_delay_cycles`` (a test seam, the GPU's counterpart of
     :class:`ThreadCopyEngine`'s ``layer_hook``): spin that many GPU clock cycles on the
