@@ -349,6 +349,14 @@ class EmulatedLauncher(Launcher):
             ctypes.memmove(dst, src, size)
 
 
+_C_INT, _PTR = ctypes.c_int, ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # the library's C ABI (_kvcopy_cuda.cu)
+    "hr_kvcopy_abi": (_C_INT, []),
+    "hr_kvcopy_launch": (_C_INT, [_PTR, _C_INT, _C_INT, _C_INT, _C_INT, _PTR]),
+    "hr_kvcopy_runs": (_C_INT, [_PTR, _PTR, _PTR, ctypes.c_size_t, _PTR]),
+    "hr_kvcopy_host_pointer": (_C_INT, [_PTR, ctypes.POINTER(_PTR)]),
+    "hr_kvcopy_error_string": (ctypes.c_char_p, [_C_INT]),
+}
 _LIB_LOCK = threading.Lock()
 _LIB: Any = None
 _LIB_ERROR: str | None = None
@@ -366,28 +374,9 @@ def _library() -> Any:
             else:
                 try:
                     lib = ctypes.CDLL(str(LIBRARY))
-                    lib.hr_kvcopy_abi.restype = ctypes.c_int
-                    lib.hr_kvcopy_launch.restype = ctypes.c_int
-                    lib.hr_kvcopy_launch.argtypes = [
-                        ctypes.c_void_p,
-                        ctypes.c_int,
-                        ctypes.c_int,
-                        ctypes.c_int,
-                        ctypes.c_int,
-                        ctypes.c_void_p,
-                    ]
-                    lib.hr_kvcopy_runs.restype = ctypes.c_int
-                    lib.hr_kvcopy_runs.argtypes = [
-                        ctypes.c_void_p,
-                        ctypes.c_void_p,
-                        ctypes.c_void_p,
-                        ctypes.c_size_t,
-                        ctypes.c_void_p,
-                    ]
-                    lib.hr_kvcopy_host_pointer.restype = ctypes.c_int
-                    lib.hr_kvcopy_host_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
-                    lib.hr_kvcopy_error_string.restype = ctypes.c_char_p
-                    lib.hr_kvcopy_error_string.argtypes = [ctypes.c_int]
+                    for name, (restype, argtypes) in _SIGNATURES.items():
+                        fn = getattr(lib, name)
+                        fn.restype, fn.argtypes = restype, argtypes
                     if lib.hr_kvcopy_abi() != ABI:
                         raise KernelError(f"{LIBRARY.name} has ABI {lib.hr_kvcopy_abi()}, expected {ABI}: rebuild")
                     _LIB = lib
