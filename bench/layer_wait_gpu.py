@@ -26,8 +26,9 @@ bytes an independent CPU load of the same host pages gives. With the counter reg
 layer may be stale; the control run unregisters it (what hiradix did before the fix) and
 must see stale layers, or the check proves nothing.
 
-Both sections run for the CUDA engine's three paths: ``kernel`` (the SM gather/scatter
-kernel), ``dma`` (the same rows as runs on the copy engines) and ``torch``. The torch path
+Both sections run for the CUDA engine's paths: ``kernel`` (the SM gather/scatter kernel),
+``kernel-high`` (the same on a copy stream at the highest priority), ``dma`` (the same rows
+as runs on the copy engines) and ``torch``. The torch path
 gathers each layer on the host before queueing it, so its spin is ``--torch-delay``
 (longer): the GPU must lag the host for its control run to be able to see stale layers. On a machine without CUDA
 ``--device cpu`` runs the same code on CPU pools with the thread engine (its layer hook
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the logic")
     ap.add_argument("--sglang-src", default=None, help="SGLang's source (folder or .tar.gz) when it is not installed")
-    ap.add_argument("--paths", default=None, help="engine paths (default: kernel,dma,torch on CUDA, thread on CPU)")
+    ap.add_argument("--paths", default=None, help="engine paths (default: kernel,kernel-high,dma,torch on CUDA, thread on CPU)")
     ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
     ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
     ap.add_argument("--repeats", type=int, default=7)
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         log("--device cuda needs a CUDA GPU; torch.cuda.is_available() is False here (--device cpu: a dry run)")
         return 2
     args.ratios = [float(r) for r in args.ratios.split(",")]
-    paths = (args.paths or ("kernel,dma,torch" if cuda else "thread")).split(",")
+    paths = (args.paths or ("kernel,kernel-high,dma,torch" if cuda else "thread")).split(",")
     if args.delay is None:
         args.delay = 200_000 if cuda else 0.002
     if args.torch_delay is None:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (about 5 minutes on an H100/H200), most important first:
+# The whole GPU check in one call (about 6 minutes on an H100/H200), most important first:
 #   1. build with nvcc (the CUDA copy kernel required) and the CUDA tests of the copy path
 #      (kernel parity against the torch path and the CPU emulation included);
 #   2. bench/layer_wait_gpu.py: the wait through SGLang's KV pool (W, bytes) and the
 #      layer-wise overlap (D), for the kernel and torch paths;
-#   3. bench/transfer_gpu.py: page copies against the link (A) and the kernel grid (G).
+#   3. bench/transfer_gpu.py: GPU time alone (Q), page copies against the link (A) and the
+#      kernel grid (G).
 # Each step has its own time limit and the later steps run whatever the earlier ones gave.
 # Carry: .whl (bench/gpu/README.md) and .gpu (SGLang's source tarball). Writes at most 8
 # files under $OUT (the device tool's limit): machine.txt, build.log, tests.log, run.log,
@@ -37,13 +38,13 @@ echo "CUDA tests passed: $(grep -cE "^PASSED .*(cuda|Cuda|CUDA)" "$OUT/tests.log
 grep -E "^SKIPPED" "$OUT/tests.log" | head -10
 
 step "layer waits through SGLang's KV pool (W) and overlap (D)"
-timeout "${WAIT_TIMEOUT:-200}" python3 bench/layer_wait_gpu.py --sglang-src .gpu/sglang-0.5.23.tar.gz \
+timeout "${WAIT_TIMEOUT:-260}" python3 bench/layer_wait_gpu.py --sglang-src .gpu/sglang-0.5.23.tar.gz \
     --rounds 200 --repeats 5 \
     --json "$OUT/layer_wait.json" --md "$OUT/layer_wait.md" 2>&1 | grep -vE "UserWarning|warnings.warn"
 echo "layer_wait rc=${PIPESTATUS[0]}"
 
-step "page copies against the link (A) and the kernel grid (G)"
-timeout "${TRANSFER_TIMEOUT:-200}" python3 bench/transfer_gpu.py --total-mib 256 --repeats 5 \
+step "GPU time alone (Q), page copies against the link (A), the kernel grid (G)"
+timeout "${TRANSFER_TIMEOUT:-160}" python3 bench/transfer_gpu.py --total-mib 256 --repeats 5 \
     --json "$OUT/transfer_gpu.json" --md "$OUT/transfer_gpu.md"
 echo "transfer_gpu rc=$?"
 step "done"
