@@ -416,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the logic")
     ap.add_argument("--sglang-src", default=None, help="SGLang's source (folder or .tar.gz) when it is not installed")
-    ap.add_argument("--paths", default=None, help="engine paths (CUDA default: kernel,kernel-high,dma,torch; CPU: thread)")
+    ap.add_argument(
+        "--paths", default=None, help="engine paths (default: kernel,kernel-high,dma,torch on CUDA, thread on CPU)"
+    )
     ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
     ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
     ap.add_argument("--repeats", type=int, default=7)
