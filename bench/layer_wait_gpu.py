@@ -16,7 +16,9 @@ a synthetic Llama-3-8B forward: per layer, the pool's K and V reads of the loade
 [4096, 6144]``, ``[4096, 4096]``, ``[4096, 28672]``, ``[14336, 4096]``). ``T`` is chosen
 so that compute is a set multiple of the load. Timed with CUDA events on the compute
 stream: load alone, compute alone (no consumer: no waits), both pipelined; ideal =
-max(load, compute) + one layer's load. Target: pipelined <= 1.10 x ideal.
+max(load, compute) + one layer's load. Target: pipelined <= 1.10 x ideal. Beside them, the
+forward with a load in flight that it does not wait for (contention alone: the GEMM
+slowdown, target at most 5%), and the host's time to submit the load.
 
 **W. Wait correctness.** Many rounds of: zero the device rows, load random host pages into
 them with every layer's copy deliberately slowed (the engine's ``layer_delay_cycles``
@@ -26,11 +28,12 @@ bytes an independent CPU load of the same host pages gives. With the counter reg
 layer may be stale; the control run unregisters it (what hiradix did before the fix) and
 must see stale layers, or the check proves nothing.
 
-Both sections run for the CUDA engine's paths: ``kernel`` (the SM gather/scatter kernel),
-``kernel-high`` (the same on a copy stream at the highest priority), ``dma`` (the same rows
-as runs on the copy engines) and ``torch``. The torch path
-gathers each layer on the host before queueing it, so its spin is ``--torch-delay``
-(longer): the GPU must lag the host for its control run to be able to see stale layers. On a machine without CUDA
+Both sections run for each path (``--paths``): hiradix's ``warp`` and ``wide`` kernel modes,
+``dma`` (the same rows as runs on the copy engines) and ``mapped`` (the torch fallback:
+torch's index kernels over the mapped host pool), and SGLang 0.5.23's own kernels driven
+layer by layer through the same controller (``sgl-reg``, ``sgl-tma``:
+``sglang_kernels.SGLangLayerEngine``); ``-high`` appended puts the copy stream at the
+highest priority. On a machine without CUDA
 ``--device cpu`` runs the same code on CPU pools with the thread engine (its layer hook
 slows the loads), a dry run of the script; timings then mean nothing.
 
@@ -49,6 +52,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,11 +113,35 @@ class Rig:
         self.engine.close()
 
 
+CUDA_PATHS = {  # CudaCopyEngine's arguments per path
+    "warp": {"kernel": True, "mode": "warp"},
+    "wide": {"kernel": True, "mode": "wide"},
+    "dma": {"kernel": True, "dma": True},
+    "mapped": {"kernel": False},
+}
+SGLANG_PATHS = {"sgl-reg": "register", "sgl-tma": "tma"}  # SGLang's kernels, per layer: variant
+
+
+def make_engine(path: str, delay: float) -> Any:
+    """The copy engine of a CUDA ``path`` (``-high`` appended: its copy stream at the
+    highest priority); ``delay`` GPU cycles spun before each layer."""
+    from hiradix.memory import CudaCopyEngine
+
+    base, high = path.removesuffix("-high"), path.endswith("-high")
+    if base in SGLANG_PATHS:
+        from sglang_kernels import SGLangLayerEngine
+
+        return SGLangLayerEngine(SGLANG_PATHS[base], layer_delay_cycles=int(delay), stream_priority=-100 if high else 0)
+    if base not in CUDA_PATHS:
+        raise ValueError(f"unknown path {path!r}: {sorted(CUDA_PATHS) + sorted(SGLANG_PATHS)} (or with -high)")
+    return CudaCopyEngine(**CUDA_PATHS[base], stream_priority=-100 if high else 0, layer_delay_cycles=int(delay))
+
+
 def make_rig(mp: Any, device: str, tokens: int, host_tokens: int, path: str, delay: float) -> Rig:
-    """``path``: ``kernel``, ``dma`` or ``torch`` (CUDA engine; ``-high`` appended: its copy
-    stream at the highest priority), ``thread`` (CPU). ``delay``: the
+    """``path``: a key of :data:`CUDA_PATHS` or :data:`SGLANG_PATHS` (``-high`` appended:
+    the copy stream at the highest priority), or ``thread`` (CPU). ``delay``: the
     per-layer slow-down, GPU cycles (CUDA) or seconds (CPU)."""
-    from hiradix.memory import CudaCopyEngine, HostKVPool, ThreadCopyEngine
+    from hiradix.memory import HostKVPool, ThreadCopyEngine
     from hiradix.sglang.cache import SGLangCacheController
     from hiradix.sglang.pools import device_pool_from_sglang
 
@@ -130,13 +158,7 @@ def make_rig(mp: Any, device: str, tokens: int, host_tokens: int, path: str, del
     dev = device_pool_from_sglang(kv)
     host = HostKVPool(dev.shape, host_tokens, PAGE, DTYPE, "layer_first", reserve_bytes=0)
     if device == "cuda":
-        base, _, high = path.partition("-")  # "kernel-high": the copy stream at the highest priority
-        engine: Any = CudaCopyEngine(
-            kernel=base != "torch",
-            dma=base == "dma",
-            stream_priority=-100 if high else 0,
-            layer_delay_cycles=int(delay),
-        )
+        engine: Any = make_engine(path, delay)
     else:
 
         def slow(kind: str, op_id: int, layer: int) -> None:
@@ -252,11 +274,17 @@ def bench_overlap(mp: Any, args: argparse.Namespace, path: str) -> list[dict]:
         for _ in range(2):
             timer(lambda fwd=fwd: forward(fwd, -1))
             settle(timer(pipelined))
-        t: dict[str, list[float]] = {"load": [], "compute": [], "pipelined": []}
+
+        def contended(fwd: Forward = fwd) -> None:  # a load in flight, the forward not waiting for it
+            rig.start_load(h, d)
+            forward(fwd, -1)
+
+        t: dict[str, list[float]] = {"load": [], "compute": [], "pipelined": [], "contended": []}
         for _ in range(args.repeats):  # alternated round by round
             t["load"].append(settle(timer(load)))
             t["compute"].append(timer(lambda fwd=fwd: forward(fwd, -1)))
             t["pipelined"].append(settle(timer(pipelined)))
+            t["contended"].append(settle(timer(contended)))
         ideals = [max(lo, co) + lo / LAYERS for lo, co in zip(t["load"], t["compute"], strict=True)]
         row = {
             "path": path,
@@ -269,12 +297,15 @@ def bench_overlap(mp: Any, args: argparse.Namespace, path: str) -> list[dict]:
             "ideal_ms": statistics.median(ideals),
             "ratio": statistics.median(p / i for p, i in zip(t["pipelined"], ideals, strict=True)),
             "submit_ms": statistics.median(submits),
+            "contended_ms": statistics.median(t["contended"]),
+            "gemm_slowdown": statistics.median(c / a for c, a in zip(t["contended"], t["compute"], strict=True)) - 1,
         }
         rows.append(row)
         log(
             f"  D {path} r={ratio}: load {row['load_ms']:.2f} ms, compute {row['compute_ms']:.2f} ms, "
             f"pipelined {row['pipelined_ms']:.2f} ms, ideal {row['ideal_ms']:.2f} ms, ratio {row['ratio']:.3f}, "
-            f"host submit {row['submit_ms']:.2f} ms"
+            f"host submit {row['submit_ms']:.2f} ms, compute beside a load {row['contended_ms']:.2f} ms "
+            f"({row['gemm_slowdown']:+.1%})"
         )
         del fwd
     rig.close()
@@ -305,7 +336,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_waits(mp: Any, args: argparse.Namespace, path: str) -> list[dict]:
     n_pages = args.check_pages
     dev_pages, host_pages = 4 * n_pages + 1, 8 * n_pages
-    delay = args.torch_delay if path.startswith("torch") else args.delay
+    delay = args.delay
     rig = make_rig(mp, args.device, dev_pages * PAGE, host_pages * PAGE, path, delay)
     raw = rig.ctrl.host_pool.backing_tensor.view(torch.uint8)
     g = torch.Generator().manual_seed(11)
@@ -372,14 +403,18 @@ def report(meta: dict, overlap: list[dict], waits: list[dict]) -> str:
             f"### D. Overlap ({overlap[0]['load_mib']:.0f} MiB per load, layer_first host pool; "
             f"{meta['repeats']} rounds, medians; {meta['timer']})",
             "",
+            "`compute beside a load`: the same forward while a load runs that it does not wait for (contention "
+            "alone); `GEMM slowdown` = that / compute alone - 1.",
+            "",
             "| path | compute / load | tokens | load | compute | pipelined | ideal | pipelined / ideal "
-            "| host time to submit the load |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| host time to submit the load | compute beside a load | GEMM slowdown |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['path']} | {r['compute_over_load']} | {r['tokens']} | {r['load_ms']:.2f} ms | "
             f"{r['compute_ms']:.2f} ms | {r['pipelined_ms']:.2f} ms | {r['ideal_ms']:.2f} ms | {r['ratio']:.3f} | "
-            f"{r.get('submit_ms', float('nan')):.2f} ms |"
+            f"{r.get('submit_ms', float('nan')):.2f} ms | {r.get('contended_ms', float('nan')):.2f} ms | "
+            f"{r.get('gemm_slowdown', float('nan')):+.1%} |"
             for r in overlap
         ]
         worst = max(overlap, key=lambda r: r["ratio"])
@@ -388,6 +423,15 @@ def report(meta: dict, overlap: list[dict], waits: list[dict]) -> str:
             f"\nTarget (pipelined <= 1.10 x ideal): {ok}/{len(overlap)} cases; highest {worst['ratio']:.3f} "
             f"({worst['path']}, compute/load {worst['compute_over_load']})."
         )
+        for path in dict.fromkeys(r["path"] for r in overlap):
+            mine = [r for r in overlap if r["path"] == path]
+            slow = max(r.get("gemm_slowdown", float("nan")) for r in mine)
+            ratios = ", ".join(format(r["ratio"], ".3f") for r in mine)
+            at = ", ".join(str(r["compute_over_load"]) for r in mine)
+            lines.append(
+                f"`{path}`: pipelined / ideal {ratios} at compute/load {at}; GEMM slowdown at most {slow:+.1%} "
+                "(targets 1.10 and 5%)."
+            )
     if waits:
         lines += [
             "",
@@ -412,12 +456,24 @@ def report(meta: dict, overlap: list[dict], waits: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _guarded(name: str, fn: Callable[[], list[dict]]) -> list[dict]:
+    """One path's section; a failure is logged with its traceback and the others still run."""
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    except Exception:
+        log(f"  {name} failed:\n{traceback.format_exc()}")
+        return []
+    finally:
+        log(f"  {name}: {time.perf_counter() - t0:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the logic")
     ap.add_argument("--sglang-src", default=None, help="SGLang's source (folder or .tar.gz) when it is not installed")
     ap.add_argument(
-        "--paths", default=None, help="engine paths (default: kernel,kernel-high,dma,torch on CUDA, thread on CPU)"
+        "--paths", default=None, help="engine paths (default: warp,wide,mapped,sgl-reg,sgl-tma on CUDA, thread on CPU)"
     )
     ap.add_argument("--pipeline-mib", type=int, default=1024, help="MiB per load in section D")
     ap.add_argument("--ratios", default="0.5,1,2", help="compute/load ratios for section D")
@@ -426,12 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-pages", type=int, default=16, help="pages per load in section W")
     ap.add_argument(
         "--delay", type=float, default=None, help="per-layer slow-down in W: GPU cycles (default 200000) or CPU seconds"
-    )
-    ap.add_argument(
-        "--torch-delay",
-        type=float,
-        default=None,
-        help="the same for the torch path, whose host gathers pace the queue (default 10x --delay)",
     )
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: D,W")
     ap.add_argument("--json", type=Path, default=None)
@@ -443,21 +493,27 @@ def main(argv: list[str] | None = None) -> int:
         log("--device cuda needs a CUDA GPU; torch.cuda.is_available() is False here (--device cpu: a dry run)")
         return 2
     args.ratios = [float(r) for r in args.ratios.split(",")]
-    paths = (args.paths or ("kernel,kernel-high,dma,torch" if cuda else "thread")).split(",")
+    paths = (args.paths or ("warp,wide,mapped,sgl-reg,sgl-tma" if cuda else "thread")).split(",")
     if args.delay is None:
         args.delay = 200_000 if cuda else 0.002
-    if args.torch_delay is None:
-        args.torch_delay = 10 * args.delay
     skip = {s.strip().upper() for s in args.skip.split(",") if s.strip()}
     mp = load_sglang(args.sglang_src)
     from importlib.metadata import version
 
-    if cuda and any(not p.startswith("torch") for p in paths):
+    if cuda and any(p.partition("-high")[0] in ("warp", "wide", "dma") for p in paths):
         from hiradix.memory import kernel as K
 
         if not K.cuda_kernel_available():
-            log("the kernel path needs the kernel library (built by setup.py where nvcc is found)")
+            log(f"the kernel paths need the kernel library: {K.kernel_unavailable_reason()}")
             return 2
+    if cuda and any(p.partition("-high")[0] in SGLANG_PATHS for p in paths):
+        try:
+            import sglang_kernels as sk
+
+            sk.load_sglang_kernels(args.sglang_src or sk.DEFAULT_SOURCE)
+        except Exception as exc:  # the rest of the benchmark goes on without SGLang's kernels
+            log(f"SGLang's kernels cannot be loaded ({exc!r}); leaving their paths out")
+            paths = [p for p in paths if p.partition("-high")[0] not in SGLANG_PATHS]
     meta = {
         "machine": machine(),
         "device_name": torch.cuda.get_device_name() if cuda else "CPU dry run (timings meaningless)",
@@ -471,12 +527,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     waits: list[dict] = []
     overlap: list[dict] = []
+    def save() -> None:  # after every path: a run stopped by its time limit keeps what it measured
+        write_outputs(args, report(meta, overlap, waits), {"meta": meta, "overlap": overlap, "waits": waits})
+
     for path in paths:  # W first: the correctness check outranks the timing
         if "W" not in skip:
-            waits += check_waits(mp, args, path)
+            waits += _guarded(f"W {path}", lambda path=path: check_waits(mp, args, path))
+            save()
     for path in paths:
         if "D" not in skip:
-            overlap += bench_overlap(mp, args, path)
+            overlap += _guarded(f"D {path}", lambda path=path: bench_overlap(mp, args, path))
+            save()
             if cuda:
                 torch.cuda.empty_cache()
     if args.sglang_src:

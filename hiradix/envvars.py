@@ -86,9 +86,14 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Fault huge-page pools in when they are made, at start-up. `0`: leave the faults to first use "
            "(each may then compact memory on the scheduler thread).",
            "hiradix/memory/pools.py"),
-    EnvVar("HIRADIX_CUDA_KERNEL", "flag", "0", "runtime",
-           "Let `CudaCopyEngine` use hiradix's CUDA gather/scatter kernel where it was built "
-           "(off by default: not yet measured on a GPU).",
+    EnvVar("HIRADIX_CUDA_KERNEL", "flag", "1", "runtime",
+           "`CudaCopyEngine` moves KV with hiradix's CUDA gather/scatter kernel wherever the library "
+           "loads on a CUDA device (the fastest path measured). `0`: the torch path instead.",
+           "hiradix/memory/kernel.py"),
+    EnvVar("HIRADIX_CUDA_KERNEL_MODE", "text", "warp", "runtime",
+           "How the kernel shares a copy among threads: `warp` (a few blocks, a warp per row, "
+           "streaming loads and stores: leaves the SMs to the forward pass) or `wide` (many blocks, "
+           "chunks striped over every thread).",
            "hiradix/memory/kernel.py"),
     EnvVar("HIRADIX_SGLANG_ANY_VERSION", "flag", "0", "runtime",
            "Let the SGLang plugin and adapter load on an SGLang version they do not support.",

@@ -5,7 +5,10 @@
 # Source it: it exports PYTHONPATH.
 set -u
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+    if [ ! -e /tmp/site/.installed ]; then  # run.sh installs them first, for the JIT build beside ours
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+        touch /tmp/site/.installed
+    fi
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD

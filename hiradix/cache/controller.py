@@ -615,8 +615,9 @@ class HiCacheController:
 
     def pop_durations(self, kind: str) -> list[float]:
         """The copy times (seconds) of the ``"backup"`` or ``"load"`` acks acknowledged
-        since the last call, where the copy engine times its copies (the thread engine;
-        the last 1,024 kept). For metrics. ``O(acks)``."""
+        since the last call, where the copy engine times its copies (the thread engine by
+        the clock, the CUDA engine by CUDA events; the last 1,024 kept). For metrics.
+        ``O(acks)``."""
         q = self._durations[kind]
         out = list(q)
         q.clear()

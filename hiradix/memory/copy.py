@@ -41,6 +41,8 @@ tensor, this is one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 import queue
 import threading
@@ -58,6 +60,8 @@ from hiradix._native import load
 from hiradix.memory import kernel as _kernel
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, rows_contiguous
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "CopyEngine",
     "CopyError",
@@ -66,6 +70,8 @@ __all__ = [
     "LoadHandle",
     "ThreadCopyEngine",
     "make_copy_engine",
+    "mapped_backup_layer",
+    "mapped_load_layer",
 ]
 
 _gather: Any = load("hiradix.memory._gather")  # not built: the torch path does the copies
@@ -287,7 +293,9 @@ def as_index_array(indices: Any, name: str) -> np.ndarray:
 def _prepare(
     device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
 ) -> tuple[torch.Tensor, _HostIndex]:
-    dev, host = _validate(device_pool, host_pool, device_indices, host_indices)
+    """Checked CPU indices (device ones as given, host ones pre-split): the CUDA engine's
+    torch paths' input."""
+    dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
     return dev, _host_index(host, host_pool.page_size)
 
 
@@ -797,8 +805,9 @@ class ThreadCopyEngine(CopyEngine):
 # ----------------------------------------------------------------------------- CUDA
 class _CudaHandle(LoadHandle):
     """One operation on a :class:`CudaCopyEngine`: a CUDA event per layer, recorded on the
-    copy stream after that layer's copy. ``finalize`` (for backups) scatters the pinned
-    staging buffers into the host pool once the last event has fired."""
+    copy stream after that layer's copy, and (where timed) one before the first.
+    ``finalize`` (the legacy path's backups) scatters the pinned staging buffers into the
+    host pool once the last event has fired."""
 
     def __init__(
         self,
@@ -808,16 +817,19 @@ class _CudaHandle(LoadHandle):
         device: torch.device,
         keep_alive: list[torch.Tensor],
         finalize: Callable[[], None] | None = None,
+        start: torch.cuda.Event | None = None,
     ) -> None:
         self.op_id = op_id
         self.kind = kind
         self.layer_num = len(events)
         self._events = events
+        self._start = start
         self._device = device
-        self._keep_alive = keep_alive  # pinned staging and device temporaries in flight
+        self._keep_alive = keep_alive  # offsets, indices and staging in flight
         self._finalize = finalize
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._duration: float | None = None
 
     def _complete(self) -> None:
         with self._lock:
@@ -827,6 +839,12 @@ class _CudaHandle(LoadHandle):
                     fin()
                 except BaseException as exc:  # re-raised by wait()
                     self._error = exc
+            if self._start is not None:
+                # Stock SGLang times its load-back and backups with CUDA events, too.
+                # A negative span means the ring reused the events: no figure then.
+                ms = self._start.elapsed_time(self._events[-1])
+                self._duration = ms / 1e3 if ms >= 0 else None
+                self._start = None
             self._keep_alive = []
 
     def done(self) -> bool:
@@ -838,6 +856,12 @@ class _CudaHandle(LoadHandle):
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds the copy took on the GPU (CUDA events), once done; ``None`` before or
+        where not timed."""
+        return self._duration
 
     def wait(self, timeout: float | None = None) -> None:
         # CUDA events have no timed wait; timeout is accepted for interface parity.
@@ -852,51 +876,145 @@ class _CudaHandle(LoadHandle):
         torch.cuda.current_stream(self._device).wait_event(self._events[layer])
 
 
+class _EventRing:
+    """Timing-enabled CUDA events for a copy stream's operations, made once and reused:
+    ``take(layers)`` gives ``layers + 1`` events (a start and one per layer) and their raw
+    handles as the C array the kernel library records into. Events are reused after
+    ``slots`` later operations. Reuse is safe on one stream: a slow reader of an old
+    handle then waits for a later operation of the same in-order stream, never for less
+    than its own."""
+
+    def __init__(self, stream: torch.cuda.Stream, slots: int = 64) -> None:
+        self._stream = stream
+        self._slots: list[tuple[list[torch.cuda.Event], Any] | None] = [None] * slots
+        self._next = 0
+
+    def take(self, layers: int) -> tuple[list[torch.cuda.Event], Any]:
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        slot = self._slots[i]
+        if slot is None or len(slot[0]) != layers + 1:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(layers + 1)]
+            for ev in events:  # a first record creates the CUDA event behind the handle
+                ev.record(self._stream)
+            handles = (ctypes.c_void_p * layers)(*(ev.cuda_event for ev in events[1:]))
+            slot = self._slots[i] = (events, handles)
+        return slot
+
+
+def _mapped_alias(host_pool: HostKVPool, device: torch.device) -> torch.Tensor | None:
+    """The pinned host pool's bytes as a tensor on ``device`` (unified addressing: a
+    GPU kernel reads and writes them in place over PCIe), or ``None`` where the pool is not
+    pinned or torch will not take the address."""
+    buf = host_pool.backing_tensor
+    if not buf.is_pinned():
+        return None
+    nbytes = buf.numel() * buf.element_size()
+
+    mapped = type("Mapped", (), {})()  # torch.as_tensor reads the CUDA array interface of the pinned bytes
+    mapped.__cuda_array_interface__ = {
+        "shape": (nbytes,),
+        "typestr": "|u1",
+        "data": (buf.data_ptr(), False),
+        "version": 3,
+        "strides": None,
+    }
+    try:
+        alias = torch.as_tensor(mapped, device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return alias if alias.data_ptr() == buf.data_ptr() else None
+
+
+def _mapped_views(host_pool: HostKVPool, alias: torch.Tensor, layer: int) -> list[torch.Tensor]:
+    """``get_page_layer_view(layer)``'s components as bytes, over ``alias`` (the pool's
+    bytes on the GPU, :func:`_mapped_alias`)."""
+    base = host_pool.backing_tensor.data_ptr()
+    out = []
+    for view in host_pool.get_page_layer_view(layer):
+        b = _as_bytes(view)
+        out.append(alias.as_strided(b.shape, b.stride(), b.data_ptr() - base))
+    return out
+
+
+def mapped_load_layer(
+    dbufs: list[torch.Tensor], hviews: list[torch.Tensor], hidx: _HostIndex, dev: torch.Tensor
+) -> None:
+    """One layer host -> device on the GPU alone: gather the host rows through their
+    mapped views (the GPU reads pinned memory in place) and scatter them into the device
+    buffers. A fixed number of torch ops per component, whatever the rows: no host pass
+    over the KV, no per-token host work. Device-agnostic (CI runs it on CPU tensors)."""
+    for dbuf, hview in zip(dbufs, hviews, strict=True):
+        dbuf.index_copy_(0, dev, _host_gather(hview, hidx))
+
+
+def mapped_backup_layer(
+    dbufs: list[torch.Tensor], hviews: list[torch.Tensor], hidx: _HostIndex, dev: torch.Tensor
+) -> None:
+    """One layer device -> host on the GPU alone: gather the device rows and scatter them
+    into the mapped host views in place. As :func:`mapped_load_layer`, no host work per
+    token."""
+    for dbuf, hview in zip(dbufs, hviews, strict=True):
+        _host_scatter(hview, hidx, dbuf.index_select(0, dev))
+
+
+def _host_index_on(hidx: _HostIndex, device: torch.device) -> _HostIndex:
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return _HostIndex(hidx.n, to(hidx.pages), to(hidx.page), to(hidx.offset))
+
+
 class CudaCopyEngine(CopyEngine):
     """Copy engine on a dedicated CUDA copy stream, one event per layer.
 
     Every operation first makes the copy stream wait on the current stream (so it sees
     the KV the compute stream wrote and does not overwrite slots still being read), then
     moves the layers in order, recording one event after each: ``wait_until(i)`` makes the
-    *current stream* wait for layer ``i`` without blocking the host.
+    *current stream* wait for layer ``i`` without blocking the host. The host's part is
+    validating the indices, planning the offsets once (one per page where whole pages move)
+    and one call that queues every layer; nothing waits for the GPU.
 
-    Two ways to move a layer, the same bytes either way:
+    Three ways to move a layer, the same bytes every way:
 
-    ``kernel`` (``kernel=True``, or ``HIRADIX_CUDA_KERNEL=1``; :mod:`hiradix.memory.kernel`)
+    ``kernel`` (the default wherever the library loads on a CUDA device; ``kernel=False`` or
+    ``HIRADIX_CUDA_KERNEL=0`` turn it off; :mod:`hiradix.memory.kernel`)
         one launch of the gather/scatter kernel per layer, reading (load) or writing
-        (backup) the pinned host pool in place over PCIe; the only host work is planning
-        the row offsets once per operation and uploading them (``16 x n x components``
-        bytes). Needs a pinned host pool (the default where CUDA is available).
-    torch indexing (the default for now, see :func:`~hiradix.memory.kernel.kernel_by_default`)
-        a load gathers each layer's host rows into pinned staging on the calling thread,
-        copies it to the device and scatters it with ``index_copy_``; a backup gathers on
-        the device, copies to pinned staging and scatters into the host pool when the
-        handle is first seen done (``query``/``wait``). Two host passes per layer.
+        (backup) the pinned host pool in place over PCIe. ``mode`` ``warp`` (a few blocks,
+        a warp per row, streaming accesses: made to run beside a forward pass) or ``wide``
+        (many blocks); default ``HIRADIX_CUDA_KERNEL_MODE``. The offsets go up from pinned
+        memory on the copy stream, asynchronously.
+    mapped torch (the fallback where the kernel is off or cannot serve)
+        torch's own index kernels on the GPU over the pinned host pool viewed as device
+        memory (unified addressing): a gather and a scatter per component, no host pass
+        over the KV and no per-token host work. Logged once, with the reason.
+    staged torch (only for a host pool that is not pinned, which the GPU cannot address)
+        each layer's host rows gathered by the CPU into pinned staging, copied, scattered
+        with ``index_copy_``; backups scattered on the host when first seen done. Two host
+        passes a layer; logged once.
 
-    ``dma=True`` (needs the kernel library, as ``kernel=True``): the same plan, but each
-    layer's rows, merged into runs contiguous on both sides, go to the GPU's copy engines in
-    one ``cudaMemcpyBatchAsync`` (:meth:`~hiradix.memory.kernel.KernelPlan.copy_layer_runs`)
+    ``dma=True`` (needs the kernel library): the same plan, but each layer's rows, merged
+    into runs contiguous on both sides, go to the GPU's copy engines in one
+    ``cudaMemcpyBatchAsync`` (:meth:`~hiradix.memory.kernel.KernelPlan.copy_layer_runs`)
     instead of the SM kernel. Measured on an H200 (``bench/RESULTS_transfer.md``): no faster
-    than the kernel at page >= 16, far slower where runs are single rows (page 1, the
-    page_first layout), and worse at overlapping a forward pass. Kept for measurement.
+    than the kernel at page >= 16, far slower where runs are single rows. Kept for
+    measurement.
 
-    ``kernel=None`` takes the kernel where :func:`~hiradix.memory.kernel.kernel_by_default`
-    says so and then falls back per operation where it cannot address the pools (an
-    unpinned host pool); ``kernel=True`` requires it and raises
-    :class:`~hiradix.memory.kernel.KernelError` instead; ``kernel=False`` never uses it.
-    ``blocks`` and ``threads`` set the kernel's grid per component.
+    ``kernel=True`` requires the kernel and raises
+    :class:`~hiradix.memory.kernel.KernelError` where it cannot serve; ``blocks`` and
+    ``threads`` set its grid per component (defaults per mode).
 
     ``stream_priority``: the copy stream's CUDA priority (lower is higher; torch clamps it
-    to the device's range). Above the forward pass's, the kernel's blocks should be
-    scheduled ahead of the forward's waiting ones; not yet measured (``bench/gpu/README.md``).
+    to the device's range).
 
     ``layer_delay_cycles`` (a test seam, the GPU's counterpart of
     :class:`ThreadCopyEngine`'s ``layer_hook``): spin that many GPU clock cycles on the
     copy stream before each layer, so loads land late and a consumer that does not wait
     for a layer's event reads stale bytes. 0 (the default) adds nothing.
 
-    Index validation runs on the host: CUDA index tensors are read back once (a sync);
-    pass CPU indices to avoid it.
+    Handles report ``duration_s`` from CUDA events (start to last layer), which SGLang's
+    load-back and backup histograms take. Index validation runs on the host: CUDA index
+    tensors are read back once (a sync); pass CPU indices to avoid it.
     """
 
     def __init__(
@@ -904,8 +1022,9 @@ class CudaCopyEngine(CopyEngine):
         device: str | torch.device | None = None,
         *,
         kernel: bool | None = None,
-        blocks: int = _kernel.DEFAULT_BLOCKS,
-        threads: int = _kernel.DEFAULT_THREADS,
+        mode: str | None = None,
+        blocks: int | None = None,
+        threads: int | None = None,
         dma: bool = False,
         stream_priority: int = 0,
         layer_delay_cycles: int = 0,
@@ -925,11 +1044,19 @@ class CudaCopyEngine(CopyEngine):
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         self._launcher: _kernel.CudaLauncher | None = None
         self._require_kernel = kernel is True or dma
-        if kernel or dma or (kernel is None and _kernel.kernel_by_default()):
-            self._launcher = _kernel.CudaLauncher(blocks, threads)
+        if kernel or dma:
+            self._launcher = _kernel.CudaLauncher(blocks, threads, mode)
+        elif kernel is None:
+            if _kernel.kernel_by_default():
+                self._launcher = _kernel.CudaLauncher(blocks, threads, mode)
+            else:
+                why = _kernel.kernel_unavailable_reason() or "HIRADIX_CUDA_KERNEL=0"
+                _log_once(f"hiradix: CUDA copies take the mapped torch path, not the kernel: {why}")
         self.dma = dma
         self._geometries = _kernel.GeometryCache()
         self._stream = torch.cuda.Stream(device=self.device, priority=stream_priority)
+        self._events = _EventRing(self._stream)
+        self._aliases: dict[int, tuple[HostKVPool, torch.Tensor | None]] = {}
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
@@ -945,6 +1072,11 @@ class CudaCopyEngine(CopyEngine):
         """Whether operations go through the CUDA kernel (where the pools allow)."""
         return self._launcher is not None
 
+    @property
+    def mode(self) -> str | None:
+        """The kernel's mode, or ``None`` where the kernel is not used."""
+        return None if self._launcher is None else self._launcher.mode
+
     def _begin(self, device_pool: DeviceKVPool) -> int:
         if self._closed:
             raise RuntimeError("copy engine is closed")
@@ -957,29 +1089,24 @@ class CudaCopyEngine(CopyEngine):
             self._stream.wait_stream(self.fence_stream)
         return op_id
 
-    def _on_copy_stream(self, dev: torch.Tensor) -> torch.Tensor:
-        # _prepare put the indices on the pool's device from the current stream; the copy
-        # stream waits on that stream (_begin) and must keep the memory alive until it is done.
-        dev.record_stream(self._stream)
-        return dev
-
     def _kernel_plan(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> tuple[_kernel.KernelPlan, int] | None:
         """The kernel's plan and the host pool's device-address shift, or ``None`` for the
-        torch path (no kernel, or pools it cannot address)."""
+        torch paths (no kernel, or pools it cannot address)."""
         if self._launcher is None:
             return None
         dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
         try:
             delta = self._launcher.host_delta(host_pool)
             geo = self._geometries.get(device_pool, host_pool)
-            p = None if geo is None else _kernel.plan(device_pool, host_pool, dev, host, geo)
+            p = None if geo is None else _kernel.plan(device_pool, host_pool, dev, host, geo, pin=True)
             if p is None or delta % p.width:
                 raise _kernel.KernelError(f"the kernel cannot address these pools ({device_pool}, {host_pool})")
-        except _kernel.KernelError:
+        except _kernel.KernelError as exc:
             if self._require_kernel:
                 raise
+            _log_once(f"hiradix: a copy takes the torch path, not the kernel: {exc}")
             return None
         return p, delta
 
@@ -988,30 +1115,70 @@ class CudaCopyEngine(CopyEngine):
     ) -> _CudaHandle:
         launcher = self._launcher
         assert launcher is not None
+        layers = device_pool.layer_num
         with self._lock:
             op_id = self._begin(device_pool)
-            events: list[torch.cuda.Event] = []
+            events, handles = self._events.take(layers)
             if self.dma:
                 runs = p.runs()
                 with torch.cuda.stream(self._stream):
-                    for layer in range(device_pool.layer_num):
+                    events[0].record(self._stream)
+                    for layer in range(layers):
                         self._delay()
                         p.copy_layer_runs(launcher, layer, runs, to_device, self._stream.cuda_stream)
-                        ev = torch.cuda.Event()
-                        ev.record(self._stream)
-                        events.append(ev)
-                return _CudaHandle(op_id, kind, events, self.device, [])
+                        events[layer + 1].record(self._stream)
+                return _CudaHandle(op_id, kind, events[1:], self.device, [], start=events[0])
             with torch.cuda.stream(self._stream):
-                staged = p.offsets.pin_memory()
-                offsets = staged.to(self.device, non_blocking=True)
-                stream = self._stream.cuda_stream
-                for layer in range(device_pool.layer_num):
+                offsets = p.offsets.to(self.device, non_blocking=True)  # from pinned memory: asynchronous
+                launcher.launch_layers(
+                    p,
+                    offsets.data_ptr(),
+                    delta,
+                    to_device,
+                    self._stream.cuda_stream,
+                    events[0].cuda_event,
+                    handles,
+                    self.layer_delay_cycles,
+                )
+        return _CudaHandle(op_id, kind, events[1:], self.device, [p.offsets, offsets], start=events[0])
+
+    def _alias(self, host_pool: HostKVPool) -> torch.Tensor | None:
+        hit = self._aliases.get(id(host_pool))
+        if hit is None or hit[0] is not host_pool:
+            alias = _mapped_alias(host_pool, self.device)
+            if alias is None:
+                _log_once(
+                    "hiradix: a host pool is not pinned (or torch cannot address it from the GPU): its copies "
+                    "gather KV on the host (the staged torch path)"
+                )
+            hit = self._aliases[id(host_pool)] = (host_pool, alias)
+        return hit[1]
+
+    def _run_mapped(
+        self,
+        kind: str,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        alias: torch.Tensor,
+        dev: torch.Tensor,
+        hidx: _HostIndex,
+    ) -> _CudaHandle:
+        layers = device_pool.layer_num
+        step = mapped_load_layer if kind == "load" else mapped_backup_layer
+        with self._lock:
+            op_id = self._begin(device_pool)
+            events, _ = self._events.take(layers)
+            with torch.cuda.stream(self._stream):
+                events[0].record(self._stream)
+                dev_idx = dev.to(self.device, non_blocking=True)
+                hidx_dev = _host_index_on(hidx, self.device)
+                for layer in range(layers):
                     self._delay()
-                    p.launch_layer(launcher, layer, offsets.data_ptr(), delta, to_device, stream)
-                    ev = torch.cuda.Event()
-                    ev.record(self._stream)
-                    events.append(ev)
-        return _CudaHandle(op_id, kind, events, self.device, [staged, offsets])
+                    dbufs = [_as_bytes(d) for d in device_pool.layer_buffers(layer)]
+                    step(dbufs, _mapped_views(host_pool, alias, layer), hidx_dev, dev_idx)
+                    events[layer + 1].record(self._stream)
+        keep = [dev_idx, *(t for t in (hidx_dev.pages, hidx_dev.page, hidx_dev.offset) if t is not None)]
+        return _CudaHandle(op_id, kind, events[1:], self.device, keep, start=events[0])
 
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
@@ -1019,20 +1186,38 @@ class CudaCopyEngine(CopyEngine):
         planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
         if planned is not None:
             return self._run_kernel("load", device_pool, *planned, to_device=True)
-        dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
+        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        alias = self._alias(host_pool)
+        if alias is not None:
+            return self._run_mapped("load", device_pool, host_pool, alias, dev, hidx)
+        return self._staged_load(host_pool, device_pool, dev, hidx)
+
+    def backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> CopyHandle:
+        planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
+        if planned is not None:
+            return self._run_kernel("backup", device_pool, *planned, to_device=False)
+        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
+        alias = self._alias(host_pool)
+        if alias is not None:
+            return self._run_mapped("backup", device_pool, host_pool, alias, dev, hidx)
+        return self._staged_backup(device_pool, host_pool, dev, hidx)
+
+    def _staged_load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, dev: torch.Tensor, hidx: _HostIndex
+    ) -> _CudaHandle:
         with self._lock:
             op_id = self._begin(device_pool)
             events: list[torch.cuda.Event] = []
             keep: list[torch.Tensor] = []
             with torch.cuda.stream(self._stream):
-                dev_idx = self._on_copy_stream(dev)
+                dev_idx = dev.to(self.device, non_blocking=True)
                 keep.append(dev_idx)
                 for layer in range(device_pool.layer_num):
                     self._delay()
                     for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
-                        staged = _host_gather(hview, hidx)
-                        if not staged.is_pinned():
-                            staged = staged.pin_memory()
+                        staged = _host_gather(hview, hidx).pin_memory()
                         on_dev = staged.to(self.device, non_blocking=True)
                         dbuf.index_copy_(0, dev_idx, on_dev)
                         keep += [staged, on_dev]
@@ -1041,20 +1226,16 @@ class CudaCopyEngine(CopyEngine):
                     events.append(ev)
         return _CudaHandle(op_id, "load", events, self.device, keep)
 
-    def backup(
-        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
-    ) -> CopyHandle:
-        planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
-        if planned is not None:
-            return self._run_kernel("backup", device_pool, *planned, to_device=False)
-        dev, hidx = _prepare(device_pool, host_pool, torch.as_tensor(device_indices).cpu(), host_indices)
+    def _staged_backup(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, hidx: _HostIndex
+    ) -> _CudaHandle:
         with self._lock:
             op_id = self._begin(device_pool)
             events: list[torch.cuda.Event] = []
             keep: list[torch.Tensor] = []
             staged_all: list[tuple[int, int, torch.Tensor]] = []
             with torch.cuda.stream(self._stream):
-                dev_idx = self._on_copy_stream(dev)
+                dev_idx = dev.to(self.device, non_blocking=True)
                 keep.append(dev_idx)
                 for layer in range(device_pool.layer_num):
                     for c, (dbuf, _) in enumerate(_layer_pairs(device_pool, host_pool, layer)):
@@ -1078,6 +1259,16 @@ class CudaCopyEngine(CopyEngine):
             if not self._closed:
                 self._closed = True
                 self._stream.synchronize()
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """Log ``message`` (a warning) the first time this process sees it."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

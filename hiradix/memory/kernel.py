@@ -3,27 +3,31 @@
 A KV transfer between a device pool and a host pool is, per (layer, component), a list of
 rows (one token's KV) moved between two byte offsets. :func:`plan` turns an operation's
 slot indices into those offsets once (they are the same for every layer; a layer only moves
-the two base addresses) and picks the widest chunk (16 bytes where everything is aligned)
-that divides every row, base and stride. A :class:`Launcher` then runs one layer per call:
+the two base addresses): one offset per *page* where whole pages move (a group of rows at
+fixed strides on both sides), one per row otherwise. It picks the widest chunk (16 bytes
+where everything is aligned) that divides every row, base and stride. A :class:`Launcher`
+then queues the operation, every layer, in one call:
 
 :class:`CudaLauncher`
-    the CUDA kernel (``_kvcopy_cuda.cu``, built by ``setup.py`` where ``nvcc`` is found)
-    on a stream. It reads or writes the pinned host pool *in place* through its mapped
-    device address, as SGLang's per-layer transfer kernels do: no staging buffer, no host
-    thread touching the bytes, one launch per layer for all its components.
+    the CUDA kernel (``_kvcopy_cuda.cu``, built by ``setup.py`` where ``nvcc`` is found,
+    and carried by the wheels) on a stream. It reads or writes the pinned host pool *in
+    place* through its mapped device address, as SGLang's per-layer transfer kernels do: no
+    staging buffer, no host thread touching the bytes, one launch per layer for all its
+    components, each layer's event recorded by the library (``hr_kvcopy_launch_layers``).
 :class:`EmulatedLauncher`
-    the same kernel body (``kvcopy.h``) run thread by thread on the CPU
+    the same kernel bodies (``kvcopy.h``) run thread by thread on the CPU
     (:mod:`hiradix.memory._kvcopy_emu`), so that CI, without a GPU, checks the plan, the
-    widths and the kernel's index arithmetic byte for byte against the torch path.
+    widths, the modes and the kernel's index arithmetic byte for byte against the torch path.
+
+Two :data:`MODES` share the rows among threads: ``wide`` (chunks striped over many blocks)
+and ``warp`` (a few blocks, a warp per row, streaming loads and stores that leave L2 to the
+forward pass). ``HIRADIX_CUDA_KERNEL_MODE`` picks the default; ``bench/transfer_gpu.py``
+and ``bench/layer_wait_gpu.py`` measure both (``bench/RESULTS_transfer.md``).
 
 :meth:`KernelPlan.runs` merges the rows into runs contiguous on both sides (a whole page of
 a page-major layout is one run) for the other way to move them, the GPU's copy engines
 (``Launcher.copy_runs``: one ``cudaMemcpyBatchAsync`` per layer; on the CPU, one
 ``memmove`` per run): no SM does the copy, so it cannot compete with the forward pass.
-
-The grid is small on purpose: the copy shares the GPU with the model's forward pass, and a
-zero-copy read over PCIe needs bytes in flight (``HR_UNROLL`` chunks per thread), not SMs.
-``bench/transfer.py`` measures the choice (``bench/RESULTS_transfer.md``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,29 +47,32 @@ from hiradix._native import load, pure_python
 from hiradix.memory.pools import DeviceKVPool, HostKVPool, in_host_order, rows_contiguous, slot_offsets
 
 __all__ = [
-    "DEFAULT_BLOCKS",
-    "DEFAULT_THREADS",
+    "DEFAULT_GRID",
+    "MODES",
     "CudaLauncher",
     "EmulatedLauncher",
     "Geometry",
+    "GeometryCache",
     "KernelError",
     "KernelPlan",
     "Launcher",
     "Runs",
     "cuda_kernel_available",
+    "default_mode",
     "geometry",
     "kernel_by_default",
+    "kernel_unavailable_reason",
     "library_abi",
     "merge_rows",
     "plan",
 ]
 
 LIBRARY = Path(__file__).with_name("libhiradix_kvcopy.so")
-ABI = 2
+ABI = 3
 MAX_JOBS = 4  # HR_MAX_JOBS in _kvcopy_cuda.cu
-DEFAULT_BLOCKS = 16
-"""Blocks per component per launch (see the module docstring)."""
-DEFAULT_THREADS = 512
+MODES = {"wide": 0, "warp": 1}  # HR_MODE_WIDE, HR_MODE_WARP in kvcopy.h
+DEFAULT_GRID = {"wide": (16, 512), "warp": (4, 1024)}
+"""(blocks per component, threads per block) of each mode, unless told otherwise."""
 WIDTHS = (16, 8, 4, 2, 1)
 
 _emu: Any = load("hiradix.memory._kvcopy_emu")
@@ -83,16 +90,28 @@ class _Job(ctypes.Structure):
         ("src", ctypes.c_void_p),
         ("dst_off", ctypes.c_void_p),
         ("src_off", ctypes.c_void_p),
-        ("rows", ctypes.c_int64),
+        ("groups", ctypes.c_int64),
+        ("group_rows", ctypes.c_int64),
+        ("dst_row_stride", ctypes.c_int64),
+        ("src_row_stride", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
     ]
+
+
+def default_mode() -> str:
+    """The kernel mode ``HIRADIX_CUDA_KERNEL_MODE`` names (``ValueError`` for another)."""
+    mode = envvars.text("HIRADIX_CUDA_KERNEL_MODE") or "warp"
+    if mode not in MODES:
+        raise ValueError(f"HIRADIX_CUDA_KERNEL_MODE must be one of {sorted(MODES)}, got {mode!r}")
+    return mode
 
 
 # ----------------------------------------------------------------------------- plan
 @dataclass(frozen=True, slots=True)
 class _Side:
     """One (layer, component) buffer: row of slot ``s`` at byte
-    ``ptr + (s // page_size) * page_stride + (s % page_size) * slot_stride``."""
+    ``ptr + (s // page_size) * page_stride + (s % page_size) * slot_stride``. The device
+    side is slot-major: its "page" is one slot and ``slot_stride`` is unused."""
 
     ptr: int
     page_stride: int
@@ -110,43 +129,100 @@ def _host_side(view: torch.Tensor) -> _Side:
     return _Side(view.data_ptr(), view.stride(0) * isz, view.stride(1) * isz, view[0, 0].numel() * isz)
 
 
-@dataclass(frozen=True, slots=True)
-class KernelPlan:
-    """One operation for the kernel: per layer, per component, the device and host
-    :class:`_Side`; the byte offsets of every row (``offsets[2c]`` device,
-    ``offsets[2c + 1]`` host, for component ``c``; CPU int64, the same for every layer);
-    and the chunk ``width``."""
+@dataclass(frozen=True)
+class Geometry:
+    """The half of a plan that depends on the pools alone, not on the indices: per layer,
+    per component, the device and host :class:`_Side`, and the widest chunk ``width``
+    that divides every row, stride and base. A pair of pools keeps it for life (their
+    buffers never move), so :class:`~hiradix.memory.copy.CudaCopyEngine` computes it once
+    per pair (``O(layers x components)`` tensor views: most of a plan's host time), with
+    the job templates of both directions (:meth:`templates`)."""
 
     layers: list[list[tuple[_Side, _Side]]]
-    offsets: torch.Tensor
-    rows: int
     width: int
+    _templates: dict[tuple[bool, int], Any] = field(default_factory=dict, compare=False, repr=False)
 
-    def jobs(self, layer: int, offsets_ptr: int, host_delta: int, to_device: bool) -> Any:
-        """The ``hr_job`` array of ``layer``, for offsets stored at ``offsets_ptr`` (the
-        layout of :attr:`offsets`) and host addresses shifted by ``host_delta`` (the
-        pinned pool's device address minus its host address; 0 on the CPU)."""
-        pairs = self.layers[layer]
-        arr = (_Job * len(pairs))()
-        row_stride = self.rows * 8
-        for c, (d, h) in enumerate(pairs):
-            dev_off, host_off = offsets_ptr + 2 * c * row_stride, offsets_ptr + (2 * c + 1) * row_stride
-            if to_device:
-                arr[c] = _Job(d.ptr, h.ptr + host_delta, dev_off, host_off, self.rows, d.row_bytes)
-            else:
-                arr[c] = _Job(h.ptr + host_delta, d.ptr, host_off, dev_off, self.rows, d.row_bytes)
+    @property
+    def components(self) -> int:
+        return len(self.layers[0])
+
+    def templates(self, to_device: bool, host_delta: int = 0) -> Any:
+        """``hr_job`` templates of every layer (``layers x components``, layer-major): bases,
+        row strides and row size, host addresses shifted by ``host_delta`` (the pinned
+        pool's device address minus its host address; 0 on the CPU). Built once per
+        direction and shift."""
+        key = (to_device, host_delta)
+        arr = self._templates.get(key)
+        if arr is None:
+            arr = (_Job * (len(self.layers) * self.components))()
+            i = 0
+            for pairs in self.layers:
+                for d, h in pairs:
+                    host_ptr = h.ptr + host_delta
+                    if to_device:
+                        arr[i] = _Job(d.ptr, host_ptr, None, None, 0, 1, d.page_stride, h.slot_stride, d.row_bytes)
+                    else:
+                        arr[i] = _Job(host_ptr, d.ptr, None, None, 0, 1, h.slot_stride, d.page_stride, d.row_bytes)
+                    i += 1
+            self._templates[key] = arr
         return arr
 
-    def launch_layer(
-        self, launcher: Launcher, layer: int, offsets_ptr: int, host_delta: int, to_device: bool, stream: int = 0
-    ) -> None:
-        """Copy ``layer``, all its components in one launch: host -> device if
-        ``to_device``, else device -> host."""
-        launcher.launch(self.jobs(layer, offsets_ptr, host_delta, to_device), self.width, stream)
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """One operation for the kernel: the pools' :class:`Geometry`; the byte offsets of
+    every group of rows (``offsets[2c]`` device, ``offsets[2c + 1]`` host, for component
+    ``c``; CPU int64, pinned when asked for, the same for every layer); ``group_rows`` rows
+    per group (the page size where whole pages move, else 1)."""
+
+    geometry: Geometry
+    offsets: torch.Tensor
+    groups: int
+    group_rows: int
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group_rows
+
+    @property
+    def width(self) -> int:
+        return self.geometry.width
+
+    @property
+    def layers(self) -> list[list[tuple[_Side, _Side]]]:
+        return self.geometry.layers
+
+    def jobs(self, layer: int, offsets_ptr: int, host_delta: int, to_device: bool) -> Any:
+        """The bound ``hr_job`` array of ``layer`` alone, for offsets stored at
+        ``offsets_ptr`` (the layout of :attr:`offsets`): what one launch of the kernel
+        takes (:meth:`Launcher.launch`; tests and the one-layer entry)."""
+        tmpl = self.geometry.templates(to_device, host_delta)
+        ncomp = self.geometry.components
+        arr = (_Job * ncomp)()
+        for c in range(ncomp):
+            arr[c] = tmpl[layer * ncomp + c]
+            dev = offsets_ptr + 2 * c * self.groups * 8
+            host = dev + self.groups * 8
+            arr[c].dst_off, arr[c].src_off = (dev, host) if to_device else (host, dev)
+            arr[c].groups, arr[c].group_rows = self.groups, self.group_rows
+        return arr
+
+    def row_offsets(self) -> np.ndarray:
+        """Every row's offsets (``[2 x components, rows]``, the layout of :attr:`offsets`
+        with groups expanded). ``O(rows x components)``."""
+        off = self.offsets.numpy()
+        if self.group_rows == 1:
+            return off
+        k = np.arange(self.group_rows, dtype=np.int64)
+        out = []
+        for d, h in self.layers[0]:
+            for stride, row in ((d.page_stride, off[len(out)]), (h.slot_stride, off[len(out) + 1])):
+                out.append((row[:, None] + k * stride).reshape(-1))
+        return np.stack(out)
 
     def runs(self) -> Runs:
         """The rows merged into :class:`Runs` (once per operation). ``O(n x components)``."""
-        offsets = self.offsets.numpy()
+        offsets = self.row_offsets()
         dev_off, host_off, sizes = [], [], []
         for c, (d, _) in enumerate(self.layers[0]):
             do, ho, n = merge_rows(offsets[2 * c], offsets[2 * c + 1], d.row_bytes)
@@ -199,18 +275,6 @@ def merge_rows(dev_off: np.ndarray, host_off: np.ndarray, row_bytes: int) -> tup
     starts = np.flatnonzero(starts_run)
     lengths = np.diff(np.append(starts, n)) * row_bytes
     return dev_off[starts], host_off[starts], lengths
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """The half of a plan that depends on the pools alone, not on the indices: per layer,
-    per component, the device and host :class:`_Side`, and the widest chunk ``width``
-    that divides every row, stride and base. A pair of pools keeps it for life (their
-    buffers never move), so :class:`~hiradix.memory.copy.CudaCopyEngine` computes it once
-    per pair (``O(layers x components)`` tensor views: most of a plan's host time)."""
-
-    layers: list[list[tuple[_Side, _Side]]]
-    width: int
 
 
 def geometry(device_pool: DeviceKVPool, host_pool: HostKVPool) -> Geometry | None:
@@ -274,21 +338,38 @@ class GeometryCache:
         return geo
 
 
+def _page_groups(dev: np.ndarray, host: np.ndarray, ps: int) -> int:
+    """``ps`` where the rows come in groups of ``ps`` that are each one whole, aligned host
+    page and ``ps`` consecutive device slots (what paged allocators hand out), else 1.
+    ``O(n)``."""
+    n = dev.size
+    if ps == 1 or n % ps:
+        return 1
+    h, d = host.reshape(-1, ps), dev.reshape(-1, ps)
+    k = np.arange(ps, dtype=np.int64)
+    if (h[:, 0] % ps).any() or not np.array_equal(h, h[:, :1] + k) or not np.array_equal(d, d[:, :1] + k):
+        return 1
+    return ps
+
+
 def plan(
     device_pool: DeviceKVPool,
     host_pool: HostKVPool,
     dev: torch.Tensor,
     host: torch.Tensor,
     geo: Geometry | None = None,
+    pin: bool = False,
 ) -> KernelPlan | None:
     """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
     where the kernel cannot address the pools (see :func:`geometry`; ``geo``, when given,
-    is theirs, computed once) or there is nothing to copy.
+    is theirs, computed once) or there is nothing to copy. ``pin``: the offsets in pinned
+    memory (torch's caching host allocator), for an asynchronous upload.
 
     Rows are sorted by host slot, as the CPU row copy does: the host side is the one whose
     layouts scatter a page, and walking it in address order keeps each warp's reads (or
-    writes) over PCIe in few, long runs. Runtime complexity: ``O(n log n)`` for the sort
-    (skipped when in order), ``O(n x components)`` for the offsets.
+    writes) over PCIe in few, long runs. Where whole pages move, the offsets are one per
+    page. Runtime complexity: ``O(n log n)`` for the sort (skipped when in order), ``O(n)``
+    to find the pages, ``O(groups x components)`` for the offsets.
     """
     if dev.device.type != "cpu" or host.device.type != "cpu":
         raise ValueError("plan() takes CPU indices")
@@ -301,27 +382,68 @@ def plan(
             return None
     dev_np, host_np = in_host_order(dev.numpy(), host.numpy())
     ps = host_pool.page_size
-    rows: list[np.ndarray] = []
-    for d, h in geo.layers[0]:
-        rows.append(slot_offsets(dev_np, device_pool.total_slots, 1, d.page_stride, 0, "device_indices"))
-        rows.append(slot_offsets(host_np, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices"))
-    return KernelPlan(geo.layers, torch.from_numpy(np.stack(rows)), n, geo.width)
+    gr = _page_groups(dev_np, host_np, ps)
+    if gr > 1:
+        dev_np, host_np = np.ascontiguousarray(dev_np[::gr]), np.ascontiguousarray(host_np[::gr])
+    groups = n // gr
+    ncomp = geo.components
+    offsets = torch.empty((2 * ncomp, groups), dtype=torch.int64, pin_memory=pin)
+    out = offsets.numpy()
+    for c, (d, h) in enumerate(geo.layers[0]):
+        out[2 * c] = slot_offsets(dev_np, device_pool.total_slots, 1, d.page_stride, 0, "device_indices")
+        out[2 * c + 1] = slot_offsets(host_np, host_pool.size, ps, h.page_stride, h.slot_stride, "host_indices")
+    if gr > 1 and int(dev_np.max()) + gr > device_pool.total_slots:
+        raise IndexError(f"device_indices out of range [0, {device_pool.total_slots})")
+    return KernelPlan(geo, offsets, groups, gr)
 
 
 # ----------------------------------------------------------------------------- launchers
 class Launcher:
-    """Runs one layer of a :class:`KernelPlan`."""
+    """Runs a :class:`KernelPlan`: one layer (:meth:`launch`) or a whole operation
+    (:meth:`launch_layers`), in :attr:`mode` with :attr:`blocks` x :attr:`threads` per
+    component."""
 
     blocks: int
     threads: int
+    mode: str
 
     def launch(self, jobs: Any, width: int, stream: int) -> None:
+        """One launch over the bound jobs of one layer (:meth:`KernelPlan.jobs`)."""
+        raise NotImplementedError
+
+    def launch_layers(
+        self,
+        p: KernelPlan,
+        offsets_ptr: int,
+        host_delta: int,
+        to_device: bool,
+        stream: int = 0,
+        start: int = 0,
+        events: Any = None,
+        delay_cycles: int = 0,
+    ) -> None:
+        """Every layer of ``p``, in order, with the offsets at ``offsets_ptr`` (device
+        memory on a GPU): host -> device if ``to_device``, else device -> host. On a GPU,
+        ``start`` (an event handle, 0 for none) is recorded first and ``events[i]`` after
+        layer ``i``; ``delay_cycles`` spins before each layer (the test seam)."""
         raise NotImplementedError
 
     def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """Copy ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i``
         (uintp arrays of one length; no two copies overlap)."""
         raise NotImplementedError
+
+
+def _grid(mode: str | None, blocks: int | None, threads: int | None) -> tuple[str, int, int]:
+    """The mode and grid a launcher runs: the defaults of ``mode`` (:data:`DEFAULT_GRID`;
+    ``HIRADIX_CUDA_KERNEL_MODE`` when ``mode`` is ``None``) where not given, checked."""
+    mode = default_mode() if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    b, t = DEFAULT_GRID[mode]
+    blocks, threads = b if blocks is None else blocks, t if threads is None else threads
+    _check_grid(blocks, threads)
+    return mode, blocks, threads
 
 
 def _check_grid(blocks: int, threads: int) -> None:
@@ -335,24 +457,69 @@ class EmulatedLauncher(Launcher):
     """The kernel run on the CPU, thread by thread (:mod:`hiradix.memory._kvcopy_emu`):
     CI's stand-in for :class:`CudaLauncher`. Needs the compiled extensions."""
 
-    def __init__(self, blocks: int = 2, threads: int = 64) -> None:
+    def __init__(self, blocks: int = 2, threads: int = 64, mode: str = "wide") -> None:
         if _emu is None:
             raise KernelError("the kernel emulation hiradix.memory._kvcopy_emu is not built (or HIRADIX_PUREPYTHON)")
-        _check_grid(blocks, threads)
-        self.blocks, self.threads = blocks, threads
+        self.mode, self.blocks, self.threads = _grid(mode, blocks, threads)
 
     def launch(self, jobs: Any, width: int, stream: int = 0) -> None:
-        _emu.launch(ctypes.addressof(jobs), len(jobs), width, self.blocks, self.threads)
+        _emu.launch(ctypes.addressof(jobs), len(jobs), width, MODES[self.mode], self.blocks, self.threads)
+
+    def launch_layers(
+        self,
+        p: KernelPlan,
+        offsets_ptr: int,
+        host_delta: int,
+        to_device: bool,
+        stream: int = 0,
+        start: int = 0,
+        events: Any = None,
+        delay_cycles: int = 0,
+    ) -> None:
+        tmpl = p.geometry.templates(to_device, host_delta)
+        _emu.launch_layers(
+            ctypes.addressof(tmpl),
+            p.geometry.components,
+            len(p.layers),
+            offsets_ptr,
+            p.groups,
+            p.group_rows,
+            to_device,
+            p.width,
+            MODES[self.mode],
+            self.blocks,
+            self.threads,
+        )
 
     def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int = 0) -> None:
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             ctypes.memmove(dst, src, size)
 
 
-_C_INT, _PTR = ctypes.c_int, ctypes.c_void_p
+_C_INT, _PTR, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # the library's C ABI (_kvcopy_cuda.cu)
     "hr_kvcopy_abi": (_C_INT, []),
-    "hr_kvcopy_launch": (_C_INT, [_PTR, _C_INT, _C_INT, _C_INT, _C_INT, _PTR]),
+    "hr_kvcopy_launch": (_C_INT, [_PTR, _C_INT, _C_INT, _C_INT, _C_INT, _C_INT, _PTR]),
+    "hr_kvcopy_launch_layers": (
+        _C_INT,
+        [
+            _PTR,
+            _C_INT,
+            _C_INT,
+            _PTR,
+            _I64,
+            _I64,
+            _C_INT,
+            _C_INT,
+            _C_INT,
+            _C_INT,
+            _C_INT,
+            ctypes.c_longlong,
+            _PTR,
+            _PTR,
+            _PTR,
+        ],
+    ),
     "hr_kvcopy_runs": (_C_INT, [_PTR, _PTR, _PTR, ctypes.c_size_t, _PTR]),
     "hr_kvcopy_host_pointer": (_C_INT, [_PTR, ctypes.POINTER(_PTR)]),
     "hr_kvcopy_error_string": (ctypes.c_char_p, [_C_INT]),
@@ -387,26 +554,31 @@ def _library() -> Any:
         return _LIB
 
 
-def cuda_kernel_available() -> bool:
-    """Whether the CUDA copy kernel is built, loadable and a CUDA device is present."""
+def kernel_unavailable_reason() -> str | None:
+    """Why the CUDA kernel cannot serve here (no CUDA device, library not built or not
+    loadable), or ``None`` where it can."""
     if not torch.cuda.is_available():
-        return False
+        return "no CUDA device (torch.cuda.is_available() is False)"
     try:
         _library()
-    except KernelError:
-        return False
-    return True
+    except KernelError as exc:
+        return str(exc)
+    return None
+
+
+def cuda_kernel_available() -> bool:
+    """Whether the CUDA copy kernel is built, loadable and a CUDA device is present."""
+    return kernel_unavailable_reason() is None
 
 
 def kernel_by_default() -> bool:
     """Whether :class:`~hiradix.memory.copy.CudaCopyEngine` uses the kernel unless told
-    otherwise: only with ``HIRADIX_CUDA_KERNEL=1`` (and :func:`cuda_kernel_available`).
+    otherwise: wherever it is available (:func:`cuda_kernel_available`), unless
+    ``HIRADIX_CUDA_KERNEL=0``.
 
-    Off by default because on an H200 (``bench/RESULTS_transfer.md``, 2026-11-27) it reached
-    55-66% of a contiguous pinned copy at page >= 16, short of the 80% bar set for turning it
-    on, although it passed every parity and wait check and was 2.1-9.1x the torch path.
-    ``bench/transfer_gpu.py`` and ``tests/memory/test_kernel.py`` are what a GPU session runs
-    before turning it on.
+    On by default because it is the fastest path measured that passes the parity and wait
+    checks (``bench/RESULTS_transfer.md``: on an H200, 2.4-8.3x the torch path, which
+    gathers every layer's rows with the host CPU).
     """
     return envvars.flag("HIRADIX_CUDA_KERNEL") and cuda_kernel_available()
 
@@ -418,13 +590,13 @@ def library_abi() -> int:
 
 
 class CudaLauncher(Launcher):
-    """The CUDA kernel, launched on a given stream. ``blocks`` per component and
-    ``threads`` per block (defaults :data:`DEFAULT_BLOCKS`, :data:`DEFAULT_THREADS`)."""
+    """The CUDA kernel, launched on a given stream: ``mode`` (default
+    ``HIRADIX_CUDA_KERNEL_MODE``), ``blocks`` per component and ``threads`` per block
+    (defaults: :data:`DEFAULT_GRID` of the mode)."""
 
-    def __init__(self, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS) -> None:
-        _check_grid(blocks, threads)
+    def __init__(self, blocks: int | None = None, threads: int | None = None, mode: str | None = None) -> None:
+        self.mode, self.blocks, self.threads = _grid(mode, blocks, threads)
         self._lib = _library()
-        self.blocks, self.threads = blocks, threads
 
     def _error(self, code: int) -> str:
         return f"{self._lib.hr_kvcopy_error_string(code).decode()} (cudaError {code})"
@@ -442,7 +614,40 @@ class CudaLauncher(Launcher):
         return int(out.value or 0) - buf.data_ptr()
 
     def launch(self, jobs: Any, width: int, stream: int) -> None:
-        code = self._lib.hr_kvcopy_launch(jobs, len(jobs), width, self.blocks, self.threads, ctypes.c_void_p(stream))
+        code = self._lib.hr_kvcopy_launch(
+            jobs, len(jobs), width, MODES[self.mode], self.blocks, self.threads, ctypes.c_void_p(stream)
+        )
+        if code:
+            raise KernelError(f"kernel launch failed: {self._error(code)}")
+
+    def launch_layers(
+        self,
+        p: KernelPlan,
+        offsets_ptr: int,
+        host_delta: int,
+        to_device: bool,
+        stream: int = 0,
+        start: int = 0,
+        events: Any = None,
+        delay_cycles: int = 0,
+    ) -> None:
+        code = self._lib.hr_kvcopy_launch_layers(
+            p.geometry.templates(to_device, host_delta),
+            p.geometry.components,
+            len(p.layers),
+            offsets_ptr,
+            p.groups,
+            p.group_rows,
+            int(to_device),
+            p.width,
+            MODES[self.mode],
+            self.blocks,
+            self.threads,
+            delay_cycles,
+            stream,
+            start or None,
+            events,
+        )
         if code:
             raise KernelError(f"kernel launch failed: {self._error(code)}")
 

@@ -435,13 +435,15 @@ def test_cuda_engine_rejects_dma_without_the_kernel_library() -> None:
 
 # ----------------------------------------------------------------------------- CUDA
 def _cuda_paths() -> list:
-    """The CUDA engine's three ways to move a layer, as its keyword arguments."""
+    """The CUDA engine's ways to move a layer, as its keyword arguments: the kernel in both
+    modes, the copy engines over its plan, and the mapped torch fallback."""
     from hiradix.memory.kernel import cuda_kernel_available
 
     no_kernel = pytest.mark.skipif(not cuda_kernel_available(), reason="the CUDA kernel library was not built")
     return [
-        pytest.param({"kernel": False}, id="torch"),
-        pytest.param({"kernel": True}, id="kernel", marks=no_kernel),
+        pytest.param({"kernel": False}, id="mapped"),
+        pytest.param({"kernel": True, "mode": "warp"}, id="warp", marks=no_kernel),
+        pytest.param({"kernel": True, "mode": "wide"}, id="wide", marks=no_kernel),
         pytest.param({"kernel": True, "dma": True}, id="dma", marks=no_kernel),
     ]
 

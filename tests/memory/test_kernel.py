@@ -15,10 +15,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hiradix.memory import HOST_LAYOUTS, DeviceKVPool, HostKVPool, KVShape, MHAShape, MLAShape, ThreadCopyEngine
+from hiradix.memory import copy as C
 from hiradix.memory import kernel as K
-from hiradix.memory.copy import CudaCopyEngine, _validate_cpu
+from hiradix.memory.copy import CudaCopyEngine, _prepare, _validate_cpu
 
 CUDA = torch.cuda.is_available()
 needs_emulation = pytest.mark.skipif(K._emu is None, reason="compiled extensions not in use (HIRADIX_PUREPYTHON)")
@@ -91,43 +93,77 @@ def _emulate(
     to_device: bool,
     launcher: K.Launcher,
     runs: bool = False,
+    per_layer: bool = False,
 ) -> K.KernelPlan:
     """The plan the CUDA engine builds, run on CPU pools: the kernel's body thread by
-    thread, or (``runs``) its rows merged into runs, one memmove each."""
+    thread through the whole-operation entry (or, ``per_layer``, one launch per layer), or
+    (``runs``) its rows merged into runs, one memmove each."""
     d, h = _validate_cpu(dev, host, d, h)
     p = K.plan(dev, host, d, h)
     assert p is not None
     merged = p.runs() if runs else None
-    for layer in range(dev.layer_num):
-        if merged is not None:
+    if merged is not None:
+        for layer in range(dev.layer_num):
             p.copy_layer_runs(launcher, layer, merged, to_device)
-        else:
-            p.launch_layer(launcher, layer, p.offsets.data_ptr(), 0, to_device)
+    elif per_layer:
+        for layer in range(dev.layer_num):
+            launcher.launch(p.jobs(layer, p.offsets.data_ptr(), 0, to_device), p.width, 0)
+    else:
+        launcher.launch_layers(p, p.offsets.data_ptr(), 0, to_device)
     return p
 
 
 # ----------------------------------------------------------------------------- CPU emulation
 @needs_emulation
+@pytest.mark.parametrize("mode", sorted(K.MODES))
 @pytest.mark.parametrize("whole_pages", [True, False])
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_emulated_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool) -> None:
-    rng = random.Random(f"{layout}{shape}{ps}{whole_pages}")
+def test_emulated_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool, mode: str) -> None:
+    rng = random.Random(f"{layout}{shape}{ps}{whole_pages}{mode}")
     dev, host = _pools(SHAPES[shape], ps, torch.bfloat16, layout)
     _randomize(dev, host, rng.randrange(1 << 30))
     oracle = _twin(dev, host)
-    launcher = K.EmulatedLauncher(blocks=3, threads=64)  # 192 threads: rows straddle threads and rounds
+    # 3 x 64 threads: rows straddle threads, warps and rounds (wide); 6 warps over the rows (warp)
+    launcher = K.EmulatedLauncher(blocks=3, threads=64, mode=mode)
     with ThreadCopyEngine(native=False) as eng:
-        for step in range(3):
+        for step in range(4):
             d, h = _slots(dev, host, rng, whole_pages)
+            per_layer = step >= 2  # the one-layer entry binds the same jobs
             if step % 2 == 0:
-                _emulate(dev, host, d, h, False, launcher)
+                _emulate(dev, host, d, h, False, launcher, per_layer=per_layer)
                 eng.backup(oracle[0], oracle[1], d, h).wait()
             else:
-                _emulate(dev, host, d, h, True, launcher)
+                _emulate(dev, host, d, h, True, launcher, per_layer=per_layer)
                 eng.load(oracle[1], oracle[0], h, d).wait()
             _same((dev, host), oracle)
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_whole_pages_are_planned_one_offset_per_page(layout: str) -> None:
+    dev, host = _pools(SHAPES["mha"], 4, torch.bfloat16, layout)
+    whole = _validate_cpu(
+        dev, host, torch.tensor([12, 13, 14, 15, 4, 5, 6, 7]), torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
+    )
+    p = K.plan(dev, host, *whole)
+    assert p is not None and (p.groups, p.group_rows, p.rows) == (2, 4, 8)
+    assert tuple(p.offsets.shape) == (4, 2)  # K and V: device and host offsets per page
+    (d, hs), row = p.layers[0][0], p.layers[0][0][0].row_bytes
+    assert p.offsets[0].tolist() == [4 * d.page_stride, 12 * d.page_stride]  # in host order
+    assert p.offsets[1].tolist() == [0, 2 * hs.page_stride]
+    assert p.row_offsets()[0].tolist() == [(4 + k) * d.page_stride for k in range(4)] + [
+        (12 + k) * d.page_stride for k in range(4)
+    ]
+    assert d.page_stride == row
+    # Not whole pages on either side: one offset per row.
+    for dd, hh in (([12, 13, 14, 15], [9, 10, 11, 12]), ([12, 13, 15, 14], [8, 9, 10, 11]), ([1, 2, 3], [0, 1, 2])):
+        p = K.plan(dev, host, *_validate_cpu(dev, host, torch.tensor(dd), torch.tensor(hh)))
+        assert p is not None and (p.groups, p.group_rows) == (len(dd), 1)
+    # A device page that runs past the pool is refused, not copied.
+    last = dev.total_slots - 2
+    with pytest.raises(IndexError, match="device_indices"):
+        K.plan(dev, host, torch.tensor([last, last + 1, last + 2, last + 3]), torch.tensor([0, 1, 2, 3]))
 
 
 @needs_emulation
@@ -161,7 +197,7 @@ def test_a_plan_from_the_pools_geometry_equals_a_plan_from_scratch(layout: str) 
     d, h = _validate_cpu(dev, host, torch.tensor([9, 4, 5, 13]), torch.tensor([40, 2, 3, 17]))
     a, b = K.plan(dev, host, d, h), K.plan(dev, host, d, h, geo)
     assert a is not None and b is not None
-    assert (a.layers, a.rows, a.width) == (b.layers, b.rows, b.width)
+    assert (a.layers, a.rows, a.width, a.groups) == (b.layers, b.rows, b.width, b.groups)
     assert torch.equal(a.offsets, b.offsets)
 
 
@@ -207,16 +243,17 @@ def test_runs_merge_only_rows_that_follow_on_both_sides(layout: str, rows_per_ru
 
 
 @needs_emulation
+@pytest.mark.parametrize("mode", sorted(K.MODES))
 @pytest.mark.parametrize(("blocks", "threads"), [(1, 32), (1, 1024), (7, 96), (64, 256)])
-def test_emulated_kernel_covers_every_chunk_for_any_grid(blocks: int, threads: int) -> None:
-    # Fewer threads than chunks (grid-stride rounds, unrolled tails) and more threads than
-    # chunks (idle threads) alike.
+def test_emulated_kernel_covers_every_chunk_for_any_grid(blocks: int, threads: int, mode: str) -> None:
+    # Fewer threads (or warps) than chunks (grid-stride rounds, unrolled tails) and more
+    # than chunks (idle threads) alike.
     rng = random.Random(blocks * threads)
     dev, host = _pools(SHAPES["mha"], 4, torch.float32, "page_first")
     _randomize(dev, host, 7)
     oracle = _twin(dev, host)
     d, h = _slots(dev, host, rng, whole_pages=False)
-    _emulate(dev, host, d, h, True, K.EmulatedLauncher(blocks, threads))
+    _emulate(dev, host, d, h, True, K.EmulatedLauncher(blocks, threads, mode))
     with ThreadCopyEngine(native=False) as eng:
         eng.load(oracle[1], oracle[0], h, d).wait()
     _same((dev, host), oracle)
@@ -261,12 +298,19 @@ def test_launch_arguments_are_checked() -> None:
         K._check_grid(0, 64)
     with pytest.raises(ValueError, match="threads"):
         K._check_grid(1, 48)
+    with pytest.raises(ValueError, match="mode"):
+        K._grid("fast", None, None)
+    assert K._grid("warp", None, None) == ("warp", *K.DEFAULT_GRID["warp"])
     if K._emu is not None:
         with pytest.raises(ValueError, match="width"):
-            K._emu.launch(0, 1, 3, 1, 32)
+            K._emu.launch(0, 1, 3, 0, 1, 32)
+        with pytest.raises(ValueError, match="mode"):
+            K._emu.launch(0, 1, 16, 2, 1, 32)
         jobs = (K._Job * 5)()
         with pytest.raises(ValueError, match="bad launch"):
-            K._emu.launch(ctypes.addressof(jobs), 5, 16, 1, 32)
+            K._emu.launch(ctypes.addressof(jobs), 5, 16, 0, 1, 32)
+        with pytest.raises(ValueError, match="bad operation"):
+            K._emu.launch_layers(ctypes.addressof(jobs), 2, 1, 0, 0, 1, True, 16, 0, 1, 32)
 
 
 @pytest.mark.skipif(not K.LIBRARY.exists(), reason="the kernel library was not built here (no nvcc at install)")
@@ -278,11 +322,19 @@ def test_built_kernel_library_loads_without_a_gpu_and_has_our_abi() -> None:
     assert K.library_abi() == K.ABI
 
 
-def test_kernel_is_off_by_default_until_measured_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_is_on_by_default_wherever_it_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIRADIX_CUDA_KERNEL", raising=False)
-    assert not K.kernel_by_default()
-    monkeypatch.setenv("HIRADIX_CUDA_KERNEL", "1")
     assert K.kernel_by_default() == K.cuda_kernel_available()
+    assert (K.kernel_unavailable_reason() is None) == K.cuda_kernel_available()
+    if not CUDA:
+        assert "no CUDA device" in (K.kernel_unavailable_reason() or "")
+    monkeypatch.setenv("HIRADIX_CUDA_KERNEL", "0")
+    assert not K.kernel_by_default()
+    monkeypatch.setenv("HIRADIX_CUDA_KERNEL_MODE", "wide")
+    assert K.default_mode() == "wide"
+    monkeypatch.setenv("HIRADIX_CUDA_KERNEL_MODE", "fastest")
+    with pytest.raises(ValueError, match="HIRADIX_CUDA_KERNEL_MODE"):
+        K.default_mode()
 
 
 def test_plan_refuses_gpu_indices_and_empty_copies() -> None:
@@ -304,43 +356,126 @@ def test_kernel_required_without_it_is_a_clear_error() -> None:
             CudaCopyEngine(kernel=True)
 
 
+# ----------------------------------------------------------------------------- the mapped torch path
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops run under it, and the ones that read a value back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("whole_pages", [True, False])
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_mapped_torch_path_does_no_host_work_per_token(layout: str, whole_pages: bool) -> None:
+    """The fallback where the kernel cannot serve: on a GPU its views alias the pinned host
+    pool and every op below is a GPU kernel. Here, on CPU tensors, it must move the bytes of
+    the torch path with the same ops for 4 tokens as for 256 (none per token) and never read
+    a value back to the host (no ``.item()``, no ``.tolist()``, no sync)."""
+    counts = []
+    for pages in (1, 64):
+        rng = random.Random(f"mapped{layout}{whole_pages}{pages}")
+        shape = SHAPES["mha"]
+        dev = DeviceKVPool(shape, size=(pages + 2) * 4, page_size=4, dtype=torch.bfloat16, device="cpu")
+        host = HostKVPool(shape, (pages + 2) * 4, 4, torch.bfloat16, layout, reserve_bytes=0)  # type: ignore[arg-type]
+        _randomize(dev, host, rng.randrange(1 << 30))
+        oracle = _twin(dev, host)
+        d = torch.tensor([p * 4 + o for p in rng.sample(range(1, pages + 2), pages) for o in range(4)])
+        if whole_pages:
+            h = torch.tensor([p * 4 + o for p in rng.sample(range(pages + 2), pages) for o in range(4)])
+        else:
+            h = torch.tensor(rng.sample(range(host.size), len(d)))
+        dev_idx, hidx = _prepare(dev, host, d, h)
+        ops = []
+        for to_device in (False, True):
+            step = C.mapped_load_layer if to_device else C.mapped_backup_layer
+            views = [
+                (
+                    [C._as_bytes(b) for b in dev.layer_buffers(layer)],
+                    [C._as_bytes(v) for v in host.get_page_layer_view(layer)],
+                )
+                for layer in range(dev.layer_num)
+            ]
+            with _OpCounter() as counter:
+                for dbufs, hviews in views:
+                    step(dbufs, hviews, hidx, dev_idx)
+            ops.append(counter.ops)
+        with ThreadCopyEngine(native=False) as eng:
+            eng.backup(oracle[0], oracle[1], d, h).wait()
+            eng.load(oracle[1], oracle[0], h, d).wait()
+        _same((dev, host), oracle)
+        counts.append(ops)
+        for op_list in ops:
+            assert not {"_local_scalar_dense", "item", "tolist", "_to_copy", "copy_"} & set(op_list), op_list
+    assert counts[0] == counts[1], "the mapped path's host work grew with the tokens"
+    assert len(counts[0][0]) <= 4 * SHAPES["mha"].layer_num * 2  # a few ops per (layer, component)
+
+
 # ----------------------------------------------------------------------------- GPU
+PATHS = {  # CudaCopyEngine's ways to move a layer, as the parity tests name them
+    "wide": {"kernel": True, "mode": "wide"},
+    "warp": {"kernel": True, "mode": "warp"},
+    "dma": {"kernel": True, "dma": True},
+    "mapped": {"kernel": False},
+}
+
+
 @needs_kernel
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dma", [False, True], ids=["kernel", "dma"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("whole_pages", [True, False])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
-def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool, dma: bool) -> None:
-    """The kernel's bytes (or, ``dma``, the copy engines' over the same plan) equal both
-    oracles': the CUDA engine's torch path, and (compiled builds) the same plan run on the
-    CPU over CPU copies of the pools."""
-    rng = random.Random(f"cuda{layout}{shape}{ps}{whole_pages}")
+def test_cuda_kernel_matches_the_torch_path(layout: str, shape: str, ps: int, whole_pages: bool, path: str) -> None:
+    """Every path's bytes on the GPU (the kernel in both modes, the copy engines over the
+    same plan, the mapped torch fallback) equal both oracles': the CPU thread engine's
+    torch path on CPU copies of the pools, and (compiled builds) the same plan run by the
+    CPU emulation of the kernel."""
+    rng = random.Random(f"cuda{layout}{shape}{ps}{whole_pages}{path}")
     dtype = torch.uint8 if shape == "odd" else torch.bfloat16
     dev, host = _pools(SHAPES[shape], ps, dtype, layout, device="cuda")
     _randomize(dev, host, rng.randrange(1 << 30))
-    oracle = _twin(dev, host)
-    emulated = _twin(dev, host, "cpu") if K._emu is not None else None
-    launcher = K.EmulatedLauncher(blocks=3, threads=64) if emulated else None
-    with CudaCopyEngine(kernel=True, dma=dma) as eng, CudaCopyEngine(kernel=False) as ref:
-        assert eng.uses_kernel and not ref.uses_kernel
+    oracle = _twin(dev, host, "cpu")
+    emulated = _twin(dev, host, "cpu") if K._emu is not None and path != "mapped" else None
+    mode = PATHS[path].get("mode", "wide")
+    launcher = K.EmulatedLauncher(blocks=3, threads=64, mode=mode) if emulated else None
+    with CudaCopyEngine(**PATHS[path]) as eng, ThreadCopyEngine(native=False) as ref:
+        assert eng.uses_kernel == (path != "mapped")
         for step in range(4):
             d, h = _slots(dev, host, rng, whole_pages)
             to_device = step % 2 == 1
             if not to_device:
-                eng.backup(dev, host, d, h).wait()
+                handle = eng.backup(dev, host, d, h)
                 ref.backup(oracle[0], oracle[1], d, h).wait()
             else:
                 handle = eng.load(host, dev, h, d.cuda())
                 ref.load(oracle[1], oracle[0], h, d).wait()
-                handle.wait()
+            handle.wait()
+            assert handle.duration_s is not None and handle.duration_s >= 0  # CUDA events, as stock's histograms
             if emulated is not None and launcher is not None:
-                _emulate(emulated[0], emulated[1], d, h, to_device, launcher, runs=dma)
+                _emulate(emulated[0], emulated[1], d, h, to_device, launcher, runs=path == "dma")
             torch.cuda.synchronize()
             _same((dev, host), oracle)
             if emulated is not None:
                 _same((dev, host), emulated)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_cuda_engine_picks_the_kernel_by_default_and_says_why_not(caplog: pytest.LogCaptureFixture) -> None:
+    with CudaCopyEngine() as eng:
+        assert eng.uses_kernel and eng.mode == K.default_mode()
+    dev, host = _pools(SHAPES["mha"], 4, torch.bfloat16, "page_first", device="cuda", pin=False)
+    C._LOGGED.clear()
+    with caplog.at_level("WARNING"), CudaCopyEngine(kernel=False) as eng:
+        eng.backup(dev, host, [4, 5], [0, 1]).wait()  # unpinned: the staged path, logged once
+        eng.backup(dev, host, [6, 7], [2, 3]).wait()
+    assert sum("staged torch path" in r.message for r in caplog.records) == 1
 
 
 @needs_kernel
