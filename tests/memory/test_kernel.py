@@ -322,6 +322,34 @@ def test_built_kernel_library_loads_without_a_gpu_and_has_our_abi() -> None:
     assert K.library_abi() == K.ABI
 
 
+@pytest.mark.skipif(not K.LIBRARY.exists(), reason="the kernel library was not built here (no nvcc at install)")
+def test_built_library_checks_each_launch_argument_in_its_place() -> None:
+    """The ctypes signatures match the library's C ABI: each call below is wrong in exactly
+    one argument and must be refused for it (cudaErrorInvalidValue, 1) before any CUDA
+    work, so it runs without a GPU. An argument out of place would pass a check and fail
+    later, differently (no device)."""
+    if K.pure_python():
+        pytest.skip("HIRADIX_PUREPYTHON turns the compiled paths off")
+    lib = K._library()
+    jobs = (K._Job * 2)()
+    good = {"njobs": 2, "width": 16, "mode": 1, "blocks": 2, "threads": 64}
+    for name, bad in (("njobs", 5), ("width", 3), ("mode", 2), ("blocks", 0), ("threads", 48)):
+        a = {**good, name: bad}
+        assert lib.hr_kvcopy_launch(jobs, a["njobs"], a["width"], a["mode"], a["blocks"], a["threads"], None) == 1
+        op = {"layers": 1, "groups": 1, "group_rows": 1, **a}
+        assert lib.hr_kvcopy_launch_layers(
+            jobs, op["njobs"], op["layers"], None, op["groups"], op["group_rows"], 1, op["width"], op["mode"],
+            op["blocks"], op["threads"], 0, None, None, None,
+        ) == 1  # fmt: skip
+    for name in ("layers", "groups", "group_rows"):
+        op = {**good, "layers": 1, "groups": 1, "group_rows": 1, name: 0}
+        assert lib.hr_kvcopy_launch_layers(
+            jobs, op["njobs"], op["layers"], None, op["groups"], op["group_rows"], 1, op["width"], op["mode"],
+            op["blocks"], op["threads"], 0, None, None, None,
+        ) == 1  # fmt: skip
+    assert "invalid argument" in lib.hr_kvcopy_error_string(1).decode()
+
+
 def test_kernel_is_on_by_default_wherever_it_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIRADIX_CUDA_KERNEL", raising=False)
     assert K.kernel_by_default() == K.cuda_kernel_available()
