@@ -5,8 +5,11 @@ Environment switches:
 - ``HIRADIX_CYTHON_DEBUG=1``: bounds checks, initialized checks and line tracing on.
 - ``HIRADIX_ANNOTATE=1``: write Cython's annotated HTML next to the sources.
 - ``HIRADIX_CUDA=0``: do not build the CUDA copy kernel even where ``nvcc`` is found;
-  ``HIRADIX_CUDA=1``: fail the build if it cannot be built. Unset: build it when ``nvcc``
-  is on the ``PATH`` (or in ``$CUDA_HOME/bin``), skip it quietly otherwise.
+  ``HIRADIX_CUDA=1``: fail the build if it cannot be built (the wheels CI and cibuildwheel
+  make). Unset: build it when ``nvcc`` is found, skip it quietly otherwise. ``nvcc`` is
+  ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``) where that variable is set, else the one on the
+  ``PATH``, else ``/usr/local/cuda/bin/nvcc``: the toolkit found decides which NVIDIA driver
+  the library needs (docs/install.md).
 - ``HIRADIX_CUDA_ARCHS``: the GPU architectures to compile for (default ``80;90;100``,
   plus PTX of the last for newer GPUs).
 - ``HIRADIX_VERBS=0``: do not build the libibverbs binding (``hiradix.transport._verbs``)
@@ -18,6 +21,7 @@ Environment switches:
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -103,12 +107,13 @@ CUDA_LIBRARY = "libhiradix_kvcopy.so"
 
 
 def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidate = Path(home, "bin", "nvcc")
-    return str(candidate) if candidate.exists() else None
+    """The toolkit named by ``$CUDA_HOME`` (or ``$CUDA_PATH``) first, as torch's extension
+    builder does, so that a build can pick its toolkit where several are installed."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for found in (Path(home, "bin", "nvcc") if home else None, shutil.which("nvcc"), Path("/usr/local/cuda/bin/nvcc")):
+        if found and Path(found).exists():
+            return str(found)
+    return None
 
 
 class BuildExt(build_ext):
@@ -129,15 +134,24 @@ class BuildExt(build_ext):
         archs = [a for a in os.environ.get("HIRADIX_CUDA_ARCHS", "80;90;100").split(";") if a]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-Ihiradix/memory", *gencode,
-               "-o", str(out_dir / CUDA_LIBRARY), CUDA_SOURCE]
+        # -cudart=static (nvcc's default, spelled out): the runtime is linked in, with its
+        # symbols hidden, so the library needs no libcudart at run time and loads without a
+        # GPU or a driver; the driver (libcuda) is opened only by the first CUDA call.
+        cmd = [nvcc, "-O3", "-shared", "-cudart=static", "-Xcompiler", "-fPIC", "-std=c++17", "-Ihiradix/memory",
+               *gencode, "-o", str(out_dir / CUDA_LIBRARY), CUDA_SOURCE]
         print(" ".join(cmd))
+        start = time.monotonic()
         try:
+            version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+            release = [line for line in version.splitlines() if "release" in line] or version.splitlines()[-1:]
+            print(f"nvcc: {nvcc}: {' '.join(release).strip()}")
             subprocess.run(cmd, check=True)
         except (OSError, subprocess.CalledProcessError) as exc:
             if wanted:
                 raise
             print(f"warning: the CUDA copy kernel was not built ({exc}); the torch copy path serves")
+            return
+        print(f"nvcc: built {out_dir / CUDA_LIBRARY} in {time.monotonic() - start:.1f} s")
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -7,7 +7,12 @@ with the wheel's venv, from a folder outside the checkout:
    bundle it) and nothing else is allowed to be missing;
 3. SGLang would find the plugin: the ``sglang.srt.plugins`` entry point ``hiradix`` is
    discovered and loads ``hiradix._sglang_plugin.register`` (SGLang itself is not needed);
-4. ``hiradix sim`` runs on the bundled trace excerpt and prints its report.
+4. the CUDA copy kernel ``libhiradix_kvcopy.so`` is in the wheel (the wheels are built with
+   ``HIRADIX_CUDA=1``), with no CUDA library bundled beside it; it loads with no GPU and no
+   driver (``library_abi()`` is the ABI ``hiradix.memory.kernel`` expects) without opening
+   the driver (libcuda), and ``cuda_kernel_available()`` answers False without raising
+   where torch sees no CUDA device;
+5. ``hiradix sim`` runs on the bundled trace excerpt and prints its report.
 
 Exits non-zero, saying which check failed.
 """
@@ -22,9 +27,10 @@ import sys
 import sysconfig
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"smoke_wheel: FAILED: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -60,6 +66,8 @@ def main() -> None:
         fail(f"the hiradix plugin entry point loads {register!r}, not hiradix._sglang_plugin.register")
     print(f"smoke_wheel: SGLang plugin entry point found: {plugins[0].value}")
 
+    check_kernel()
+
     exe = shutil.which("hiradix", path=str(Path(sys.executable).parent))
     if exe is None:
         fail(f"the hiradix command is not installed beside {sys.executable}")
@@ -74,6 +82,42 @@ def main() -> None:
     print("smoke_wheel: hiradix sim on the bundled excerpt:")
     print("\n".join("    " + line for line in run.stdout.splitlines()[:12]))
     print("smoke_wheel: OK")
+
+
+def _driver_mapped() -> bool:
+    """Whether the NVIDIA driver's user-space library is loaded in this process."""
+    maps = Path("/proc/self/maps")
+    return maps.exists() and "/libcuda.so" in maps.read_text()
+
+
+def check_kernel() -> None:
+    import torch
+
+    from hiradix.memory import kernel
+
+    files = [str(f) for f in metadata.files("hiradix") or []]
+    if f"hiradix/memory/{kernel.LIBRARY.name}" not in files:
+        fail(f"the wheel has no hiradix/memory/{kernel.LIBRARY.name}: the CUDA kernel was not built into it")
+    bundled = [f for f in files if "libcuda" in Path(f).name]
+    if bundled:
+        fail(f"the wheel bundles CUDA libraries {bundled}: the kernel must link the CUDA runtime statically")
+    driver_before = _driver_mapped()
+    try:
+        abi = kernel.library_abi()
+    except kernel.KernelError as exc:
+        fail(f"{kernel.LIBRARY} is in the wheel but does not load: {exc}")
+    if abi != kernel.ABI:
+        fail(f"{kernel.LIBRARY.name} has ABI {abi}, hiradix.memory.kernel expects {kernel.ABI}")
+    if not driver_before and _driver_mapped():
+        fail(f"loading {kernel.LIBRARY.name} opened the NVIDIA driver: loading must do no CUDA work")
+    try:
+        available = kernel.cuda_kernel_available()
+    except Exception as exc:  # any exception is the failure this check is for
+        fail(f"cuda_kernel_available() raised {exc!r}")
+    if not torch.cuda.is_available() and available:
+        fail("cuda_kernel_available() is True where torch sees no CUDA device")
+    where = "a CUDA device" if torch.cuda.is_available() else "no CUDA device"
+    print(f"smoke_wheel: {kernel.LIBRARY.name} in the wheel, ABI {abi}; {where}: cuda_kernel_available() {available}")
 
 
 if __name__ == "__main__":
