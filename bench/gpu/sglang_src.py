@@ -14,7 +14,8 @@ benchmark checks the bytes read. A placeholder that is *called* (other than as a
 decorator, which keeps the function it decorates) returns another placeholder and is
 recorded in :data:`CALLED`, which the benchmark prints, so nothing is used unseen.
 
-Never imported by the package or its tests; only by ``bench/layer_wait_gpu.py``.
+Never imported by the package or its tests; only by ``bench/layer_wait_gpu.py`` and
+``bench/sglang_kernels.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CALLED", "MAY_BE_MISSING", "PLACEHOLDERS", "load_memory_pool"]
+__all__ = ["CALLED", "MAY_BE_MISSING", "PLACEHOLDERS", "load_memory_pool", "load_sglang_module"]
 
 #: The packages SGLang 0.5.23's ``memory_pool`` imports (directly or through its chain) that
 #: a GPU machine's image may lack; any other missing import is an error as usual (optional
@@ -157,11 +158,20 @@ def load_memory_pool(source: str | Path, *, dest: str | Path = "/tmp/sglang-src"
     folder or a ``.tar.gz`` of one holding ``sglang/``), with placeholders for the missing
     third-party packages of :data:`MAY_BE_MISSING`. An SGLang that is installed already is
     used as it is."""
+    return load_sglang_module(source, "sglang.srt.mem_cache.memory_pool", dest=dest)
+
+
+def load_sglang_module(source: str | Path, name: str, *, dest: str | Path = "/tmp/sglang-src") -> types.ModuleType:
+    """Import the module ``name`` of SGLang from its source at ``source``, as
+    :func:`load_memory_pool` does (``bench/sglang_kernels.py`` imports SGLang's JIT HiCache
+    kernels, ``sglang.kernels.ops.kvcache.hicache``, this way; that chain needs no
+    placeholder beyond :data:`MAY_BE_MISSING`). Calling it again, for the same or another
+    module, reuses the source already on ``sys.path``."""
     if importlib.util.find_spec("sglang") is None:
         root = _unpack(Path(source), Path(dest))
         sys.path.insert(0, str(root))
         sys.meta_path.append(_Finder(set(MAY_BE_MISSING)))
-    return importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    return importlib.import_module(name)
 
 
 if __name__ == "__main__":  # a dry run: python bench/gpu/sglang_src.py PATH
