@@ -88,6 +88,8 @@ from typing import Any, Literal
 
 import torch
 
+from hiradix.memory import CopyEngine
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import sglang_src
 
@@ -96,6 +98,7 @@ __all__ = [
     "DEFAULT_SOURCE",
     "VARIANTS",
     "Plan",
+    "SGLangLayerEngine",
     "compare_rows",
     "compile_modules",
     "load_sglang_kernels",
@@ -455,23 +458,33 @@ def _check_indices(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"index tensors differ in length: {a.numel()} and {b.numel()}")
 
 
-def sglang_load(dev: Any, host: Any, host_idx: torch.Tensor, dev_idx: torch.Tensor, variant: Variant) -> Plan:
-    """Load every layer host -> device with SGLang's kernel, one call per layer as SGLang's
-    ``load_to_device_per_layer`` (``transfer_hicache_one_layer[_mla]``); rows
-    ``host_idx[i]`` -> ``dev_idx[i]``. Returns the :class:`Plan` that ran. Launches on the
-    current stream and does not synchronise. ``O(layers)`` launches."""
+def sglang_load(
+    dev: Any,
+    host: Any,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    variant: Variant,
+    *,
+    layers: range | None = None,
+) -> Plan:
+    """Load every layer (or ``layers``) host -> device with SGLang's kernel, one call per
+    layer as SGLang's ``load_to_device_per_layer`` (``transfer_hicache_one_layer[_mla]``);
+    rows ``host_idx[i]`` -> ``dev_idx[i]``. Returns the :class:`Plan` that ran. Launches on
+    the current stream and does not synchronise. ``O(layers)`` launches."""
     _check_indices(host_idx, dev_idx)
     p = plan(dev, host, "load", variant)
     hc, b = _hc(), _binding(dev, host)
     ps, el = host.page_size, b.row_elems
+    which = range(dev.layer_num) if layers is None else layers
+    dev_bufs, host_views = [b.dev_bufs[i] for i in which], [b.host_views[i] for i in which]
     with _tma_gate(hc, None if variant == "default" else p.kernel == "tma"):
         if host.is_mla:
             fn = hc.transfer_hicache_one_layer_mla
-            for (d,), (h,) in zip(b.dev_bufs, b.host_views, strict=True):
+            for (d,), (h,) in zip(dev_bufs, host_views, strict=True):
                 fn(page_size=ps, cache_dst=d, cache_src=h, indices_dst=dev_idx, indices_src=host_idx, element_dim=el)
         else:
             fn = hc.transfer_hicache_one_layer
-            for (dk, dv), (hk, hv) in zip(b.dev_bufs, b.host_views, strict=True):
+            for (dk, dv), (hk, hv) in zip(dev_bufs, host_views, strict=True):
                 fn(
                     page_size=ps,
                     k_cache_dst=dk,
@@ -540,6 +553,77 @@ def sglang_backup(
                 element_size=b.row_elems * isz,
             )
     return p
+
+
+# ----------------------------------------------------------------------------- engine
+class _LayerHandle:
+    """One load of :class:`SGLangLayerEngine`: an event per layer on its stream (hiradix's
+    ``LoadHandle`` interface, as the controller and SGLang's pool use it)."""
+
+    def __init__(self, events: list[torch.cuda.Event], start: torch.cuda.Event, keep: list[torch.Tensor]) -> None:
+        self.layer_num = len(events)
+        self._events, self._start, self._keep = events, start, keep
+
+    def done(self) -> bool:
+        return bool(self._events[-1].query())
+
+    @property
+    def error(self) -> BaseException | None:
+        return None
+
+    @property
+    def duration_s(self) -> float | None:
+        return self._start.elapsed_time(self._events[-1]) / 1e3 if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._events[-1].synchronize()
+
+    def wait_until(self, layer: int, timeout: float | None = None) -> None:
+        torch.cuda.current_stream().wait_event(self._events[layer])
+
+
+class SGLangLayerEngine(CopyEngine):
+    """SGLang's kernels behind hiradix's copy-engine interface (loads layer by layer, the
+    way stock SGLang's controller loads: ``load_to_device_per_layer`` on its own stream,
+    an event after each layer), so the same controller, counter and pool drive stock's
+    kernels and ours in ``bench/layer_wait_gpu.py``. ``layer_delay_cycles`` spins before
+    each layer (the wait check's slowed loads); ``stream_priority`` as hiradix's engine."""
+
+    def __init__(self, variant: Variant, *, layer_delay_cycles: int = 0, stream_priority: int = 0) -> None:
+        self.variant = variant
+        self.layer_delay_cycles = layer_delay_cycles
+        self._stream = torch.cuda.Stream(priority=stream_priority)
+
+    def _indices(self, a: Any) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.int64).to("cuda", non_blocking=True)
+
+    def load(self, host_pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> _LayerHandle:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        if self.fence_stream is not None:
+            self._stream.wait_stream(self.fence_stream)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(device_pool.layer_num + 1)]
+        with torch.cuda.stream(self._stream):
+            h, d = self._indices(host_indices), self._indices(device_indices)
+            events[0].record()
+            for layer in range(device_pool.layer_num):
+                if self.layer_delay_cycles:
+                    torch.cuda._sleep(self.layer_delay_cycles)
+                sglang_load(device_pool, host_pool, h, d, self.variant, layers=range(layer, layer + 1))
+                events[layer + 1].record()
+        return _LayerHandle(events[1:], events[0], [h, d])
+
+    def backup(self, device_pool: Any, host_pool: Any, device_indices: Any, host_indices: Any) -> _LayerHandle:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        with torch.cuda.stream(self._stream):
+            d, h = self._indices(device_indices), self._indices(host_indices)
+            events[0].record()
+            sglang_backup(device_pool, host_pool, d, h, self.variant)
+            events[1].record()
+        return _LayerHandle(events[1:], events[0], [h, d])
+
+    def close(self) -> None:
+        self._stream.synchronize()
 
 
 # ----------------------------------------------------------------------------- bytes

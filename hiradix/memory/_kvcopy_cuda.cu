@@ -166,6 +166,19 @@ int hr_kvcopy_runs(void* const* dsts, const void* const* srcs, const size_t* siz
 #endif
 }
 
+// Whether this library's kernels can run on the current device: 0 where they can, else a
+// cudaError_t (cudaErrorInsufficientDriver: a driver of an older CUDA major version than
+// the runtime built in; cudaErrorNoKernelImageForDevice or cudaErrorInvalidDeviceFunction:
+// no code for this GPU). `driver` and `runtime` receive the two CUDA versions.
+int hr_kvcopy_probe(int* driver, int* runtime) {
+    cudaError_t e;
+    if ((e = cudaDriverGetVersion(driver)) != cudaSuccess) return (int)e;
+    if ((e = cudaRuntimeGetVersion(runtime)) != cudaSuccess) return (int)e;
+    if (*driver / 1000 < *runtime / 1000) return (int)cudaErrorInsufficientDriver;
+    cudaFuncAttributes attr;
+    return (int)cudaFuncGetAttributes(&attr, (const void*)hr_copy_kernel<16, HR_MODE_WARP>);
+}
+
 // The device address of pinned host memory `host` (cudaHostGetDevicePointer), for the
 // kernel to read or write it in place.
 int hr_kvcopy_host_pointer(void* host, void** device) {

@@ -522,6 +522,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # the library's C ABI (_kvcop
     ),
     "hr_kvcopy_runs": (_C_INT, [_PTR, _PTR, _PTR, ctypes.c_size_t, _PTR]),
     "hr_kvcopy_host_pointer": (_C_INT, [_PTR, ctypes.POINTER(_PTR)]),
+    "hr_kvcopy_probe": (_C_INT, [ctypes.POINTER(_C_INT), ctypes.POINTER(_C_INT)]),
     "hr_kvcopy_error_string": (ctypes.c_char_p, [_C_INT]),
 }
 _LIB_LOCK = threading.Lock()
@@ -554,16 +555,34 @@ def _library() -> Any:
         return _LIB
 
 
+_PROBED: dict[int, str | None] = {}
+
+
 def kernel_unavailable_reason() -> str | None:
     """Why the CUDA kernel cannot serve here (no CUDA device, library not built or not
-    loadable), or ``None`` where it can."""
+    loadable, a driver older than the library's CUDA, no code for this GPU), or ``None``
+    where it can. Asks the device once per process and device."""
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
     try:
-        _library()
+        lib = _library()
     except KernelError as exc:
         return str(exc)
-    return None
+    device = torch.cuda.current_device()
+    if device not in _PROBED:
+        driver, runtime = ctypes.c_int(), ctypes.c_int()
+        code = lib.hr_kvcopy_probe(ctypes.byref(driver), ctypes.byref(runtime))
+        _PROBED[device] = (
+            None
+            if code == 0
+            else (
+                f"{LIBRARY.name} cannot run on {torch.cuda.get_device_name(device)} (CUDA driver "
+                f"{driver.value // 1000}.{driver.value % 1000 // 10}, library built with CUDA "
+                f"{runtime.value // 1000}.{runtime.value % 1000 // 10}): "
+                f"{lib.hr_kvcopy_error_string(code).decode()} (cudaError {code})"
+            )
+        )
+    return _PROBED[device]
 
 
 def cuda_kernel_available() -> bool:
