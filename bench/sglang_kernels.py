@@ -88,8 +88,6 @@ from typing import Any, Literal
 
 import torch
 
-from hiradix.memory import CopyEngine
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import sglang_src
 
@@ -582,12 +580,16 @@ class _LayerHandle:
         torch.cuda.current_stream().wait_event(self._events[layer])
 
 
-class SGLangLayerEngine(CopyEngine):
-    """SGLang's kernels behind hiradix's copy-engine interface (loads layer by layer, the
-    way stock SGLang's controller loads: ``load_to_device_per_layer`` on its own stream,
-    an event after each layer), so the same controller, counter and pool drive stock's
-    kernels and ours in ``bench/layer_wait_gpu.py``. ``layer_delay_cycles`` spins before
-    each layer (the wait check's slowed loads); ``stream_priority`` as hiradix's engine."""
+class SGLangLayerEngine:
+    """SGLang's kernels behind hiradix's copy-engine interface (``hiradix.memory.CopyEngine``'s
+    methods; loads layer by layer, the way stock SGLang's controller loads:
+    ``load_to_device_per_layer`` on its own stream, an event after each layer), so the same
+    controller, counter and pool drive stock's kernels and ours in
+    ``bench/layer_wait_gpu.py``. ``layer_delay_cycles`` spins before each layer (the wait
+    check's slowed loads); ``stream_priority`` as hiradix's engine. Imports nothing of
+    hiradix, so the JIT warm-up runs while hiradix is still being built."""
+
+    fence_stream: torch.cuda.Stream | None = None
 
     def __init__(self, variant: Variant, *, layer_delay_cycles: int = 0, stream_priority: int = 0) -> None:
         self.variant = variant
@@ -621,6 +623,9 @@ class SGLangLayerEngine(CopyEngine):
             sglang_backup(device_pool, host_pool, d, h, self.variant)
             events[1].record()
         return _LayerHandle(events[1:], events[0], [h, d])
+
+    def query(self, handle: _LayerHandle) -> bool:
+        return handle.done()
 
     def close(self) -> None:
         self._stream.synchronize()

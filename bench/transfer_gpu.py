@@ -78,7 +78,7 @@ ENGINES: dict[str, dict] = {  # hiradix's paths: CudaCopyEngine's arguments
     "mapped": {"kernel": False},
 }
 SGLANG = {"sgl-reg": "register", "sgl-tma": "tma", "sgl-default": "default"}  # SGLang's kernels: variant
-DEFAULT_PATHS = "warp,wide,dma,mapped,sgl-reg,sgl-tma,sgl-default"
+DEFAULT_PATHS = "warp,wide,mapped,sgl-reg,sgl-tma,sgl-default"  # dma: measured twice, kept out (slow)
 
 
 def gpu_info() -> dict:
@@ -259,6 +259,7 @@ def bench_pages(args: argparse.Namespace) -> list[dict]:
                     eng.close()
                 del case
                 torch.cuda.empty_cache()
+                args.progress(rows)
     return rows
 
 
@@ -518,12 +519,18 @@ def main(argv: list[str] | None = None) -> int:
         "paths": args.paths,
     }
     got: dict[str, list[dict]] = {"queued": [], "grid": [], "pages": []}
+
+    def save(pages: list[dict] | None = None) -> None:
+        # After every section and every case of A: a run stopped by its time limit keeps
+        # what it measured.
+        data = {**got, "pages": got["pages"] if pages is None else pages}
+        write_outputs(args, report(meta, data["pages"], data["grid"], data["queued"]), {"meta": meta, **data})
+
+    args.progress = save
     for key, name, fn in (("queued", "Q", bench_queued), ("grid", "G", bench_grid), ("pages", "A", bench_pages)):
         if name not in skip:
             got[key] = _section(name, lambda fn=fn: fn(args))
-            # After every section: a run stopped by its time limit keeps what it measured.
-            text = report(meta, got["pages"], got["grid"], got["queued"])
-            write_outputs(args, text, {"meta": meta, **got})
+            save()
     print(report(meta, got["pages"], got["grid"], got["queued"]))
     return 0
 
