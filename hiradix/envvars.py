@@ -90,10 +90,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`CudaCopyEngine` moves KV with hiradix's CUDA gather/scatter kernel wherever the library "
            "loads on a CUDA device (the fastest path measured). `0`: the torch path instead.",
            "hiradix/memory/kernel.py"),
-    EnvVar("HIRADIX_CUDA_KERNEL_MODE", "text", "warp", "runtime",
-           "How the kernel shares a copy among threads: `warp` (a few blocks, a warp per row, "
-           "streaming loads and stores: leaves the SMs to the forward pass) or `wide` (many blocks, "
-           "chunks striped over every thread).",
+    EnvVar("HIRADIX_CUDA_KERNEL_MODE", "text", "wide", "runtime",
+           "How the kernel shares a copy among threads: `wide` (many blocks, chunks striped over every "
+           "thread; the mode measured on an H200) or `warp` (a few blocks, a warp per row, streaming "
+           "loads and stores: made to leave the SMs to the forward pass; not yet measured on a GPU).",
            "hiradix/memory/kernel.py"),
     EnvVar("HIRADIX_SGLANG_ANY_VERSION", "flag", "0", "runtime",
            "Let the SGLang plugin and adapter load on an SGLang version they do not support.",

@@ -19,10 +19,12 @@ then queues the operation, every layer, in one call:
     (:mod:`hiradix.memory._kvcopy_emu`), so that CI, without a GPU, checks the plan, the
     widths, the modes and the kernel's index arithmetic byte for byte against the torch path.
 
-Two :data:`MODES` share the rows among threads: ``wide`` (chunks striped over many blocks)
-and ``warp`` (a few blocks, a warp per row, streaming loads and stores that leave L2 to the
-forward pass). ``HIRADIX_CUDA_KERNEL_MODE`` picks the default; ``bench/transfer_gpu.py``
-and ``bench/layer_wait_gpu.py`` measure both (``bench/RESULTS_transfer.md``).
+Two :data:`MODES` share the rows among threads: ``wide`` (chunks striped over many blocks;
+the default, the mode measured on an H200) and ``warp`` (a few blocks, a warp per row,
+streaming loads and stores that leave L2 to the forward pass; not yet measured on a GPU).
+``HIRADIX_CUDA_KERNEL_MODE`` picks one; ``bench/transfer_gpu.py`` and
+``bench/layer_wait_gpu.py`` measure both beside SGLang's own kernels, and the default is to
+be the fastest that passes the parity and wait checks (``bench/RESULTS_transfer.md``).
 
 :meth:`KernelPlan.runs` merges the rows into runs contiguous on both sides (a whole page of
 a page-major layout is one run) for the other way to move them, the GPU's copy engines
@@ -100,7 +102,7 @@ class _Job(ctypes.Structure):
 
 def default_mode() -> str:
     """The kernel mode ``HIRADIX_CUDA_KERNEL_MODE`` names (``ValueError`` for another)."""
-    mode = envvars.text("HIRADIX_CUDA_KERNEL_MODE") or "warp"
+    mode = envvars.text("HIRADIX_CUDA_KERNEL_MODE") or "wide"
     if mode not in MODES:
         raise ValueError(f"HIRADIX_CUDA_KERNEL_MODE must be one of {sorted(MODES)}, got {mode!r}")
     return mode
