@@ -527,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     waits: list[dict] = []
     overlap: list[dict] = []
+
     def save() -> None:  # after every path: a run stopped by its time limit keeps what it measured
         write_outputs(args, report(meta, overlap, waits), {"meta": meta, "overlap": overlap, "waits": waits})
 
