@@ -216,7 +216,7 @@ class KernelPlan:
         if self.group_rows == 1:
             return off
         k = np.arange(self.group_rows, dtype=np.int64)
-        out = []
+        out: list[np.ndarray] = []
         for d, h in self.layers[0]:
             for stride, row in ((d.page_stride, off[len(out)]), (h.slot_stride, off[len(out) + 1])):
                 out.append((row[:, None] + k * stride).reshape(-1))
