@@ -1204,49 +1204,56 @@ class CudaCopyEngine(CopyEngine):
             return self._run_mapped("backup", device_pool, host_pool, alias, dev, hidx)
         return self._staged_backup(device_pool, host_pool, dev, hidx)
 
-    def _staged_load(
-        self, host_pool: HostKVPool, device_pool: DeviceKVPool, dev: torch.Tensor, hidx: _HostIndex
-    ) -> _CudaHandle:
+    def _staged(
+        self, device_pool: DeviceKVPool, dev: torch.Tensor, step: Callable[[int, torch.Tensor], list]
+    ) -> tuple[int, list[torch.cuda.Event], list[torch.Tensor]]:
+        """The staged path's frame: on the copy stream, ``step(layer, dev_idx)`` for every
+        layer (it returns the tensors to keep alive), an event after each."""
         with self._lock:
             op_id = self._begin(device_pool)
             events: list[torch.cuda.Event] = []
-            keep: list[torch.Tensor] = []
             with torch.cuda.stream(self._stream):
                 dev_idx = dev.to(self.device, non_blocking=True)
-                keep.append(dev_idx)
+                keep: list[torch.Tensor] = [dev_idx]
                 for layer in range(device_pool.layer_num):
                     self._delay()
-                    for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
-                        staged = _host_gather(hview, hidx).pin_memory()
-                        on_dev = staged.to(self.device, non_blocking=True)
-                        dbuf.index_copy_(0, dev_idx, on_dev)
-                        keep += [staged, on_dev]
+                    keep += step(layer, dev_idx)
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
                     events.append(ev)
+        return op_id, events, keep
+
+    def _staged_load(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool, dev: torch.Tensor, hidx: _HostIndex
+    ) -> _CudaHandle:
+        def step(layer: int, dev_idx: torch.Tensor) -> list:
+            keep = []
+            for dbuf, hview in _layer_pairs(device_pool, host_pool, layer):
+                staged = _host_gather(hview, hidx).pin_memory()
+                on_dev = staged.to(self.device, non_blocking=True)
+                dbuf.index_copy_(0, dev_idx, on_dev)
+                keep += [staged, on_dev]
+            return keep
+
+        op_id, events, keep = self._staged(device_pool, dev, step)
         return _CudaHandle(op_id, "load", events, self.device, keep)
 
     def _staged_backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, dev: torch.Tensor, hidx: _HostIndex
     ) -> _CudaHandle:
-        with self._lock:
-            op_id = self._begin(device_pool)
-            events: list[torch.cuda.Event] = []
-            keep: list[torch.Tensor] = []
-            staged_all: list[tuple[int, int, torch.Tensor]] = []
-            with torch.cuda.stream(self._stream):
-                dev_idx = dev.to(self.device, non_blocking=True)
-                keep.append(dev_idx)
-                for layer in range(device_pool.layer_num):
-                    for c, (dbuf, _) in enumerate(_layer_pairs(device_pool, host_pool, layer)):
-                        gathered = dbuf.index_select(0, dev_idx)
-                        staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-                        staged.copy_(gathered, non_blocking=True)
-                        keep += [gathered, staged]
-                        staged_all.append((layer, c, staged))
-                    ev = torch.cuda.Event()
-                    ev.record(self._stream)
-                    events.append(ev)
+        staged_all: list[tuple[int, int, torch.Tensor]] = []
+
+        def step(layer: int, dev_idx: torch.Tensor) -> list:
+            keep = []
+            for c, (dbuf, _) in enumerate(_layer_pairs(device_pool, host_pool, layer)):
+                gathered = dbuf.index_select(0, dev_idx)
+                staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                staged.copy_(gathered, non_blocking=True)
+                keep += [gathered, staged]
+                staged_all.append((layer, c, staged))
+            return keep
+
+        op_id, events, keep = self._staged(device_pool, dev, step)
 
         def finalize() -> None:
             for layer, c, staged in staged_all:

@@ -428,6 +428,12 @@ class Launcher:
         memory on a GPU): host -> device if ``to_device``, else device -> host. On a GPU,
         ``start`` (an event handle, 0 for none) is recorded first and ``events[i]`` after
         layer ``i``; ``delay_cycles`` spins before each layer (the test seam)."""
+        tmpl = p.geometry.templates(to_device, host_delta)
+        op = (tmpl, p.geometry.components, len(p.layers), offsets_ptr, p.groups, p.group_rows, int(to_device))
+        self._queue((*op, p.width, MODES[self.mode], self.blocks, self.threads), stream, start, events, delay_cycles)
+
+    def _queue(self, op: tuple, stream: int, start: int, events: Any, delay_cycles: int) -> None:
+        """``hr_kvcopy_launch_layers`` with ``op``, its arguments up to the grid."""
         raise NotImplementedError
 
     def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
@@ -467,31 +473,8 @@ class EmulatedLauncher(Launcher):
     def launch(self, jobs: Any, width: int, stream: int = 0) -> None:
         _emu.launch(ctypes.addressof(jobs), len(jobs), width, MODES[self.mode], self.blocks, self.threads)
 
-    def launch_layers(
-        self,
-        p: KernelPlan,
-        offsets_ptr: int,
-        host_delta: int,
-        to_device: bool,
-        stream: int = 0,
-        start: int = 0,
-        events: Any = None,
-        delay_cycles: int = 0,
-    ) -> None:
-        tmpl = p.geometry.templates(to_device, host_delta)
-        _emu.launch_layers(
-            ctypes.addressof(tmpl),
-            p.geometry.components,
-            len(p.layers),
-            offsets_ptr,
-            p.groups,
-            p.group_rows,
-            to_device,
-            p.width,
-            MODES[self.mode],
-            self.blocks,
-            self.threads,
-        )
+    def _queue(self, op: tuple, stream: int, start: int, events: Any, delay_cycles: int) -> None:
+        _emu.launch_layers(ctypes.addressof(op[0]), *op[1:])
 
     def copy_runs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int = 0) -> None:
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
@@ -641,34 +624,8 @@ class CudaLauncher(Launcher):
         if code:
             raise KernelError(f"kernel launch failed: {self._error(code)}")
 
-    def launch_layers(
-        self,
-        p: KernelPlan,
-        offsets_ptr: int,
-        host_delta: int,
-        to_device: bool,
-        stream: int = 0,
-        start: int = 0,
-        events: Any = None,
-        delay_cycles: int = 0,
-    ) -> None:
-        code = self._lib.hr_kvcopy_launch_layers(
-            p.geometry.templates(to_device, host_delta),
-            p.geometry.components,
-            len(p.layers),
-            offsets_ptr,
-            p.groups,
-            p.group_rows,
-            int(to_device),
-            p.width,
-            MODES[self.mode],
-            self.blocks,
-            self.threads,
-            delay_cycles,
-            stream,
-            start or None,
-            events,
-        )
+    def _queue(self, op: tuple, stream: int, start: int, events: Any, delay_cycles: int) -> None:
+        code = self._lib.hr_kvcopy_launch_layers(*op, delay_cycles, stream, start or None, events)
         if code:
             raise KernelError(f"kernel launch failed: {self._error(code)}")
 
