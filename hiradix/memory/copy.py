@@ -840,9 +840,13 @@ class _CudaHandle(LoadHandle):
                 except BaseException as exc:  # re-raised by wait()
                     self._error = exc
             if self._start is not None:
-                # Stock SGLang times its load-back and backups with CUDA events, too.
-                # A negative span means the ring reused the events: no figure then.
-                ms = self._start.elapsed_time(self._events[-1])
+                # Stock SGLang times its load-back and backups with CUDA events, too. Where
+                # the ring has given the events to a later operation already (a handle first
+                # seen done after 64 more), there is no figure: never an error.
+                try:
+                    ms = self._start.elapsed_time(self._events[-1])
+                except RuntimeError:
+                    ms = -1.0
                 self._duration = ms / 1e3 if ms >= 0 else None
                 self._start = None
             self._keep_alive = []
