@@ -1100,7 +1100,11 @@ class CudaCopyEngine(CopyEngine):
         torch paths (no kernel, or pools it cannot address)."""
         if self._launcher is None:
             return None
-        dev, host = _validate_cpu(device_pool, host_pool, device_indices, host_indices)
+        # No owned copies of the indices: the plan turns them into offsets now, and checks
+        # each against its pool (slot_offsets).
+        _check_pools(device_pool, host_pool)
+        dev = as_index_array(device_indices, "device_indices")
+        host = as_index_array(host_indices, "host_indices")
         try:
             delta = self._launcher.host_delta(host_pool)
             geo = self._geometries.get(device_pool, host_pool)

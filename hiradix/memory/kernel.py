@@ -354,15 +354,24 @@ def _page_groups(dev: np.ndarray, host: np.ndarray, ps: int) -> int:
     return ps
 
 
+def _cpu_array(indices: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(indices, torch.Tensor):
+        if indices.device.type != "cpu":
+            raise ValueError("plan() takes CPU indices")
+        return indices.numpy()
+    return indices
+
+
 def plan(
     device_pool: DeviceKVPool,
     host_pool: HostKVPool,
-    dev: torch.Tensor,
-    host: torch.Tensor,
+    dev: torch.Tensor | np.ndarray,
+    host: torch.Tensor | np.ndarray,
     geo: Geometry | None = None,
     pin: bool = False,
 ) -> KernelPlan | None:
-    """The kernel plan for validated CPU int64 slot indices (paired in order), or ``None``
+    """The kernel plan for CPU int64 slot indices (tensors or arrays, paired in order; each
+    checked against its pool here: ``IndexError`` naming the side), or ``None``
     where the kernel cannot address the pools (see :func:`geometry`; ``geo``, when given,
     is theirs, computed once) or there is nothing to copy. ``pin``: the offsets in pinned
     memory (torch's caching host allocator), for an asynchronous upload.
@@ -370,23 +379,25 @@ def plan(
     Rows are sorted by host slot, as the CPU row copy does: the host side is the one whose
     layouts scatter a page, and walking it in address order keeps each warp's reads (or
     writes) over PCIe in few, long runs. Where whole pages move, the offsets are one per
-    page. Runtime complexity: ``O(n log n)`` for the sort (skipped when in order), ``O(n)``
-    to find the pages, ``O(groups x components)`` for the offsets.
+    page, and the sort is over the pages. Runtime complexity: ``O(n)`` to find the pages,
+    ``O(g log g)`` to sort the ``g`` groups (skipped when in order), ``O(g x components)``
+    for the offsets.
     """
-    if dev.device.type != "cpu" or host.device.type != "cpu":
-        raise ValueError("plan() takes CPU indices")
-    n = dev.numel()
+    dev_np, host_np = _cpu_array(dev), _cpu_array(host)
+    n = dev_np.size
+    if n != host_np.size:
+        raise ValueError(f"{n} device indices but {host_np.size} host indices")
     if n == 0:
         return None
     if geo is None:
         geo = geometry(device_pool, host_pool)
         if geo is None:
             return None
-    dev_np, host_np = in_host_order(dev.numpy(), host.numpy())
     ps = host_pool.page_size
     gr = _page_groups(dev_np, host_np, ps)
-    if gr > 1:
+    if gr > 1:  # a page's rows stay together in any order of the pages: sort the pages alone
         dev_np, host_np = np.ascontiguousarray(dev_np[::gr]), np.ascontiguousarray(host_np[::gr])
+    dev_np, host_np = in_host_order(dev_np, host_np)
     groups = n // gr
     ncomp = geo.components
     offsets = torch.empty((2 * ncomp, groups), dtype=torch.int64, pin_memory=pin)
