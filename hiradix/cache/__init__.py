@@ -11,6 +11,7 @@
   threads;
 - :mod:`~hiradix.cache.distributed`: :class:`RankAgreement`, how a rank-local fact reaches
   every rank before the trees change;
+- :mod:`~hiradix.cache.results`: :class:`CacheMatchResult`, what ``match_prefix`` found;
 - :mod:`~hiradix.cache.stats`: the frozen snapshots of their counters (:class:`CacheStats`,
   :class:`ControllerStats`, :class:`L3Stats`).
 
@@ -19,7 +20,6 @@ keep the module they are defined in, so that ``inspect`` finds their source).
 """
 
 from hiradix.cache.cache import (
-    CacheMatchResult,
     CacheObserver,
     DeviceAllocator,
     HiRadixCache,
@@ -31,6 +31,7 @@ from hiradix.cache.cache import (
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import LocalAgreement, MinReduceAgreement, RankAgreement, TorchDistAgreement
 from hiradix.cache.l3 import PREFETCH_POLICIES, L3Controller, PrefetchConfig
+from hiradix.cache.results import CacheMatchResult
 from hiradix.cache.stats import CacheStats, ControllerStats, L3Stats
 from hiradix.cache.storage_tier import OngoingPrefetch, StorageOptions, StorageTier
 

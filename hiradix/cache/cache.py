@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from hiradix.tree import HiRadixTree
 from hiradix.cache.controller import CacheOperation, HiCacheController
 from hiradix.cache.distributed import RankAgreement
+from hiradix.cache.results import CacheMatchResult
 from hiradix.cache.stats import CacheStats, zeros
 from hiradix.cache.storage_tier import StorageOptions, StorageTier
 from hiradix.memory.copy import LayerHook
@@ -143,23 +144,6 @@ class CacheObserver:
         """Device slots went back to the allocator. ``evicted``: freed by
         :meth:`HiRadixCache.evict` (demoted, with a host copy kept, or deleted); otherwise
         a request's duplicate or unaligned slots, or an allocation given back."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheMatchResult:
-    """What :meth:`HiRadixCache.match_prefix` found (SGLang's ``MatchResult``).
-
-    ``device_indices`` (int64 tensor) are the device slots of the matched prefix on the
-    device. ``host_hit_length`` more tokens are on the host only, in the evicted chain
-    that ends at ``last_node``: pass ``last_node`` to :meth:`HiRadixCache.init_load_back`.
-    ``last_host_node`` is the deepest backed-up node at or above ``last_device_node``.
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: int
-    last_host_node: int
-    host_hit_length: int
-    last_node: int
 
 
 @dataclass(eq=False)
@@ -446,10 +430,10 @@ class HiRadixCache:
             key, _cpu(value), extra_key, priority=priority, chunked=chunked, hold=self.batch_backups, start=start
         )
         if result.backup_nodes:
-            self._backups_asked(result.backup_nodes)
+            self.backups_asked(result.backup_nodes)
         return result
 
-    def _backups_asked(self, nodes: Sequence[int]) -> None:
+    def backups_asked(self, nodes: Sequence[int]) -> None:
         """The nodes an insert asked to back up (parents first; with ``batch_backups`` the
         tree's insert locked the last of them, ``hold=True``): noted for the step, or
         started now. Also the entry of :mod:`hiradix.sglang._insert`, which calls the

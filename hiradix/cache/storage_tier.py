@@ -45,7 +45,7 @@ from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
 from hiradix.tree._results import NO_NODE
 
 if TYPE_CHECKING:
-    from hiradix.cache.cache import CacheMatchResult
+    from hiradix.cache.results import CacheMatchResult
     from hiradix.tree import HiRadixTree
 
 __all__ = ["OngoingPrefetch", "StorageOptions", "StorageTier"]

@@ -41,15 +41,12 @@ if TYPE_CHECKING:
     from hiradix.transport.base import TransportSettings
 
 __all__ = [
-    "TRANSPORTS",
     "ConfigError",
     "PeerConfig",
 ]
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
-#: The data-plane transports a node can run (see :func:`hiradix.peer.transports.make_transport`).
-TRANSPORTS = ("auto", "tcp", "rdma", "fake")
 
 
 _SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
@@ -168,6 +165,9 @@ class PeerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true/false, got {getattr(self, name)!r}")
         self._validate_hosts()
+        # The kinds are the transport chooser's (imported here, as the parts below are).
+        from hiradix.peer.transports import TRANSPORTS
+
         if self.transport not in TRANSPORTS:
             raise ConfigError(
                 f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {self.transport!r}"

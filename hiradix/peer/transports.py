@@ -25,12 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hiradix.net.auth import load_token
-from hiradix.peer.config import TRANSPORTS
 from hiradix.transport.base import Transport, TransportSettings, TransportUnavailable
 from hiradix.transport.fake import FakeFabric, FakeTransport
 from hiradix.transport.tcp import TcpTransport
 
-__all__ = ["TransportChoice", "TransportUnavailable", "make_transport", "rdma_unavailable"]
+__all__ = ["TRANSPORTS", "TransportChoice", "TransportUnavailable", "make_transport", "rdma_unavailable"]
+
+#: The data-plane transports a node can run (:func:`make_transport`; :class:`PeerConfig
+#: <hiradix.peer.config.PeerConfig>` checks its ``transport`` against them).
+TRANSPORTS = ("auto", "tcp", "rdma", "fake")
 
 # The choice is the peer node's: its log line goes where the node's own lines go.
 log = logging.getLogger("hiradix.peer")
@@ -38,7 +41,7 @@ log = logging.getLogger("hiradix.peer")
 
 @dataclass(frozen=True)
 class TransportChoice:
-    """What :func:`make_transport` builds: the kind (one of :data:`~hiradix.peer.config.TRANSPORTS`), the
+    """What :func:`make_transport` builds: the kind (one of :data:`TRANSPORTS`), the
     transport's settings, and the cluster token (``None``: ``$HIRADIX_CLUSTER_TOKEN``;
     never shown by ``repr``)."""
 

@@ -52,7 +52,7 @@ cdef class Inserter:
       place (int32 slots, as SGLang's ``req_to_token`` rows hold them, are widened into a
       buffer the inserter keeps), so this module does not import torch.
 
-    The nodes the insert asks to back up go to the core cache's ``_backups_asked``, as
+    The nodes the insert asks to back up go to the core cache's ``backups_asked``, as
     its own ``insert`` hands them on.
     """
 
@@ -109,7 +109,7 @@ cdef class Inserter:
         cdef int64_t out[2]  # prefix length, last node
         backup = self.tree.insert_into(ids, slots, n, None, prio, chunked, core.batch_backups, out)
         if backup:
-            core._backups_asked(backup)
+            core.backups_asked(backup)
         return self.result(out[0], n)
 
     def checkpoint(self, ids, row, Py_ssize_t n, int64_t protected, int64_t priority):
@@ -134,7 +134,7 @@ cdef class Inserter:
         core = self.core
         backup = self.tree.insert_into(ids, slots, n, None, priority, False, core.batch_backups, out)
         if backup:
-            core._backups_asked(backup)
+            core.backups_asked(backup)
         self.tree.match_into(ids, None, walk, n, False)  # walk[4]: the device prefix's length
         if walk[4] != n or walk[0] != out[1]:
             raise RuntimeError(f"checkpoint: {walk[4]} of {n} tokens cached after the insert")

@@ -12,16 +12,53 @@ Nothing here writes to the tree.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from hiradix.tree import NO_NODE
 
-if TYPE_CHECKING:
-    from hiradix.sglang.cache import HiRadixCacheBase as HiRadixCache
+__all__ = ["NodeSource", "TreeNode"]
 
-__all__ = ["TreeNode"]
+
+class NodeSource(Protocol):
+    """What a view reads of the adapter it belongs to
+    (:class:`~hiradix.sglang.cache.HiRadixCacheBase` is one): typed here, so that this
+    module, which the adapter imports, does not import the adapter back."""
+
+    @property
+    def tree(self) -> Any: ...
+
+    @property
+    def core(self) -> Any: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def is_eagle(self) -> bool: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def root_handle(self) -> int: ...
+
+    @property
+    def root_node(self) -> TreeNode: ...
+
+    def node_view(self, handle: int) -> TreeNode: ...
+
+    def namespace_roots(self) -> dict[str, int]: ...
+
+    def node_tokens(self, handle: int) -> np.ndarray: ...
+
+    def node_radix_key(self, handle: int) -> Any: ...
+
+    def is_evicted(self, handle: int) -> bool: ...
+
+    def is_backed_up(self, handle: int) -> bool: ...
 
 
 class TreeNode:
@@ -39,7 +76,7 @@ class TreeNode:
     # (hiradix.sglang._match) makes its views without __init__.
     __slots__ = ("_cache", "id")
 
-    def __init__(self, cache: HiRadixCache, handle: int) -> None:
+    def __init__(self, cache: NodeSource, handle: int) -> None:
         self._cache = cache
         self.id = int(handle)
 
