@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 from hiradix.cache.controller import CacheOperation, HiCacheController
 from hiradix.cache.distributed import RankAgreement
 from hiradix.cache.results import CacheMatchResult
-from hiradix.cache.stats import CacheStats, zeros
+from hiradix.cache.stats import TIER_COUNTERS, CacheStats, zeros
 from hiradix.cache.storage_tier import StorageOptions, StorageTier
 from hiradix.memory.copy import LayerHook
 from hiradix.memory.pools import DeviceKVPool, HostKVPool
@@ -340,7 +340,7 @@ class HiRadixCache:
         self.ongoing_load_back: dict[int, torch.Tensor] = {}  # node -> device slots
         self._pending_backups: list[int] = []  # nodes inserts asked to back up (batch_backups)
         self._held: list[int] = []  # the node each insert(hold=True) locked, until the backups start
-        self._stats = zeros(CacheStats)  # counted here and by the storage tier; read as a snapshot (stats)
+        self._stats = {k: 0 for k in zeros(CacheStats) if k not in TIER_COUNTERS}  # the tier counts the rest
         self._observers: list[CacheObserver] = []
         self.storage = StorageTier(
             storage,
@@ -348,14 +348,13 @@ class HiRadixCache:
             host_pool=host_pool,
             controller=self.cache_controller,
             evict_host=self.evict_host,
-            stats=self._stats,
             clock=tree.clock,
         )
 
     # ------------------------------------------------------------------ observers
     def get_stats(self) -> CacheStats:
         """A snapshot of the cache's counters (:class:`~hiradix.cache.stats.CacheStats`). ``O(counters)``."""
-        return CacheStats(**self._stats)
+        return CacheStats(**self._stats, **self.storage.counters())
 
     @property
     def stats(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["CacheStats", "ControllerStats", "L3Stats", "zeros"]
+__all__ = ["TIER_COUNTERS", "CacheStats", "ControllerStats", "L3Stats", "zeros"]
 
 
 def zeros(cls: type) -> dict[str, int]:
@@ -58,6 +58,20 @@ class CacheStats:
     prefetch_loaded_tokens: int
     prefetch_wasted_tokens: int
     storage_backup_tokens: int
+
+
+#: The :class:`CacheStats` counters the cache's L3 side
+#: (:class:`~hiradix.cache.storage_tier.StorageTier`) counts in its own dict; the cache counts
+#: the others in its own, and :meth:`HiRadixCache.get_stats
+#: <hiradix.cache.HiRadixCache.get_stats>` puts the two together.
+TIER_COUNTERS = (
+    "prefetch_started_tokens",
+    "prefetch_skipped_capacity",
+    "prefetch_skipped_no_host",
+    "prefetch_loaded_tokens",
+    "prefetch_wasted_tokens",
+    "storage_backup_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)

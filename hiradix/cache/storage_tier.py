@@ -39,6 +39,7 @@ import torch
 from hiradix.cache.controller import HiCacheController
 from hiradix.cache.distributed import RankAgreement
 from hiradix.cache.l3 import BackupOperation, L3Controller, PrefetchConfig, PrefetchOperation
+from hiradix.cache.stats import TIER_COUNTERS
 from hiradix.memory.pools import HostKVPool
 from hiradix.storage.base import StorageBackend, check_keys
 from hiradix.storage.keys import KEY_HEX_CHARS, KeyNamespace, storage_keys
@@ -130,9 +131,6 @@ class StorageTier:
     evict_host:
         The cache's host eviction (``evict_host(tokens)``), which makes room for a
         prefetch.
-    stats:
-        The cache's counters (:class:`~hiradix.cache.stats.CacheStats` fields): the tier
-        counts its ``prefetch_*`` and ``storage_backup_tokens`` into them.
     clock:
         Seconds, for prefetch timeouts (the L3 controller's default if ``None``).
     """
@@ -145,7 +143,6 @@ class StorageTier:
         host_pool: HostKVPool,
         controller: HiCacheController,
         evict_host: Callable[[int], int],
-        stats: dict[str, int],
         clock: Callable[[], float] | None = None,
     ) -> None:
         if not isinstance(options, StorageOptions):
@@ -157,7 +154,7 @@ class StorageTier:
         self.cache_controller = controller
         self.agreement = controller.agreement
         self._evict_host = evict_host
-        self._stats = stats
+        self._stats = dict.fromkeys(TIER_COUNTERS, 0)  # its own; the cache's get_stats adds them in
         self.clock = clock
         self.key_suffix = options.key_suffix  # replaced per backend (attach_storage_backend)
         self.pass_prefix_keys = False  # set per attached backend (attach_storage_backend)
@@ -169,6 +166,10 @@ class StorageTier:
         if options.backend is not None:
             ok, msg = self.attach_storage_backend(options.backend, prefetch=options.prefetch, inline=options.inline)
             assert ok, msg
+
+    def counters(self) -> dict[str, int]:
+        """A copy of the tier's counters (:data:`~hiradix.cache.stats.TIER_COUNTERS`). ``O(1)``."""
+        return dict(self._stats)
 
     # ------------------------------------------------------------------ backend
     @property

@@ -11,6 +11,7 @@ import pytest
 
 from hiradix.cache import CacheStats, ControllerStats, L3Stats
 from hiradix.cache.l3 import PrefetchConfig
+from hiradix.cache.stats import TIER_COUNTERS
 from hiradix.storage import MemoryStorage
 from tests.cache.test_cache import compute, make_cache
 
@@ -44,3 +45,18 @@ def test_l3_stats_snapshot() -> None:
         assert isinstance(snap, L3Stats)
         assert snap.backup_pages == 8 == cache.storage.l3.stats["backup_pages"]
         assert dataclasses.asdict(snap) == cache.storage.l3.stats
+
+
+def test_the_cache_and_its_storage_tier_count_apart() -> None:
+    # Each owns its counters; the cache's snapshot puts the two together.
+    with make_cache(page_size=4) as cache:
+        ok, why = cache.storage.attach_storage_backend(MemoryStorage(), inline=True)
+        assert ok, why
+        compute(cache, np.arange(32) * 5)
+        cache.flush()
+        tier = cache.storage.counters()
+        assert set(tier) == set(TIER_COUNTERS) and tier["storage_backup_tokens"] == 32
+        tier["storage_backup_tokens"] = -1  # a copy
+        snap = cache.get_stats()
+        assert snap.storage_backup_tokens == 32 and snap.backup_done_tokens == 32
+        assert set(dataclasses.asdict(snap)) == set(cache.stats) and not set(TIER_COUNTERS) - set(cache.stats)
