@@ -574,7 +574,7 @@ class HiRadixCacheBase(BasePrefixCache):
         """The device pool over SGLang's KV buffers, the MTP draft pools
         (:func:`_mtp_draft_pools`) and the host pool (allocated here) sized from
         ``--hicache-ratio`` / ``--hicache-size`` in ``--hicache-mem-layout``."""
-        device_pool = device_pool_from_sglang(self.kv_cache)
+        device_pool = device_pool_from_sglang(self.kv_cache, self.page_size)  # checked against params.page_size
         drafts = _mtp_draft_pools(params)
         host_pool = host_pool_for(
             device_pool,

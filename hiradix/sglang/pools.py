@@ -9,13 +9,17 @@ from hiradix.memory.pools import GB, HOST_LAYOUTS, DeviceKVPool, HostKVPool, MHA
 __all__ = ["device_pool_from_sglang", "host_pool_for"]
 
 
-def device_pool_from_sglang(kv_cache: Any) -> DeviceKVPool:
+def device_pool_from_sglang(kv_cache: Any, page_size: int | None = None) -> DeviceKVPool:
     """A :class:`DeviceKVPool` over the buffers of SGLang's ``MHATokenToKVPool`` or
     ``MLATokenToKVPool``: loads and backups read and write the model's own KV in place.
 
+    ``page_size``, where given, is the page size the caller has read elsewhere (the
+    adapter's ``CacheInitParams.page_size``): the pool's own must be the same, since the
+    adapter pages requests by the one and the cache pages slots by the other.
+
     Raises ``ValueError`` naming what is not supported: other pool kinds (SWA, DSA,
     hybrid), head-major (HND) buffers, layers split across pipeline stages in a way the
-    buffers do not show. ``O(layers)``.
+    buffers do not show; and naming both page sizes when they differ. ``O(layers)``.
     """
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
@@ -24,7 +28,13 @@ def device_pool_from_sglang(kv_cache: Any) -> DeviceKVPool:
     # buffers in other ways.
     if type(kv_cache) not in (MHATokenToKVPool, MLATokenToKVPool):
         raise ValueError(f"hiradix.sglang supports MHATokenToKVPool and MLATokenToKVPool, not {name}")
-    size, page_size = int(kv_cache.size), int(kv_cache.page_size)
+    size, pool_page_size = int(kv_cache.size), int(kv_cache.page_size)
+    if page_size is not None and int(page_size) != pool_page_size:
+        raise ValueError(
+            f"hiradix.sglang: SGLang's page size disagrees with itself: CacheInitParams.page_size is {page_size}, "
+            f"the KV pool ({name}) has page_size {pool_page_size}"
+        )
+    page_size = pool_page_size
     if type(kv_cache) is MLATokenToKVPool:
         buffers = list(kv_cache.kv_buffer)
         mla = MLAShape(len(buffers), int(kv_cache.kv_lora_rank), int(kv_cache.qk_rope_head_dim))

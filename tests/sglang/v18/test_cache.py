@@ -62,6 +62,27 @@ def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
         cache.core.close()
 
 
+def test_a_page_size_the_pool_does_not_have_is_a_startup_error() -> None:
+    """The adapter pages requests by ``CacheInitParams.page_size``, the cache slots by the
+    KV pool's: built with two that differ, it refuses to start, naming both."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from tests.sglang.v18.env import parity_pools_and_args
+
+    _, alloc, req_to_token, server_args = parity_pools_and_args(4, 256)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=alloc,
+        page_size=1,
+        eviction_policy="lru",
+    )
+    with pytest.raises(
+        ValueError, match=r"CacheInitParams.page_size is 1, the KV pool \(MHATokenToKVPool\) has page_size 4"
+    ):
+        hs.HiRadixCache(params, server_args)
+
+
 def test_write_backup_as_sglangs_unit_tests_call_it(make_env) -> None:
     """SGLang 0.5.18's public ``write_backup(node, write_back=False)``: a device node whose
     parent is backed up is copied to host (its token count returned); a child of a node not
