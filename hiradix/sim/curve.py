@@ -101,8 +101,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from hiradix.sim.extras import figure, progress_bar
 from hiradix.sim.timing import TimingModel
 from hiradix.sim.trace import BLOCK_TOKENS, TraceRequest
 
@@ -330,13 +330,13 @@ class CapacityCurve:
         disable = None if progress is None else not progress
         # mininterval: a bar piped to a log file updates every few seconds, not per request.
         bar = {"file": sys.stderr, "disable": disable, "mininterval": 0.5 if sys.stderr.isatty() else 5.0}
-        with tqdm(total=total, unit="req", desc="read", **bar) as read:
+        with progress_bar(total=total, unit="req", desc="read", **bar) as read:
             pages = _read_pages(requests, page_size, read.update)
         if not len(pages.pages):
             raise ValueError("the workload has no requests")
         if not pages.pages.any():
             raise ValueError(f"no request has a whole page of {page_size} tokens: nothing can be cached")
-        with tqdm(total=len(pages.keys), unit="page", unit_scale=True, desc="stack pass", **bar) as passed:
+        with progress_bar(total=len(pages.keys), unit="page", unit_scale=True, desc="stack pass", **bar) as passed:
             positions = stack_positions(pages.keys, pages.pages, passed.update)
         # Token hits: every page is page_size tokens.
         length = int(positions.max()) + 1
@@ -715,9 +715,7 @@ def plot_curve(
     ``bytes_per_token`` a second axis gives GiB. Returns a matplotlib ``Figure``.
     ``O(max_pages)``.
     """
-    from matplotlib.figure import Figure  # lazily: the table alone never needs matplotlib
-
-    fig = Figure(figsize=(8, 4.8), dpi=120, layout="constrained")
+    fig = figure(figsize=(8, 4.8), dpi=120, layout="constrained")
     ax = fig.add_subplot()
     hits, denominator = (curve.block_hits, curve.blocks) if block else (curve.token_hits, curve.prompt_tokens)
     # Four decades below the capacity that hits everything: smaller caches hold a few

@@ -25,6 +25,7 @@ import numpy as np
 import hiradix
 from hiradix.sim.advice import Finding, explain
 from hiradix.sim.config import format_gib, format_tokens
+from hiradix.sim.extras import figure
 from hiradix.sim.run import SimResult
 from hiradix.sim.timing import SCENARIOS
 
@@ -262,9 +263,7 @@ def config_line(result: SimResult) -> str:
 
 
 def _figure(rows: int = 1) -> Any:
-    from matplotlib.figure import Figure  # imported lazily: the summary alone never needs it
-
-    fig = Figure(figsize=(9, 3.2 + 2.2 * rows), dpi=100, layout="constrained")
+    fig = figure(figsize=(9, 3.2 + 2.2 * rows), dpi=100, layout="constrained")
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     return fig, axes
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import hiradix
 from hiradix.cache import TreeFactory
 from hiradix.sim.config import SimConfig
+from hiradix.sim.extras import progress_bar
 from hiradix.sim.generators import MooncakeWorkload, Workload
 from hiradix.sim.replay import Replayer, ReplayStats, RequestRecord
 from hiradix.sim.timing import TimingEstimate, TimingModel
@@ -129,7 +129,7 @@ def simulate(
     start = time.perf_counter()
     total = workload.count() if progress is not False else None
     with (
-        tqdm(
+        progress_bar(
             source,
             total=total,
             unit="req",

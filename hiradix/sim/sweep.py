@@ -20,9 +20,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from hiradix.sim.config import SimConfig, SimWarning, format_tokens
+from hiradix.sim.extras import figure, progress_bar
 from hiradix.sim.generators import Workload
 from hiradix.sim.run import simulate
 from hiradix.sim.timing import TimingModel
@@ -186,7 +185,7 @@ def run_sweep(
     jobs = min(jobs or os.cpu_count() or 1, max(len(cells), 1))
     rows: list[SweepRow | None] = [None] * len(cells)
     piped = not sys.stderr.isatty()
-    bar = tqdm(
+    bar = progress_bar(
         total=len(cells),
         unit="run",
         file=sys.stderr,
@@ -235,11 +234,9 @@ def plot_sweep(rows: Sequence[SweepRow], title: str = "") -> Any:
     """Total token hit rate against device capacity, one line per (host capacity,
     eviction policy, write policy); the ideal as a dashed line. Unbounded capacities sit
     at the right end."""
-    from matplotlib.figure import Figure
-
     capacities = sorted({r.cell.device_tokens for r in rows}, key=lambda c: (c is None, c or 0))
     position = {c: i for i, c in enumerate(capacities)}
-    fig = Figure(figsize=(9, 5), dpi=100, layout="constrained")
+    fig = figure(figsize=(9, 5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     series: dict[tuple[Any, ...], list[SweepRow]] = {}
     for r in rows:

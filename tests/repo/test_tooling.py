@@ -78,3 +78,31 @@ def test_ci_runs_setup_lint_and_test_in_order_and_hides_no_failure() -> None:
         assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text, script
         code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
         assert "|| true" not in code, f".ci/{script} has a `|| true` that can hide a failure"
+
+
+def _readme_block(marker: str) -> str:
+    """The first command of README.md's bash blocks that contains ``marker``."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    lines = [line for block in blocks for line in block.splitlines() if marker in line]
+    assert lines, f"README.md shows no command with {marker!r}"
+    return lines[0]
+
+
+def test_lint_builds_the_docs_with_the_command_readme_prints() -> None:
+    # README: `pip install -r requirements/docs.txt && mkdocs build --strict`; .ci/lint runs
+    # the build part as printed (.ci/setup installs requirements/docs.txt).
+    build = _readme_block("mkdocs build").split("&&")[-1].strip()
+    assert build == ".venv/bin/mkdocs build --strict", build
+    lint = [line.strip() for line in (ROOT / ".ci" / "lint").read_text().splitlines()]
+    assert build in lint, f".ci/lint does not run README's {build!r}"
+    assert not any("mkdocs" in line and line != build for line in lint if not line.startswith("#")), lint
+
+
+def test_the_simulators_plots_and_bars_are_an_extra_the_main_job_installs() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=;\[ ]", d, maxsplit=1)[0] for d in project["dependencies"]}
+    assert not names & {"tqdm", "matplotlib"}, "an SGLang server's install must pull neither"
+    sim = {re.split(r"[<>=;\[ ]", d, maxsplit=1)[0] for d in project["optional-dependencies"]["sim"]}
+    assert sim == {"tqdm", "matplotlib"}
+    assert '-e ".[sim]"' in _readme_block("hiradix sim")
+    assert re.search(r'-e "\.\[[\w,]*\bsim\b[\w,]*\]"', (ROOT / ".ci" / "setup").read_text())
