@@ -1,7 +1,16 @@
 """Fixtures of the real-server tests: a tiny model built once per session, SGLang servers
-started as subprocesses (:mod:`tests.e2e.server`), and the reference outputs every server's outputs
-must equal: the same server build with no prefix cache at all (``--disable-radix-cache``),
-one server per session answering every prompt the tests ask about.
+started as subprocesses (:mod:`tests.e2e.server`), and the judge of every server's outputs:
+ground truth, the tiny model's greedy outputs computed by ``transformers`` in this process
+(:mod:`tests.e2e.oracle`), never another server's outputs (a second server can race exactly
+as the one under test does).
+
+A mismatch explains itself: the judge re-asks the server under test and a no-cache server
+of the same build (``--disable-radix-cache``, started then, once a session) each wrong
+prompt alone, writes every answer with its ``cached_tokens_details`` to a JSON file under
+the test's temporary directory, and says in the failure which side disagrees with ground
+truth. A wrong output from hiradix's cache fails the test; a wrong output from stock
+SGLang's own server (the baseline some tests compare with) makes the test xfail, naming the
+SGLang version.
 
 These tests run where a supported SGLang with its HTTP server is installed (CI: in each of
 its three venvs); elsewhere they skip, saying why.
@@ -10,7 +19,7 @@ its three venvs); elsewhere they skip, saying why.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,23 +123,39 @@ def module_servers(
 
 
 @pytest.fixture(scope="session")
-def reference(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[Callable[[Sequence[Sequence[int]], int], list[list[int]]]]:
-    """``reference(prompts, max_new_tokens)``: the greedy outputs of the same server build
-    with no prefix cache, one request at a time (answers are remembered)."""
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The no-cache server a mismatch is re-asked on (:class:`tests.e2e.judge.Reference`)."""
     s = Servers(tiny_model, tmp_path_factory.mktemp("reference"))
-    server = s.start(["--disable-radix-cache", "--max-total-tokens", "4096"], name="no-cache")
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    from tests.e2e.judge import Reference
 
-    def outputs(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        out = []
-        for p in prompts:
-            k = (tuple(p), max_new_tokens)
-            if k not in memo:
-                memo[k] = server.generate(list(p), max_new_tokens)["output_ids"]
-            out.append(memo[k])
-        return out
+    yield Reference(s)
+    s.stop_all(failed=bool(s.started))  # it ran only because something was wrong: show its log
 
-    yield outputs
-    s.stop_all(request.session.testsfailed > 0)
+
+@pytest.fixture(scope="session")
+def ground_truth(tiny_model: Path) -> Any:
+    """The tiny model's greedy outputs in ``transformers`` (:class:`tests.e2e.oracle.GroundTruth`)."""
+    from tests.e2e.oracle import GroundTruth
+
+    return GroundTruth(tiny_model)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.e2e.judge import JUDGED
+
+    total = JUDGED["exact"] + len(JUDGED["ties"]) + JUDGED["wrong"]
+    if total:
+        terminalreporter.write_line(
+            f"ground truth (transformers, float32, greedy): {total} answers judged, {JUDGED['exact']} exact, "
+            f"{len(JUDGED['ties'])} near-ties accepted, {JUDGED['wrong']} wrong"
+        )
+        for tie in JUDGED["ties"]:
+            terminalreporter.write_line(f"  near-tie: {tie}")
+
+
+@pytest.fixture
+def judge(ground_truth: Any, reference: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """The judge of this test's server outputs (:class:`tests.e2e.judge.Judge`)."""
+    from tests.e2e.judge import Judge
+
+    return Judge(ground_truth, reference, tmp_path, request.node.nodeid)

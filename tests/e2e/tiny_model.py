@@ -4,9 +4,9 @@ tokenizer trained here on local text. Nothing comes from a hub.
 Two layers, hidden 128, 4 query heads over 2 KV heads (grouped-query attention, as the
 models SGLang serves), float32. The weights are drawn wider than ``transformers``' default
 (``initializer_range`` 0.5), so that a read of wrong KV changes greedy outputs at once.
-The oracle for a server's outputs is the same server build with no prefix cache
-(``--disable-radix-cache``): ``transformers`` agrees on most prompts but not all (its
-kernels sum in another order, and a random model has near-ties).
+The oracle for a server's outputs is this model's greedy decode in ``transformers``
+(``oracle.py``), which SGLang's CPU server matches token for token in float32; where two
+logits are within rounding of each other, either token is taken as right.
 """
 
 from __future__ import annotations

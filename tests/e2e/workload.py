@@ -80,11 +80,6 @@ def tier_hits(answers: Sequence[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
-def wrong(answers: Sequence[dict[str, Any]], want: Sequence[Sequence[int]]) -> list[int]:
-    """Indices of the answers whose output tokens differ from ``want``'s."""
-    return [i for i, (a, w) in enumerate(zip(answers, want, strict=True)) if list(a["output_ids"]) != list(w)]
-
-
 @dataclass(frozen=True)
 class Conversations:
     """Multi-turn chats behind shared system prompts: conversation ``c`` starts with
