@@ -49,6 +49,15 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # a host name or an IPv4 address
 TOKEN_ENV = "HIRADIX_CLUSTER_TOKEN"
 
 
+def _check_transport(kind: Any) -> None:
+    """``ConfigError`` unless ``kind`` is one of the transport chooser's kinds
+    (:data:`hiradix.peer.transports.TRANSPORTS`; imported here, as the parts' settings are)."""
+    from hiradix.peer.transports import TRANSPORTS
+
+    if kind not in TRANSPORTS:
+        raise ConfigError(f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {kind!r}")
+
+
 _SIZE_FIELDS = ("pool_size", "page_size", "disk_size")
 _TIMEOUT_FIELDS = (
     "join_timeout_s",
@@ -165,13 +174,7 @@ class PeerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true/false, got {getattr(self, name)!r}")
         self._validate_hosts()
-        # The kinds are the transport chooser's (imported here, as the parts below are).
-        from hiradix.peer.transports import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(
-                f"transport: expected one of {', '.join(repr(t) for t in TRANSPORTS)}, got {self.transport!r}"
-            )
+        _check_transport(self.transport)
         if self.pool_policy not in ("lru",):
             raise ConfigError(f"pool_policy: expected 'lru', got {self.pool_policy!r}")
         for name in _TIMEOUT_FIELDS:
