@@ -126,6 +126,7 @@ class Judge:
                 "output_ids": [int(t) for t in a["output_ids"]],
                 "ground_truth": list(v.truth),
                 "first_diff": v.first_diff,
+                "first_gap": v.first_gap,
                 "worst_gap": v.worst_gap,
                 "worst_at": v.worst_at,
                 "ok": v.ok,
@@ -210,7 +211,8 @@ def _describe(r: dict[str, Any]) -> str:
     text = (
         f"#{r['index']} ({len(r['prompt'])}-token prompt, cached {r['cached_tokens']}: {where}): "
         f"got {r['output_ids']}, truth {r['ground_truth']}, first differs at output token {r['first_diff']} "
-        f"(its logit {r['worst_gap']:.3g} below the best at token {r['worst_at']})"
+        f"(its logit {r['first_gap']:.3g} below the best there; at most {r['worst_gap']:.3g}, at token "
+        f"{r['worst_at']}, given its own earlier tokens)"
     )
     for who in ("re-asked", "no-cache"):
         again = r.get(who) or {}

@@ -36,14 +36,17 @@ class Verdict:
     """One output judged against ground truth.
 
     ``truth`` is the greedy output of ``transformers``; ``first_diff`` the first output
-    position where the output differs from it (``None``: equal). ``worst_gap`` is, over the
-    output's tokens, the largest amount by which the chosen token's logit falls below the
-    best one, given the prompt and the output's own earlier tokens (0: every token was an
-    argmax), and ``worst_at`` its position.
+    position where the output differs from it (``None``: equal), and ``first_gap`` how far
+    the output's token there falls below the best logit (the prompt and the tokens before
+    it are the same for both). ``worst_gap`` is, over the output's tokens, the largest
+    amount by which the chosen token's logit falls below the best one, given the prompt and
+    the output's own earlier tokens (0: every token was an argmax), and ``worst_at`` its
+    position.
     """
 
     truth: tuple[int, ...]
     first_diff: int | None
+    first_gap: float
     worst_gap: float
     worst_at: int
 
@@ -120,11 +123,11 @@ class GroundTruth:
         output = [int(t) for t in output]
         gaps = self.gaps(prompt, output)
         if all(g == 0.0 for g in gaps):
-            return Verdict(tuple(output), None, 0.0, 0)
+            return Verdict(tuple(output), None, 0.0, 0.0, 0)
         truth = self.greedy(prompt, len(output))
         first = next((i for i, (a, b) in enumerate(zip(output, truth, strict=True)) if a != b), None)
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        return Verdict(truth, first, gaps[worst], worst)
+        return Verdict(truth, first, 0.0 if first is None else gaps[first], gaps[worst], worst)
 
 
 def details(answer: dict[str, Any]) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_a_wrong_token_of_hiradix_fails_with_the_diagnosis(fake_judge, ground_tr
     assert record["wrong"] == [2] and record["side"] == "hiradix" and record["tie_tol"] == TIE_TOL
     assert [a["ok"] for a in record["answers"]] == [True, True, False, True]
     wrong = record["answers"][2]
-    assert wrong["first_diff"] == 1 and wrong["worst_gap"] > 100 * TIE_TOL  # not a near-tie
+    assert wrong["first_diff"] == 1 and wrong["first_gap"] > 100 * TIE_TOL  # not a near-tie
     assert wrong["cached_tokens_details"] == {"device": 0, "host": 300, "storage": 0}
     assert wrong["re-asked"]["ok"] and wrong["no-cache"]["ok"]
     assert wrong["prompt"] == list(w.prompts[2])
