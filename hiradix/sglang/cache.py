@@ -672,14 +672,18 @@ class HiRadixCacheBase(BasePrefixCache):
     def _init_tree(self, device_pool: DeviceKVPool, controller: SGLangCacheController) -> None:
         """The core's tree and root as SGLang names them, and the request namespaces' maps."""
         self.tree = self.core.tree
-        # The tree's token and slot buffers grow as tokens are cached (20 bytes a token,
-        # doubling a mapping, touching only what is written), not reserved for the pools'
-        # capacity: that held 20 bytes for every device and host slot from start-up
-        # (bench/RESULTS_memory.md). Their first-touch faults are taken once, as the cache
-        # first fills. Evict's device indices go into a reused buffer (made at the first
-        # evict, grown to the largest eviction), whose faults an evict-all of a million
-        # tokens would otherwise take every time (3-40 ms, against 2 ms to evict).
-        self.tree.reserve_tokens(0, evict_tokens=device_pool.size)
+        # The tree's token and slot buffers (12 bytes a token) are sized and touched now
+        # for the device pool's tokens, the least a full cache holds: the scheduler's
+        # inserts then fill a new cache without taking the kernel's first-touch faults
+        # (huge pages zeroed, sometimes compacted first), which made a fresh cache's
+        # insert 0.70x of 9cc467d's, where the reserve covered device and host
+        # (bench/RESULTS_sglang_api.md, issue 47). Past the device pool's tokens (host-only
+        # ones) they grow as tokens are cached, doubling a mapping and touching only what
+        # is written: not the 20 bytes for every device and host slot of 9cc467d's reserve
+        # (bench/RESULTS_memory.md). Evict's device indices go into a reused buffer (made
+        # at the first evict, grown to the largest eviction), whose faults an evict-all of
+        # a million tokens would otherwise take every time (3-40 ms, against 2 ms to evict).
+        self.tree.reserve_tokens(device_pool.size, evict_tokens=device_pool.size)
         self.cache_controller = controller
         self.root_handle = int(self.tree.root)
         self.root_node = TreeNode(self, self.root_handle)

@@ -95,7 +95,7 @@ cdef class HiRadixTree:
 
     # span buffers, parallel, indexed by Node.key_off
     cdef token_t* tokens
-    cdef slot_t* dev              # checked into int32 at every entry (_as_indices)
+    cdef slot_t* dev              # checked into int32 at every entry (_check_slots)
     cdef slot_t* host
     cdef uint8_t* hashes          # DIGEST bytes per page, at key_off / page_size
     cdef int64_t buf_len
@@ -117,6 +117,11 @@ cdef class HiRadixTree:
     # scratch of int64 triples for evict/evict_host records and compaction
     cdef int64_t* scratch
     cdef int64_t scratch_cap
+    # insert's device slots past the prefix already on the device, checked and narrowed
+    # to int32 in one pass before the tree changes (_check_stored_slots), copied into the
+    # span buffers from here
+    cdef slot_t* slots_in
+    cdef int64_t slots_in_cap
     # reserve_tokens(evict_tokens=): an int64 buffer that evict's device indices are a
     # view of while no earlier result still refers to it, made at the first evict and
     # grown geometrically up to _evict_cap slots (None: not made yet)

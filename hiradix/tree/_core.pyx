@@ -130,12 +130,74 @@ cdef int _start_writing(HiRadixTree self, node_t i, const index_t* hosts) except
     return 0
 
 
-cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, object extra_key, int64_t prio,
+cdef int64_t _stored_from(HiRadixTree self, node_t node, const token_t* ptr, int64_t n) noexcept nogil:
+    # Where an insert of ``ptr[:n]`` (page-aligned) below ``node`` starts storing device
+    # slots: the length of the path's prefix already on the device, found read-only.
+    # _insert writes slots only past it: those of evicted spans it re-materializes (the
+    # walk stops at the first) and the new node's.
+    cdef int64_t pos = 0, klen, m
+    cdef node_t child
+    while n - pos >= self.page_size:
+        child = _find_child(self, node, ptr + pos)
+        if child == NO_NODE or not self.nodes[child].on_device:
+            break
+        klen = self.nodes[child].key_len
+        m = klen if klen < n - pos else n - pos
+        m = _common_prefix(self.tokens + self.nodes[child].key_off, ptr + pos, m, self.page_size)
+        pos += m
+        if m < klen:
+            break
+        node = child
+    return pos
+
+
+cdef int64_t _check_stored_slots(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, object extra_key,
+                                 node_t start) except -1:
+    # insert's check of its slots (OverflowError unless they fit the span buffers'
+    # int32), before it changes anything, on the slots it will store only: those past
+    # the prefix already on the device, whose slots are never read. Checked and narrowed
+    # into slots_in in one pass (the value array is cold in a scheduler's insert, read
+    # once, as 9cc467d's memcpy read it); returns where they start: slots_in[k] is the
+    # slot of token ``start + k``. Checking the whole array (e308d39) read it twice, and
+    # the prefix for nothing: 0.64-0.74x of a pre-touched tree's inserts at page 1 and 16
+    # (bench/RESULTS_sglang_api.md, issue 47). O(stored + depth).
+    cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
+    cdef int64_t n = cnp.PyArray_SIZE(toks)
+    cdef int64_t pos = 0
+    cdef uint64_t high
+    cdef node_t root = start
+    n -= n % self.page_size
+    if root == NO_NODE:
+        if extra_key is None:
+            root = self.root_idx
+        elif isinstance(extra_key, str):  # (else _insert raises its TypeError, after this)
+            found = self._namespaces.get(extra_key)
+            if found is not None:
+                root = <node_t>found
+    _reserve_slots_in(self, n)
+    if n >= NOGIL_MIN:
+        with nogil:
+            if root != NO_NODE:
+                pos = _stored_from(self, root, ptr, n)
+            high = hr_narrow(vptr + pos, self.slots_in, n - pos)
+    else:
+        if root != NO_NODE:
+            pos = _stored_from(self, root, ptr, n)
+        high = hr_narrow(vptr + pos, self.slots_in, n - pos)
+    if high:
+        _check_slots(vptr + pos, n - pos, "value")  # raises, naming the range
+    return pos
+
+
+cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, int64_t stored, object extra_key, int64_t prio,
                    bint chunked, bint hold, int64_t* out, node_t start=NO_NODE):
-    # insert's work on narrowed tokens and their device indices (as many): ``out`` gets
-    # the prefix length and the last node's handle; returns the nodes to back up. With a
-    # ``start`` node (checked by the caller) the tokens continue its path: the descent
-    # begins there, and its ancestors are stamped as a descent through them would be.
+    # insert's work on narrowed tokens and their device slots, staged in slots_in from
+    # token ``stored`` on by _check_stored_slots (its descent stores none before): ``out``
+    # gets the prefix length and the last node's handle; returns the nodes to back up.
+    # With a ``start`` node (checked by the caller) the tokens continue its path: the
+    # descent begins there, and its ancestors are stamped as a descent through them
+    # would be.
+    cdef const slot_t* sptr = self.slots_in  # sptr[pos - stored]: token pos's slot
     cdef const token_t* ptr = <const token_t*>cnp.PyArray_DATA(toks)
     cdef int64_t n = cnp.PyArray_SIZE(toks)
     n -= n % self.page_size
@@ -159,7 +221,7 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
                 c.priority = prio
             if not c.on_device:
                 # re-materialize: the recomputed KV replaces the evicted copy
-                hr_slots_in(self.dev + c.key_off, vptr + pos, plen)
+                memcpy(self.dev + c.key_off, sptr + (pos - stored), plen * sizeof(slot_t))
                 _set_device(self, child, 1)
                 _size_delta(self, child, plen)
                 _refresh(self, c.parent)
@@ -176,7 +238,7 @@ cdef tuple _insert(HiRadixTree self, cnp.ndarray toks, const index_t* vptr, obje
             parent = node
             node = _new_child(self, parent, ptr + pos, n - pos, now)
             c = &self.nodes[node]
-            hr_slots_in(self.dev + c.key_off, vptr + pos, n - pos)
+            memcpy(self.dev + c.key_off, sptr + (pos - stored), (n - pos) * sizeof(slot_t))
             c.priority = prio
             if not chunked:
                 c.hit_count = 1
@@ -210,6 +272,7 @@ cdef class HiRadixTree:
         self.ht_cap = 0
         self.ns_cap = 0
         self.scratch_cap = 0
+        self.slots_in_cap = 0
         self.changes_cap = 0
         _grow_nodes(self)
         _grow_table(self)
@@ -231,6 +294,7 @@ cdef class HiRadixTree:
         free(self.seeds)
         free(self.seeded)
         free(self.scratch)
+        free(self.slots_in)
         free(self.changes)
 
     def __init__(self, page_size=1, *, eviction_policy="lru", write_policy="write_through",
@@ -374,12 +438,13 @@ cdef class HiRadixTree:
                 raise ValueError(f"insert: start node {start} is not on the device")
         cdef int64_t prio = _as_int64(priority, "priority")
         cdef cnp.ndarray toks = _as_tokens(key)
-        cdef cnp.ndarray vals = _as_indices(value, "value")
+        cdef cnp.ndarray vals = _as_int64s(value, "value")
         if cnp.PyArray_SIZE(vals) != cnp.PyArray_SIZE(toks):
             raise ValueError(
                 f"value has {cnp.PyArray_SIZE(vals)} indices for {cnp.PyArray_SIZE(toks)} tokens")
+        cdef int64_t stored = _check_stored_slots(self, toks, <const index_t*>cnp.PyArray_DATA(vals), extra_key, s)
         cdef int64_t out[2]
-        backup = _insert(self, toks, <const index_t*>cnp.PyArray_DATA(vals), extra_key, prio, chunked, hold, out, s)
+        backup = _insert(self, toks, stored, extra_key, prio, chunked, hold, out, s)
         cdef InsertResult r = InsertResult.__new__(InsertResult)
         r.prefix_len = out[0]
         r.last_node = out[1]
@@ -393,8 +458,8 @@ cdef class HiRadixTree:
         cdef cnp.ndarray toks = _as_tokens(key, n)
         if cnp.PyArray_SIZE(toks) != n:
             raise ValueError(f"insert_into: {n} tokens asked of a key of {cnp.PyArray_SIZE(toks)}")
-        _check_slots(values, n, "value")
-        return _insert(self, toks, values, extra_key, priority, chunked, hold, out)
+        cdef int64_t stored = _check_stored_slots(self, toks, values, extra_key, NO_NODE)
+        return _insert(self, toks, stored, extra_key, priority, chunked, hold, out)
 
     cdef int path_slots_into(self, int64_t handle, int64_t path_len, int64_t start, int64_t stop,
                              int32_t* dst) except -1:

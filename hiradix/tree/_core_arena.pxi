@@ -103,6 +103,23 @@ cdef int _grow_table(HiRadixTree self) except -1 nogil:
     return 0
 
 
+cdef int _reserve_slots_in(HiRadixTree self, int64_t n) except -1 nogil:
+    # Room for ``n`` staged slots of an insert (slots_in): doubling.
+    cdef int64_t cap = self.slots_in_cap if self.slots_in_cap else 4096
+    cdef void* p
+    if n <= self.slots_in_cap:
+        return 0
+    while cap < n:
+        cap *= 2
+    p = realloc(self.slots_in, cap * sizeof(slot_t))
+    if p == NULL:
+        with gil:
+            raise MemoryError()
+    self.slots_in = <slot_t*>p
+    self.slots_in_cap = cap
+    return 0
+
+
 cdef int _reserve_scratch(HiRadixTree self, int64_t triples) except -1 nogil:
     cdef int64_t cap = self.scratch_cap if self.scratch_cap else 64
     cdef void* p

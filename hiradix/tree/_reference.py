@@ -98,10 +98,11 @@ def as_tokens(key: Any) -> np.ndarray:
     return arr
 
 
-def as_indices(value: Any, name: str = "value") -> IndexArray:
+def as_indices(value: Any, name: str = "value", *, fit: bool = True) -> IndexArray:
     """KV slot indices as a 1-D int64 array. ``ValueError`` if not 1-D, ``TypeError`` for a
     non-integer dtype, ``OverflowError`` for an index outside int32 (never wrapped): the
-    compiled tree stores slots as int32, and the twin refuses what it refuses."""
+    compiled tree stores slots as int32, and the twin refuses what it refuses. Without
+    ``fit`` the caller checks the slots it stores itself (:func:`check_slots`)."""
     arr = np.asarray(value)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
@@ -112,10 +113,18 @@ def as_indices(value: Any, name: str = "value") -> IndexArray:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
         raise OverflowError(f"{name} out of int64 range: max {int(arr.max())}")
     out = arr.astype(np.int64, copy=False)
-    lo, hi = int(out.min()), int(out.max())
+    if fit:
+        check_slots(out, name)
+    return out
+
+
+def check_slots(slots: IndexArray, name: str = "value") -> None:
+    """``OverflowError`` unless every slot fits int32, the span buffers' type."""
+    if len(slots) == 0:
+        return
+    lo, hi = int(slots.min()), int(slots.max())
     if lo < _INT32_MIN or hi > _INT32_MAX:
         raise OverflowError(f"{name} out of the tree's slot range (int32): min {lo}, max {hi}")
-    return out
 
 
 def as_int64(x: Any, name: str) -> int:
@@ -574,6 +583,23 @@ class HiRadixTree:
             node, pos = child, pos + plen
         return node, pos
 
+    def _stored_from(self, node: _Node, tokens: np.ndarray) -> int:
+        """Where an insert of ``tokens`` (page-aligned) below ``node`` starts storing
+        device slots: the length of the path's prefix already on the device, read-only.
+        Insert stores slots only past it: of the evicted spans it re-materializes (the
+        walk stops at the first) and of its new node."""
+        pos, n = 0, len(tokens)
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or child.value is None:
+                break
+            plen = self._common_prefix(child.key, tokens[pos:])
+            pos += plen
+            if plen < len(child.key):
+                break
+            node = child
+        return pos
+
     def _new_child(self, parent: _Node, tokens: np.ndarray, now: float) -> _Node:
         node = self._alloc()
         node.parent = parent
@@ -663,7 +689,9 @@ class HiRadixTree:
         costs ``O(len(key))`` plus ``O(depth(start))`` nodes, whatever the prefix's
         length; ``extra_key`` is then unused (the node's namespace is the key's), the
         ancestors are stamped as a descent through them would be, and ``prefix_len``
-        counts the key's tokens only.
+        counts the key's tokens only. ``value``'s slots are checked to fit int32
+        (``OverflowError``) where the insert stores them: past the prefix already on the
+        device, whose slots it never reads.
         """
         start_node = None
         if start is not None:
@@ -672,11 +700,20 @@ class HiRadixTree:
                 raise ValueError(f"insert: start node {start} is not on the device")
         priority = as_int64(priority, "priority")
         tokens = as_tokens(key)
-        values = as_indices(value)
+        values = as_indices(value, fit=False)
         if len(values) != len(tokens):
             raise ValueError(f"value has {len(values)} indices for {len(tokens)} tokens")
         tokens = self._aligned(tokens)
         n = len(tokens)
+        # Only the slots it stores are checked (before anything changes): those of the
+        # prefix already on the device are never read.
+        if start_node is not None:
+            known: _Node | None = start_node
+        elif extra_key is None:
+            known = self._root
+        else:
+            known = self._namespaces.get(extra_key) if isinstance(extra_key, str) else None
+        check_slots(values[self._stored_from(known, tokens) if known is not None else 0 : n])
         root = self._namespace_root(extra_key) if start_node is None else start_node
         now = self._tick()
         prefix_len = 0
