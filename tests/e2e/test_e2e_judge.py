@@ -103,3 +103,23 @@ def test_a_wrong_token_of_stock_sglang_xfails_naming_the_version(fake_judge, gro
     server = FakeServer(ground_truth, "stock-on-l3", {1}, storage=64)
     with pytest.raises(AssertionError, match="hiradix's L3 may be at fault"):
         judge(server, w.prompts, _serve(server, w.prompts), N, side="stock", l3_ours=True)
+
+
+def test_a_required_run_in_which_no_real_server_test_passes_fails(tmp_path: Path) -> None:
+    # CI sets HIRADIX_E2E_REQUIRED for its real-server runs: a run that guards nothing (every
+    # test skipped or deselected) must fail and say so, not pass. Planted here: a run of this
+    # folder that selects no test.
+    import subprocess
+    import sys
+
+    from tests.support import REPO, subprocess_env
+
+    env = subprocess_env(repo=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/e2e", "-k", "no_test_is_named_so"]
+    cmd += ["--basetemp", str(tmp_path / "run")]
+    for required, rc in (("0", pytest.ExitCode.NO_TESTS_COLLECTED), ("1", pytest.ExitCode.TESTS_FAILED)):
+        out = subprocess.run(
+            cmd, cwd=REPO, env={**env, "HIRADIX_E2E_REQUIRED": required}, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == rc, out.stdout + out.stderr
+    assert "HIRADIX_E2E_REQUIRED: no real-server test passed" in out.stdout, out.stdout
