@@ -54,6 +54,13 @@ def hiradix_server(module_servers, request):
 def test_plugin_cache_serves(hiradix_server) -> None:
     log = hiradix_server.log_text()
     assert "hiradix: hierarchical radix cache on the" in log, "the plugin's cache was not built"
+    # the fault the load-back tests rely on is in place (Python swallows sitecustomize's errors)
+    assert "hiradix e2e fault: every load slowed by 0.1 s a layer" in log, "the slow-load fault is not in place"
+
+
+def _mean_load_back_s(server) -> float:
+    count = server.metric("sglang:load_back_duration_seconds_count")
+    return server.metric("sglang:load_back_duration_seconds_sum") / count if count else 0.0
 
 
 def test_outputs_exact_as_prefixes_load_back(hiradix_server, judge) -> None:
@@ -68,6 +75,28 @@ def test_outputs_exact_as_prefixes_load_back(hiradix_server, judge) -> None:
     assert hiradix_server.metric("sglang:load_back_tokens_total") >= hits["host"]
     assert hiradix_server.metric("sglang:hicache_backup_tokens_total") > 0
     assert hiradix_server.metric("sglang:hicache_backup_bytes_total") > 0
+    # the injected delay shows in SGLang's own histogram: 0.1 s for each of the model's 2 layers
+    assert _mean_load_back_s(hiradix_server) >= 0.2, _mean_load_back_s(hiradix_server)
+
+
+def test_control_without_the_counter_serves_wrong_outputs(servers, ground_truth) -> None:
+    """The control the tests here need: the same slowed loads, with hiradix's layer-done
+    counter deliberately not registered with SGLang's pool (what hiradix did before the
+    fix). Its forward pass reads KV before it lands, so its outputs must be wrong; if they
+    were right, the exact outputs above would prove nothing."""
+    only_on(("0.5.18",), "one version suffices to show the check can fail; the adapter registers alike on each")
+    env = {**SLOW_LOADS, "HIRADIX_E2E_UNREGISTERED_COUNTER": "1"}
+    server = servers.start(HIRADIX, name="hiradix-control", env=env)
+    assert "layer-done counter NOT registered (control run)" in server.log_text(), "the control is not in place"
+    w = shared_prefixes(seed=0)
+    answers = serve_all(server, w.prompts, w.max_new_tokens)
+    loaded = [i for i, a in enumerate(answers) if tier_hits([a])["host"]]
+    wrong = [i for i in loaded if not ground_truth.judge(w.prompts[i], answers[i]["output_ids"]).ok]
+    assert loaded, "no request loaded its prefix from host: the control exercised nothing"
+    # All of them on 2 idle cores (32 of 32 when this was first measured); under CI's load
+    # a load-back may still land in time now and then, so the bar is half.
+    assert len(wrong) >= len(loaded) // 2, f"only {len(wrong)} of {len(loaded)} load-backs read stale KV"
+    assert _mean_load_back_s(server) >= 0.2, _mean_load_back_s(server)
 
 
 def test_outputs_exact_with_requests_in_flight(hiradix_server, judge) -> None:

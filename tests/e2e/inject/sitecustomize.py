@@ -1,17 +1,30 @@
-"""Fault injection for the real-server tests: a slow host -> device load.
+"""Fault injection for the real-server tests: a slow host -> device load, and the control
+run that must fail without the layer-done counter.
 
 ``tests/e2e`` puts this folder on a server's ``PYTHONPATH`` so that Python imports this
-module at the start of every process of that server (the scheduler included). With
-``HIRADIX_E2E_SLOW_LOAD_S`` set, each layer of every load that hiradix's copy engine runs
-takes that many seconds longer, as a loaded host or a slow PCIe link would make it. A
-forward pass that does not wait for the layer-done counter then reads KV before it lands,
-every time rather than now and then: the race the load-back tests must catch. Unset, this
-module does nothing.
+module at the start of every process of that server (the scheduler included). Python
+swallows an error raised here, so every fault says on stderr (the server's log) that it is
+in place, and the tests assert that line and the fault's effect.
+
+``HIRADIX_E2E_SLOW_LOAD_S``
+    each layer of every load that hiradix's thread copy engine runs takes that many seconds
+    longer, as a loaded host or a slow PCIe link would make it: the engine's own test seam,
+    ``layer_hook``, set on every engine with a worker made in the process (the load engine;
+    the inline write engine keeps its one-loop path). A forward pass that does not
+    wait for the layer-done counter then reads KV before it lands, every time rather than
+    now and then: the race the load-back tests must catch.
+``HIRADIX_E2E_UNREGISTERED_COUNTER=1``
+    the control: hiradix's layer-done counter is not registered with SGLang's KV pool
+    (``hiradix.sglang.cache.register_layer_wait`` does nothing), what hiradix did before the
+    fix. With slowed loads its outputs must be wrong, or the load-back tests prove nothing.
+
+Unset, this module does nothing.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 _DELAY = float(os.environ.get("HIRADIX_E2E_SLOW_LOAD_S", "0") or 0)
 
@@ -21,20 +34,31 @@ if _DELAY > 0:
 
     from hiradix.memory import copy as _copy
 
-    _execute = _copy.ThreadCopyEngine._execute
     _never = threading.Event()  # never set: waiting on it is a bounded stall of _DELAY seconds
 
-    def _slow_execute(self: Any, handle: Any, step: Any) -> None:
-        if handle.kind == "load":
-            inner = step
+    def _slow(kind: str, op_id: int, layer: int) -> None:
+        if kind == "load":
+            _never.wait(_DELAY)
 
-            def step(layer: int) -> None:
-                _never.wait(_DELAY)
-                inner(layer)
+    _init = _copy.ThreadCopyEngine.__init__
 
-        _execute(self, handle, step)
+    def _init_with_slow_loads(self: Any, *args: Any, **kwargs: Any) -> None:
+        _init(self, *args, **kwargs)
+        if not self.inline:  # the load engine (a worker); the inline write engine keeps its one-loop path
+            self.layer_hook = _slow  # the engine's test seam (ThreadCopyEngine's docstring)
 
-    _copy.ThreadCopyEngine._execute = _slow_execute  # type: ignore[method-assign]
+    _copy.ThreadCopyEngine.__init__ = _init_with_slow_loads  # type: ignore[method-assign]
+    print(f"hiradix e2e fault: every load slowed by {_DELAY} s a layer", file=sys.stderr, flush=True)
+
+if os.environ.get("HIRADIX_E2E_UNREGISTERED_COUNTER") == "1":
+    from typing import Any as _Any
+
+    from hiradix.sglang import cache as _sglang_cache
+
+    def _unregistered(sglang_pool: _Any, counter: _Any) -> None:
+        print("hiradix e2e fault: layer-done counter NOT registered (control run)", file=sys.stderr, flush=True)
+
+    _sglang_cache.register_layer_wait = _unregistered
 
 
 if os.environ.get("HIRADIX_E2E_STOCK_ON_CPU") == "1":
