@@ -141,6 +141,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Set by the real-server tests and `bench/e2e_server.py`: install the CPU stand-ins that let "
            "stock SGLang's hierarchical cache run in a CPU server.",
            "tests/e2e/inject/sitecustomize.py"),
+    EnvVar("HIRADIX_E2E_UNREGISTERED_COUNTER", "flag", "0", "test",
+           "Set by the real-server tests for their control server: hiradix's layer-done counter is not "
+           "registered with SGLang's KV pool, so that with slowed loads its outputs must be wrong.",
+           "tests/e2e/inject/sitecustomize.py"),
     EnvVar("HIRADIX_E2E_REQUIRED", "flag", "0", "test",
            "Set by `.ci/test` for the real-server runs: a run of `tests/e2e` that collects no test, or "
            "in which none passes (every one skipped, say for a missing package), fails, saying why.",
