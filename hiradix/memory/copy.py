@@ -1191,25 +1191,27 @@ class CudaCopyEngine(CopyEngine):
     def load(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool, host_indices: Any, device_indices: Any
     ) -> LoadHandle:
-        planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
-        if planned is not None:
-            return self._run_kernel("load", device_pool, *planned, to_device=True)
-        dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
-        alias = self._alias(host_pool)
-        if alias is not None:
-            return self._run_mapped("load", device_pool, host_pool, alias, dev, hidx)
-        return self._staged_load(host_pool, device_pool, dev, hidx)
+        return self._copy("load", device_pool, host_pool, device_indices, host_indices)
 
     def backup(
         self, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
     ) -> CopyHandle:
+        return self._copy("backup", device_pool, host_pool, device_indices, host_indices)
+
+    def _copy(
+        self, kind: str, device_pool: DeviceKVPool, host_pool: HostKVPool, device_indices: Any, host_indices: Any
+    ) -> _CudaHandle:
+        """One operation on the first path that can serve it: the kernel, the mapped torch
+        path, or (an unpinned host pool) the staged one."""
         planned = self._kernel_plan(device_pool, host_pool, device_indices, host_indices)
         if planned is not None:
-            return self._run_kernel("backup", device_pool, *planned, to_device=False)
+            return self._run_kernel(kind, device_pool, *planned, to_device=kind == "load")
         dev, hidx = _prepare(device_pool, host_pool, device_indices, host_indices)
         alias = self._alias(host_pool)
         if alias is not None:
-            return self._run_mapped("backup", device_pool, host_pool, alias, dev, hidx)
+            return self._run_mapped(kind, device_pool, host_pool, alias, dev, hidx)
+        if kind == "load":
+            return self._staged_load(host_pool, device_pool, dev, hidx)
         return self._staged_backup(device_pool, host_pool, dev, hidx)
 
     def _staged(
