@@ -1061,6 +1061,7 @@ class CudaCopyEngine(CopyEngine):
         self._stream = torch.cuda.Stream(device=self.device, priority=stream_priority)
         self._events = _EventRing(self._stream)
         self._aliases: dict[int, tuple[HostKVPool, torch.Tensor | None]] = {}
+        self._deltas: dict[int, tuple[HostKVPool, int]] = {}  # a pinned pool's device-address shift, for life
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
@@ -1106,7 +1107,7 @@ class CudaCopyEngine(CopyEngine):
         dev = as_index_array(device_indices, "device_indices")
         host = as_index_array(host_indices, "host_indices")
         try:
-            delta = self._launcher.host_delta(host_pool)
+            delta = self._host_delta(host_pool)
             geo = self._geometries.get(device_pool, host_pool)
             p = None if geo is None else _kernel.plan(device_pool, host_pool, dev, host, geo, pin=True)
             if p is None or delta % p.width:
@@ -1149,6 +1150,15 @@ class CudaCopyEngine(CopyEngine):
                     self.layer_delay_cycles,
                 )
         return _CudaHandle(op_id, kind, events[1:], self.device, [p.offsets, offsets], start=events[0])
+
+    def _host_delta(self, host_pool: HostKVPool) -> int:
+        """The launcher's :meth:`~hiradix.memory.kernel.CudaLauncher.host_delta` of a host
+        pool, asked once per pool (its pinned buffer never moves), not once per operation."""
+        assert self._launcher is not None
+        hit = self._deltas.get(id(host_pool))
+        if hit is None or hit[0] is not host_pool:
+            hit = self._deltas[id(host_pool)] = (host_pool, self._launcher.host_delta(host_pool))
+        return hit[1]
 
     def _alias(self, host_pool: HostKVPool) -> torch.Tensor | None:
         hit = self._aliases.get(id(host_pool))
