@@ -39,21 +39,26 @@ def test_built_by_sglangs_registry_as_a_prefix_cache(make_env) -> None:
     env.cache.check_invariants()
 
 
-def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
-    """A fork's scheduler builds ``HiRadixCache(params, server_args)`` itself, with no
-    factory and no TP worker: SGLang's pool must wait on the counter all the same."""
+def _params_by_hand(req_to_token: object, alloc: object) -> object:
+    """SGLang's ``CacheInitParams`` as a fork building the cache by hand passes them (page 1, LRU)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from tests.sglang.v18.env import parity_pools_and_args
-
-    kv, alloc, req_to_token, server_args = parity_pools_and_args(1, 256)
-    params = CacheInitParams(
+    return CacheInitParams(
         disable=False,
         req_to_token_pool=req_to_token,
         token_to_kv_pool_allocator=alloc,
         page_size=1,
         eviction_policy="lru",
     )
+
+
+def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
+    """A fork's scheduler builds ``HiRadixCache(params, server_args)`` itself, with no
+    factory and no TP worker: SGLang's pool must wait on the counter all the same."""
+    from tests.sglang.v18.env import parity_pools_and_args
+
+    kv, alloc, req_to_token, server_args = parity_pools_and_args(1, 256)
+    params = _params_by_hand(req_to_token, alloc)
     cache = hs.HiRadixCache(params, server_args)
     try:
         assert kv.layer_transfer_counter is cache.cache_controller.layer_done_counter
@@ -65,18 +70,10 @@ def test_built_by_hand_registers_the_counter_with_the_pool() -> None:
 def test_a_page_size_the_pool_does_not_have_is_a_startup_error() -> None:
     """The adapter pages requests by ``CacheInitParams.page_size``, the cache slots by the
     KV pool's: built with two that differ, it refuses to start, naming both."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
     from tests.sglang.v18.env import parity_pools_and_args
 
     _, alloc, req_to_token, server_args = parity_pools_and_args(4, 256)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=req_to_token,
-        token_to_kv_pool_allocator=alloc,
-        page_size=1,
-        eviction_policy="lru",
-    )
+    params = _params_by_hand(req_to_token, alloc)
     with pytest.raises(
         ValueError, match=r"CacheInitParams.page_size is 1, the KV pool \(MHATokenToKVPool\) has page_size 4"
     ):
