@@ -4,7 +4,8 @@ with the wheel's venv, from a folder outside the checkout:
 1. ``import hiradix`` resolves to the installed package, not a source tree;
 2. the compiled core serves: every compiled module of ``hiradix._native.TWINS`` loads,
    except the libibverbs binding where the host has no libibverbs (the wheel does not
-   bundle it) and nothing else is allowed to be missing;
+   bundle it) and nothing else is allowed to be missing; and each was built as intended
+   (``hiradix._native.build_problems``: the Cython pyproject.toml pins, ``-O3``);
 3. SGLang would find the plugin: the ``sglang.srt.plugins`` entry point ``hiradix`` is
    discovered and loads ``hiradix._sglang_plugin.register`` (SGLang itself is not needed);
 4. the CUDA copy kernel ``libhiradix_kvcopy.so`` is in the wheel (the wheels are built with
@@ -54,6 +55,7 @@ def main() -> None:
             print(f"smoke_wheel: {twin.compiled} not loaded: this host has no libibverbs (expected)")
             continue
         fail(f"{twin.compiled} did not load from the wheel; its twin would serve")
+    check_build([t.compiled for t in TWINS if load(t.compiled) is not None])
     if HiRadixTree.__module__ != "hiradix.tree._core":
         fail(f"hiradix.tree.HiRadixTree is {HiRadixTree.__module__}.HiRadixTree, not the compiled core")
     print(f"smoke_wheel: hiradix {metadata.version('hiradix')} from {where.parent}, compiled core in use")
@@ -82,6 +84,25 @@ def main() -> None:
     print("smoke_wheel: hiradix sim on the bundled excerpt:")
     print("\n".join("    " + line for line in run.stdout.splitlines()[:12]))
     print("smoke_wheel: OK")
+
+
+def check_build(modules: list[str]) -> None:
+    from hiradix._native import build_info, build_problems, pinned_cython
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+
+    info = build_info()
+    if info is None:
+        fail("the wheel has no hiradix/_build.json: how its compiled modules were built is unknown")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    cython = pinned_cython(tomllib.loads(pyproject.read_text())["build-system"]["requires"])
+    problems = build_problems(info, cython, modules)
+    if problems:
+        fail("the wheel's compiled modules were not built as intended: " + "; ".join(problems))
+    print(f"smoke_wheel: {len(modules)} compiled modules built as intended: Cython {cython}, -O3")
 
 
 def _driver_mapped() -> bool:

@@ -10,6 +10,12 @@ odd ones, so a change of load between rounds moves both sides. The benchmark scr
 this checkout's (the same driver code for both sides); each run imports its own
 worktree's ``hiradix`` (``PYTHONPATH``), which the run prints and this script checks.
 
+``--base-build wheel`` / ``--head-build wheel`` build that side as ``pip install`` does
+instead: ``pip wheel`` under pip's build isolation (the build requirements pyproject.toml
+pins, fetched into a fresh environment), installed with ``pip install --target`` beside the
+worktree. With one revision on both sides (``compare.py HEAD HEAD --head-build wheel``)
+that measures the build users get against the in-place one.
+
 Benchmarks (quick settings, ``--scale`` of the 200-prompt workload, page sizes 1 and 16):
 
 ``tree_ops``    ``bench/tree_ops.py --no-sglang --no-twin --repeats 1 --clock thread``: the
@@ -35,6 +41,7 @@ Usage::
     .venv/bin/python bench/compare.py a2e52f3 HEAD --rounds 5 --benches sglang_api
     .venv/bin/python bench/compare.py BASE --head-tree .      # the working tree (built in place)
     .venv/bin/python bench/compare.py a2e52f3 --dry-run       # the plan, nothing built or run
+    .venv/bin/python bench/compare.py HEAD HEAD --head-build wheel   # pip's build against in place
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ("tree_ops", "sglang_api", "churn")
+BUILDS = ("inplace", "wheel")
 BUILD_ENV = {"HIRADIX_CUDA": "0", "HIRADIX_VERBS": "0"}
 # Printed first by every run (stderr): the hiradix that run imported.
 IMPORT_TAG = "compare: hiradix from "
@@ -73,40 +82,56 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 
 # ----------------------------------------------------------------------------- builds
 class Side:
-    """One build: a revision in a worktree (``made``: ours to remove) or a given tree."""
+    """One build: a revision in a worktree (``made``: ours to remove) or a given tree, built
+    in place or (``build="wheel"``) as a wheel installed into ``site`` beside it."""
 
-    def __init__(self, label: str, rev: str | None, tree: Path | None, workdir: Path) -> None:
-        self.label = label
+    def __init__(self, label: str, rev: str | None, tree: Path | None, workdir: Path, build: str = "inplace") -> None:
+        self.label, self.build = label, build
         if tree is not None:
             self.tree, self.rev, self.made = tree.resolve(), f"tree {tree}", False
         else:
             assert rev is not None
             self.rev = git("rev-parse", "--short=9", f"{rev}^{{commit}}")
             self.tree, self.made = workdir / f"{label.lower()}-{self.rev}", True
+        # Where the run imports hiradix from: the tree itself, or the wheel's install.
+        self.site = self.tree if build == "inplace" else workdir / f"{label.lower()}-site"
 
-    def build_cmd(self, python: str) -> list[str]:
-        return [python, "setup.py", "build_ext", "--inplace", "-q"]
+    def build_cmds(self, python: str) -> list[list[str]]:
+        if self.build == "inplace":
+            return [[python, "setup.py", "build_ext", "--inplace", "-q"]]
+        wheels = self.site.with_name(f"{self.site.name}-wheel")
+        return [
+            [python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(self.tree)],
+            [python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(self.site), "--find-links", str(wheels),
+             "--no-index", "hiradix"],
+        ]  # fmt: skip
 
     def prepare(self, python: str, dry_run: bool) -> None:
-        if not self.made:
+        if not self.made and self.build == "inplace":
             log(f"{self.label}: {self.tree} as it is (not built here)")
             return
-        cmd = self.build_cmd(python)
-        log(f"{self.label}: git worktree add --detach {self.tree} {self.rev}; {' '.join(cmd)} (in it)")
+        cmds = self.build_cmds(python)
+        where = f"git worktree add --detach {self.tree} {self.rev}; " if self.made else ""
+        log(f"{self.label}: {where}{'; '.join(shlex.join(c) for c in cmds)} (in {self.tree})")
         if dry_run:
             return
-        if self.tree.exists():
-            self.remove()
-        git("worktree", "add", "--detach", str(self.tree), self.rev)
+        if self.made:
+            if self.tree.exists():
+                self.remove()
+            git("worktree", "add", "--detach", str(self.tree), self.rev)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=self.tree, env={**os.environ, **BUILD_ENV}, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{self.label} ({self.rev}): build failed:\n{proc.stderr[-3000:]}")
-        log(f"{self.label}: built in {time.perf_counter() - t0:.0f} s")
+        for cmd in cmds:
+            proc = subprocess.run(cmd, cwd=self.tree, env={**os.environ, **BUILD_ENV}, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{self.label} ({self.rev}): {shlex.join(cmd[:4])} failed:\n{proc.stderr[-3000:]}")
+        log(f"{self.label}: built ({self.build}) in {time.perf_counter() - t0:.0f} s")
 
     def remove(self) -> None:
         if self.made and self.tree.exists():
             subprocess.run(["git", "worktree", "remove", "--force", str(self.tree)], cwd=ROOT, check=False)
+        if self.site != self.tree:
+            for made in (self.site, self.site.with_name(f"{self.site.name}-wheel")):
+                shutil.rmtree(made, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- benchmarks
@@ -162,15 +187,15 @@ def run_one(side: Side, name: str, args: argparse.Namespace) -> dict[str, tuple[
         out = Path(tmp) / "out.json"
         cmd = [args.python, "-c", RUNNER, *bench_args(name, args.scale, args.page_sizes, out)]
         stubs = str(side.tree / "tests" / "stubs")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(side.tree), stubs))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(side.site), stubs))}
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         imported = next(
             (ln[len(IMPORT_TAG) :] for ln in proc.stderr.splitlines() if ln.startswith(IMPORT_TAG)), "(nothing)"
         )
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{side.label} {name}: rc {proc.returncode}:\n{proc.stderr[-3000:]}")
-        if not Path(imported).resolve().is_relative_to(side.tree):
-            raise RuntimeError(f"{side.label} {name}: imported hiradix from {imported}, not from {side.tree}")
+        if not Path(imported).resolve().is_relative_to(side.site):
+            raise RuntimeError(f"{side.label} {name}: imported hiradix from {imported}, not from {side.site}")
         log(f"  {side.label:4s} {name}: hiradix from {imported}")
         return figures(name, json.loads(out.read_text()))
 
@@ -214,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("head", nargs="?", default="HEAD", help="HEAD revision (default HEAD)")
     ap.add_argument("--base-tree", type=Path, help="use this built checkout as BASE instead of building")
     ap.add_argument("--head-tree", type=Path, help="use this built checkout as HEAD (e.g. . for the working tree)")
+    for label in ("base", "head"):
+        ap.add_argument(
+            f"--{label}-build", choices=BUILDS, default="inplace", help="in place (default) or pip's wheel build"
+        )
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds, alternating the order (default 3)")
     ap.add_argument("--benches", default=",".join(BENCHES), help=f"of {', '.join(BENCHES)} (default all)")
     ap.add_argument("--scale", type=float, default=0.05, help="fraction of the 200-prompt workload (default 0.05)")
@@ -231,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--benches of {', '.join(BENCHES)}; --rounds >= 1")
     workdir = args.workdir / f"hiradix-compare-{os.getpid()}"
     sides = {
-        "BASE": Side("BASE", args.base, args.base_tree, workdir),
-        "HEAD": Side("HEAD", args.head, args.head_tree, workdir),
+        "BASE": Side("BASE", args.base, args.base_tree, workdir, args.base_build),
+        "HEAD": Side("HEAD", args.head, args.head_tree, workdir, args.head_build),
     }
-    log(f"BASE {sides['BASE'].rev}, HEAD {sides['HEAD'].rev}; python {args.python}; load {os.getloadavg()}")
+    log(
+        f"BASE {sides['BASE'].rev} ({args.base_build}), HEAD {sides['HEAD'].rev} ({args.head_build}); "
+        f"python {args.python}; load {os.getloadavg()}"
+    )
     rounds: list[dict[str, dict]] = []
     try:
         for side in sides.values():
@@ -264,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows, failed = summarize(rounds, args.threshold, args.gate)
     print(
-        f"HEAD {sides['HEAD'].rev} / BASE {sides['BASE'].rev}: {args.rounds} paired rounds, scale {args.scale}, "
+        f"HEAD {sides['HEAD'].rev} ({args.head_build}) / BASE {sides['BASE'].rev} ({args.base_build}): "
+        f"{args.rounds} paired rounds, scale {args.scale}, "
         f"load after {os.getloadavg()[0]:.2f}; ratio = HEAD's speed / BASE's (below 1: slower), "
         f"median and min-max over rounds; gate: median below {1 - args.threshold:.2f}\n"
     )
