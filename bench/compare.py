@@ -42,6 +42,8 @@ Usage::
     .venv/bin/python bench/compare.py BASE --head-tree .      # the working tree (built in place)
     .venv/bin/python bench/compare.py a2e52f3 --dry-run       # the plan, nothing built or run
     .venv/bin/python bench/compare.py HEAD HEAD --head-build wheel   # pip's build against in place
+    .venv/bin/python bench/compare.py a2e52f3 --benches sglang_api \
+        --python .venv-sglang23/bin/python --build-python .venv/bin/python   # through SGLang 0.5.23
 """
 
 from __future__ import annotations
@@ -249,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--threshold", type=float, default=0.15, help="allowed slowdown of a median ratio (0.15)")
     ap.add_argument("--gate", choices=("throughput", "all"), default="throughput", help="which operations may fail")
-    ap.add_argument("--python", default=sys.executable, help="interpreter that builds and runs both sides")
+    ap.add_argument("--python", default=sys.executable, help="interpreter that runs both sides (and builds them)")
+    ap.add_argument(
+        "--build-python",
+        help="interpreter that builds both sides, where --python's venv has no Cython "
+        "(e.g. .venv builds, .venv-sglang23 runs SGLang 0.5.23's API; same CPython)",
+    )
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where worktrees go (/tmp)")
     ap.add_argument("--keep", action="store_true", help="leave the worktrees (and builds) in place")
     ap.add_argument("--json", type=Path, help="write every round's figures here")
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, dict]] = []
     try:
         for side in sides.values():
-            side.prepare(args.python, args.dry_run)
+            side.prepare(args.build_python or args.python, args.dry_run)
         for r in range(args.rounds):
             order = ("BASE", "HEAD") if r % 2 == 0 else ("HEAD", "BASE")
             log(f"round {r + 1}/{args.rounds}: {' then '.join(order)}, load {os.getloadavg()[0]:.2f}")
