@@ -277,6 +277,16 @@ class Server:
             # Polling the server's state: no event of its to wait on from here.
             time.sleep(0.2)
 
+    def wait_log(self, text: str, count: int, timeout: float = 60.0) -> None:
+        """Until ``text`` appears ``count`` times in the server's log, a :class:`ServerError`
+        after ``timeout`` seconds or if the server dies."""
+        deadline = time.monotonic() + timeout
+        while self.log_text().count(text) < count:
+            if not self.alive() or time.monotonic() > deadline:
+                raise ServerError(f"{self.name}: {text!r} not seen {count} times in its log\n{self.log_tail(40)}")
+            # Polling the log the server writes: no event of its to wait on from here.
+            time.sleep(0.05)
+
     def flush_cache(self, timeout: float = 60.0) -> None:
         """``POST /flush_cache`` (once the scheduler is idle)."""
         self._when_idle("/flush_cache", {}, timeout=timeout)

@@ -34,7 +34,11 @@ HIRADIX = (
     "--enable-cache-report",
     "--enable-metrics",
 )
-SLOW_LOADS = {"HIRADIX_E2E_SLOW_LOAD_S": "0.1"}
+# Every load slowed; and SGLang's idle memory check strict, so a leaked slot or lock stops
+# the server (its idle check otherwise only logs "memory leak detected").
+SLOW_LOADS = {"HIRADIX_E2E_SLOW_LOAD_S": "0.1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+# What inject/sitecustomize.py prints as each slowed load starts (LOAD_HELD there).
+LOAD_HELD = "hiradix e2e fault: load held:"
 
 
 @pytest.fixture(scope="module", params=["overlap", "no-overlap"])
@@ -141,3 +145,34 @@ def test_abort_in_flight_then_outputs_stay_exact(hiradix_server, judge) -> None:
     assert finish and isinstance(finish[-1], dict) and finish[-1].get("type") == "abort", finish[-1:]
     answers = serve_all(hiradix_server, w.prompts, w.max_new_tokens, concurrency=2)
     judge(hiradix_server, w.prompts, answers, w.max_new_tokens)
+
+
+def test_abort_while_its_load_back_is_in_flight(hiradix_server, judge) -> None:
+    """A request is aborted by rid while the KV of its prefix is being loaded back from host
+    (the fault's line says the load started; it then takes 0.2 s). The server stays up, the
+    load completes and unlocks, nothing leaks (the strict idle check would stop the server),
+    and the requests after it are exact, their prefixes loaded back again."""
+    w = shared_prefixes(seed=4, n_requests=16)
+    judge(hiradix_server, w.prompts, serve_all(hiradix_server, w.prompts, w.max_new_tokens), w.max_new_tokens)
+    # Prefix 0 was last asked 8 prompts ago: its KV is on host now, not on the device.
+    prompt = list(w.prefixes[0]) + list(w.prompts[1][-16:])
+    held = hiradix_server.log_text().count(LOAD_HELD)
+    loaded_before = hiradix_server.metric("sglang:load_back_tokens_total")
+    answer: list[dict] = []
+    sender = threading.Thread(
+        target=lambda: answer.append(hiradix_server.generate(prompt, 2000, rid="e2e-abort-load")), daemon=True
+    )
+    sender.start()
+    hiradix_server.wait_log(LOAD_HELD, held + 1)  # its load-back is in flight now
+    hiradix_server.request("/abort_request", {"rid": "e2e-abort-load"})
+    sender.join(timeout=120)
+    assert not sender.is_alive(), "the aborted request never answered"
+    finish = answer[0]["meta_info"]["finish_reason"]
+    assert isinstance(finish, dict) and finish.get("type") == "abort", finish
+    assert answer[0]["meta_info"]["completion_tokens"] < 2000
+    assert hiradix_server.metric("sglang:load_back_tokens_total") - loaded_before >= 300
+    again = serve_all(hiradix_server, w.prompts, w.max_new_tokens, concurrency=2)
+    judge(hiradix_server, w.prompts, again, w.max_new_tokens)
+    assert tier_hits(again)["host"] > 0
+    hiradix_server.flush_cache()  # waits for the scheduler to be idle: its strict check has run
+    assert hiradix_server.alive(), hiradix_server.log_tail()

@@ -47,6 +47,32 @@ def shared_prefixes(
     return Workload(prefixes, tuple(prompts), tuple(owner), max_new_tokens)
 
 
+def long_documents(
+    head_len: int = 700,
+    doc_lens: Sequence[int] = (900, 1100, 1300, 1500, 1700),
+    cycles: int = 3,
+    suffix_len: int = 16,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> Workload:
+    """Long prompts (1.6-2.4k tokens with the defaults) that share a head and differ in a
+    long document: ``prefixes[d]`` is the head followed by document ``d``, and the prompts
+    cycle over the documents ``cycles`` times, each with a suffix of its own. Asked of a
+    device pool smaller than all documents together, the head, hit by every request, stays
+    on the device while the documents go to host between cycles: from the second cycle on a
+    prompt's prefix is partly on the device and partly on host."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(LOW, HIGH, n))
+
+    head = tokens(head_len)
+    prefixes = tuple(head + tokens(n) for n in doc_lens)
+    owner = [d for _ in range(cycles) for d in range(len(doc_lens))]
+    prompts = tuple(prefixes[d] + tokens(suffix_len) for d in owner)
+    return Workload(prefixes, prompts, tuple(owner), max_new_tokens)
+
+
 def other_suffixes(work: Workload, seed: int, suffix_len: int = 16) -> Workload:
     """``work``'s prefixes, in the same order, each prompt with a new suffix."""
     rng = np.random.default_rng(seed)

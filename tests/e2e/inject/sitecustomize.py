@@ -12,11 +12,18 @@ in place, and the tests assert that line and the fault's effect.
     ``layer_hook``, set on every engine with a worker made in the process (the load engine;
     the inline write engine keeps its one-loop path). A forward pass that does not
     wait for the layer-done counter then reads KV before it lands, every time rather than
-    now and then: the race the load-back tests must catch.
+    now and then: the race the load-back tests must catch. Each load says on stderr when
+    it starts (``LOAD_HELD``), so a test can act while one is in flight.
 ``HIRADIX_E2E_UNREGISTERED_COUNTER=1``
     the control: hiradix's layer-done counter is not registered with SGLang's KV pool
     (``hiradix.sglang.cache.register_layer_wait`` does nothing), what hiradix did before the
     fix. With slowed loads its outputs must be wrong, or the load-back tests prove nothing.
+``HIRADIX_E2E_NAIVE_PAGED_ALLOC=1``
+    page sizes above 1 on the CPU: SGLang 0.5.18's and 0.5.20's paged allocator launches two
+    Triton kernels (``alloc_extend_kernel``, ``alloc_decode_kernel``), which have no CPU
+    driver. They are stood in for by SGLang's own ``alloc_extend_naive`` and the same
+    arithmetic for decode in torch (0.5.23 takes its native paths on the CPU itself). Not
+    hiradix's code: SGLang's allocator, which hands out the slots hiradix's tree holds.
 
 Unset, this module does nothing.
 """
@@ -27,6 +34,7 @@ import os
 import sys
 
 _DELAY = float(os.environ.get("HIRADIX_E2E_SLOW_LOAD_S", "0") or 0)
+LOAD_HELD = "hiradix e2e fault: load held:"  # printed as each slowed load starts
 
 if _DELAY > 0:
     import threading
@@ -38,6 +46,8 @@ if _DELAY > 0:
 
     def _slow(kind: str, op_id: int, layer: int) -> None:
         if kind == "load":
+            if layer == 0:  # a test waits for this line to act while a load is in flight
+                print(f"{LOAD_HELD} {op_id}", file=sys.stderr, flush=True)
             _never.wait(_DELAY)
 
     _init = _copy.ThreadCopyEngine.__init__
@@ -85,3 +95,43 @@ if os.environ.get("HIRADIX_E2E_STOCK_ON_CPU") == "1":
     _phc._cuda_host_unregister = lambda *args, **kwargs: None
     _phb.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
     _phm.transfer_kv_direct = _transfer_kv_direct
+
+
+if os.environ.get("HIRADIX_E2E_NAIVE_PAGED_ALLOC") == "1":
+    from typing import Any as _Any
+
+    import torch as _torch
+    from sglang.srt.mem_cache.allocator import paged as _paged
+
+    def _pages_needed(seq_lens: _Any, prefix_lens: _Any, page_size: int) -> int:
+        return int(((seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size).sum())
+
+    def _extend(
+        prefix_lens: _Any, seq_lens: _Any, last_loc: _Any, free_pages: _Any, out: _Any, _bs: int, page_size: int
+    ) -> None:
+        # Like the kernel, fill ``out`` whatever the pool holds; the allocator then sees too
+        # few free pages and returns None. The naive path would index past free_pages.
+        if _pages_needed(seq_lens, prefix_lens, page_size) <= len(free_pages):
+            _paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out, page_size, out.device)
+
+    def _decode(seq_lens: _Any, last_loc: _Any, free_pages: _Any, out: _Any, _bs: int, page_size: int) -> None:
+        # A request whose new token starts a page takes the next free page, in batch order.
+        starts = (seq_lens - 1) % page_size == 0
+        rank = _torch.cumsum(starts.to(_torch.int64), 0) - 1
+        if int(starts.sum()) > len(free_pages):
+            return  # the allocator returns None
+        pages = free_pages[rank.clamp(min=0, max=max(len(free_pages) - 1, 0))] if len(free_pages) else rank
+        out.copy_(_torch.where(starts, pages * page_size, last_loc + 1))
+
+    class _Launch:
+        """``kernel[(grid,)](*args)``, the way the allocator launches a Triton kernel."""
+
+        def __init__(self, fn: _Any) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid: _Any) -> _Any:
+            return self.fn
+
+    _paged.alloc_extend_kernel = _Launch(_extend)
+    _paged.alloc_decode_kernel = _Launch(_decode)
+    print("hiradix e2e harness: SGLang's paged allocator on its naive CPU path", file=sys.stderr, flush=True)

@@ -1,0 +1,47 @@
+"""Memory pressure in a real server: 16 requests in flight against a device pool of 1,024
+tokens, each needing 412 (a 316-token prompt and 96 generated), so requests queue, decode
+runs out of slots (``--schedule-conservativeness`` admits as if they generated almost
+nothing) and SGLang retracts requests, which come back, their prefixes found on
+the device or loaded back from host, while other requests hold locks on theirs. Loads are
+slowed as in ``test_e2e_outputs.py``, and SGLang's idle memory check is strict there, so a
+slot or lock leaked by a retraction or a load stops the server.
+
+Asserted: greedy outputs equal ground truth (``judge``), SGLang counted retractions
+(``sglang:num_retracted_requests_total``) and host hits, and after the run, once the
+scheduler is idle, a request is still served exactly.
+"""
+
+from __future__ import annotations
+
+from tests.e2e.test_e2e_outputs import SLOW_LOADS
+from tests.e2e.workload import serve_all, shared_prefixes, tier_hits
+
+SMALL_POOL = (
+    "--enable-hierarchical-cache",
+    "--radix-cache-backend",
+    "hiradix",
+    "--max-total-tokens",
+    "1024",
+    "--hicache-ratio",
+    "4",
+    "--enable-cache-report",
+    "--enable-metrics",
+    # Admit requests as if each would generate almost nothing, so decode runs short of
+    # slots and retracts (SGLang's own default reserves enough never to).
+    "--schedule-conservativeness",
+    "0.02",
+)
+
+
+def test_pressure_queues_retracts_and_loads_back_with_exact_outputs(servers, judge) -> None:
+    server = servers.start(SMALL_POOL, name="hiradix-pressure", env=SLOW_LOADS)
+    w = shared_prefixes(n_prefixes=4, n_requests=32, max_new_tokens=96, seed=40)
+    answers = serve_all(server, w.prompts, w.max_new_tokens, concurrency=16)
+    judge(server, w.prompts, answers, w.max_new_tokens)
+    retracted = server.metric("sglang:num_retracted_requests_total")
+    assert retracted > 0, "no request was retracted: the pool was never short"
+    assert tier_hits(answers)["host"] > 0, tier_hits(answers)
+    server.flush_cache()  # once the scheduler is idle (its strict memory check has run)
+    after = serve_all(server, w.prompts[:2], w.max_new_tokens)
+    judge(server, w.prompts[:2], after, w.max_new_tokens)
+    assert server.alive(), server.log_tail()
