@@ -1147,6 +1147,7 @@ cdef class HiRadixTree:
             "creation_time": n.creation_time,
             "io_status": IO_NAMES[n.io_status],
             "io_owner": bool(n.io_owner),
+            "load_back_planned": _handle(n, i) in self._plans,
             "num_children": n.num_children,
         }
 

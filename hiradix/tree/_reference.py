@@ -1479,6 +1479,7 @@ class HiRadixTree:
             "creation_time": n.creation_time,
             "io_status": _IO_NAMES[n.io_status],
             "io_owner": n.io_owner,
+            "load_back_planned": n.handle in self._plans,
             "num_children": len(n.children),
         }
 
