@@ -68,7 +68,8 @@ hiradix.sglang starts the step's backups; 0.5.23: ``flush_pending_backups()`` th
               matched again in workload order and its host hit loaded back,
               ``init_load_back(InitLoadBackParams(best_match_node, host_hit_length))``, with
               the step's ``ready_to_load_host_cache()`` and ``check_hicache_events()`` (which
-              acknowledges the loads that landed); keys per second. Checked: what was loaded
+              acknowledges the loads that landed); keys per second, and ``init_load_back``
+              calls per second of the thread CPU time in them alone. Checked: what was loaded
               is then on the device, unlocked. hiradix only, on 0.5.18 (the ``load_back``
               phase).
 
@@ -177,7 +178,12 @@ THREAD_METRICS = (
     ("evict_all_thread_s", False),
 )
 # Load-back (after evict-all; hiradix on 0.5.18 only), over wall, process-CPU and thread-CPU time.
-LOAD_METRICS = (("load_back_per_s", True), ("load_back_per_cpu_s", True), ("load_back_per_thread_s", True))
+LOAD_METRICS = (
+    ("load_back_per_s", True),
+    ("load_back_per_cpu_s", True),
+    ("load_back_per_thread_s", True),
+    ("init_load_back_per_thread_s", True),  # the init_load_back calls alone
+)
 HICACHE_RATIO = 2.0
 MAX_LEN = 2048  # the workload's longest sequence
 
@@ -475,27 +481,32 @@ class Api18:
         """Whether the load-back phase runs for ``impl`` (hiradix's alone so far)."""
         return impl == "hiradix"
 
-    def load_back_phase(self, cache: Any, keys: list[array], step: int) -> int:
+    def load_back_phase(self, cache: Any, keys: list[array], step: int) -> tuple[int, int, float]:
         """Every key as the scheduler admits a request whose prefix is on the host: match,
         ``init_load_back`` of the host hit, and per step the loads submitted
         (``ready_to_load_host_cache``) and those landed acknowledged
-        (``check_hicache_events``). Returns the tokens loaded."""
+        (``check_hicache_events``). Returns the tokens loaded, the ``init_load_back``
+        calls and the calling thread's CPU time in them alone."""
         match, init = cache.match_prefix, cache.init_load_back
         ready, events = cache.ready_to_load_host_cache, cache.check_hicache_events
-        loaded = 0
+        clock = time.thread_time
+        loaded = calls = 0
+        in_init = 0.0
         for i, k in enumerate(keys, 1):
             m = match(MatchPrefixParams(key=RadixKey(k)))
             if m.host_hit_length:
-                got, _node = init(
-                    InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
-                )
+                params = InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+                t = clock()
+                got, _node = init(params)
+                in_init += clock() - t
+                calls += 1
                 loaded += len(got)
             if i % step == 0:
                 ready()
                 events()
         ready()
         events()
-        return loaded
+        return loaded, calls, in_init
 
 
 CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
@@ -810,8 +821,9 @@ def one_repeat(
     if "load_back" in phases and api.loads_back(impl):
         # load/s: every key matched again, its host hit loaded back to the device
         with clock.phase("load_back"):
-            loaded = api.load_back_phase(cache, w.keys, step)
+            loaded, calls, in_init = api.load_back_phase(cache, w.keys, step)
         clock.rates(out, "load_back", len(w.keys))
+        out["init_load_back_per_thread_s"] = calls / in_init if in_init else float("nan")
         drain_loads(impl, cache)
         if not 0 < loaded <= cached or cache.evictable_size() != loaded or cache.protected_size():
             raise AssertionError(
@@ -1045,7 +1057,10 @@ def report(results: dict, meta: dict) -> str:
                 )
             lines += ratio_rows(ps, res, metrics)
     lines += ["", "Load-back (match, init_load_back, the step's loads; hiradix only):", ""]
-    lines += ["| page | implementation | over wall | over thread CPU | over process CPU |", "|---|---|---|---|---|"]
+    lines += [
+        "| page | implementation | over wall | over thread CPU | over process CPU | init_load_back/s (thread CPU) |",
+        "|---|---|---|---|---|---|",
+    ]
     for ps, res in results.items():
         if "hiradix" in res:
             r = res["hiradix"]
@@ -1053,7 +1068,12 @@ def report(results: dict, meta: dict) -> str:
                 f"| {ps} | {API.labels['hiradix']} | "
                 + " | ".join(
                     f"{fmt(m, r[m]['median'])} ({fmt(m, r[m]['best'])})"
-                    for m in ("load_back_per_s", "load_back_per_thread_s", "load_back_per_cpu_s")
+                    for m in (
+                        "load_back_per_s",
+                        "load_back_per_thread_s",
+                        "load_back_per_cpu_s",
+                        "init_load_back_per_thread_s",
+                    )
                 )
                 + " |"
             )
