@@ -666,6 +666,30 @@ def test_companion_pools_follow_every_backup_and_load() -> None:
         ctrl.close()
 
 
+def test_a_load_copied_again_refills_every_pool() -> None:
+    """``load_again`` (the retry of a failed load) copies the batch from the host again into
+    the companion pools as well as the main one, and returns once it has landed."""
+    ctrl, dev, draft = _companion_setup()
+    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
+    seeds = prefix_seeds(np.arange(100, 112))
+    try:
+        for pool in (dev, draft):
+            fill(pool, slots, seeds)
+        ctrl.write(slots, host_slots)
+        ctrl.start_writing()
+        ctrl.ack_writes(wait_all=True)
+        ctrl.load(host_slots, slots)
+        ctrl.start_loading()
+        ((ack, ok),) = ctrl.ack_loads(wait_all=True)
+        assert ok
+        for pool in (dev, draft):
+            scribble(pool, slots)  # as a failed load may leave them
+        ctrl.load_again(ack)
+        assert mismatches(dev, slots, seeds) == 0 and mismatches(draft, slots, seeds) == 0
+    finally:
+        ctrl.close()
+
+
 class _FirstStagesCount(LocalAgreement):
     """A later pipeline stage's agreement: counts come from the first stage, whose copies
     finished while this stage's (held at their first layer by ``gate``) have not."""
