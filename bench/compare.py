@@ -21,9 +21,10 @@ Benchmarks (quick settings, ``--scale`` of the 200-prompt workload, page sizes 1
 ``tree_ops``    ``bench/tree_ops.py --no-sglang --no-twin --repeats 1 --clock thread``: the
                 core's plain and hi trees, fresh fill (insert into a new tree), match, evict.
 ``sglang_api``  ``bench/sglang_api.py --impls hiradix --step 8 --repeats 1``: insert,
-                finish, match and evict-all through SGLang 0.5.18's API on fresh caches,
-                over the calling thread's CPU time (the figures least moved by sharing
-                the machine).
+                finish, match, evict-all and load-back (after evict-all, every key's host
+                hit loaded back; ``init_load_back`` also alone) through SGLang 0.5.18's API
+                on fresh caches, over the calling thread's CPU time (the figures least
+                moved by sharing the machine).
 ``churn``       ``bench/churn.py --repeats 1``: fresh fill against steady state (a cache
                 that filled once, inserting while it evicts), core and hiradix.sglang.
 
@@ -172,8 +173,9 @@ def figures(name: str, data: dict) -> dict[str, tuple[float, bool]]:
                     out[f"tree_ops p{ps} {variant} {label}"] = (r[m]["median"], m.endswith("per_s"))
         elif name == "sglang_api":
             r = res["hiradix"]
-            for op in ("insert", "finish", "match"):
+            for op in ("insert", "finish", "match", "load_back"):
                 out[f"sglang_api p{ps} {op}"] = (r[f"{op}_per_thread_s"]["median"], True)
+            out[f"sglang_api p{ps} init_load_back"] = (r["init_load_back_per_thread_s"]["median"], True)
             out[f"sglang_api p{ps} evict_all"] = (r["evict_all_thread_s"]["median"], False)
         else:
             for impl, r in res.items():

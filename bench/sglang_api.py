@@ -64,6 +64,14 @@ hiradix.sglang starts the step's backups; 0.5.23: ``flush_pending_backups()`` th
               (``check_hicache_events`` until none is in flight; every cache is then checked
               to have nothing protected), one ``evict(EvictParams(evictable_size()))`` call:
               every node is demoted to host.
+``load/s``    then, on that cache (everything on the host, the device free), every key
+              matched again in workload order and its host hit loaded back,
+              ``init_load_back(InitLoadBackParams(best_match_node, host_hit_length))``, with
+              the step's ``ready_to_load_host_cache()`` and ``check_hicache_events()`` (which
+              acknowledges the loads that landed); keys per second, and ``init_load_back``
+              calls per second of the thread CPU time in them alone. Checked: what was loaded
+              is then on the device, unlocked. hiradix only, on 0.5.18 (the ``load_back``
+              phase).
 
 Each figure is reported three ways: over wall time (the headline), over the calling
 (scheduler) thread's CPU time (``time.thread_time``: what the scheduler pays when the copy
@@ -132,7 +140,12 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # SGLang warns at import about GPU-only quantizations
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -145,7 +158,7 @@ with warnings.catch_warnings():
 
 logger = logging.getLogger(__name__)
 
-PHASES = frozenset(("insert", "finish", "match", "evict_all"))  # insert and match always run
+PHASES = frozenset(("insert", "finish", "match", "evict_all", "load_back"))  # insert and match always run
 BACKUP_COPY = "inline"  # hiradix.sglang's backup_copy (--backup-copy)
 METRICS = (("insert_per_s", True), ("finish_per_s", True), ("match_per_s", True), ("evict_all_s", False))
 # The same figures over process CPU time instead of wall time (hiradix's includes its copy threads):
@@ -163,6 +176,13 @@ THREAD_METRICS = (
     ("finish_per_thread_s", True),
     ("match_per_thread_s", True),
     ("evict_all_thread_s", False),
+)
+# Load-back (after evict-all; hiradix on 0.5.18 only), over wall, process-CPU and thread-CPU time.
+LOAD_METRICS = (
+    ("load_back_per_s", True),
+    ("load_back_per_cpu_s", True),
+    ("load_back_per_thread_s", True),
+    ("init_load_back_per_thread_s", True),  # the init_load_back calls alone
 )
 HICACHE_RATIO = 2.0
 MAX_LEN = 2048  # the workload's longest sequence
@@ -457,6 +477,37 @@ class Api18:
             out.append((len(idx), hash(idx.numpy().tobytes())))
         return out
 
+    def loads_back(self, impl: str) -> bool:
+        """Whether the load-back phase runs for ``impl`` (hiradix's alone so far)."""
+        return impl == "hiradix"
+
+    def load_back_phase(self, cache: Any, keys: list[array], step: int) -> tuple[int, int, float]:
+        """Every key as the scheduler admits a request whose prefix is on the host: match,
+        ``init_load_back`` of the host hit, and per step the loads submitted
+        (``ready_to_load_host_cache``) and those landed acknowledged
+        (``check_hicache_events``). Returns the tokens loaded, the ``init_load_back``
+        calls and the calling thread's CPU time in them alone."""
+        match, init = cache.match_prefix, cache.init_load_back
+        ready, events = cache.ready_to_load_host_cache, cache.check_hicache_events
+        clock = time.thread_time
+        loaded = calls = 0
+        in_init = 0.0
+        for i, k in enumerate(keys, 1):
+            m = match(MatchPrefixParams(key=RadixKey(k)))
+            if m.host_hit_length:
+                params = InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
+                t = clock()
+                got, _node = init(params)
+                in_init += clock() - t
+                calls += 1
+                loaded += len(got)
+            if i % step == 0:
+                ready()
+                events()
+        ready()
+        events()
+        return loaded, calls, in_init
+
 
 CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
@@ -497,6 +548,9 @@ class Api23(Api18):
 
     def prepare(self, w: Workload) -> None:
         pass  # fresh requests per phase (requests()): 0.5.23's calls change them
+
+    def loads_back(self, impl: str) -> bool:
+        return False  # not written for 0.5.23's request API yet
 
     def requests(self, w: Workload, *, finished: bool) -> list[Any]:
         """Every sequence as a running request (``finished``: a finished one) whose row
@@ -654,6 +708,16 @@ def _api() -> Api18:
 API = _api()
 
 
+def drain_loads(impl: str, cache: Any, timeout_s: float = 120.0) -> None:
+    """Acknowledge every load back (hiradix), as :func:`drain_backups` the backups."""
+    deadline = time.monotonic() + timeout_s
+    while cache.core.ongoing_load_back:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{impl}: {len(cache.core.ongoing_load_back)} loads still in flight after {timeout_s} s")
+        cache.check_hicache_events()
+        time.sleep(0.001)  # a benchmark, not a test: let the copy thread run
+
+
 def drain_backups(impl: str, cache: Any, timeout_s: float = 120.0) -> None:
     """Acknowledge every backup, as the scheduler's later steps would: ``check_hicache_events``
     until none is in flight (bounded)."""
@@ -712,7 +776,9 @@ def one_repeat(
     step: int = 1,
     phases: frozenset[str] = PHASES,
 ) -> dict:
-    out: dict[str, Any] = dict.fromkeys(m for group in (METRICS, CPU_METRICS, THREAD_METRICS) for m, _ in group)
+    out: dict[str, Any] = dict.fromkeys(
+        m for group in (METRICS, CPU_METRICS, THREAD_METRICS, LOAD_METRICS) for m, _ in group
+    )
     for m in out:  # a phase not run (--phases) reports NaN
         out[m] = float("nan")
     clock = Clock(profiles)
@@ -752,6 +818,19 @@ def one_repeat(
             f"{impl}: evict-all evicted {evicted} of {cached}, {cache.evictable_size()} left "
             f"evictable, {freed.tokens - before} slots handed back"
         )
+    if "load_back" in phases and api.loads_back(impl):
+        # load/s: every key matched again, its host hit loaded back to the device
+        with clock.phase("load_back"):
+            loaded, calls, in_init = api.load_back_phase(cache, w.keys, step)
+        clock.rates(out, "load_back", len(w.keys))
+        out["init_load_back_per_thread_s"] = calls / in_init if in_init else float("nan")
+        drain_loads(impl, cache)
+        if not 0 < loaded <= cached or cache.evictable_size() != loaded or cache.protected_size():
+            raise AssertionError(
+                f"{impl}: loaded {loaded} of {cached} tokens back; {cache.evictable_size()} evictable, "
+                f"{cache.protected_size()} protected after the acks"
+            )
+        cache.core.tree.check_invariants()
     api.close(impl, cache)
     del cache
     gc.collect()
@@ -854,6 +933,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
                 + ", ".join(f"{m}={res[m]:.4g}" for m, _ in METRICS)
                 + ", thread: "
                 + ", ".join(f"{res[m]:.4g}" for m, _ in THREAD_METRICS)
+                + f", load_back/s thread={res['load_back_per_thread_s']:.4g}"
                 + f", cpu/wall={res['cpu_share']:.2f}"
             )
             if r >= 0:
@@ -869,7 +949,7 @@ def bench_page(ps: int, seqs: list[np.ndarray], args: argparse.Namespace) -> dic
     result: dict = {"keys": len(w.keys), "tokens": sum(w.aligned), "cached_tokens": runs[impls[0]][0]["cached_tokens"]}
     for impl in impls:
         result[impl] = {}
-        for m, higher in (*METRICS, *CPU_METRICS, *THREAD_METRICS, ("cpu_share", True)):
+        for m, higher in (*METRICS, *CPU_METRICS, *THREAD_METRICS, *LOAD_METRICS, ("cpu_share", True)):
             vals = [x[m] for x in runs[impl]]
             result[impl][m] = {
                 "median": statistics.median(vals),
@@ -976,6 +1056,27 @@ def report(results: dict, meta: dict) -> str:
                     + f" | {r['cpu_share']['median']:.2f} |"
                 )
             lines += ratio_rows(ps, res, metrics)
+    lines += ["", "Load-back (match, init_load_back, the step's loads; hiradix only):", ""]
+    lines += [
+        "| page | implementation | over wall | over thread CPU | over process CPU | init_load_back/s (thread CPU) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ps, res in results.items():
+        if "hiradix" in res:
+            r = res["hiradix"]
+            lines.append(
+                f"| {ps} | {API.labels['hiradix']} | "
+                + " | ".join(
+                    f"{fmt(m, r[m]['median'])} ({fmt(m, r[m]['best'])})"
+                    for m in (
+                        "load_back_per_s",
+                        "load_back_per_thread_s",
+                        "load_back_per_cpu_s",
+                        "init_load_back_per_thread_s",
+                    )
+                )
+                + " |"
+            )
     lines += [
         "",
         "*paired*: the median over repeats of that repeat's ratio. The caches run back to "

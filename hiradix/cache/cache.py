@@ -661,32 +661,31 @@ class HiRadixCache:
         self._stats["backup_failed_tokens"] += failed
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
-    def _device_ancestor(self, node: int) -> int:
-        while not self.tree.is_root(node) and self.tree.is_evicted(node):
-            node = self.tree.parent(node)
-        return node
-
     def load_back(self, node: int, mem_quota: int | None = None) -> torch.Tensor | None:
         """Start loading the evicted chain that ends at ``node`` into fresh device slots;
         returns them, or ``None`` if the chain is shorter than ``load_back_threshold``,
         larger than ``mem_quota`` or does not fit. The chain is locked until
         :meth:`loading_check` sees the copy land. Runtime: ``O(tokens)``."""
-        tree = self.tree
-        host = tree.evicted_host_indices(node)
+        plan = self.tree.plan_load_back(node, self.load_back_threshold, mem_quota)
+        return self._load_planned(node, plan.host_indices)
+
+    def _load_planned(self, node: int, host: np.ndarray) -> torch.Tensor | None:
+        """Act on the tree's load-back plan for ``node``, whose chain has the host slots
+        ``host`` (none: nothing to load): find as many device slots (evicting, while the
+        plan keeps the chain and its device anchor) and queue the copy, or give the plan
+        back if they cannot be had. One more tree call."""
         n = len(host)
-        if n == 0 or n < self.load_back_threshold or (mem_quota is not None and n > mem_quota):
+        if n == 0:
             return None
-        anchor = self._device_ancestor(node)
-        tree.inc_lock_ref(anchor)  # keep the device prefix while we evict for room
-        tree.inc_host_ref(node)  # and the chain, should a write-back eviction evict the host
+        device = None
         try:
             device = self.alloc_device(n)
         finally:
-            tree.dec_host_ref(node)
-            tree.dec_lock_ref(anchor)
+            if device is None:  # also when allocating raised
+                self.tree.cancel_load_back(node)
         if device is None:
             return None
-        tree.begin_load_back(node, _cpu(device))
+        self.tree.begin_load_back(node, _cpu(device))
         self.cache_controller.load(host, device, node)
         self.ongoing_load_back[node] = device
         self._stats["load_back_tokens"] += n
@@ -701,11 +700,13 @@ class HiRadixCache:
         :meth:`match_prefix`): returns the new device slots and the node the request
         should lock. If nothing is loaded, returns no slots and the deepest device node
         above ``last_node``. Runtime: ``O(tokens)``."""
-        if host_hit_length > 0 and self.tree.is_evicted(last_node):
-            loaded = self.load_back(last_node, mem_quota)
-            if loaded is not None:
-                return loaded, last_node
-        return _EMPTY, self._device_ancestor(last_node)
+        # One tree call decides; with no host hit it only finds the anchor (quota 0).
+        quota = mem_quota if host_hit_length > 0 else 0
+        plan = self.tree.plan_load_back(last_node, self.load_back_threshold, quota)
+        loaded = self._load_planned(last_node, plan.host_indices)
+        if loaded is not None:
+            return loaded, last_node
+        return _EMPTY, plan.anchor
 
     def ready_to_load_host_cache(self) -> int:
         """Submit the loads queued since the last call as one layer-wise load; returns the
@@ -721,10 +722,7 @@ class HiRadixCache:
         for ack, ok in self.cache_controller.ack_loads():
             if not ok:
                 self._stats["load_retries"] += 1
-                batch = ack.batch
-                self.cache_controller.load_engine.load(
-                    self.host_pool, self.device_pool, batch.host_indices, batch.device_indices
-                ).wait()
+                self.cache_controller.load_again(ack)
             for op in ack.ops:
                 self.ongoing_load_back.pop(op.node)
                 self.tree.finish_load_back(op.node)

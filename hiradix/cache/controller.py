@@ -581,6 +581,18 @@ class HiCacheController:
             self.layer_done_counter.retire(ack.handle)
         return acks
 
+    def load_again(self, ack: TransferAck) -> None:
+        """Copy the loads of ``ack`` (a failed one from :meth:`ack_loads`) again from their
+        host copy, which a failed load leaves intact, into every pool, and wait for them:
+        the caller unlocks their device slots next. Raises
+        :class:`~hiradix.memory.copy.CopyError` if a copy fails again. ``O(tokens)``."""
+        batch = ack.batch
+        dev, host = batch.device_indices, batch.host_indices
+        handles = [self.load_engine.load(h, d, host, dev) for d, h in self._companions]
+        handles.append(self.load_engine.load(self.host_pool, self.device_pool, host, dev))
+        for handle in handles:
+            handle.wait()
+
     # ------------------------------------------------------------------ common
     def _ack(self, q: _Queue, wait_all: bool, kind: str) -> list[tuple[TransferAck, bool]]:
         if wait_all:

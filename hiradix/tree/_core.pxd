@@ -134,6 +134,9 @@ cdef class HiRadixTree:
     cdef int64_t changes_n        # rows recorded since the last take_changes
     cdef int64_t changes_cap      # rows allocated
 
+    # nodes (handles) holding a load-back plan (plan_load_back), each owning one lock there
+    cdef set _plans
+
     # namespaces
     cdef dict _namespaces         # extra_key -> root arena index
     cdef uint8_t* seeds           # DIGEST bytes per namespace (0: the default root's)

@@ -278,6 +278,7 @@ cdef class HiRadixTree:
         _grow_table(self)
         _reserve_scratch(self, 64)
         self._namespaces = {}
+        self._plans = set()
 
     def __dealloc__(self):
         # The only place memory is freed; grow helpers only ever grow.
@@ -353,6 +354,7 @@ cdef class HiRadixTree:
         self.buf_len = 0
         self.buf_garbage = 0
         self._namespaces = {}
+        self._plans.clear()
         self.ns_n = 1
         self._sieve_hand[0] = 0
         self._sieve_hand[1] = 0
@@ -802,21 +804,52 @@ cdef class HiRadixTree:
     def evicted_host_indices(self, node):
         """Host indices of the evicted chain that ends at ``node`` (parents first)."""
         cdef node_t i = _node(self, node)
-        cdef node_t top = i
-        while not self.nodes[top].on_device:
-            top = self.nodes[top].parent
-        return _gather(self, top, i, True)
+        cdef int64_t n
+        return _gather(self, _device_anchor(self, i, &n), i, True)
+
+    def plan_load_back(self, node, min_tokens=0, max_tokens=None):
+        """Decide whether to load the evicted chain that ends at ``node`` (``n > 0``
+        tokens, ``min_tokens <= n <= max_tokens``) and, if so, hold the plan with a lock
+        of its own on ``node``; see the twin. ``O(depth + tokens)``."""
+        cdef node_t i = _node(self, node)
+        cdef int64_t lo = _as_int64(min_tokens, "min_tokens")
+        cdef bint capped = max_tokens is not None
+        cdef int64_t hi = _as_int64(max_tokens, "max_tokens") if capped else 0
+        cdef int64_t h = _handle(&self.nodes[i], i)
+        if h in self._plans:
+            raise LockError(
+                f"plan_load_back: node {node} holds a load-back plan already "
+                "(begin_load_back or cancel_load_back ends it)")
+        cdef int64_t n
+        cdef node_t a = _device_anchor(self, i, &n)
+        cdef LoadBackPlan r = LoadBackPlan.__new__(LoadBackPlan)
+        r.anchor = _handle(&self.nodes[a], a)
+        if n == 0 or n < lo or (capped and n > hi):
+            r.host_indices = _empty(0, cnp.NPY_INT64)
+            return r
+        self._plans.add(h)
+        _lock(self, i, 1)
+        r.host_indices = _gather(self, a, i, True)
+        return r
+
+    def cancel_load_back(self, node):
+        """Release the plan :meth:`plan_load_back` holds for ``node``; ``LockError`` if it
+        holds none. ``O(depth)``."""
+        cdef node_t i = _node(self, node)
+        cdef int64_t h = _handle(&self.nodes[i], i)
+        if h not in self._plans:
+            raise LockError(f"cancel_load_back: node {node} holds no load-back plan")
+        self._plans.remove(h)
+        _lock(self, i, -1)
 
     def begin_load_back(self, node, device_indices):
         """Give the evicted chain ending at ``node`` device slots and lock it while the
-        copy is in flight; returns the tokens loaded. ``O(depth + tokens)``."""
+        copy is in flight (a plan held for ``node`` ends: its lock becomes the copy's);
+        returns the tokens loaded. ``O(depth + tokens)``."""
         cdef node_t i = _node(self, node)
         cdef cnp.ndarray devs = _as_indices(device_indices, "device_indices")
-        cdef node_t top = i
-        cdef int64_t total = 0, off = 0
-        while not self.nodes[top].on_device:
-            total += self.nodes[top].key_len
-            top = self.nodes[top].parent
+        cdef int64_t total, off = 0
+        cdef node_t top = _device_anchor(self, i, &total)
         if top == i:
             raise ValueError(f"begin_load_back: node {node} is not evicted")
         if cnp.PyArray_SIZE(devs) != total:
@@ -844,7 +877,11 @@ cdef class HiRadixTree:
         if self._track:
             _reverse_changes(self, start)
         self.nodes[i].io_owner = 1
-        _lock(self, i, 1)
+        cdef int64_t h = _handle(&self.nodes[i], i)
+        if self._plans and h in self._plans:
+            self._plans.remove(h)   # the plan's lock is the copy's now
+        else:
+            _lock(self, i, 1)
         return total
 
     def finish_load_back(self, node):
@@ -1110,6 +1147,7 @@ cdef class HiRadixTree:
             "creation_time": n.creation_time,
             "io_status": IO_NAMES[n.io_status],
             "io_owner": bool(n.io_owner),
+            "load_back_planned": _handle(n, i) in self._plans,
             "num_children": n.num_children,
         }
 

@@ -22,6 +22,8 @@ cdef int _check_invariants(HiRadixTree self) except -1:
         live += 1
         kids = dev_kids = 0
         owned = n.own_locks + n.io_owner
+        if self._plans and _handle(n, i) in self._plans:
+            owned += 1    # a held load-back plan's lock
         owner_below = False
         c = n.first_child
         while c != NO_NODE:
@@ -119,4 +121,7 @@ cdef int _check_invariants(HiRadixTree self) except -1:
     if live != self.nodes_allocated - self.nodes_freed:
         raise AssertionError(
             f"{live} live nodes, but {self.nodes_allocated} allocated - {self.nodes_freed} freed")
+    for h in self._plans:
+        if not self.is_alive(h):
+            raise AssertionError(f"load-back plan held for node {h}, which is not alive")
     return 0

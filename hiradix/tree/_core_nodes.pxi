@@ -173,6 +173,17 @@ cdef int64_t _lock(HiRadixTree self, node_t i, int sign) noexcept nogil:
     return delta
 
 
+cdef node_t _device_anchor(HiRadixTree self, node_t i, int64_t* evicted) noexcept nogil:
+    # The deepest node at or above ``i`` on the device (a root is); ``evicted`` gets the
+    # tokens of the evicted chain between them.
+    cdef int64_t total = 0
+    while not self.nodes[i].on_device:
+        total += self.nodes[i].key_len
+        i = self.nodes[i].parent
+    evicted[0] = total
+    return i
+
+
 cdef object _gather(HiRadixTree self, node_t top_exclusive, node_t bottom, bint host):
     # Concatenated spans of the nodes strictly below ``top_exclusive`` down to
     # ``bottom``, filled from the end so no reversal is needed.

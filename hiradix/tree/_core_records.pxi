@@ -97,3 +97,18 @@ cdef class EvictHostResult:
 
     def __repr__(self):
         return _record_repr(self, ("num_evicted", "host_indices"))
+
+
+@cython.final
+@cython.freelist(16)
+cdef class LoadBackPlan:
+    """See :class:`hiradix.tree._results.LoadBackPlan`."""
+
+    cdef readonly int64_t anchor
+    cdef readonly object host_indices
+
+    def __init__(self, *args, **kwargs):
+        _refuse_init(self)
+
+    def __repr__(self):
+        return _record_repr(self, ("anchor", "host_indices"))

@@ -29,7 +29,9 @@ Errors (the same types from both implementations; a refused call changes nothing
 Locks are owned: ``inc_lock_ref(node)`` adds a lock *of node's own* (and protects its
 ancestors), and ``dec_lock_ref`` must name a node that holds one. A transfer's lock is
 owned by the node the transfer was begun on and is released only by its commit or
-finish. So a release can never take a lock that a copy in flight still relies on.
+finish; a held load-back plan's lock (``plan_load_back``) only by ``begin_load_back``,
+which makes it the copy's, or ``cancel_load_back``. So a release can never take a lock
+that a copy in flight, or one about to start, still relies on.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from hiradix.tree._results import (
     InsertHostResult,
     InsertResult,
     IOStatus,
+    LoadBackPlan,
     LockError,
     MatchResult,
 )
@@ -322,6 +325,7 @@ class HiRadixTree:
         self._root.host_ref_counter = 0
         self._root.last_access_time = 0.0
         self._namespaces = {}
+        self._plans.clear()
         self._sieve_hand = [0, 0]
         self._evictable = self._protected = self._host_size = 0
         if self._changes is not None:
@@ -338,6 +342,8 @@ class HiRadixTree:
         self._namespaces = {}
         self._dev_set: SortedList = SortedList()
         self._host_set: SortedList = SortedList()
+        # Nodes holding a load-back plan (plan_load_back), each owning one lock.
+        self._plans: set[int] = set()
         self._evictable = 0
         self._protected = 0
         self._host_size = 0
@@ -1181,31 +1187,83 @@ class HiRadixTree:
         Runtime complexity: ``O(sum of depths)``."""
         return [self.commit_backup(node, ok) for node in nodes]
 
-    def evicted_host_indices(self, node: int) -> IndexArray:
-        """Host indices of the evicted chain that ends at ``node`` (parents first): what
-        :meth:`begin_load_back` will make device-resident. ``O(depth + tokens)``."""
-        walk = self._node(node)
-        parts: list[IndexArray] = []
-        while walk.value is None:
-            assert walk.host_value is not None
-            parts.append(walk.host_value)
-            walk = walk.parent  # type: ignore[assignment]
-        return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
-
-    def begin_load_back(self, node: int, device_indices: Any) -> int:
-        """Give the evicted chain ending at ``node`` the device slots ``device_indices``
-        (one per token of :meth:`evicted_host_indices`) and lock it while the host to
-        device copy is in flight. Returns the number of tokens loaded.
-
-        ``ValueError`` if the node is not evicted (a root never is) or the length is not
-        the chain's. Runtime complexity: ``O(depth + tokens)``."""
-        target = self._node(node)
-        devs = as_indices(device_indices, "device_indices")
+    def _evicted_chain(self, target: _Node) -> tuple[list[_Node], _Node]:
+        """The evicted chain that ends at ``target`` (bottom first; empty if ``target``
+        is on the device) and the node above it: the deepest one on the device."""
         chain = []
         walk = target
         while walk.value is None:
             chain.append(walk)
             walk = walk.parent  # type: ignore[assignment]
+        return chain, walk
+
+    @staticmethod
+    def _host_indices_of(chain: list[_Node]) -> IndexArray:
+        """The host slots of an evicted ``chain`` (bottom first), parents first."""
+        parts: list[IndexArray] = []
+        for member in reversed(chain):
+            assert member.host_value is not None  # evicted nodes are backed up
+            parts.append(member.host_value)
+        return np.concatenate(parts) if parts else _EMPTY.copy()
+
+    def evicted_host_indices(self, node: int) -> IndexArray:
+        """Host indices of the evicted chain that ends at ``node`` (parents first): what
+        :meth:`begin_load_back` will make device-resident. ``O(depth + tokens)``."""
+        chain, _ = self._evicted_chain(self._node(node))
+        return self._host_indices_of(chain)
+
+    def plan_load_back(self, node: int, min_tokens: int = 0, max_tokens: int | None = None) -> LoadBackPlan:
+        """Decide, in one call, whether to load the evicted chain that ends at ``node``: it
+        is loaded if it has ``n > 0`` tokens, ``n >= min_tokens`` and, unless
+        ``max_tokens`` is ``None``, ``n <= max_tokens``. Returns a :class:`LoadBackPlan`:
+        the device anchor above the chain, and the chain's host slots if it is loaded.
+
+        A plan with slots is held until :meth:`begin_load_back` of ``node`` (whose lock
+        it becomes) or :meth:`cancel_load_back`: a lock owned by the plan, on ``node``,
+        keeps the anchor and its ancestors on the device and the chain on the host, so
+        that the caller may evict to find the device slots. Like a transfer's lock,
+        ``dec_lock_ref`` cannot release it. A plan without slots changes nothing.
+
+        ``KeyError``/``TypeError`` for a bad handle, ``TypeError``/``OverflowError`` for
+        a bound that is not an int64, :class:`LockError` if ``node`` holds a plan already.
+        Runtime complexity: ``O(depth + tokens)``."""
+        target = self._node(node)
+        lo = as_int64(min_tokens, "min_tokens")
+        hi = None if max_tokens is None else as_int64(max_tokens, "max_tokens")
+        if target.handle in self._plans:
+            raise LockError(
+                f"plan_load_back: node {node} holds a load-back plan already "
+                "(begin_load_back or cancel_load_back ends it)"
+            )
+        chain, anchor = self._evicted_chain(target)
+        n = sum(len(m.key) for m in chain)
+        if n == 0 or n < lo or (hi is not None and n > hi):
+            return LoadBackPlan(anchor.handle, _EMPTY.copy())
+        self._plans.add(target.handle)
+        self._lock(target, 1)
+        return LoadBackPlan(anchor.handle, self._host_indices_of(chain))
+
+    def cancel_load_back(self, node: int) -> None:
+        """Release the plan :meth:`plan_load_back` holds for ``node``, loading nothing (the
+        device slots could not be had); :class:`LockError` if it holds none.
+        Runtime complexity: ``O(depth)``."""
+        target = self._node(node)
+        if target.handle not in self._plans:
+            raise LockError(f"cancel_load_back: node {node} holds no load-back plan")
+        self._plans.remove(target.handle)
+        self._lock(target, -1)
+
+    def begin_load_back(self, node: int, device_indices: Any) -> int:
+        """Give the evicted chain ending at ``node`` the device slots ``device_indices``
+        (one per token of :meth:`evicted_host_indices`) and lock it while the host to
+        device copy is in flight. Returns the number of tokens loaded. A plan that
+        :meth:`plan_load_back` holds for ``node`` ends here: its lock becomes the copy's.
+
+        ``ValueError`` if the node is not evicted (a root never is) or the length is not
+        the chain's. Runtime complexity: ``O(depth + tokens)``."""
+        target = self._node(node)
+        devs = as_indices(device_indices, "device_indices")
+        chain, _ = self._evicted_chain(target)
         total = sum(len(n.key) for n in chain)
         if not chain:
             raise ValueError(f"begin_load_back: node {node} is not evicted")
@@ -1224,7 +1282,10 @@ class HiRadixTree:
             if self._changes is not None:
                 self._record(Change.LOADED, member, -1, len(member.key))
         target.io_owner = True
-        self._lock(target, 1)
+        if target.handle in self._plans:
+            self._plans.remove(target.handle)  # the plan's lock is the transfer's now
+        else:
+            self._lock(target, 1)
         return total
 
     def finish_load_back(self, node: int) -> None:
@@ -1418,6 +1479,7 @@ class HiRadixTree:
             "creation_time": n.creation_time,
             "io_status": _IO_NAMES[n.io_status],
             "io_owner": n.io_owner,
+            "load_back_planned": n.handle in self._plans,
             "num_children": len(n.children),
         }
 
@@ -1489,7 +1551,8 @@ class HiRadixTree:
             # Every lock is owned by one node (a request's or a transfer's), so lock_ref
             # is exactly the locks owned here and below; a release of a lock not owned
             # would break this sum.
-            owned = node.own_locks + node.io_owner + sum(c.lock_ref for c in node.children.values())
+            planned = node.handle in self._plans
+            owned = node.own_locks + node.io_owner + planned + sum(c.lock_ref for c in node.children.values())
             if node.own_locks < 0 or node.lock_ref != owned:
                 fail(f"lock_ref differs from the locks owned at and below the node ({owned})")
             if self.enable_hash:
@@ -1526,3 +1589,6 @@ class HiRadixTree:
             raise AssertionError(f"host victim set differs from recount: {set(self._host_set) ^ host_expected}")
         if live != self.nodes_allocated - self.nodes_freed:
             raise AssertionError(f"{live} live nodes, but {self.nodes_allocated} allocated - {self.nodes_freed} freed")
+        for h in self._plans:
+            if not self.is_alive(h):
+                raise AssertionError(f"load-back plan held for node {h}, which is not alive")

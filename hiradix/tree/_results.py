@@ -128,3 +128,20 @@ class EvictHostResult:
 
     num_evicted: int
     host_indices: IndexArray
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBackPlan:
+    """What ``plan_load_back`` decided for the evicted chain that ends at a node.
+
+    ``anchor`` is the deepest node at or above that node whose KV is on the device (a
+    root counts): what a request locks if nothing is loaded. ``host_indices`` are the
+    chain's host slots, parents first, if it is to be loaded, and empty if not (nothing
+    evicted, fewer tokens than the threshold, more than the quota). A plan with slots is
+    *held*: a lock it owns on the node keeps ``anchor`` on the device and the chain on the
+    host while the caller finds device slots (evicting), until ``begin_load_back`` of the
+    node (whose lock it becomes) or ``cancel_load_back``.
+    """
+
+    anchor: int
+    host_indices: IndexArray

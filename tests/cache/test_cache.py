@@ -512,6 +512,90 @@ def test_load_back_threshold_and_quota() -> None:
         cache.check_invariants()
 
 
+class _CountingTree:
+    """The cache's tree, counting the calls made through it by name."""
+
+    def __init__(self, tree: Any) -> None:
+        self._tree = tree
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._tree, name)
+        if callable(attr):
+            self.calls.append(name)
+        return attr
+
+
+def _evicted_prompt(cache: HiRadixCache, n: int) -> tuple[np.ndarray, Any]:
+    """A prompt of ``n`` tokens computed, backed up and evicted to host; with its match."""
+    p = np.arange(n)
+    compute(cache, p)
+    cache.flush()
+    cache.evict(n)
+    m = cache.match_prefix(p)
+    assert m.host_hit_length == n
+    return p, m
+
+
+def test_load_back_asks_the_tree_twice() -> None:
+    """The tree plans (and protects the chain), the cache allocates, the tree begins: two
+    calls on the load path, one where nothing is loaded."""
+    with make_cache() as cache:
+        _p, m = _evicted_prompt(cache, 32)
+        counting = _CountingTree(cache.tree)
+        cache.tree = counting
+        loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+        assert len(loaded) == 32 and node == m.last_node
+        assert counting.calls == ["plan_load_back", "begin_load_back"]
+        counting.calls.clear()
+        loaded, node = cache.init_load_back(m.last_node, 0)  # no host hit: the anchor
+        assert len(loaded) == 0 and node == m.last_node
+        assert counting.calls == ["plan_load_back"]
+        cache.tree = counting._tree
+        cache.flush()
+        cache.check_invariants()
+
+
+def test_a_load_back_without_device_room_gives_the_plan_back() -> None:
+    """Every device slot held by a request: the allocation fails, the chain is not
+    loaded, and the protection the plan took while evicting is released."""
+    with make_cache(device_tokens=64) as cache:
+        _p, m = _evicted_prompt(cache, 32)
+        other = np.arange(1000, 1064)
+        slots = cache.alloc_device(64)
+        assert slots is not None
+        cache.insert(other, slots)
+        held = cache.match_prefix(other).last_device_node
+        cache.inc_lock_ref(held)  # nothing evictable is left
+        protected = cache.protected_size()
+        loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+        assert len(loaded) == 0 and node == cache.tree.root
+        assert cache.protected_size() == protected
+        assert not cache.tree.node_info(m.last_node)["load_back_planned"]
+        assert cache.tree.lock_ref(m.last_node) == 0
+        cache.check_invariants()
+        cache.dec_lock_ref(held)
+        cache.flush()  # its backup landed: evictable now
+        loaded, node = cache.init_load_back(m.last_node, m.host_hit_length)
+        assert len(loaded) == 32 and node == m.last_node
+        cache.flush()
+        cache.check_invariants()
+
+
+def test_a_load_back_whose_allocation_raises_gives_the_plan_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    with make_cache() as cache:
+        _p, m = _evicted_prompt(cache, 32)
+
+        def broken(n: int) -> None:
+            raise RuntimeError("allocator failed")
+
+        monkeypatch.setattr(cache, "alloc_device", broken)
+        with pytest.raises(RuntimeError, match="allocator failed"):
+            cache.init_load_back(m.last_node, m.host_hit_length)
+        assert cache.tree.lock_ref(m.last_node) == 0 and cache.protected_size() == 0
+        cache.check_invariants()
+
+
 def test_unfinished_request_moves_its_lock() -> None:
     with make_cache() as cache:
         p = np.arange(40)
@@ -578,6 +662,30 @@ def test_companion_pools_follow_every_backup_and_load() -> None:
         ctrl.start_loading()
         ((_, ok),) = ctrl.ack_loads(wait_all=True)
         assert ok and mismatches(dev, slots, seeds) == 0 and mismatches(draft, slots, seeds) == 0
+    finally:
+        ctrl.close()
+
+
+def test_a_load_copied_again_refills_every_pool() -> None:
+    """``load_again`` (the retry of a failed load) copies the batch from the host again into
+    the companion pools as well as the main one, and returns once it has landed."""
+    ctrl, dev, draft = _companion_setup()
+    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
+    seeds = prefix_seeds(np.arange(100, 112))
+    try:
+        for pool in (dev, draft):
+            fill(pool, slots, seeds)
+        ctrl.write(slots, host_slots)
+        ctrl.start_writing()
+        ctrl.ack_writes(wait_all=True)
+        ctrl.load(host_slots, slots)
+        ctrl.start_loading()
+        ((ack, ok),) = ctrl.ack_loads(wait_all=True)
+        assert ok
+        for pool in (dev, draft):
+            scribble(pool, slots)  # as a failed load may leave them
+        ctrl.load_again(ack)
+        assert mismatches(dev, slots, seeds) == 0 and mismatches(draft, slots, seeds) == 0
     finally:
         ctrl.close()
 

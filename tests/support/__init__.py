@@ -274,6 +274,7 @@ RESULT_FIELDS: dict[str, tuple[str, ...]] = {
         _results.InsertHostResult,
         _results.EvictResult,
         _results.EvictHostResult,
+        _results.LoadBackPlan,
     )
 }
 

@@ -127,6 +127,8 @@ HANDLE_CALLS: dict[str, tuple[Any, ...]] = {
     "evicted_host_indices": (),
     "begin_load_back": ([],),
     "finish_load_back": (),
+    "plan_load_back": (),
+    "cancel_load_back": (),
     "is_alive": (),
     "parent": (),
     "children": (),
@@ -150,7 +152,7 @@ HANDLE_CALLS: dict[str, tuple[Any, ...]] = {
 }
 ACCESSORS = [name for name, extra in HANDLE_CALLS.items() if not extra and name not in (
     "inc_lock_ref", "dec_lock_ref", "inc_host_ref", "dec_host_ref", "demote", "drop",
-    "commit_backup", "finish_load_back",
+    "commit_backup", "finish_load_back", "plan_load_back", "cancel_load_back",
 )]  # fmt: skip
 NOT_INTEGERS = [1.5, np.float64(2.0), None, "1", b"1"]
 NO_SUCH_NODE = [-1, -(2**63), 2**63, 2**64, 12345 << 32, (1 << 32) | 1]
@@ -211,7 +213,7 @@ class ParityMachine(RuleBasedStateMachine):
         self.core, self.ref = make_pair(**kwargs)
         self.core.track_changes = self.ref.track_changes = True
         self.dev = Allocator(0)
-        self.host = Allocator(1 << 40)
+        self.host = Allocator(1 << 30)  # apart from the device slots, inside int32 (the span buffers)
         self.forget()
 
     def state(self, tree: Any) -> Any:
@@ -229,6 +231,7 @@ class ParityMachine(RuleBasedStateMachine):
         self.to_backup: deque[int] = deque()  # reported backup_nodes, parents first
         self.pending: deque[int] = deque()  # begun backups, in begin order
         self.loading: list[int] = []
+        self.plans: list[int] = []  # nodes holding a load-back plan
         self.to_demote: list[int] = []
         self.used_ns: set[str] = set()
         self.known: Any = None  # the trees' state after the last step, while unchanged
@@ -494,6 +497,25 @@ class ParityMachine(RuleBasedStateMachine):
         assert done, "commit_backups of backups in flight was refused"
 
     # -- load back
+    @rule(data=st.data(), ns=namespaces)
+    def demote_a_backed_up_insert(self, data: st.DataObject, ns: str | None) -> None:
+        """Insert, back up what the insert reports and evict it all: an evicted chain to
+        load back (random steps alone rarely make one)."""
+        key = data.draw(keys(self.page_size), label="key")
+        ok, res = self.both("insert", key, self.dev(len(key)), ns)
+        self.use_ns(ns)
+        if not ok:
+            return
+        self.remember(res.last_node)
+        for h in res.backup_nodes:
+            if not self.begin_backup(h):
+                break
+            self.pending.pop()
+            self.both("commit_backup", h, True)
+        self.both("evict", self.ref.evictable_size())
+        if data.draw(st.booleans(), label="plan its load-back?"):
+            self.plan(res.last_node, 0, None)
+
     @rule(data=st.data())
     def begin_load_back(self, data: st.DataObject) -> None:
         h = self.draw_valid(data, lambda t, h: t.value(h) is None)
@@ -503,6 +525,8 @@ class ParityMachine(RuleBasedStateMachine):
         ok, _ = self.both("begin_load_back", h, self.dev(len(hosts)))
         if ok:
             self.loading.append(h)
+            if h in self.plans:  # its plan ended: the plan's lock is the copy's
+                self.plans.remove(h)
 
     @precondition(lambda self: self.loading)
     @rule(data=st.data())
@@ -511,12 +535,45 @@ class ParityMachine(RuleBasedStateMachine):
         ok, _ = self.both("finish_load_back", h)
         assert ok, "finish_load_back of a load in flight was refused"
 
-    @precondition(lambda self: self.pending or self.loading)
+    @rule(
+        data=st.data(),
+        lo=st.sampled_from([0, 0, 1, 2, 5]),
+        hi=st.sampled_from([None, None, None, -1, 0, 1, 3, 6]),
+    )
+    def plan_load_back(self, data: st.DataObject, lo: int, hi: int | None) -> None:
+        """A scheduler's load-back decision, ``lo``/``hi`` pages for the threshold and the
+        quota: the same plan from both, held (its lock) only if it names host slots."""
+        h = self.draw_valid(data, lambda t, h: t.value(h) is None)
+        self.plan(h, lo * self.page_size, None if hi is None else hi * self.page_size)
+
+    def plan(self, h: int, lo: int, hi: int | None) -> None:
+        ok, plan = self.both("plan_load_back", h, lo, hi)
+        if ok and len(plan.host_indices):
+            self.plans.append(h)
+
+    @precondition(lambda self: self.plans)
+    @rule(data=st.data(), go=st.booleans())
+    def end_a_plan(self, data: st.DataObject, go: bool) -> None:
+        """Device slots found (``begin_load_back``, whose lock the plan's becomes) or not
+        (``cancel_load_back``). A begin is refused, the plan kept, where the chain left
+        the host meanwhile (an insert refilled it, or a load below took it)."""
+        h = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1)))
+        if go:
+            ok, hosts = self.both("evicted_host_indices", h)
+            assert ok, "a node holding a plan is alive"
+            ok, _ = self.both("begin_load_back", h, self.dev(len(hosts)))
+            if ok:
+                self.loading.append(h)
+                return
+        ok, _ = self.both("cancel_load_back", h)
+        assert ok, "cancel_load_back of a held plan was refused"
+
+    @precondition(lambda self: self.pending or self.loading or self.plans)
     @rule(data=st.data())
     def split_a_node_in_flight(self, data: st.DataObject) -> None:
-        """Match into the middle of a node whose copy is in flight: the prefix split off
-        joins the transfer, which only the original handle may finish."""
-        h = data.draw(st.sampled_from(list(self.pending) + self.loading), label="node")
+        """Match into the middle of a node whose copy is in flight (or is planned): the
+        prefix split off joins the transfer, which only the original handle may finish."""
+        h = data.draw(st.sampled_from(list(self.pending) + self.loading + self.plans), label="node")
         n = self.key_len(h)
         if not self.ref.is_alive(h) or n < 2 * self.page_size:
             return
@@ -595,7 +652,10 @@ def _bad_handle(m: ParityMachine, data: st.DataObject) -> Call:
 
 def _bad_count(m: ParityMachine, data: st.DataObject) -> Call:
     value, error = data.draw(st.sampled_from(BAD_COUNTS), label="count")
-    return error, data.draw(st.sampled_from(["evict", "evict_host"])), (value,), {}
+    name = data.draw(st.sampled_from(["evict", "evict_host", "plan_load_back"]), label="method")
+    if name == "plan_load_back":  # min_tokens (None is a valid max_tokens), of a live node
+        return error, name, (data.draw(st.sampled_from(m.live()), label="node"), value), {}
+    return error, name, (value,), {}
 
 
 def _bad_priority(m: ParityMachine, data: st.DataObject) -> Call:
@@ -674,6 +734,8 @@ MISUSES: dict[str, Callable[[ParityMachine, st.DataObject], Call | None]] = {
     "finish_load_back not in flight (twice, never, split-off part)": _lock_misuse(
         "finish_load_back", lambda i: i["io_status"] != "loading" or not i["io_owner"]
     ),
+    "plan_load_back of a node holding a plan": _lock_misuse("plan_load_back", lambda i: i["load_back_planned"]),
+    "cancel_load_back without a plan": _lock_misuse("cancel_load_back", lambda i: not i["load_back_planned"]),
     "begin_backup while in flight": _lock_misuse("begin_backup", lambda i: i["io_status"] == "writing", []),
     "demote a locked node": _lock_misuse(
         "demote", lambda i: i["lock_ref"] > 0 and not i["evicted"] and i["backuped"] and i["num_children"] == 0

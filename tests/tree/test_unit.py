@@ -975,6 +975,175 @@ def test_a_split_during_load_back_finishes_the_whole_group(tree_cls):
     assert info(tree, top)["io_status"] == "idle" and tree.protected_size() == 0
 
 
+# ----------------------------------------------------------------------------- load-back plans
+def test_a_plan_names_the_chain_and_its_device_anchor(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    plan = tree.plan_load_back(node_c)
+    assert plan.anchor == node_a
+    assert plan.host_indices.dtype == np.int64
+    assert plan.host_indices.tolist() == tree.evicted_host_indices(node_c).tolist()
+    assert info(tree, node_c)["load_back_planned"] and not info(tree, node_b)["load_back_planned"]
+    tree.check_invariants()
+    tree.cancel_load_back(node_c)
+    tree.check_invariants()
+
+
+def test_a_plan_without_slots_changes_nothing(tree_cls):
+    tree = tree_cls(1)
+    node_a, _node_b, node_c = build_worked_example(tree)
+    before = whole_state(tree)
+    for node, lo, hi, anchor in (
+        (node_c, 193, None, node_a),  # below the threshold: 192 tokens
+        (node_c, 0, 191, node_a),  # beyond the quota
+        (node_c, 0, 0, node_a),  # quota 0: the anchor alone
+        (node_c, 0, -5, node_a),  # a quota already spent
+        (node_a, 0, None, node_a),  # on the device: its own anchor
+        (tree.root, 0, None, tree.root),
+    ):
+        plan = tree.plan_load_back(node, lo, hi)
+        assert plan.anchor == anchor and plan.host_indices.tolist() == [], (node, lo, hi)
+        assert whole_state(tree) == before
+    with pytest.raises(LockError, match="cancel_load_back: node"):
+        tree.cancel_load_back(node_c)
+
+
+def test_the_threshold_and_quota_are_inclusive(tree_cls):
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    assert len(tree.plan_load_back(node_c, 192, 192).host_indices) == 192
+    tree.cancel_load_back(node_c)
+
+
+def test_a_held_plan_keeps_the_anchor_on_the_device_and_the_chain_on_the_host(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    tree.plan_load_back(node_c)
+    assert tree.protected_size() == len(A) and tree.evictable_size() == 0
+    assert tree.evict(10_000).num_evicted == 0
+    assert tree.evict_host(10_000).num_evicted == 0
+    assert tree.value(node_a) is not None and tree.host_value(node_b) is not None
+    tree.cancel_load_back(node_c)
+    assert tree.protected_size() == 0 and tree.evictable_size() == len(A)
+    assert tree.evict_host(10_000).num_evicted == len(B) + len(C)
+
+
+def test_only_begin_or_cancel_releases_a_plan(tree_cls):
+    """The plan's lock is its own: dec_lock_ref cannot take it, as with a transfer's."""
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    tree.plan_load_back(node_c)
+    with pytest.raises(LockError, match="dec_lock_ref on node"):
+        tree.dec_lock_ref(node_c)
+    with pytest.raises(LockError, match="dec_lock_refs on node"):
+        tree.dec_lock_refs([node_c])
+    with pytest.raises(LockError, match="plan_load_back: node"):
+        tree.plan_load_back(node_c)
+    tree.check_invariants()
+    tree.cancel_load_back(node_c)
+    with pytest.raises(LockError, match="cancel_load_back: node"):
+        tree.cancel_load_back(node_c)
+
+
+def test_begin_load_back_takes_over_the_plans_lock(tree_cls):
+    tree = tree_cls(1)
+    node_a, _node_b, node_c = build_worked_example(tree)
+    plan = tree.plan_load_back(node_c)
+    assert tree.begin_load_back(node_c, idx(9000, len(plan.host_indices))) == 192
+    assert info(tree, node_c)["lock_ref"] == 1 and info(tree, node_a)["lock_ref"] == 1
+    assert not info(tree, node_c)["load_back_planned"]
+    tree.check_invariants()
+    with pytest.raises(LockError, match="cancel_load_back: node"):
+        tree.cancel_load_back(node_c)
+    tree.finish_load_back(node_c)
+    assert tree.protected_size() == 0 and tree.evictable_size() == len(A) + 192
+    tree.check_invariants()
+
+
+def test_a_refused_begin_keeps_the_plan(tree_cls):
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    tree.plan_load_back(node_c)
+    with pytest.raises(ValueError):
+        tree.begin_load_back(node_c, idx(0, 191))
+    assert info(tree, node_c)["load_back_planned"] and info(tree, node_c)["lock_ref"] == 1
+    tree.cancel_load_back(node_c)
+    assert info(tree, node_c)["lock_ref"] == 0
+
+
+def test_a_plan_survives_a_split_of_its_chain(tree_cls):
+    """A match into the planned chain splits it; the plan's handle is the lower part, and
+    begin_load_back loads the whole chain, the new node included."""
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    plan = tree.plan_load_back(node_c)
+    tree.match_prefix(A + B[:5] + [-1])
+    top = tree.parent(node_b)
+    assert top != node_a and tree.parent(top) == node_a
+    tree.check_invariants()
+    assert tree.evicted_host_indices(node_c).tolist() == plan.host_indices.tolist()
+    tree.begin_load_back(node_c, idx(9000, 192))
+    assert tree.value(top).tolist() == idx(9000, 5).tolist()
+    tree.finish_load_back(node_c)
+    assert tree.protected_size() == 0
+    tree.check_invariants()
+
+
+def test_plans_on_two_nodes_under_one_anchor(tree_cls):
+    tree = tree_cls(1)
+    node_a, node_b, node_c = build_worked_example(tree)
+    assert tree.plan_load_back(node_b).anchor == tree.plan_load_back(node_c).anchor == node_a
+    assert info(tree, node_b)["lock_ref"] == 2 and info(tree, node_a)["lock_ref"] == 2
+    tree.begin_load_back(node_b, idx(9000, len(B)))  # loads node_b: node_c's chain shrinks
+    tree.check_invariants()
+    assert tree.plan_load_back(node_a).host_indices.tolist() == []
+    tree.cancel_load_back(node_c)
+    tree.finish_load_back(node_b)
+    assert tree.protected_size() == 0
+    tree.check_invariants()
+
+
+def test_reset_drops_the_plans(tree_cls):
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    tree.plan_load_back(node_c)
+    tree.reset()
+    tree.check_invariants()
+    _, _, node_c = build_worked_example(tree)
+    assert len(tree.plan_load_back(node_c).host_indices) == 192  # not "held already"
+    tree.cancel_load_back(node_c)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((1.5,), TypeError),
+        (("1",), TypeError),
+        ((None,), TypeError),
+        ((0, 2.0), TypeError),
+        ((2**63,), OverflowError),
+        ((0, -(2**63) - 1), OverflowError),
+    ],
+)
+def test_plan_load_back_refuses_bad_bounds(tree_cls, args, error):
+    tree = tree_cls(1)
+    _, _, node_c = build_worked_example(tree)
+    before = whole_state(tree)
+    with pytest.raises(error):
+        tree.plan_load_back(node_c, *args)
+    assert whole_state(tree) == before
+
+
+@pytest.mark.parametrize("method", ["plan_load_back", "cancel_load_back"])
+def test_plan_calls_refuse_bad_handles(tree_cls, method):
+    tree = tree_cls(1)
+    node = tree.insert([1, 2], idx(0, 2)).last_node
+    tree.evict(2)  # not backed up: deleted, its handle stale
+    for handle, error in ((node, KeyError), (-1, KeyError), (12345 << 32, KeyError), (1.0, TypeError)):
+        with pytest.raises(error):
+            getattr(tree, method)(handle)
+
+
 # ----------------------------------------------------------------------------- namespaces
 def test_identical_tokens_in_different_namespaces_never_share_a_node(tree_cls):
     tree = tree_cls(1)
