@@ -15,7 +15,9 @@ cache on the peer L3, with the same two-server checks.
 from __future__ import annotations
 
 import json
+import threading
 import time
+import urllib.request
 
 from tests.e2e.server import free_port, only_on
 from tests.e2e.workload import other_suffixes, serve_all, shared_prefixes, tier_hits
@@ -45,7 +47,7 @@ def _dynamic(class_name: str, **settings: object) -> tuple[str, ...]:
     return ("--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra))
 
 
-def _peer(rpc_port: int, seeds: list[str]) -> tuple[str, ...]:
+def _peer(rpc_port: int, seeds: list[str], **more: object) -> tuple[str, ...]:
     return _dynamic(
         "PeerStorage",
         rpc_port=rpc_port,
@@ -56,6 +58,7 @@ def _peer(rpc_port: int, seeds: list[str]) -> tuple[str, ...]:
         rpc_timeout_s=2.0,
         read_timeout_s=2.0,
         join_timeout_s=60.0,
+        **more,
     )
 
 
@@ -83,6 +86,51 @@ def test_peer_l3_one_server_computes_another_reuses_then_its_peer_dies(servers, 
     assert b.alive()
     # Misses cost B at most its peer timeouts, never a hang (each request is bounded too).
     assert time.monotonic() - start < 120
+
+
+# What inject/sitecustomize.py prints as each held READ starts (PEER_READ_HELD there).
+PEER_READ_HELD = "hiradix e2e fault: peer read held"
+
+
+def _peer_reads(metrics_port: int) -> tuple[float, float]:
+    """A peer node's pages asked for and pages found, from its own metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found = {}
+    for name in ("hiradix_peer_read_requests_total", "hiradix_peer_read_hits_total"):
+        found[name] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+    return found["hiradix_peer_read_requests_total"], found["hiradix_peer_read_hits_total"]
+
+
+def test_peer_killed_mid_read_costs_a_recompute_never_a_wrong_answer(servers, judge) -> None:
+    """B reads A's pages; A holds every READ it serves (the fault says when one starts) and
+    is killed with ``kill -9`` while B's READ is in flight. B's fetch fails, the request
+    recomputes, its outputs are exact, B stays up, and B's peer metrics count pages asked
+    for and not found."""
+    only_on(("0.5.18", "0.5.23"), "the peer L3's read path is hiradix's own, the same under every version")
+    port_a, metrics_b = free_port(), free_port()
+    held = {**TOKEN, "HIRADIX_E2E_SLOW_PEER_READ_S": "60"}
+    a = servers.start((*BASE, *_peer(port_a, [])), name="peer-a-held", env=held)
+    assert "hiradix e2e fault: every peer READ served held" in a.log_text(), "the held-read fault is not in place"
+    b = servers.start(
+        (*BASE, *_peer(0, [f"127.0.0.1:{port_a}"], metrics_enabled=True, metrics_port=metrics_b)),
+        name="peer-b",
+        env=TOKEN,
+    )
+    w = shared_prefixes(seed=12, n_requests=8)
+    judge(a, w.prompts, serve_all(a, w.prompts, w.max_new_tokens), w.max_new_tokens)
+    a.flush_cache()  # A's pages are in the peer L3
+    answers: list[dict] = []
+    reader = threading.Thread(target=lambda: answers.extend(serve_all(b, w.prompts, w.max_new_tokens)), daemon=True)
+    reader.start()
+    a.wait_log(PEER_READ_HELD, 1, timeout=120)  # B's READ of A's pages is in flight
+    a.kill9()
+    reader.join(timeout=300)
+    assert not reader.is_alive(), "B never answered after its peer died mid-read"
+    judge(b, w.prompts, answers, w.max_new_tokens)
+    assert b.alive(), b.log_tail()
+    asked, found = _peer_reads(metrics_b)
+    assert asked > found, f"B's peer metrics show no failed fetch: {asked} pages asked for, {found} found"
 
 
 def test_memory_l3_in_one_server_serves_what_its_host_pool_evicted(servers, judge) -> None:

@@ -18,6 +18,10 @@ in place, and the tests assert that line and the fault's effect.
     the control: hiradix's layer-done counter is not registered with SGLang's KV pool
     (``hiradix.sglang.cache.register_layer_wait`` does nothing), what hiradix did before the
     fix. With slowed loads its outputs must be wrong, or the load-back tests prove nothing.
+``HIRADIX_E2E_SLOW_PEER_READ_S``
+    each remote READ this server's peer node serves over TCP (the transport's own test
+    seam, ``responder_hook``) stalls that many seconds, its pages pinned, after saying so
+    (``PEER_READ_HELD``): a test kills the server while another one reads from it.
 ``HIRADIX_E2E_NAIVE_PAGED_ALLOC=1``
     page sizes above 1 on the CPU: SGLang 0.5.18's and 0.5.20's paged allocator launches two
     Triton kernels (``alloc_extend_kernel``, ``alloc_decode_kernel``), which have no CPU
@@ -135,3 +139,28 @@ if os.environ.get("HIRADIX_E2E_NAIVE_PAGED_ALLOC") == "1":
     _paged.alloc_extend_kernel = _Launch(_extend)
     _paged.alloc_decode_kernel = _Launch(_decode)
     print("hiradix e2e harness: SGLang's paged allocator on its naive CPU path", file=sys.stderr, flush=True)
+
+
+_PEER_DELAY = float(os.environ.get("HIRADIX_E2E_SLOW_PEER_READ_S", "0") or 0)
+PEER_READ_HELD = "hiradix e2e fault: peer read held"  # printed as each held READ starts
+
+if _PEER_DELAY > 0:
+    import threading as _threading
+    from typing import Any as _Any
+
+    from hiradix.transport import tcp as _tcp
+
+    _peer_never = _threading.Event()  # never set: a bounded stall of _PEER_DELAY seconds
+
+    def _held_read(rkeys: _Any) -> None:
+        print(f"{PEER_READ_HELD}: {len(rkeys)} pages", file=sys.stderr, flush=True)
+        _peer_never.wait(_PEER_DELAY)
+
+    _tcp_init = _tcp.TcpTransport.__init__
+
+    def _tcp_init_with_held_reads(self: _Any, *args: _Any, **kwargs: _Any) -> None:
+        _tcp_init(self, *args, **kwargs)
+        self.responder_hook = _held_read  # the transport's test seam (Transport.responder_hook)
+
+    _tcp.TcpTransport.__init__ = _tcp_init_with_held_reads  # type: ignore[method-assign]
+    print(f"hiradix e2e fault: every peer READ served held {_PEER_DELAY} s", file=sys.stderr, flush=True)
