@@ -12,7 +12,11 @@ Python method it stands in front of. Both give the same ``MatchResult`` for ever
 (``tests/sglang/test_match_compiled.py``).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.match_prefix` itself: with
-``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is installed and the method serves.
+``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is made and the method serves.
+
+:class:`CompiledMethod` is how a cache's calls reach its matcher (and its inserter,
+:mod:`hiradix.sglang._insert`): the class attribute in place of the Python method, which
+hands an instance's compiled callable straight to the caller, with no Python frame between.
 """
 
 from cpython.array cimport array
@@ -27,6 +31,11 @@ from hiradix.tree._core cimport HiRadixTree
 cdef extern from "Python.h":
     ctypedef struct TypeObject "PyTypeObject":
         PyObject* (*tp_alloc)(TypeObject*, Py_ssize_t)
+
+cdef extern from "Python.h":
+    object PyObject_GenericGetDict(object obj, void* context)
+    PyObject* PyDict_GetItem(object d, object key)  # borrowed; NULL when missing
+    object PyMethod_New(object func, object obj)
 
 cdef extern from "structmember.h":
     ctypedef struct PyMemberDef:
@@ -46,6 +55,42 @@ def applies_to(tree):
     """Whether a cache on ``tree`` can take a :class:`Matcher`: the compiled tree only
     (the twin serves under ``HIRADIX_PUREPYTHON``, where no matcher is built either)."""
     return isinstance(tree, HiRadixTree)
+
+
+cdef class CompiledMethod:
+    """A method an instance may serve with a compiled callable of its own:
+    ``name = CompiledMethod(function, attr)`` in a class body, for ``def name`` itself.
+    Read on an instance whose ``__dict__`` holds a callable (not ``None``) under ``attr``,
+    the method is that callable, so a call such as ``cache.match_prefix(params)`` goes
+    straight to C; on any other instance it is ``function`` bound to it, and on the class
+    ``function`` itself (the Python method, the compiled one's twin). A subclass's own
+    method of the same name shadows it, as any method's. ``O(1)`` a lookup: one read of
+    the instance's ``__dict__``, as Python's lookup of an instance attribute."""
+
+    cdef readonly object __func__
+    cdef readonly str attr
+
+    def __init__(self, function, str attr):
+        if not callable(function):
+            raise TypeError(f"CompiledMethod: {function!r} is not callable")
+        self.__func__ = function
+        self.attr = attr
+
+    @property
+    def __wrapped__(self):
+        return self.__func__
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    def __get__(self, obj, objtype):
+        if obj is None:
+            return self.__func__
+        cdef PyObject* compiled = PyDict_GetItem(PyObject_GenericGetDict(obj, NULL), self.attr)
+        if compiled != NULL and compiled != <PyObject*>None:
+            return <object>compiled
+        return PyMethod_New(self.__func__, obj)
 
 
 cdef inline void _put(object tup, Py_ssize_t i, object item):

@@ -4,7 +4,8 @@ A thin layer over :class:`hiradix.cache.HiRadixCache` (the "core"): it translate
 SGLang's parameter and result types, requests and node objects, and nothing else. Its parts:
 :mod:`hiradix.sglang.builder` builds the core from SGLang's params and server args (every
 refusal included, :mod:`hiradix.sglang.options`); :class:`HiRadixCacheBase` here translates
-SGLang's calls, with :class:`~hiradix.sglang.paths.TreePaths` (keys, namespaces, nodes) and
+SGLang's calls, with :class:`~hiradix.sglang.paths.TreePaths` (keys, namespaces, nodes),
+:class:`~hiradix.sglang.tiers.TierCalls` (eviction, backup, load back) and
 :class:`~hiradix.sglang.l3_calls.L3Calls` (storage); one module per SGLang generation adds
 its request API (:mod:`hiradix.sglang.api`). The core runs on SGLang's own objects:
 
@@ -22,34 +23,15 @@ its request API (:mod:`hiradix.sglang.api`). The core runs on SGLang's own objec
   ``AllBlocksCleared`` events with SGLang's block ids (:mod:`hiradix.sglang.events`);
 - a speculative decoding draft's KV pools (0.5.18's ``set_draft_kv_pool``; 0.5.20's and
   0.5.23's ``CacheInitParams.mtp_draft_device_pools``) are moved with the target's KV at
-  the same slots on every backup and load (:meth:`SGLangCacheController.add_draft`);
+  the same slots on every backup and load (:meth:`~hiradix.sglang.controller.SGLangCacheController.add_draft`);
 - with ``is_eagle`` keys are EAGLE bigrams, as SGLang's: bigram ``i`` of a key is
   ``(t[i], t[i+1])``, so ``n + 1`` tokens make ``n`` bigrams and ``n`` device slots. The
   tree stores bigram ``i`` as its second token ``t[i+1]`` in a namespace of the key's first
   token: two keys share ``k`` bigrams exactly when they share ``t[0]`` and ``t[1..k]``, so
   prefix lengths, splits, pages and device slots are SGLang's, on the tree's int32 tokens.
 
-L3 page format (``"l3_format"`` in ``--hicache-storage-backend-extra-config``):
-
-``"hiradix"`` (default)
-    Namespaced keys: every hash chain is seeded from the model (``--served-model-name``),
-    ``--weight-version``, KV dtype, page byte layout, KV shape and TP/PP/CP shape, and a
-    request's ``extra_key`` / ``cache_salt`` seed its own chain on top, so no other
-    model's, version's or tenant's pages are ever served; MHA ranks under TP add
-    ``_r{rank}``. Pages are hiradix's byte order (zero copy for page-first layouts).
-``"sglang"``
-    SGLang 0.5.18's keys and pages exactly: the token-only ``get_hash_str`` chain in every
-    namespace (as SGLang, requests with other ``extra_key`` / ``cache_salt`` share L3
-    pages of equal tokens, though never tree nodes), ``HiCacheFile``'s model and rank
-    suffix (:func:`~hiradix.storage.keys.sglang_key_suffix`) and SGLang's flat host page
-    for the layout, so this node and stock SGLang nodes of the same model, layout and
-    parallel shape read each other's pages from one L3 (stock SGLang loads hiradix's
-    backends through :mod:`hiradix.sglang.storage`).
-
-Backup copies on CPU pools (``"backup_copy"`` in the extra config): ``"inline"`` (default)
-copies a step's backups on the scheduler thread when they start, as SGLang does;
-``"thread"`` hands them to a copy thread, which only pays off for a lot of KV per step.
-Refused for GPU pools, whose copies run on a CUDA stream.
+L3 page formats (``l3_format``) and CPU backup copies (``backup_copy``) in
+``--hicache-storage-backend-extra-config``: :mod:`hiradix.sglang.options`.
 
 Options this adapter does not support are refused at start-up with the option named
 (:mod:`hiradix.sglang.options`), never silently ignored.
@@ -59,10 +41,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -70,8 +51,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
     DecLockRefResult,
-    EvictParams,
-    EvictResult,
     IncLockRefResult,
     InsertParams,
     InsertResult,
@@ -86,13 +65,27 @@ from hiradix.sglang.metrics import MetricsReporter
 from hiradix.sglang.nodes import TreeNode
 from hiradix.sglang.options import parse_extra_config
 from hiradix.sglang.paths import EMPTY_SLOTS, head, key_tokens
-from hiradix.tree import NO_NODE
+from hiradix.sglang.tiers import TierCalls
 
-__all__ = ["HiRadixCacheBase", "namedtuple_tail", "parse_extra_config"]
+__all__ = ["HiRadixCacheBase", "compiled_first", "namedtuple_tail", "parse_extra_config"]
 
 logger = logging.getLogger(__name__)
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_F = TypeVar("_F", bound=Callable[..., Any])
+_DISPATCH = load("hiradix.sglang._match")  # CompiledMethod's module; None without the build
+
+
+def compiled_first(attr: str) -> Callable[[_F], _F]:
+    """Decorate a method that an instance may serve with a compiled callable it keeps
+    under ``attr`` (``None``: the method serves): the scheduler's calls then reach C with
+    no Python frame between (:class:`hiradix.sglang._match.CompiledMethod`). Without the
+    compiled modules the method is left as it is. On the class, the method is the Python
+    one, the compiled one's twin."""
+
+    def decorate(method: _F) -> _F:
+        return method if _DISPATCH is None else cast(_F, _DISPATCH.CompiledMethod(method, attr))
+
+    return decorate
 
 
 def namedtuple_tail(cls: type, head: tuple[str, ...]) -> tuple[Any, ...] | None:
@@ -110,7 +103,7 @@ def namedtuple_tail(cls: type, head: tuple[str, ...]) -> tuple[Any, ...] | None:
     return tuple(defaults[f] for f in fields[len(head) :])
 
 
-class HiRadixCacheBase(L3Calls, BasePrefixCache):
+class HiRadixCacheBase(TierCalls, L3Calls, BasePrefixCache):
     """SGLang's ``HiRadixCache``, on hiradix's compiled tree and tiers: everything but the
     request API, which changed between SGLang releases. The class to build is
     :data:`hiradix.sglang.HiRadixCache`, this base's subclass for the installed SGLang
@@ -126,7 +119,7 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
     ``sglang:NAME``, see :mod:`hiradix.sglang.foreign`; or ``dynamic``) with
     ``--hicache-storage-backend-extra-config`` (JSON or ``@file``; ``prefetch_threshold``,
     ``prefetch_timeout_*``, ``hicache_storage_pass_prefix_keys``, and hiradix's
-    ``l3_format``: the module docstring), ``--hicache-storage-prefetch-policy`` and
+    ``l3_format``: :mod:`hiradix.sglang.options`), ``--hicache-storage-prefetch-policy`` and
     ``--radix-eviction-policy``.
 
     Single-threaded, like the scheduler that calls it.
@@ -142,8 +135,7 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
         if built.backend is not None:
             self._attach(built.backend, built.extra, built.prefetch)
         self._init_kv_events(params)
-        self._install_matcher()
-        self._install_inserter()
+        self._install_compiled()
         atexit.register(self.shutdown)
 
     def _read_params(self, params: Any) -> None:
@@ -199,7 +191,7 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
         # (bench/RESULTS_memory.md). Evict's device indices go into a reused buffer (made
         # at the first evict, grown to the largest eviction), whose faults an evict-all of
         # a million tokens would otherwise take every time (3-40 ms, against 2 ms to evict).
-        device_slots = self.core.device_pool.size
+        device_slots = built.controller.device_pool.size
         self.tree.reserve_tokens(device_slots, evict_tokens=device_slots)
         self.cache_controller = built.controller
         self.root_handle = int(self.tree.root)
@@ -221,40 +213,39 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
 
             self._events = KVEventLog(self, params)
 
-    def _install_matcher(self) -> None:
-        """Put the compiled ``match_prefix`` (:mod:`hiradix.sglang._match`) in front of the
-        method, on this instance, where it applies: built (not ``HIRADIX_PUREPYTHON``), no
-        EAGLE bigrams, the subclass keeps this class's method, and the installed SGLang's
-        ``MatchResult`` is as :meth:`_compiled_match_spec` expects. It serves plain keys
-        and hands every other to the method; the results are the same."""
-        compiled = load("hiradix.sglang._match")
-        spec = self._compiled_match_spec()
-        if compiled is None or spec is None or self.is_eagle or not compiled.applies_to(self.tree):
-            return
-        if type(self).match_prefix is not HiRadixCacheBase.match_prefix:
-            return  # a subclass's own match_prefix is the one to call
-        wrap, result, tail = spec
-        # An instance attribute, looked up before the class's method (which mypy does not
-        # let one assign to): the scheduler's call then goes straight to C.
-        self.__dict__["match_prefix"] = compiled.Matcher(
-            self, HiRadixCacheBase.match_prefix, TreeNode, wrap, result, tail
-        )
-
-    def _install_inserter(self) -> None:
-        """Put the compiled ``insert`` (:mod:`hiradix.sglang._insert`) in front of the
-        method, on this instance, where it applies: built (not ``HIRADIX_PUREPYTHON``), no
-        EAGLE bigrams, and the subclass keeps this class's method. It serves the
-        scheduler's calls (plain tokens, CPU slots, no KV events) and hands every other to
-        the method; the cache ends in the same state either way."""
+    def _install_compiled(self) -> None:
+        """Make the compiled ``match_prefix`` (:mod:`hiradix.sglang._match`) and ``insert``
+        (:mod:`hiradix.sglang._insert`) of this cache where they apply: built (not
+        ``HIRADIX_PUREPYTHON``), no EAGLE bigrams, the subclass keeps this class's method
+        and, for the matcher, the installed SGLang's ``MatchResult`` is as
+        :meth:`_compiled_match_spec` expects. The class's methods hand calls to them
+        (:func:`compiled_first`); they serve the scheduler's calls (plain keys, CPU slots,
+        no KV events) and hand every other to the Python method, with the same results."""
+        self._compiled_match: Any = None
+        self._compiled_insert: Any = None
         self._inserter: Any = None  # also serves 0.5.23's checkpoint (api_v23.py)
-        compiled = load("hiradix.sglang._insert")
-        if compiled is None or self.is_eagle or not compiled.applies_to(self.tree):
-            return
-        if type(self).insert is not HiRadixCacheBase.insert:
-            return  # a subclass's own insert is the one to call
-        self._inserter = self.__dict__["insert"] = compiled.Inserter(
-            self, HiRadixCacheBase.insert, InsertResult, torch.Tensor, torch.int64, torch.int32
-        )
+        cls = type(self)  # a subclass's own method, where it has one, is the one to call
+        match = load("hiradix.sglang._match")
+        spec = self._compiled_match_spec()
+        if (
+            match is not None
+            and spec is not None
+            and not self.is_eagle
+            and match.applies_to(self.tree)
+            and cls.match_prefix is HiRadixCacheBase.match_prefix
+        ):
+            wrap, result, tail = spec
+            self._compiled_match = match.Matcher(self, HiRadixCacheBase.match_prefix, TreeNode, wrap, result, tail)
+        insert = load("hiradix.sglang._insert")
+        if (
+            insert is not None
+            and not self.is_eagle
+            and insert.applies_to(self.tree)
+            and cls.insert is HiRadixCacheBase.insert
+        ):
+            self._inserter = self._compiled_insert = insert.Inserter(
+                self, HiRadixCacheBase.insert, InsertResult, torch.Tensor, torch.int64, torch.int32
+            )
 
     def _compiled_match_spec(self) -> tuple[Callable[[np.ndarray], Any], type, tuple[Any, ...]] | None:
         """``(wrap, MatchResult, tail)`` for the compiled matcher: the result's first field
@@ -262,35 +253,6 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
         after the first five (:func:`namedtuple_tail`); ``None`` where only the Python
         method may serve. The subclass for the installed SGLang knows which."""
         return None
-
-    # SGLang's scheduler reads these to tell whether the cache is idle (before a flush or
-    # a storage attach / detach): the core's in-flight operations.
-    @property
-    def ongoing_write_through(self) -> dict[int, Any]:
-        return self.core.ongoing_write_through
-
-    @property
-    def ongoing_load_back(self) -> dict[int, Any]:
-        return self.core.ongoing_load_back
-
-    @property
-    def ongoing_prefetch(self) -> dict[Any, Any]:
-        return self.core.storage.ongoing_prefetch
-
-    @property
-    def ongoing_backup(self) -> list[Any]:
-        return self.core.storage.ongoing_backup
-
-    # ------------------------------------------------------------------ sizes
-    def evictable_size(self) -> int:
-        return int(self.tree.evictable_size())
-
-    def protected_size(self) -> int:
-        return int(self.tree.protected_size())
-
-    def total_size(self) -> int:
-        """Tokens cached on the device. ``O(1)``."""
-        return int(self.tree.device_size())
 
     # ------------------------------------------------------------------ match / insert
     def _empty(self, root: int) -> MatchResult:
@@ -304,6 +266,7 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
         releases): the subclass for the installed SGLang builds it."""
         raise NotImplementedError
 
+    @compiled_first("_compiled_match")
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached page-aligned prefix of ``params.key`` (its ``limit``
         honoured, its namespace kept apart). ``last_host_node`` / ``best_match_node``
@@ -325,12 +288,13 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
         node = TreeNode(self, last)  # views are immutable: one serves both when they agree
         return self._match_result(m.device_indices, node, node if host == last else TreeNode(self, host), hit)
 
+    @compiled_first("_compiled_insert")
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with device slots ``params.value``; the backups the write
         policy asks for start (at the step, batched). Returns the length that was already
         cached (its slots are the caller's to free), in slots (bigrams with ``is_eagle``).
-        The scheduler's calls are served in C (:mod:`hiradix.sglang._insert`, installed
-        on the instance), every other by this method, with the same effect. ``O(len(key))``."""
+        The scheduler's calls are served in C (:mod:`hiradix.sglang._insert`, the
+        cache's own: :func:`compiled_first`), every other by this method, with the same effect. ``O(len(key))``."""
         if self.disable:
             return InsertResult(prefix_len=0)
         key = params.key
@@ -377,75 +341,6 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
             return DecLockRefResult(delta=0)
         return DecLockRefResult(delta=int(self.tree.dec_lock_ref(self._handle(node))))
 
-    # ------------------------------------------------------------------ eviction
-    def evict(self, params: EvictParams) -> EvictResult:
-        """Free at least ``params.num_tokens`` device tokens if possible (demote backed-up
-        leaves, drop the rest; write-back backs up first). ``O(k log n)``."""
-        if self.disable or params.num_tokens <= 0:
-            return EvictResult()
-        start = time.perf_counter()
-        freed = self.core.evict(int(params.num_tokens))
-        self._sync_events()
-        if self.metrics is not None:
-            self.update_eviction_metrics(freed, start)
-            self.metrics.note_evicted(freed)
-        return EvictResult(num_tokens_evicted=freed)
-
-    def write_backup(self, node: Any, write_back: bool = False) -> int:
-        """SGLang 0.5.18's ``HiRadixCache.write_backup``: start copying a device node's KV
-        to host (evicting host KV for room once if needed) and return the tokens whose copy
-        started; 0 when the node's parent is neither backed up nor being backed up (no gap
-        in the backed-up chain), the node is on host already or in flight, or the host has
-        no room. The copy completes, and the node counts as backed up, at a later
-        ``writing_check`` / ``check_hicache_events``. ``write_back`` is accepted for
-        SGLang's signature; unlike SGLang, hiradix keeps the parent rule under it too
-        (its write-back evictions back a chain up parents first). ``O(tokens)``."""
-        if self.disable:
-            return 0
-        started = self.core.write_backup(self._handle(node))
-        self._sync_events()
-        return started
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host-only tokens if possible. ``O(k log n)``."""
-        freed = self.core.evict_host(num_tokens)
-        self._sync_events()
-        return freed
-
-    # ------------------------------------------------------------------ load back
-    def ready_to_load_host_cache(self) -> int:
-        """Start the queued loads as one layer-wise load; the layer-done counter's slot
-        index for the batch (``-1``: nothing to load)."""
-        return self.core.ready_to_load_host_cache()
-
-    def is_load_back_event_done(self, consumer_index: int) -> bool:
-        if consumer_index < 0:
-            return True
-        if not self.cache_controller.layer_done_counter.events[consumer_index].finish_event.query():
-            return False
-        self.core.loading_check()
-        return True
-
-    def loading_check(self) -> None:
-        self.core.loading_check()
-        self._report_transfers()
-
-    def writing_check(self, write_back: bool = False) -> None:
-        self.core.writing_check(write_back=write_back)
-        self._sync_events()
-        self._report_transfers()
-
-    def check_hicache_events(self) -> None:
-        self.core.check_hicache_events()
-        self._sync_events()
-        self._report_transfers()
-
-    def _report_transfers(self) -> None:
-        """With ``--enable-metrics``, what the cache did since the last report, in
-        SGLang's own metrics (:mod:`hiradix.sglang.metrics`). ``O(acks)``."""
-        if self.metrics is not None:
-            self.metrics.report(self.core)
-
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         """Empty the tree and both pools (the scheduler's flush): waits for copies first.
@@ -472,38 +367,6 @@ class HiRadixCacheBase(L3Calls, BasePrefixCache):
 
     def release_host_resources(self) -> None:
         """Nothing to unpin by hand: the host pool is released with the cache."""
-
-    # ------------------------------------------------------------------ introspection
-    def all_values_flatten(self) -> torch.Tensor:
-        """Every device slot the tree holds, depth first. ``O(n)``."""
-        out: list[np.ndarray] = []
-        stack = [self.root_handle, *self._namespaces.values()]
-        while stack:
-            h = stack.pop()
-            v = self.tree.value(h)
-            if v is not None and self.tree.parent(h) != NO_NODE:
-                out.append(v)
-            stack.extend(self.tree.children(h))
-        if not out:
-            return _EMPTY.to(self.device)
-        return torch.from_numpy(np.concatenate(out)).to(self.device)
-
-    def pretty_print(self) -> None:
-        """Print the tree, one node per line (tokens, device/host state, lock count)."""
-        tree = self.tree
-
-        def walk(h: int, depth: int) -> None:
-            key = tree.key(h)[:10].tolist()
-            print(
-                " " * depth + f"{tree.key_len(h)} {key} evicted={tree.is_evicted(h)} "
-                f"backuped={tree.is_backed_up(h)} lock_ref={tree.lock_ref(h)}"
-            )
-            for c in self.tree.children(h):
-                walk(c, depth + 2)
-
-        for root in (self.root_handle, *self._namespaces.values()):
-            walk(root, 0)
-        print(f"#tokens: {self.total_size()}")
 
     # ------------------------------------------------------------------ KV events
     @property

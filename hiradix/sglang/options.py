@@ -5,6 +5,28 @@ How a generation of SGLang's server hands its options over is a :class:`Server`:
 0.5.18 (:data:`SERVER_V18`) and 0.5.20 on (:data:`SERVER_SINCE_020`: the options read
 resolved, more of them to refuse, L3 prefetches with keyword arguments). The request-API
 module of each generation names its own (:mod:`hiradix.sglang.api`).
+
+L3 page format (``"l3_format"`` in ``--hicache-storage-backend-extra-config``):
+
+``"hiradix"`` (default)
+    Namespaced keys: every hash chain is seeded from the model (``--served-model-name``),
+    ``--weight-version``, KV dtype, page byte layout, KV shape and TP/PP/CP shape, and a
+    request's ``extra_key`` / ``cache_salt`` seed its own chain on top, so no other
+    model's, version's or tenant's pages are ever served; MHA ranks under TP add
+    ``_r{rank}``. Pages are hiradix's byte order (zero copy for page-first layouts).
+``"sglang"``
+    SGLang 0.5.18's keys and pages exactly: the token-only ``get_hash_str`` chain in every
+    namespace (as SGLang, requests with other ``extra_key`` / ``cache_salt`` share L3
+    pages of equal tokens, though never tree nodes), ``HiCacheFile``'s model and rank
+    suffix (:func:`~hiradix.storage.keys.sglang_key_suffix`) and SGLang's flat host page
+    for the layout, so this node and stock SGLang nodes of the same model, layout and
+    parallel shape read each other's pages from one L3 (stock SGLang loads hiradix's
+    backends through :mod:`hiradix.sglang.storage`).
+
+Backup copies on CPU pools (``"backup_copy"`` in the extra config): ``"inline"`` (default)
+copies a step's backups on the scheduler thread when they start, as SGLang does;
+``"thread"`` hands them to a copy thread, which only pays off for a lot of KV per step.
+Refused for GPU pools, whose copies run on a CUDA stream.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class TreePaths:
     def _namespace(extra_key: str | None, cache_salt: str | None, first: int | None = None) -> str | None:
         """The tree namespace of a request: SGLang keeps entries with different
         ``extra_key`` or ``cache_salt`` disjoint, and so does this (one name for the pair).
-        Bigram keys add their first token (see the module docstring)."""
+        Bigram keys add their first token (the :mod:`hiradix.sglang.cache` docstring)."""
         if first is not None:
             return json.dumps([extra_key, cache_salt, first])
         if extra_key is None and cache_salt is None:
