@@ -57,42 +57,6 @@ def applies_to(tree):
     return isinstance(tree, HiRadixTree)
 
 
-cdef class CompiledMethod:
-    """A method an instance may serve with a compiled callable of its own:
-    ``name = CompiledMethod(function, attr)`` in a class body, for ``def name`` itself.
-    Read on an instance whose ``__dict__`` holds a callable (not ``None``) under ``attr``,
-    the method is that callable, so a call such as ``cache.match_prefix(params)`` goes
-    straight to C; on any other instance it is ``function`` bound to it, and on the class
-    ``function`` itself (the Python method, the compiled one's twin). A subclass's own
-    method of the same name shadows it, as any method's. ``O(1)`` a lookup: one read of
-    the instance's ``__dict__``, as Python's lookup of an instance attribute."""
-
-    cdef readonly object __func__
-    cdef readonly str attr
-
-    def __init__(self, function, str attr):
-        if not callable(function):
-            raise TypeError(f"CompiledMethod: {function!r} is not callable")
-        self.__func__ = function
-        self.attr = attr
-
-    @property
-    def __wrapped__(self):
-        return self.__func__
-
-    @property
-    def __name__(self):
-        return self.__func__.__name__
-
-    def __get__(self, obj, objtype):
-        if obj is None:
-            return self.__func__
-        cdef PyObject* compiled = PyDict_GetItem(PyObject_GenericGetDict(obj, NULL), self.attr)
-        if compiled != NULL and compiled != <PyObject*>None:
-            return <object>compiled
-        return PyMethod_New(self.__func__, obj)
-
-
 cdef inline void _put(object tup, Py_ssize_t i, object item):
     Py_INCREF(item)  # PyTuple_SET_ITEM takes the reference over
     PyTuple_SET_ITEM(tup, i, item)
@@ -118,6 +82,54 @@ cdef inline void _set_field(PyObject* obj, Py_ssize_t offset, object value):
     # A __slots__ field of a new instance (NULL before) set as its descriptor would.
     Py_INCREF(value)
     (<PyObject**>(<char*>obj + offset))[0] = <PyObject*>value
+
+
+cdef class CompiledMethod:
+    """A method an instance may serve with a compiled callable of its own:
+    ``name = CompiledMethod(function, attr)`` in a class body, for ``def name`` itself.
+    Read on an instance whose field ``attr`` holds a callable (not ``None``), the method
+    is that callable, so a call such as ``cache.match_prefix(params)`` goes straight to C;
+    on any other instance it is ``function`` bound to it, and on the class ``function``
+    itself (the Python method, the compiled one's twin). A subclass's own method of the
+    same name shadows it, as any method's. ``O(1)`` a lookup: where ``attr`` is a
+    ``__slots__`` field of the instance's type (learnt from the first instance, again
+    whenever the type changes) one pointer read, as Python's lookup of an instance
+    attribute would make it; else a read of the instance's ``__dict__``."""
+
+    cdef readonly object __func__
+    cdef readonly str attr
+    cdef type owner  # the type whose instances the offset is for
+    cdef Py_ssize_t offset  # attr's slot in them (-1: read from the __dict__)
+
+    def __init__(self, function, str attr):
+        if not callable(function):
+            raise TypeError(f"CompiledMethod: {function!r} is not callable")
+        self.__func__ = function
+        self.attr = attr
+        self.owner = None
+
+    @property
+    def __wrapped__(self):
+        return self.__func__
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    def __get__(self, obj, objtype):
+        if obj is None:
+            return self.__func__
+        cdef PyObject* compiled
+        if type(obj) is not self.owner:
+            self.offset = _slot(type(obj), self.attr)
+            self.owner = type(obj)
+        if self.offset >= 0:
+            compiled = _field(obj, self.offset)
+        else:
+            compiled = PyDict_GetItem(PyObject_GenericGetDict(obj, NULL), self.attr)
+        if compiled != NULL and compiled != <PyObject*>None:
+            return <object>compiled
+        return PyMethod_New(self.__func__, obj)
 
 
 cdef class Matcher:

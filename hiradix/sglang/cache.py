@@ -125,6 +125,10 @@ class HiRadixCacheBase(TierCalls, L3Calls, BasePrefixCache):
     Single-threaded, like the scheduler that calls it.
     """
 
+    # The compiled match_prefix / insert of this cache (None: the Python method serves),
+    # fields at a fixed place, where the methods' CompiledMethod reads them on every call.
+    __slots__ = ("_compiled_insert", "_compiled_match")
+
     def __init__(self, params: Any, server_args: Any) -> None:
         self._read_params(params)
         built = build(params, server_args, self.server, self.eviction_policy)
