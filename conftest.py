@@ -53,12 +53,12 @@ def _sglang_supported() -> bool:
 # The stub answers every attribute (pytest would read its ``pytest_plugins``): never collected.
 # Of tests/sglang's two suites, the other generation's; hiradix.sglang's request API for the
 # other SGLang generation does not import here.
-# (api_v20 builds on api_v18, so it goes where api_v18 goes.)
+# (0.5.20's request API is 0.5.18's, cache_req.py, so it goes where api_v18 goes.)
 collect_ignore = (
     ["tests/stubs"]
     + ([] if _sglang_supported() else ["hiradix/sglang"])
     + (
-        ["tests/sglang/v18", "hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py"]
+        ["tests/sglang/v18", "hiradix/sglang/api_v18.py", "hiradix/sglang/api_v20.py", "hiradix/sglang/cache_req.py"]
         if unified_hicache()
         else ["tests/sglang/v23", "hiradix/sglang/api_v23.py"]
     )

@@ -2,7 +2,7 @@
 bytes it guarantees.
 
 hiradix's controller registers its layer-done counter with SGLang's KV pool
-(``register_layer_transfer_counter``, :class:`hiradix.sglang.cache.SGLangCacheController`),
+(``register_layer_transfer_counter``, :class:`hiradix.sglang.controller.SGLangCacheController`),
 so SGLang's attention, which reads layer ``i`` through the pool's ``get_key_buffer(i)`` /
 ``get_value_buffer(i)``, waits for that layer of the batch's load: on a GPU, the compute
 stream waits on the layer's CUDA event, recorded on the copy stream after its copy. Both
@@ -90,7 +90,7 @@ class Rig:
     registered with it: what ``hiradix.sglang`` builds inside a server."""
 
     kv: Any  # sglang.srt.mem_cache.memory_pool.MHATokenToKVPool
-    ctrl: Any  # hiradix.sglang.cache.SGLangCacheController
+    ctrl: Any  # hiradix.sglang.controller.SGLangCacheController
     engine: Any
     device: torch.device
 
@@ -142,7 +142,7 @@ def make_rig(mp: Any, device: str, tokens: int, host_tokens: int, path: str, del
     the copy stream at the highest priority), or ``thread`` (CPU). ``delay``: the
     per-layer slow-down, GPU cycles (CUDA) or seconds (CPU)."""
     from hiradix.memory import HostKVPool, ThreadCopyEngine
-    from hiradix.sglang.cache import SGLangCacheController
+    from hiradix.sglang.controller import SGLangCacheController
     from hiradix.sglang.pools import device_pool_from_sglang
 
     kv = mp.MHATokenToKVPool(

@@ -78,7 +78,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("HIRADIX_BATCH_BACKUPS", "flag", "1", "runtime",
            "Start the write-through backups of a scheduler step's inserts together, at the step's "
            "`check_hicache_events()`. `0`: start each insert's backups inside the insert, as SGLang does.",
-           "hiradix/sglang/cache.py"),
+           "hiradix/sglang/builder.py"),
     EnvVar("HIRADIX_HUGEPAGES", "flag", "1", "runtime",
            "Back CPU KV pools of 2 MiB or more with transparent huge pages (Linux). `0`: 4 KiB pages.",
            "hiradix/memory/pools.py"),

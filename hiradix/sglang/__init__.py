@@ -42,7 +42,7 @@ except UnsupportedSGLang as e:
 else:
     _UNSUPPORTED = None
     from hiradix.sglang.api import HiRadixCache
-    from hiradix.sglang.cache import SGLangCacheController
+    from hiradix.sglang.controller import SGLangCacheController
     from hiradix.sglang.nodes import TreeNode
     from hiradix.sglang.plugin import BACKEND_NAME, create_cache, register
 

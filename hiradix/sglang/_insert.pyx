@@ -21,7 +21,7 @@ drives both paths in lockstep).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.insert` itself (and the Python
 half of ``api_v23.HiRadixCache.checkpoint``): with ``HIRADIX_PUREPYTHON=1`` or no compiler,
-no inserter is installed and the methods serve.
+no inserter is made and the methods serve.
 """
 
 cimport numpy as cnp

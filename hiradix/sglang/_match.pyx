@@ -12,7 +12,11 @@ Python method it stands in front of. Both give the same ``MatchResult`` for ever
 (``tests/sglang/test_match_compiled.py``).
 
 Its twin is :meth:`hiradix.sglang.cache.HiRadixCacheBase.match_prefix` itself: with
-``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is installed and the method serves.
+``HIRADIX_PUREPYTHON=1`` or no compiler, no matcher is made and the method serves.
+
+:class:`CompiledMethod` is how a cache's calls reach its matcher (and its inserter,
+:mod:`hiradix.sglang._insert`): the class attribute in place of the Python method, which
+hands an instance's compiled callable straight to the caller, with no Python frame between.
 """
 
 from cpython.array cimport array
@@ -27,6 +31,11 @@ from hiradix.tree._core cimport HiRadixTree
 cdef extern from "Python.h":
     ctypedef struct TypeObject "PyTypeObject":
         PyObject* (*tp_alloc)(TypeObject*, Py_ssize_t)
+
+cdef extern from "Python.h":
+    object PyObject_GenericGetDict(object obj, void* context)
+    PyObject* PyDict_GetItem(object d, object key)  # borrowed; NULL when missing
+    object PyMethod_New(object func, object obj)
 
 cdef extern from "structmember.h":
     ctypedef struct PyMemberDef:
@@ -73,6 +82,54 @@ cdef inline void _set_field(PyObject* obj, Py_ssize_t offset, object value):
     # A __slots__ field of a new instance (NULL before) set as its descriptor would.
     Py_INCREF(value)
     (<PyObject**>(<char*>obj + offset))[0] = <PyObject*>value
+
+
+cdef class CompiledMethod:
+    """A method an instance may serve with a compiled callable of its own:
+    ``name = CompiledMethod(function, attr)`` in a class body, for ``def name`` itself.
+    Read on an instance whose field ``attr`` holds a callable (not ``None``), the method
+    is that callable, so a call such as ``cache.match_prefix(params)`` goes straight to C;
+    on any other instance it is ``function`` bound to it, and on the class ``function``
+    itself (the Python method, the compiled one's twin). A subclass's own method of the
+    same name shadows it, as any method's. ``O(1)`` a lookup: where ``attr`` is a
+    ``__slots__`` field of the instance's type (learnt from the first instance, again
+    whenever the type changes) one pointer read, as Python's lookup of an instance
+    attribute would make it; else a read of the instance's ``__dict__``."""
+
+    cdef readonly object __func__
+    cdef readonly str attr
+    cdef type owner  # the type whose instances the offset is for
+    cdef Py_ssize_t offset  # attr's slot in them (-1: read from the __dict__)
+
+    def __init__(self, function, str attr):
+        if not callable(function):
+            raise TypeError(f"CompiledMethod: {function!r} is not callable")
+        self.__func__ = function
+        self.attr = attr
+        self.owner = None
+
+    @property
+    def __wrapped__(self):
+        return self.__func__
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    def __get__(self, obj, objtype):
+        if obj is None:
+            return self.__func__
+        cdef PyObject* compiled
+        if type(obj) is not self.owner:
+            self.offset = _slot(type(obj), self.attr)
+            self.owner = type(obj)
+        if self.offset >= 0:
+            compiled = _field(obj, self.offset)
+        else:
+            compiled = PyDict_GetItem(PyObject_GenericGetDict(obj, NULL), self.attr)
+        if compiled != NULL and compiled != <PyObject*>None:
+            return <object>compiled
+        return PyMethod_New(self.__func__, obj)
 
 
 cdef class Matcher:

@@ -9,8 +9,14 @@ in its KV record ``req.kv`` (:mod:`hiradix.sglang.api_v20`); 0.5.23 calls ``chec
 SGLang's ``BasePrefixCache``: whether it declares ``checkpoint``, else whether it declares
 ``free_kv_row(kv, ranges)``, the base method that frees a request's row through that KV
 record and came with it. Which versions may load at all is
-:data:`~hiradix._sglang_versions.SUPPORTED_VERSIONS`. Everything else is
-:class:`~hiradix.sglang.cache.HiRadixCacheBase`, shared by all three.
+:data:`~hiradix._sglang_versions.SUPPORTED_VERSIONS`.
+
+Each generation's module is one class on :class:`~hiradix.sglang.cache.HiRadixCacheBase`
+(the translator, shared by all), composed of its server's options and refusals (an
+:class:`~hiradix.sglang.options.Server`) and its request calls (0.5.18's and 0.5.20's from
+:mod:`hiradix.sglang.cache_req`, each with its own
+:class:`~hiradix.sglang.cache_req.RequestRecord`); no version module imports another, so
+a new SGLang release is one more module here.
 """
 
 from __future__ import annotations

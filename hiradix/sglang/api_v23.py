@@ -17,13 +17,13 @@ differently from 0.5.18's:
   attempt ends with ``finish(handle, ABORT)`` -> :meth:`release_aborted_request`.
 
 Options added since 0.5.18 that this cache does not honour are refused at start-up, naming the
-option (:func:`check_supported_v23`).
+option (:data:`~hiradix.sglang.options.SERVER_SINCE_020`).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -40,87 +40,15 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hiradix.sglang.cache import HiRadixCacheBase, namedtuple_tail
 from hiradix.sglang.nodes import TreeNode
+from hiradix.sglang.options import SERVER_SINCE_020
 from hiradix.tree import NO_NODE
 
-__all__ = ["HiRadixCache", "ServerSince020", "check_supported_v23"]
+__all__ = ["HiRadixCache"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # SGLang's field order; the fields after these have defaults (namedtuple_tail).
 _HEAD = ("device_prefix_len", "last_device_node", "last_host_node", "best_match_node", "host_hit_length")
 _TAIL = namedtuple_tail(MatchResult, _HEAD)
-# SGLang's defaults for its L3 re-issue options; hiradix never re-issues (0 is the same).
-_RETRY_DEFAULT = 8
-
-
-def check_supported_v23(params: Any, server_args: Any) -> None:
-    """Refuse, naming the option, what SGLang 0.5.23 (and 0.5.20, whose options these are
-    too) can ask for and this cache does not do: each would otherwise be ignored without
-    a word."""
-
-    def refuse(option: str, why: str) -> None:
-        raise ValueError(f"hiradix.sglang: {option} is not supported: {why}")
-
-    if getattr(params, "eviction_policy_config", None):
-        refuse("--radix-eviction-policy-config", "hiradix's eviction policies take no tuning parameters")
-    if getattr(params, "tree_core_backend", None) is not None:
-        refuse(f"tree core backend {params.tree_core_backend!r}", "hiradix's tree is its own compiled core")
-    # mtp_draft_device_pools (MTP / NextN draft layers) follow the target's KV
-    # (HiRadixCacheBase). A sidecar draft (a separate draft model) SGLang registers after
-    # building the cache, and only with its own UnifiedRadixCache (kv_cache_builder's
-    # maybe_register_hicache_draft raises NotImplementedError for any other cache).
-    if getattr(params, "sidecar_draft_device_pools", ()):
-        refuse(
-            "speculative decoding with a separate (sidecar) draft model's KV pool",
-            "sidecar_draft_device_pools is set, and SGLang registers a sidecar draft pool with its own "
-            "UnifiedRadixCache only (MTP / NextN drafts, mtp_draft_device_pools, are supported)",
-        )
-    if getattr(params, "mtp_draft_mamba_pools", ()):
-        refuse("MTP draft Mamba state pools", "mtp_draft_mamba_pools is set; hiradix caches no Mamba/SSM state")
-    mode = getattr(server_args, "hicache_host_memory_mode", "cache")
-    if mode != "cache":
-        refuse(f"--hicache-host-memory-mode {mode!r}", "hiradix's host pool is a cache tier ('cache')")
-    for option in ("hicache_storage_prefetch_retry_poll_interval", "hicache_storage_prefetch_retry_max_attempts"):
-        value = getattr(server_args, option, _RETRY_DEFAULT)
-        if value not in (0, _RETRY_DEFAULT):
-            refuse(
-                f"--{option.replace('_', '-')} {value}",
-                "hiradix never re-issues an L3 lookup (SGLang's default and 0 are accepted)",
-            )
-    if (
-        getattr(server_args, "hicache_ratio", None) is None
-        and not getattr(server_args, "hicache_size", 0)
-        and getattr(server_args, "hicache_host_memory_fraction", None) is not None
-    ):
-        refuse("--hicache-host-memory-fraction", "hiradix sizes its host pool from --hicache-ratio or --hicache-size")
-    if getattr(server_args, "disaggregation_mode", "null") == "decode" and getattr(
-        server_args, "disaggregation_decode_enable_radix_cache", False
-    ):
-        # 0.5.23's decode-side HiCache reads the cache's ``tree_core`` (UnifiedRadixCache's)
-        refuse(
-            "--disaggregation-decode-enable-radix-cache with --enable-hierarchical-cache",
-            "SGLang's decode-side HiCache needs UnifiedRadixCache's tree core",
-        )
-    if getattr(server_args, "disaggregation_decode_retraction_backup", None) == "host_pool":
-        refuse("--disaggregation-decode-retraction-backup host_pool", "it needs UnifiedRadixCache's backups")
-    for option in ("enable_lmcache", "enable_flexkv", "enable_unified_cache_external_linker"):
-        if getattr(server_args, option, False):
-            refuse(f"--{option.replace('_', '-')}", "it selects another tree cache than --radix-cache-backend hiradix")
-
-
-class _ResolvedArgs:
-    """A ``ServerArgs`` read as SGLang 0.5.23 reads it: its startup fields with the values
-    SGLang's resolution hooks and runtime overrides settled (``resolved_dict()``, e.g. the
-    defaulted ``--hicache-ratio``), which the struct's own attributes do not carry."""
-
-    def __init__(self, server_args: Any) -> None:
-        self._args = server_args
-        resolved = getattr(server_args, "resolved_dict", None)
-        self._resolved: dict[str, Any] = resolved() if callable(resolved) else {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._resolved:
-            return self._resolved[name]
-        return getattr(self._args, name)
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -139,38 +67,6 @@ def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-class ServerSince020(HiRadixCacheBase):
-    """What SGLang 0.5.20 and 0.5.23 share past the request API: the server's options
-    (read as :class:`_ResolvedArgs`, checked by :func:`check_supported_v23`) and L3
-    prefetches named by a ``CacheRequestHandle`` with the tree's context passed along.
-    The request API comes from the class this is mixed before
-    (:class:`HiRadixCacheBase` here, :mod:`hiradix.sglang.api_v18`'s for 0.5.20)."""
-
-    def __init__(self, params: Any, server_args: Any) -> None:
-        args = _ResolvedArgs(server_args)
-        check_supported_v23(params, args)
-        super().__init__(params, args)
-
-    # ------------------------------------------------------------------ storage (L3)
-    def prefetch_from_storage(
-        self,
-        req_id: Any,
-        last_host_node: Any,
-        new_input_tokens: Sequence[int],
-        last_hash: str | None = None,
-        prefix_keys: list[str] | None = None,
-        **kwargs: Any,
-    ) -> bool:
-        """SGLang 0.5.20's and 0.5.23's call (:meth:`HiRadixCacheBase.prefetch_from_storage`, named by
-        the request's ``CacheRequestHandle``): ``matched_prefix_tokens``, ``extra_key`` and
-        ``cache_salt`` are what the tree already knows from ``last_host_node``. A
-        ``storage_hit_end`` comes only with SGLang's re-issues, which hiradix never asks
-        for (its ``storage_prefetch_retries`` is ``None``)."""
-        if kwargs.get("storage_hit_end") is not None:
-            raise ValueError("hiradix.sglang: storage_hit_end (an L3 re-issue) is not supported")
-        return super().prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash, prefix_keys)
-
-
 class _Insert:
     """The ``InsertParams`` fields a checkpoint's insert reads (SGLang's dataclass has
     twenty, which cost a few µs to build per call)."""
@@ -181,15 +77,15 @@ class _Insert:
         self.key, self.value, self.priority, self.session_id = key, value, priority, session_id
 
 
-# SGLang 0.5.23's lock record (``req.lock``). 0.5.20 has none, nor 0.5.18: they import this
-# module for ServerSince020 alone, and never build this class.
-_TREE_LOCK: Any = getattr(base_prefix_cache, "TreeLock", None)
+# SGLang 0.5.23's lock record (``req.lock``).
+_TREE_LOCK: Any = base_prefix_cache.TreeLock
 
 
-class HiRadixCache(ServerSince020):
+class HiRadixCache(HiRadixCacheBase):
     """hiradix's ``HiRadixCache`` for SGLang 0.5.23 (module docstring): a
     registered, non-unified ``BasePrefixCache`` with SGLang's ``checkpoint`` request API."""
 
+    server = SERVER_SINCE_020
     _rows_of: torch.Tensor | None = None  # the req_to_token table _rows are views of
     _rows: tuple[torch.Tensor, ...] = ()
 

@@ -16,7 +16,7 @@ in place, and the tests assert that line and the fault's effect.
     it starts (``LOAD_HELD``), so a test can act while one is in flight.
 ``HIRADIX_E2E_UNREGISTERED_COUNTER=1``
     the control: hiradix's layer-done counter is not registered with SGLang's KV pool
-    (``hiradix.sglang.cache.register_layer_wait`` does nothing), what hiradix did before the
+    (``hiradix.sglang.controller.register_layer_wait`` does nothing), what hiradix did before the
     fix. With slowed loads its outputs must be wrong, or the load-back tests prove nothing.
 ``HIRADIX_E2E_SLOW_PEER_READ_S``
     each remote READ this server's peer node serves over TCP (the transport's own test
@@ -67,12 +67,12 @@ if _DELAY > 0:
 if os.environ.get("HIRADIX_E2E_UNREGISTERED_COUNTER") == "1":
     from typing import Any as _Any
 
-    from hiradix.sglang import cache as _sglang_cache
+    from hiradix.sglang import controller as _sglang_controller
 
     def _unregistered(sglang_pool: _Any, counter: _Any) -> None:
         print("hiradix e2e fault: layer-done counter NOT registered (control run)", file=sys.stderr, flush=True)
 
-    _sglang_cache.register_layer_wait = _unregistered
+    _sglang_controller.register_layer_wait = _unregistered
 
 
 if os.environ.get("HIRADIX_E2E_STOCK_ON_CPU") == "1":
