@@ -137,6 +137,14 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Set by the real-server tests for the server they start: seconds each load back is delayed, so "
            "that a forward pass that does not wait for the layer-done counter reads unloaded KV.",
            "tests/e2e/inject/sitecustomize.py"),
+    EnvVar("HIRADIX_E2E_SLOW_PEER_READ_S", "float", "0", "test",
+           "Set by the real-server tests for the peer they kill mid-read: seconds each remote READ its "
+           "peer node serves over TCP stalls (pages pinned) after saying so in the log.",
+           "tests/e2e/inject/sitecustomize.py"),
+    EnvVar("HIRADIX_E2E_NAIVE_PAGED_ALLOC", "flag", "0", "test",
+           "Set by the real-server tests for page sizes above 1: SGLang 0.5.18/0.5.20's paged allocator "
+           "runs its naive CPU path in place of its Triton kernels, which have no CPU driver.",
+           "tests/e2e/inject/sitecustomize.py"),
     EnvVar("HIRADIX_E2E_STOCK_ON_CPU", "flag", "0", "test",
            "Set by the real-server tests and `bench/e2e_server.py`: install the CPU stand-ins that let "
            "stock SGLang's hierarchical cache run in a CPU server.",
