@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write every round's figures here")
     ap.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = ap.parse_args(argv)
+    # Absolute (not resolved: a venv's python is a link that must stay one): both sides build
+    # in their worktree and run in a temporary folder.
+    args.python = os.path.abspath(args.python)
+    args.build_python = args.build_python and os.path.abspath(args.build_python)
     benches = [b for b in args.benches.split(",") if b]
     if not set(benches) <= set(BENCHES) or args.rounds < 1:
         ap.error(f"--benches of {', '.join(BENCHES)}; --rounds >= 1")
