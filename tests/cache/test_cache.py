@@ -632,25 +632,30 @@ def test_controller_rejects_mismatched_pools() -> None:
         HiCacheController(dev, host)
 
 
-def _companion_setup() -> tuple[HiCacheController, DeviceKVPool, DeviceKVPool]:
+# The companion tests' slots, their host slots and the seeds their KV is filled from.
+_COMPANION_SLOTS, _COMPANION_HOST = np.arange(4, 16), np.arange(20, 32)
+
+
+def _companion_setup() -> tuple[HiCacheController, DeviceKVPool, DeviceKVPool, np.ndarray]:
+    """A controller with a companion pair (a draft model's pool: another shape, the same
+    token slots), both device pools filled at the companion slots; and the fill's seeds."""
     dev = DeviceKVPool(SHAPES["mha"], size=32, page_size=4, dtype=torch.float32)
     host = HostKVPool.for_device(dev, ratio=2.0, reserve_bytes=0)
-    # A draft model's pool: another shape, the same token slots.
     draft = DeviceKVPool(MLAShape(1, 8, 4), size=32, page_size=4, dtype=torch.float32)
     ctrl = HiCacheController(dev, host)
     ctrl.add_companion(draft, HostKVPool(draft.shape, host.size, 4, torch.float32, "page_first", reserve_bytes=0))
-    return ctrl, dev, draft
+    seeds = prefix_seeds(np.arange(100, 112))
+    for pool in (dev, draft):
+        fill(pool, _COMPANION_SLOTS, seeds)
+    return ctrl, dev, draft, seeds
 
 
 def test_companion_pools_follow_every_backup_and_load() -> None:
     """A companion pair (SGLang's draft model KV) is backed up and loaded at the same
     indices as the main pair, bytes intact in both, and one ack covers both."""
-    ctrl, dev, draft = _companion_setup()
-    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
-    seeds = prefix_seeds(np.arange(100, 112))
+    ctrl, dev, draft, seeds = _companion_setup()
+    slots, host_slots = _COMPANION_SLOTS, _COMPANION_HOST
     try:
-        for pool in (dev, draft):
-            fill(pool, slots, seeds)
         ctrl.write(slots, host_slots)
         ack = ctrl.start_writing()
         assert ack is not None and len(ack.companions) == 1
@@ -669,12 +674,9 @@ def test_companion_pools_follow_every_backup_and_load() -> None:
 def test_a_load_copied_again_refills_every_pool() -> None:
     """``load_again`` (the retry of a failed load) copies the batch from the host again into
     the companion pools as well as the main one, and returns once it has landed."""
-    ctrl, dev, draft = _companion_setup()
-    slots, host_slots = np.arange(4, 16), np.arange(20, 32)
-    seeds = prefix_seeds(np.arange(100, 112))
+    ctrl, dev, draft, seeds = _companion_setup()
+    slots, host_slots = _COMPANION_SLOTS, _COMPANION_HOST
     try:
-        for pool in (dev, draft):
-            fill(pool, slots, seeds)
         ctrl.write(slots, host_slots)
         ctrl.start_writing()
         ctrl.ack_writes(wait_all=True)
@@ -735,7 +737,7 @@ def test_a_later_stage_waits_for_its_own_copies_to_reach_the_first_stages_count(
 def test_companion_loads_finish_before_the_main_loads_first_layer() -> None:
     """The forward pass waits on the main load's layer events only, so the companion's
     load is submitted first on the same FIFO engine: once layer 0 is usable, it is done."""
-    ctrl, _, _ = _companion_setup()
+    ctrl, _, _, _ = _companion_setup()
     try:
         ctrl.write(np.arange(8), np.arange(8))
         ctrl.start_writing()
