@@ -17,8 +17,11 @@ from __future__ import annotations
 import math
 import re
 
+from tests.e2e.server import NOT_ON_020
 from tests.e2e.test_e2e_outputs import SLOW_LOADS
 from tests.e2e.workload import long_documents, serve_all, tier_hits
+
+pytestmark = NOT_ON_020
 
 CHUNK = 256
 HEAD = 700

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.server import NOT_ON_020
 from tests.e2e.test_e2e_outputs import HIRADIX, SLOW_LOADS
 from tests.e2e.workload import serve_all, shared_prefixes, tier_hits
+
+pytestmark = NOT_ON_020
 
 HARNESS = {**SLOW_LOADS, "HIRADIX_E2E_NAIVE_PAGED_ALLOC": "1"}
 CONFIGS = {

@@ -13,8 +13,11 @@ page sizes above 1.
 
 from __future__ import annotations
 
+from tests.e2e.server import NOT_ON_020
 from tests.e2e.test_e2e_outputs import HIRADIX, SLOW_LOADS
 from tests.e2e.workload import serve_all, shared_prefixes, tier_hits
+
+pytestmark = NOT_ON_020
 
 PREFIXES, PREFIX_LEN = 8, 300
 
