@@ -141,6 +141,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Set by the real-server tests for the peer they kill mid-read: seconds each remote READ its "
            "peer node serves over TCP stalls (pages pinned) after saying so in the log.",
            "tests/e2e/inject/sitecustomize.py"),
+    EnvVar("HIRADIX_E2E_STALL_AFTER_FINISH_S", "float", "0", "test",
+           "Set by the real-server ordering tests: under the overlap scheduler, after a result in which a "
+           "request finished, the scheduler waits (at most this long) for the next request to arrive.",
+           "tests/e2e/inject/sitecustomize.py"),
     EnvVar("HIRADIX_E2E_NAIVE_PAGED_ALLOC", "flag", "0", "test",
            "Set by the real-server tests for page sizes above 1: SGLang 0.5.18/0.5.20's paged allocator "
            "runs its naive CPU path in place of its Triton kernels, which have no CPU driver.",

@@ -28,6 +28,13 @@ in place, and the tests assert that line and the fault's effect.
     driver. They are stood in for by SGLang's own ``alloc_extend_naive`` and the same
     arithmetic for decode in torch (0.5.23 takes its native paths on the CPU itself). Not
     hiradix's code: SGLang's allocator, which hands out the slots hiradix's tree holds.
+``HIRADIX_E2E_STALL_AFTER_FINISH_S``
+    the ordering suspected behind 0.5.20's wrong answers under load (issue 43), forced: under
+    the overlap scheduler, right after a batch result in which a request finished, the
+    scheduler waits (at most that many seconds) until the next request is in its socket from
+    the tokenizer, so that request is admitted while the finished request's leftover step,
+    already launched, has not had its result processed. Each stall says so on stderr
+    (``FINISH_STALLED``). SGLang's scheduler, not hiradix's code; any cache, or none.
 
 Unset, this module does nothing.
 """
@@ -164,3 +171,27 @@ if _PEER_DELAY > 0:
 
     _tcp.TcpTransport.__init__ = _tcp_init_with_held_reads  # type: ignore[method-assign]
     print(f"hiradix e2e fault: every peer READ served held {_PEER_DELAY} s", file=sys.stderr, flush=True)
+
+
+_STALL = float(os.environ.get("HIRADIX_E2E_STALL_AFTER_FINISH_S", "0") or 0)
+FINISH_STALLED = "hiradix e2e fault: scheduler stalled after a finish"  # printed at each stall
+
+if _STALL > 0:
+    from typing import Any as _Any
+
+    from sglang.srt.managers import scheduler as _scheduler
+
+    _process = _scheduler.Scheduler.process_batch_result
+
+    def _process_then_stall(self: _Any, batch: _Any, result: _Any, *args: _Any, **kwargs: _Any) -> _Any:
+        done_before = {id(r) for r in batch.reqs if r.finished()}
+        out = _process(self, batch, result, *args, **kwargs)
+        if self.enable_overlap and any(r.finished() and id(r) not in done_before for r in batch.reqs):
+            print(FINISH_STALLED, file=sys.stderr, flush=True)
+            # until the client's next request is in the socket (not read: the loop reads it next)
+            self.recv_from_tokenizer.poll(timeout=int(_STALL * 1000))
+        return out
+
+    _scheduler.Scheduler.process_batch_result = _process_then_stall  # type: ignore[method-assign]
+    _said = f"hiradix e2e fault: the overlap scheduler stalls after each finish (at most {_STALL} s)"
+    print(_said, file=sys.stderr, flush=True)
