@@ -52,10 +52,14 @@ def register() -> None:
 def register_tree_core() -> bool:
     """Register hiradix's tree core with SGLang's tree-core registry (0.5.23 on) under
     ``hiradix``, chosen by ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=hiradix``. Idempotent;
-    ``False`` where this SGLang has no such registry."""
+    ``False`` where this SGLang has no such registry or an interface older than 0.5.23's."""
     try:
         from sglang.srt.mem_cache.unified_cache import tree_core_registry as registry
-    except ImportError:  # 0.5.18: no UnifiedRadixCache tree cores
+        from sglang.srt.mem_cache.unified_cache import unified_tree_core_interface as interface
+    except ImportError:  # no UnifiedRadixCache tree cores
+        return False
+    if not hasattr(interface, "TreePathNodeInfo"):  # 0.5.18's older interface: the core is written to 0.5.23's
+        logger.info("hiradix tree core not registered: this SGLang's UnifiedTreeCoreInterface predates 0.5.23")
         return False
     from hiradix.sglang.tree_core import TREE_CORE_NAME, create_tree_core
 
