@@ -8,7 +8,9 @@ actions, which SGLang's controller carries out. This is the second way into SGLa
 hiradix supplies the tree. The plugin (:func:`hiradix.sglang.plugin.register`) registers
 :func:`create_tree_core` under :data:`TREE_CORE_NAME`.
 
-:class:`HiradixTreeCore` translates; the decisions are :class:`hiradix.tree.unified.UnifiedFullTree`'s.
+:class:`HiradixTreeCore` translates; the decisions are ``hiradix.tree.UnifiedFullTree``'s (compiled,
+``hiradix.tree._unified``, or its pure-Python twin :mod:`hiradix.tree.unified` under
+``HIRADIX_PUREPYTHON=1``).
 
 What this first slice of issue 48 serves: the FULL component on the device tier (match,
 stepped insert, path locks, the step-wise device eviction, sizes, path reads). Anything
@@ -51,7 +53,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
     UnifiedTreeCoreInterface,
 )
 
-from hiradix.tree.unified import UnifiedFullTree
+from hiradix.tree import UnifiedFullTree
 
 __all__ = ["TREE_CORE_NAME", "HiradixTreeCore", "create_tree_core"]
 
@@ -116,9 +118,10 @@ class _Events:
         return []
 
 
-def _clone_split(value: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # copies, as SGLang's cores keep them: a view would pin the request's whole row
-    return value[:n].clone(), value[n:].clone()
+# What the tree keeps it keeps as a copy, as SGLang's cores do: a view would pin (and
+# follow) the request's row.
+_keep = torch.Tensor.clone
+_new_match = MatchResult.__new__  # the NamedTuple's own constructor, positional (the hot path)
 
 
 def _namespace(key: RadixKey) -> Any:
@@ -126,11 +129,6 @@ def _namespace(key: RadixKey) -> Any:
     if key.cache_salt is not None:
         return (key.extra_key, key.cache_salt)
     return key.extra_key
-
-
-def _aligned_tokens(key: RadixKey, page_size: int) -> Any:
-    tokens = key.raw_token_ids()
-    return tokens[: len(tokens) // page_size * page_size]
 
 
 class HiradixTreeCore(UnifiedTreeCoreInterface):
@@ -153,7 +151,7 @@ class HiradixTreeCore(UnifiedTreeCoreInterface):
         self.has_swa_host_pool = False
         self.is_host_memory_buffer_only = False
         self.kv_events = _Events()
-        self.tree = UnifiedFullTree(self.page_size, split_value=_clone_split)
+        self.tree = UnifiedFullTree(self.page_size, copy_value=_keep)
         self._insert_step: InsertStepResult | None = None
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._new_empty_match_result()
@@ -400,22 +398,33 @@ class HiradixTreeCore(UnifiedTreeCoreInterface):
     # ------------------------------------------------------------------ match
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
-        if len(key) // self.page_size == 0:
+        if len(key) < self.page_size:
             return self._empty_match_result
-        found = self.tree.match(_aligned_tokens(key, self.page_size), _namespace(key))
-        return MatchResult(
-            device_prefix_len=found.device_prefix_len,
-            last_device_node=found.last_device_node,
-            last_host_node=found.last_device_node,  # no host tier: the device anchor
-            best_match_node=found.best_match_node,
-            last_visited_node_id=found.last_visited_node,
-            host_hit_length=0,
-            full_kv_hit_length=found.full_kv_hit_length,
-            cache_actions=[],  # a split needs an action only with a write-through in flight
+        ns = key.extra_key if key.cache_salt is None else (key.extra_key, key.cache_salt)
+        hit, node = self.tree.match(key.raw_token_ids(), ns)
+        # no host tier: the device anchor is the host anchor and the best match; the walk
+        # ends where it matched, so it visited that node (None: the root). A split needs a
+        # cache action only with a write-through in flight: none.
+        return _new_match(
+            MatchResult,
+            hit,  # device_prefix_len
+            node,  # last_device_node
+            node,  # last_host_node
+            node,  # best_match_node
+            0,  # host_hit_length
+            0,  # swa_host_hit_length
+            None,  # swa_branching_seqlen
+            0,  # mamba_host_hit_length
+            None,  # mamba_branching_seqlen
+            None,  # cache_protected_len
+            hit,  # full_kv_hit_length
+            [],  # cache_actions
+            None if hit == 0 else node,  # last_visited_node_id
+            None,  # full_device_match_len
         )
 
     def match_full_device_prefix(self, key: RadixKey) -> tuple[int, NodeId, int]:
-        return self.tree.match_device_prefix(_aligned_tokens(key, self.page_size), _namespace(key))
+        return self.tree.match_device_prefix(key.raw_token_ids(), _namespace(key))
 
     @property
     def empty_match_result(self) -> MatchResult:
@@ -437,10 +446,11 @@ class HiradixTreeCore(UnifiedTreeCoreInterface):
         if params.rotation_base is not None:
             _refuse("logical-page KV sharding (rotation_base)")
         key = params.key
-        tokens = _aligned_tokens(key, self.page_size)
+        tokens = key.raw_token_ids()
         value = params.value
-        value = value[: len(tokens)] if value is not None else torch.tensor(tokens, dtype=torch.int64)
-        done = self.tree.insert(
+        if value is None:
+            value = torch.tensor(tokens, dtype=torch.int64)
+        prefix_len, last_node, frees, new_leaf = self.tree.insert(
             tokens,
             value,
             _namespace(key),
@@ -448,17 +458,18 @@ class HiradixTreeCore(UnifiedTreeCoreInterface):
             prev_prefix_len=params.prev_prefix_len,
             inserted_len=params.inserted_len,
         )
-        if len(tokens) == 0:
-            result = InsertResult(prefix_len=0, mamba_exist=True, last_device_node=done.last_node)
+        n = len(tokens) - len(tokens) % self.page_size
+        if n == 0:
+            result = InsertResult(prefix_len=0, mamba_exist=True, last_device_node=last_node)
         else:
             result = InsertResult(
-                prefix_len=done.prefix_len,
-                last_device_node=done.last_node,
+                prefix_len=prefix_len,
+                last_device_node=last_node,
                 adopted_ranges={} if params.track_adopted_ranges else None,
             )
-            if params.track_adopted_ranges and done.new_leaf:
-                result.record_adopted_range(FULL, done.prefix_len, len(tokens))
-        actions: list[Any] = [FreeDeviceKV([v]) for v in done.frees]
+            if params.track_adopted_ranges and new_leaf:
+                result.record_adopted_range(FULL, prefix_len, n)
+        actions: list[Any] = [FreeDeviceKV([v]) for v in frees]
         return InsertStepResult(actions=actions, result=result)
 
     def resume_insert(self) -> InsertStepResult:

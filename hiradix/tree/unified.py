@@ -25,30 +25,29 @@ unchanged ``UnifiedRadixCache`` gives the same answers, node for node:
   becomes a leaf joins the heap after its last child went.
 
 Values (device indices) are opaque to the tree: it stores, measures (``len``) and cuts
-them (``split_value``), and hands them back, so the adapter keeps them as SGLang's tensors.
+them (slicing), keeps what it stores through ``copy_value`` and hands them back, so the
+adapter keeps them as SGLang's tensors.
 
-This is the pure-Python form, written to the shape its compiled twin will take (issue 48):
-the state is an arena of nodes addressed by id, the hot paths (:meth:`match`,
-:meth:`insert`, :meth:`inc_lock_ref` / :meth:`dec_lock_ref`, :meth:`evict_next` /
-:meth:`evict_leaf`) touch only that arena, and every answer is plain ints, tuples and the
-stored values.
+This is the pure-Python twin of the compiled ``hiradix.tree._unified`` (the same API and
+decisions; ``hiradix.tree.UnifiedFullTree`` is whichever serves, ``HIRADIX_PUREPYTHON=1``
+selects this one, and ``tests/tree/test_unified_parity.py`` runs the two in lockstep). The
+state is an arena of nodes addressed by id, the hot paths (:meth:`match`, :meth:`insert`,
+:meth:`inc_lock_ref` / :meth:`dec_lock_ref`, :meth:`evict_next` / :meth:`evict_leaf`)
+touch only that arena, and every answer is plain ints, tuples, lists and the stored values.
+Node ids are opaque ints, unique over the tree's life (here a counter; the compiled tree's
+carry its arena slot and the slot's generation).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NO_NODE", "InsertOutcome", "MatchOutcome", "UnifiedFullTree"]
+__all__ = ["NO_NODE", "UnifiedFullTree"]
 
 NO_NODE = -1  # a node id that names no node
 _STAMP_STEP = 0.00001  # each ancestor of a matched node is this much older than its child
-
-
-def _slice_split(value: Any, n: int) -> tuple[Any, Any]:
-    return value[:n], value[n:]
 
 
 class _Node:
@@ -82,46 +81,22 @@ class _Node:
         self.priority = priority
 
 
-@dataclass(frozen=True)
-class MatchOutcome:
-    """What :meth:`UnifiedFullTree.match` found: ``chunks`` are the device values along
-    the matched path, root first; the first ``device_chunks`` of them make the device
-    prefix (``device_prefix_len`` tokens)."""
-
-    chunks: tuple[Any, ...]
-    device_chunks: int
-    device_prefix_len: int
-    last_device_node: int
-    best_match_node: int
-    last_visited_node: int | None  # the deepest node walked (None: the root)
-    full_kv_hit_length: int  # tokens matched by key, whatever the tier
-
-
-@dataclass(frozen=True)
-class InsertOutcome:
-    """What :meth:`UnifiedFullTree.insert` did: ``frees`` are the duplicate device
-    values the caller must free, in walk order."""
-
-    prefix_len: int
-    last_node: int
-    frees: tuple[Any, ...] = field(default=())
-    new_leaf: bool = False
-
-
 class UnifiedFullTree:
     """The FULL component's radix tree on the device tier (see the module's docstring).
 
-    ``page_size`` tokens make a page; keys are cut to whole pages by the caller.
-    ``split_value(value, n)`` cuts a stored value into its first ``n`` tokens and the rest
-    (default: slicing). ``clock`` is the tree's own counter, advanced by one at each
+    ``page_size`` tokens make a page; keys are cut down to whole pages. Values support
+    ``len`` and slicing; the tree keeps each value it stores (a new leaf's, a split's two
+    halves, an evicted node's new one) as ``copy_value(v)`` returns it (default: as given),
+    so that a caller's slice does not pin the caller's buffer; the duplicate slots it hands
+    back are plain slices. ``clock`` is the tree's own counter, advanced by one at each
     stamp, as SGLang's cores advance theirs.
     """
 
-    def __init__(self, page_size: int, *, split_value: Callable[[Any, int], tuple[Any, Any]] | None = None) -> None:
+    def __init__(self, page_size: int, *, copy_value: Callable[[Any], Any] | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self._split_value = split_value or _slice_split
+        self._copy_value = copy_value
         self._clock = 0.0
         self._next_id = 0
         self.reset()
@@ -265,51 +240,42 @@ class UnifiedFullTree:
         return out
 
     # ------------------------------------------------------------------ match
-    def match(self, tokens: Sequence[int], ns: Hashable = None) -> MatchOutcome:
-        """The longest cached device prefix of ``tokens`` (whole pages) in namespace
-        ``ns``; splits the node where the match ends inside it, and stamps the matched
-        path. Runtime complexity: ``O(len(tokens))``."""
-        root = self._nodes[self.root]
-        node = root
+    def _keep(self, value: Any) -> Any:
+        return value if self._copy_value is None else self._copy_value(value)
+
+    def _aligned(self, tokens: Sequence[int]) -> Sequence[int]:
+        n = len(tokens) - len(tokens) % self.page_size
+        return tokens if n == len(tokens) else tokens[:n]
+
+    def match(self, tokens: Sequence[int], ns: Hashable = None) -> tuple[int, int]:
+        """The longest cached device prefix of ``tokens`` (cut to whole pages) in namespace
+        ``ns``: ``(matched tokens, deepest matched node)``. Splits the node where the match
+        ends inside it, and stamps the matched path. Runtime complexity: ``O(len(tokens))``."""
+        tokens = self._aligned(tokens)
+        node = self._nodes[self.root]
         offset = 0
-        chunks: list[Any] = []
-        best = root
-        best_chunks = 0
-        hit = 0
         n = len(tokens)
         while offset < n:
             child = node.children.get(self._child_key(ns, tokens, offset))
             if child is None or child.value is None:  # no host tier yet: an evicted node ends the walk
                 break
             plen = self._match_len(child.tokens, tokens, offset)
-            hit += plen
+            offset += plen
             if plen < len(child.tokens):
                 node = self._split(child, plen)
-                chunks.append(node.value)
-                best, best_chunks = node, len(chunks)
                 break
-            chunks.append(child.value)
             node = child
-            best, best_chunks = node, len(chunks)
-            offset += plen
         stamp = self._tick()
-        cur: _Node | None = best
+        cur: _Node | None = node
         while cur is not None:
             cur.last_access_time = stamp
             stamp -= _STAMP_STEP
             cur = cur.parent
-        return MatchOutcome(
-            chunks=tuple(chunks),
-            device_chunks=best_chunks,
-            device_prefix_len=sum(len(v) for v in chunks[:best_chunks]),
-            last_device_node=best.id,
-            best_match_node=best.id,
-            last_visited_node=None if node is root else node.id,
-            full_kv_hit_length=hit,
-        )
+        return offset, node.id
 
     def match_device_prefix(self, tokens: Sequence[int], ns: Hashable = None) -> tuple[int, int, int]:
         """Read-only: ``(matched tokens, deepest node, tokens of the nodes it pins)``."""
+        tokens = self._aligned(tokens)
         node = self._nodes[self.root]
         offset = matched = pinned = 0
         while offset < len(tokens):
@@ -339,7 +305,7 @@ class UnifiedFullTree:
         new.creation_time = child.creation_time
         new.lock_ref = child.lock_ref
         if child.value is not None:
-            new.value, child.value = self._split_value(child.value, split_len)
+            new.value, child.value = self._keep(child.value[:split_len]), self._keep(child.value[split_len:])
         new.children = {self._child_key(child.ns, child.tokens, 0): child}
         child.parent = new
         parent.children[ck] = new  # the same key: the prefix takes the child's place
@@ -358,19 +324,21 @@ class UnifiedFullTree:
         priority: int = 0,
         prev_prefix_len: int = 0,
         inserted_len: int = 0,
-    ) -> InsertOutcome:
-        """Cache ``tokens`` (whole pages) with their device ``value`` (same length).
-        The overlap with what is cached past ``prev_prefix_len`` comes back in ``frees``
-        (the caller's duplicate slots); the rest becomes one new leaf. Nodes past
-        ``inserted_len`` count a hit. Runtime complexity: ``O(len(tokens))``."""
+    ) -> tuple[int, int, list[Any], bool]:
+        """Cache ``tokens`` (cut to whole pages) with their device ``value`` (at least as
+        long): ``(prefix_len, last node, frees, new_leaf)``. The overlap with what is cached
+        past ``prev_prefix_len`` comes back in ``frees`` (slices of ``value``: the caller's
+        duplicate slots); the rest becomes one new leaf. Nodes past ``inserted_len`` count a
+        hit. Runtime complexity: ``O(len(tokens))``."""
+        tokens = self._aligned(tokens)
         root = self._nodes[self.root]
         root.last_access_time = self._tick()
         root.priority = max(root.priority, priority)
+        frees: list[Any] = []
         if len(tokens) == 0:
-            return InsertOutcome(0, root.id)
+            return 0, root.id, frees, False
         node = root
         offset = 0
-        frees: list[Any] = []
         n = len(tokens)
         while offset < n:
             child = node.children.get(self._child_key(ns, tokens, offset))
@@ -381,32 +349,30 @@ class UnifiedFullTree:
             if plen < len(child.tokens):
                 child = self._split(child, plen)
             child.priority = max(child.priority, priority)
-            piece = self._split_value(value, plen)[0] if plen < len(value) else value
             if child.value is None:
-                self._unevict(child, piece)
+                self._unevict(child, self._keep(value[offset : offset + plen]))
             else:
                 dup_start = max(0, prev_prefix_len - offset)
                 if dup_start < plen:
-                    frees.append(self._split_value(piece, dup_start)[1] if dup_start else piece)
+                    frees.append(value[offset + dup_start : offset + plen])
             if offset + plen > inserted_len:
                 child.hit_count += 1
             node = child
             offset += plen
-            value = self._split_value(value, plen)[1]
         if offset == n:
-            return InsertOutcome(offset, node.id, tuple(frees))
+            return offset, node.id, frees, False
         leaf = self._new_node(priority)
         leaf.parent = node
         leaf.ns = ns
         leaf.tokens = tokens[offset:]
-        leaf.value = value
+        leaf.value = self._keep(value[offset:n] if offset or len(value) != n else value)
         node.children[self._child_key(ns, tokens, offset)] = leaf
-        self._evictable += len(value)
+        self._evictable += n - offset
         self._refresh_leaf(leaf)
         self._refresh_leaf(node)
         if n > inserted_len:
             leaf.hit_count += 1
-        return InsertOutcome(offset, leaf.id, tuple(frees), new_leaf=True)
+        return offset, leaf.id, frees, True
 
     def _unevict(self, node: _Node, value: Any) -> None:
         node.value = value
