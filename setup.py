@@ -33,6 +33,7 @@ from setuptools.command.build_ext import build_ext
 # (module, sources). Every extension is built with the same directives and flags.
 EXTENSIONS: list[tuple[str, list[str]]] = [
     ("hiradix.tree._core", ["hiradix/tree/_core.pyx"]),
+    ("hiradix.tree._unified", ["hiradix/tree/_unified.pyx"]),
     ("hiradix.memory._gather", ["hiradix/memory/_gather.pyx"]),
     ("hiradix.memory._kvcopy_emu", ["hiradix/memory/_kvcopy_emu.pyx"]),
     ("hiradix.peer._verify", ["hiradix/peer/_verify.pyx"]),

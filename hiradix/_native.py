@@ -47,6 +47,12 @@ TWINS: tuple[Twin, ...] = (
         "same API, module for module; every tree_cls test runs both",
     ),
     Twin(
+        "hiradix.tree._unified",
+        "hiradix.tree.unified",
+        "tests/tree/test_unified_parity.py",
+        "same API, module for module; SGLang 0.5.23's tree core runs on either",
+    ),
+    Twin(
         "hiradix.memory._gather",
         "hiradix.memory.copy._backup_layer",
         "tests/memory/test_gather.py",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["BACKEND_NAME", "create_cache", "register"]
+__all__ = ["BACKEND_NAME", "create_cache", "register", "register_tree_core"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,30 @@ def _core_name() -> str:
 
 
 def register() -> None:
-    """Register :func:`create_cache` as the radix-cache backend ``hiradix``. Idempotent:
-    SGLang may load plugins once per process (main, scheduler, workers)."""
+    """Register :func:`create_cache` as the radix-cache backend ``hiradix``, and hiradix's
+    tree core (:func:`register_tree_core`). Idempotent: SGLang may load plugins once per
+    process (main, scheduler, workers)."""
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    if get_radix_cache_factory(BACKEND_NAME) is create_cache:
-        return
-    register_radix_cache_backend(BACKEND_NAME, create_cache)
+    if get_radix_cache_factory(BACKEND_NAME) is not create_cache:
+        register_radix_cache_backend(BACKEND_NAME, create_cache)
+    register_tree_core()
+
+
+def register_tree_core() -> bool:
+    """Register hiradix's tree core with SGLang's tree-core registry (0.5.23 on) under
+    ``hiradix``, chosen by ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=hiradix``. Idempotent;
+    ``False`` where this SGLang has no such registry or an interface older than 0.5.23's."""
+    try:
+        from sglang.srt.mem_cache.unified_cache import tree_core_registry as registry
+        from sglang.srt.mem_cache.unified_cache import unified_tree_core_interface as interface
+    except ImportError:  # no UnifiedRadixCache tree cores
+        return False
+    if not hasattr(interface, "TreePathNodeInfo"):  # 0.5.18's older interface: the core is written to 0.5.23's
+        logger.info("hiradix tree core not registered: this SGLang's UnifiedTreeCoreInterface predates 0.5.23")
+        return False
+    from hiradix.sglang.tree_core import TREE_CORE_NAME, create_tree_core
+
+    if registry.get_tree_core_factory(TREE_CORE_NAME) is not create_tree_core:
+        registry.register_tree_core_backend(TREE_CORE_NAME, create_tree_core)
+    return True

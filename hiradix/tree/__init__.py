@@ -5,9 +5,14 @@
 - :mod:`~hiradix.tree._reference`: its pure-Python twin, the same API written to be plainly
   correct (the test oracle and the fallback);
 - :mod:`~hiradix.tree.policy`: the eviction policies both trees share, declared as data;
-- :mod:`~hiradix.tree._results`: the result records, node states and errors.
+- :mod:`~hiradix.tree._results`: the result records, node states and errors;
+- :mod:`~hiradix.tree._unified` (``_unified.pyx``) and its twin :mod:`~hiradix.tree.unified`:
+  ``UnifiedFullTree``, the tree SGLang 0.5.23's ``UnifiedRadixCache`` drives through
+  ``hiradix.sglang.tree_core`` (the FULL component on the device tier).
 
-``IMPLEMENTATION`` says which tree serves; ``hiradix`` re-exports these names.
+``IMPLEMENTATION`` says which tree serves (``UNIFIED_IMPLEMENTATION`` which
+``UnifiedFullTree``); ``hiradix`` re-exports the names in ``__all__`` (not these two: the
+tree core is reached through ``hiradix.sglang.tree_core``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ if TYPE_CHECKING:
     # The type checker sees the compiled tree through its stub (``_core.pyi``); the twin
     # has the same API (tests/tree/test_errors.py compares the two with the stub).
     from hiradix.tree._core import ROOT, HiRadixTree, get_hash_str, namespace_seed, page_digests, page_hashes
+    from hiradix.tree.unified import UnifiedFullTree  # the compiled one has the twin's API
 
     IMPLEMENTATION: str
+    UNIFIED_IMPLEMENTATION: str
 else:
     _impl = _native.load("hiradix.tree._core")
     if _impl is None:
@@ -36,6 +43,12 @@ else:
     namespace_seed = _impl.namespace_seed
     page_digests = _impl.page_digests
     page_hashes = _impl.page_hashes
+
+    _unified = _native.load("hiradix.tree._unified")
+    if _unified is None:
+        from hiradix.tree import unified as _unified
+    UNIFIED_IMPLEMENTATION = "cython" if _unified.__name__ == "hiradix.tree._unified" else "python"
+    UnifiedFullTree = _unified.UnifiedFullTree
 
 __all__ = [
     "IMPLEMENTATION",
