@@ -38,7 +38,10 @@ TRANSFER = ("--disaggregation-transfer-backend", "mooncake_tcp")
 #: ``sglang/srt/disaggregation/prefill.py``), which a CPU torch cannot make: its scheduler
 #: dies at the first prefix hit. SGLang's own switch turns that optimisation off; the final
 #: send covers the whole prompt either way.
-PREFILL_ON_CPU = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+#: And SGLang 0.5.23's prefill stages page indices through pinned memory and a CUDA event
+#: for Mooncake's sender: a harness stand-in sends it down its other path
+#: (``HIRADIX_E2E_PD_ON_CPU``, ``tests/e2e/inject/sitecustomize.py``).
+PREFILL_ON_CPU = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0", "HIRADIX_E2E_PD_ON_CPU": "1"}
 
 
 class PDPair:

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -52,13 +53,13 @@ ANSWER = 16
 PAGE = 1  # SGLang's default page size on the CPU
 
 
-def _peer(rpc_port: int, seeds: list[str], **more: object) -> tuple[str, ...]:
+def _peer(rpc_port: int, seeds: list[str], l3_format: str = "sglang", **more: object) -> tuple[str, ...]:
     extra = {
         "backend_name": "hiradix-PeerStorage",
         "module_path": "hiradix.sglang.storage",
         "class_name": "PeerStorage",
         "interface_v1": 1,
-        "l3_format": "sglang",  # decode's keys and pages are SGLang's
+        "l3_format": l3_format,
         "rpc_port": rpc_port,
         "seeds": seeds,
         "pool_size": "256MiB",
@@ -66,19 +67,15 @@ def _peer(rpc_port: int, seeds: list[str], **more: object) -> tuple[str, ...]:
         "connect_timeout_s": 1.0,
         "rpc_timeout_s": 2.0,
         "read_timeout_s": 2.0,
-        "join_timeout_s": 120.0,  # the two servers start side by side
+        "join_timeout_s": 120.0,  # the servers start side by side
         **more,
     }
     return ("--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra))
 
 
-@pytest.fixture(scope="module")
-def pd(module_servers: Any) -> Iterator[tuple[PDPair, int]]:
-    """The PD pair, and the port of the decode peer node's metrics endpoint. Both servers
-    start at once (a server takes 40-80 s to come up here)."""
-    only_on(("0.5.18", "0.5.23"), "the issue's two versions; 0.5.20's PD path is 0.5.23's")
-    bootstrap, peer_port, decode_metrics = free_port(), free_port(), free_port()
-    prefill_args = (
+def _prefill_args(bootstrap: int, peer_port: int, seeds: list[str], l3_format: str) -> tuple[Any, ...]:
+    """A prefill server with hiradix's cache and the peer cache as L3 in ``l3_format``."""
+    return (
         "--disaggregation-mode",
         "prefill",
         "--disaggregation-bootstrap-port",
@@ -91,12 +88,29 @@ def pd(module_servers: Any) -> Iterator[tuple[PDPair, int]]:
         "--max-total-tokens",
         "4096",
         "--enable-cache-report",
-        # the answer pages are a few tokens beyond the prefill's own prefix: prefetch them,
+        # the answer's pages are a few tokens beyond the prefill's own prefix: prefetch them,
         # and wait for them, so the hit is the same on every run
         "--hicache-storage-prefetch-policy",
         "wait_complete",
-        *_peer(peer_port, [], prefetch_threshold=4),
+        *_peer(peer_port, seeds, l3_format, prefetch_threshold=4),
     )
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The module's PD pair, the port of the prefill's peer node (the cluster's seed), and
+    the port of the decode peer node's metrics endpoint."""
+
+    pair: PDPair
+    peer_port: int
+    decode_metrics: int
+
+
+@pytest.fixture(scope="module")
+def pd(module_servers: Any) -> Iterator[Deployment]:
+    """The PD pair, both servers started at once (a server takes 40-80 s to come up here)."""
+    only_on(("0.5.18", "0.5.23"), "the issue's two versions; 0.5.20's PD path is 0.5.23's")
+    bootstrap, peer_port, decode_metrics = free_port(), free_port(), free_port()
     decode_args = (
         "--disaggregation-mode",
         "decode",
@@ -117,8 +131,11 @@ def pd(module_servers: Any) -> Iterator[tuple[PDPair, int]]:
         except BaseException as e:  # raised below, once both have finished starting
             errors.append(e)
 
+    prefill_env = {**TOKEN, **PREFILL_ON_CPU}
     threads = [
-        threading.Thread(target=start, args=("pd-prefill", prefill_args, {**TOKEN, **PREFILL_ON_CPU})),
+        threading.Thread(
+            target=start, args=("pd-prefill", _prefill_args(bootstrap, peer_port, [], "sglang"), prefill_env)
+        ),
         threading.Thread(target=start, args=("pd-decode", decode_args, {**TOKEN, **STOCK_ON_CPU})),
     ]
     for t in threads:
@@ -130,7 +147,7 @@ def pd(module_servers: Any) -> Iterator[tuple[PDPair, int]]:
     prefill, decode = started["pd-prefill"], started["pd-decode"]
     assert "hiradix: hierarchical radix cache" in prefill.log_text()  # hiradix's cache on prefill
     assert "Enable offload kv cache for decode side" in decode.log_text()
-    yield PDPair(prefill, decode, bootstrap), decode_metrics
+    yield Deployment(PDPair(prefill, decode, bootstrap), peer_port, decode_metrics)
 
 
 def _pages_written(metrics_port: int) -> float:
@@ -148,25 +165,45 @@ def _wait_pages_written(metrics_port: int, pages: float, timeout: float = 120.0)
         time.sleep(0.2)
 
 
-def test_next_turns_prefill_reads_the_answer_decode_wrote(pd: tuple[PDPair, int], judge: Any) -> None:
-    """16 conversations x 3 turns behind shared system prompts, each turn carrying the
-    earlier turns and answers; the conversations of one turn go four at a time. After each
-    turn the decode server has written every answer's pages to L3 (its peer node's count
-    of pages written, which only decode's offload feeds); then every request of the next
-    turn hits, on the prefill server, its whole previous prompt and that answer's pages,
-    part of them from L3: the answer's pages exist only there. Outputs equal ground truth."""
-    pair, decode_metrics = pd
-    work = conversations(n_prefixes=4, prefix_len=256, n_conversations=CONVERSATIONS, turns=TURNS, seed=45)
-    history = [list(work.prefixes[p]) for p in work.prefix_of]
-    previous: list[list[int]] = [[] for _ in history]
-    answer_pages = (ANSWER - 1) // PAGE
-    written = _pages_written(decode_metrics)
-    hits_by_turn: list[int] = []
-    for turn in range(TURNS):
-        prompts = [history[c] + list(work.messages[c][turn]) for c in range(CONVERSATIONS)]
+class Chats:
+    """``n`` conversations of :func:`~tests.e2e.workload.conversations`, served a turn at a
+    time through a PD pair (four requests at a time), each turn carrying the earlier turns
+    and answers."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.work = conversations(n_prefixes=4, prefix_len=256, n_conversations=n, turns=TURNS, seed=seed)
+        self.history = [list(self.work.prefixes[p]) for p in self.work.prefix_of]
+        self.previous: list[list[int]] = [[] for _ in self.history]  # each one's last prompt
+
+    def turn(self, pair: PDPair, judge: Any, t: int) -> list[dict[str, Any]]:
+        """Serve turn ``t`` of every conversation, judge the answers and return them."""
+        prompts = [h + list(self.work.messages[c][t]) for c, h in enumerate(self.history)]
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda p: pair.generate(p, ANSWER), prompts))
         judge(pair, prompts, answers, ANSWER)
+        for c, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+            self.previous[c] = prompt
+            self.history[c] = prompt + list(answer["output_ids"])
+        return answers
+
+
+#: Pages of a turn's answer that decode holds KV for and writes to L3.
+ANSWER_PAGES = (ANSWER - 1) // PAGE
+
+
+def test_next_turns_prefill_reads_the_answer_decode_wrote(pd: Deployment, judge: Any) -> None:
+    """16 conversations x 3 turns behind shared system prompts, each turn carrying the
+    earlier turns and answers. After each turn the decode server has written every
+    answer's pages to L3 (its peer node's count of pages written, which only decode's
+    offload feeds); then every request of the next turn hits, on the prefill server, its
+    whole previous prompt and that answer's pages, those from L3: the prefill server never
+    computed them. Outputs equal ground truth."""
+    chats = Chats(CONVERSATIONS, seed=45)
+    written = _pages_written(pd.decode_metrics)
+    hits_by_turn: list[int] = []
+    for turn in range(TURNS):
+        previous = [list(p) for p in chats.previous]
+        answers = chats.turn(pd.pair, judge, turn)
         storage = 0
         for c, answer in enumerate(answers):
             meta = answer["meta_info"]
@@ -176,18 +213,39 @@ def test_next_turns_prefill_reads_the_answer_decode_wrote(pd: tuple[PDPair, int]
                 continue
             # Turn n's answer starts where turn n's prompt ended: the prefill server never
             # computed those tokens, so a hit past that point is a page decode wrote.
-            covered = len(previous[c]) + answer_pages * PAGE
+            covered = len(previous[c]) + ANSWER_PAGES * PAGE
             assert meta["cached_tokens"] >= covered, (
                 f"turn {turn + 1}, conversation {c}: the prefill hit {meta['cached_tokens']} tokens, "
-                f"not the {len(previous[c])}-token previous prompt and its answer's {answer_pages} pages: {tiers}"
+                f"not the {len(previous[c])}-token previous prompt and its answer's {ANSWER_PAGES} pages: {tiers}"
             )
-            assert int(tiers.get("storage") or 0) >= answer_pages * PAGE, (turn, c, tiers)
+            assert int(tiers.get("storage") or 0) >= ANSWER_PAGES * PAGE, (turn, c, tiers)
         hits_by_turn.append(storage)
-        written += CONVERSATIONS * answer_pages
+        written += CONVERSATIONS * ANSWER_PAGES
         # The next turn must find this turn's answers in L3: decode writes them after it answers.
-        _wait_pages_written(decode_metrics, written)
-        for c in range(CONVERSATIONS):
-            previous[c] = prompts[c]
-            history[c] = prompts[c] + list(answers[c]["output_ids"])
+        _wait_pages_written(pd.decode_metrics, written)
     print(f"storage hits (tokens) by turn: {hits_by_turn}")
-    assert pair.alive()
+    assert pd.pair.alive()
+
+
+def test_a_prefill_with_hiradix_keys_never_hits_decodes_pages(pd: Deployment, module_servers: Any, judge: Any) -> None:
+    """The control: a second prefill server in the same peer cluster with hiradix's own
+    (default) ``l3_format``, whose keys are namespaced, against the same decode server.
+    Decode writes every answer's pages as before, and the next turn on this prefill hits
+    none of them (its cache covers at most the previous prompt): decode's pages are found
+    only under SGLang's keys. Outputs equal ground truth."""
+    bootstrap = free_port()
+    prefill = module_servers.start(
+        _prefill_args(bootstrap, 0, [f"127.0.0.1:{pd.peer_port}"], "hiradix"),
+        name="pd-prefill-hiradix-keys",
+        env={**TOKEN, **PREFILL_ON_CPU},
+    )
+    pair = PDPair(prefill, pd.pair.decode, bootstrap, name="pd-hiradix-keys")
+    chats = Chats(4, seed=46)
+    written = _pages_written(pd.decode_metrics)
+    chats.turn(pair, judge, 0)
+    _wait_pages_written(pd.decode_metrics, written + 4 * ANSWER_PAGES)
+    previous = [list(p) for p in chats.previous]
+    for c, answer in enumerate(chats.turn(pair, judge, 1)):
+        meta = answer["meta_info"]
+        assert meta["cached_tokens"] <= len(previous[c]), (c, len(previous[c]), meta.get("cached_tokens_details"))
+    prefill.stop()
