@@ -30,7 +30,7 @@ import pytest
 
 from tests.e2e.pd import MOONCAKE_MISSING, PREFILL_ON_CPU, TRANSFER, PDPair
 from tests.e2e.server import free_port, only_on
-from tests.e2e.workload import conversations
+from tests.e2e.workload import conversations, tier_hits
 
 pytestmark = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=MOONCAKE_MISSING or "")
 
@@ -98,56 +98,72 @@ def _prefill_args(bootstrap: int, peer_port: int, seeds: list[str], l3_format: s
 
 @dataclass(frozen=True)
 class Deployment:
-    """The module's PD pair, the port of the prefill's peer node (the cluster's seed), and
-    the port of the decode peer node's metrics endpoint."""
+    """The module's servers: one decode server and three prefill servers in one peer
+    cluster, each prefill paired with the decode server. ``pair`` and ``other`` have
+    SGLang's key format, ``hiradix_keys`` hiradix's own. ``decode_metrics``: the port of the
+    decode peer node's metrics endpoint."""
 
     pair: PDPair
-    peer_port: int
+    other: PDPair
+    hiradix_keys: PDPair
     decode_metrics: int
 
 
 @pytest.fixture(scope="module")
 def pd(module_servers: Any) -> Iterator[Deployment]:
-    """The PD pair, both servers started at once (a server takes 40-80 s to come up here)."""
+    """The module's servers, all started at once (a server takes 40-80 s to come up here;
+    side by side, four take about as long as two one after the other)."""
     only_on(("0.5.18", "0.5.23"), "the issue's two versions; 0.5.20's PD path is 0.5.23's")
-    bootstrap, peer_port, decode_metrics = free_port(), free_port(), free_port()
-    decode_args = (
-        "--disaggregation-mode",
-        "decode",
-        "--disaggregation-decode-enable-offload-kvcache",
-        *TRANSFER,
-        *HOST_POOL,
-        "--max-total-tokens",
-        "4096",
-        "--enable-cache-report",
-        *_peer(0, [f"127.0.0.1:{peer_port}"], metrics_enabled=True, metrics_port=decode_metrics),
-    )
+    peer_port, decode_metrics = free_port(), free_port()
+    seeds = [f"127.0.0.1:{peer_port}"]  # the first prefill's peer node seeds the cluster
+    bootstraps = {name: free_port() for name in ("pd-prefill", "pd-prefill-b", "pd-prefill-hiradix-keys")}
+    prefill_env = {**TOKEN, **PREFILL_ON_CPU}
+    to_start = {
+        "pd-prefill": (_prefill_args(bootstraps["pd-prefill"], peer_port, [], "sglang"), prefill_env),
+        "pd-prefill-b": (_prefill_args(bootstraps["pd-prefill-b"], 0, seeds, "sglang"), prefill_env),
+        "pd-prefill-hiradix-keys": (
+            _prefill_args(bootstraps["pd-prefill-hiradix-keys"], 0, seeds, "hiradix"),
+            prefill_env,
+        ),
+        "pd-decode": (
+            (
+                "--disaggregation-mode",
+                "decode",
+                "--disaggregation-decode-enable-offload-kvcache",
+                *TRANSFER,
+                *HOST_POOL,
+                "--max-total-tokens",
+                "4096",
+                "--enable-cache-report",
+                *_peer(0, seeds, metrics_enabled=True, metrics_port=decode_metrics),
+            ),
+            {**TOKEN, **STOCK_ON_CPU},
+        ),
+    }
     started: dict[str, Any] = {}
     errors: list[BaseException] = []
 
-    def start(name: str, args: tuple[Any, ...], env: dict[str, str]) -> None:
+    def start(name: str) -> None:
+        args, env = to_start[name]
         try:
             started[name] = module_servers.start(args, name=name, env=env)
-        except BaseException as e:  # raised below, once both have finished starting
+        except BaseException as e:  # raised below, once all have finished starting
             errors.append(e)
 
-    prefill_env = {**TOKEN, **PREFILL_ON_CPU}
-    threads = [
-        threading.Thread(
-            target=start, args=("pd-prefill", _prefill_args(bootstrap, peer_port, [], "sglang"), prefill_env)
-        ),
-        threading.Thread(target=start, args=("pd-decode", decode_args, {**TOKEN, **STOCK_ON_CPU})),
-    ]
+    threads = [threading.Thread(target=start, args=(name,)) for name in to_start]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    prefill, decode = started["pd-prefill"], started["pd-decode"]
-    assert "hiradix: hierarchical radix cache" in prefill.log_text()  # hiradix's cache on prefill
+    decode = started["pd-decode"]
     assert "Enable offload kv cache for decode side" in decode.log_text()
-    yield Deployment(PDPair(prefill, decode, bootstrap), peer_port, decode_metrics)
+    pairs = {}
+    for name, bootstrap in bootstraps.items():
+        assert "hiradix: hierarchical radix cache" in started[name].log_text()  # hiradix's cache on prefill
+        pairs[name] = PDPair(started[name], decode, bootstrap, name=name.replace("-prefill", ""))
+    yield Deployment(pairs["pd-prefill"], pairs["pd-prefill-b"], pairs["pd-prefill-hiradix-keys"], decode_metrics)
 
 
 def _pages_written(metrics_port: int) -> float:
@@ -227,19 +243,49 @@ def test_next_turns_prefill_reads_the_answer_decode_wrote(pd: Deployment, judge:
     assert pd.pair.alive()
 
 
-def test_a_prefill_with_hiradix_keys_never_hits_decodes_pages(pd: Deployment, module_servers: Any, judge: Any) -> None:
-    """The control: a second prefill server in the same peer cluster with hiradix's own
-    (default) ``l3_format``, whose keys are namespaced, against the same decode server.
-    Decode writes every answer's pages as before, and the next turn on this prefill hits
-    none of them (its cache covers at most the previous prompt): decode's pages are found
-    only under SGLang's keys. Outputs equal ground truth."""
-    bootstrap = free_port()
-    prefill = module_servers.start(
-        _prefill_args(bootstrap, 0, [f"127.0.0.1:{pd.peer_port}"], "hiradix"),
-        name="pd-prefill-hiradix-keys",
-        env={**TOKEN, **PREFILL_ON_CPU},
-    )
-    pair = PDPair(prefill, pd.pair.decode, bootstrap, name="pd-hiradix-keys")
+def test_next_turn_on_the_other_prefill_reads_its_prefix_through_the_peer_cache(pd: Deployment, judge: Any) -> None:
+    """Four conversations whose turns alternate between two prefill servers (A, B, A), one
+    decode server behind both. Before each next turn, the prefill server that served the
+    turn has its cache flushed (which returns once its writes to L3 are done, and empties
+    its tree) and decode has written the answers. So each next turn's whole prefix comes
+    from the peer cache: the earlier prompts from the other prefill's pool (or, for A's
+    third turn, from both), the answers from decode's. Outputs equal ground truth."""
+    chats = Chats(4, seed=47)
+    written = _pages_written(pd.decode_metrics)
+    hits_by_turn: list[dict[str, int]] = []
+    for turn, pair in enumerate((pd.pair, pd.other, pd.pair)):
+        previous = [list(p) for p in chats.previous]
+        answers = chats.turn(pair, judge, turn)
+        hits_by_turn.append(tier_hits(answers))
+        for c, answer in enumerate(answers):
+            if turn == 0:
+                continue
+            meta = answer["meta_info"]
+            tiers = meta.get("cached_tokens_details") or {}
+            # Past its system prompt (which a conversation served just before may have put
+            # on the device), a conversation's tokens are its own: this prefill server
+            # holds none of them, so all of them come from the peer cache.
+            covered = len(previous[c]) + ANSWER_PAGES * PAGE
+            own = covered - len(chats.work.prefixes[chats.work.prefix_of[c]])
+            assert meta["cached_tokens"] >= covered and int(tiers.get("storage") or 0) >= own, (
+                f"turn {turn + 1} on {pair.name}, conversation {c}: {meta['cached_tokens']} tokens hit ({tiers}) of "
+                f"a {len(previous[c])}-token previous prompt and its answer's {ANSWER_PAGES} pages, at least {own} "
+                "of them from the peer cache"
+            )
+        pair.prefill.flush_cache()
+        written += 4 * ANSWER_PAGES
+        _wait_pages_written(pd.decode_metrics, written)
+    print(f"hits (tokens) by turn, A, B, A: {hits_by_turn}")
+    assert pd.pair.alive() and pd.other.alive()
+
+
+def test_a_prefill_with_hiradix_keys_never_hits_decodes_pages(pd: Deployment, judge: Any) -> None:
+    """The control: a prefill server in the same peer cluster with hiradix's own (default)
+    ``l3_format``, whose keys are namespaced, against the same decode server. Decode writes
+    every answer's pages as before, and the next turn on this prefill hits none of them (its
+    cache covers at most the previous prompt): decode's pages are found only under SGLang's
+    keys. Outputs equal ground truth."""
+    pair = pd.hiradix_keys
     chats = Chats(4, seed=46)
     written = _pages_written(pd.decode_metrics)
     chats.turn(pair, judge, 0)
@@ -248,4 +294,3 @@ def test_a_prefill_with_hiradix_keys_never_hits_decodes_pages(pd: Deployment, mo
     for c, answer in enumerate(chats.turn(pair, judge, 1)):
         meta = answer["meta_info"]
         assert meta["cached_tokens"] <= len(previous[c]), (c, len(previous[c]), meta.get("cached_tokens_details"))
-    prefill.stop()
