@@ -13,6 +13,12 @@ bytes exactly SGLang's) and the same ``--hicache-mem-layout`` as decode's host p
 in a multi-turn conversation, turn n+1's prefill reads turn n's answer from L3: pages the
 prefill server never computed, written only by decode. Asserted per request, with every
 output judged against ground truth (``transformers``, the ``judge`` fixture).
+
+The module's four servers start side by side and serve all three tests: the decode server,
+prefill A (the conversations above), prefill B (the next turn on the other prefill reads
+its prefix through the peer cache) and a prefill with hiradix's own key format (the
+control: it never hits decode's pages). ``docs/sglang/pd.md`` has the configuration and
+what a CPU machine needs.
 """
 
 from __future__ import annotations
