@@ -153,6 +153,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Set by the real-server tests and `bench/e2e_server.py`: install the CPU stand-ins that let "
            "stock SGLang's hierarchical cache run in a CPU server.",
            "tests/e2e/inject/sitecustomize.py"),
+    EnvVar("HIRADIX_E2E_PD_ON_CPU", "flag", "0", "test",
+           "Set by the PD real-server tests for their prefill servers: SGLang 0.5.23's Mooncake KV sender "
+           "takes its CPU index path, not the pinned-memory and CUDA-event one a CPU torch lacks.",
+           "tests/e2e/inject/sitecustomize.py"),
     EnvVar("HIRADIX_E2E_UNREGISTERED_COUNTER", "flag", "0", "test",
            "Set by the real-server tests for their control server: hiradix's layer-done counter is not "
            "registered with SGLang's KV pool, so that with slowed loads its outputs must be wrong.",

@@ -22,6 +22,13 @@ in place, and the tests assert that line and the fault's effect.
     each remote READ this server's peer node serves over TCP (the transport's own test
     seam, ``responder_hook``) stalls that many seconds, its pages pinned, after saying so
     (``PEER_READ_HELD``): a test kills the server while another one reads from it.
+``HIRADIX_E2E_PD_ON_CPU=1``
+    a PD prefill server on the CPU with SGLang 0.5.23: its prefill stages a chunk's page
+    indices through pinned memory and a ``torch.cuda.Event`` whenever the Mooncake sender
+    takes host tensors (``_send_kv_chunk`` in ``sglang/srt/disaggregation/prefill.py``),
+    neither of which a CPU torch has. The sender is told it does not, so SGLang takes its
+    other path (``kv_to_page_indices``, as for the other transfer backends). Not hiradix's
+    code: SGLang's PD transfer, which only moves the KV hiradix's cache holds.
 ``HIRADIX_E2E_NAIVE_PAGED_ALLOC=1``
     page sizes above 1 on the CPU: SGLang 0.5.18's and 0.5.20's paged allocator launches two
     Triton kernels (``alloc_extend_kernel``, ``alloc_decode_kernel``), which have no CPU
@@ -106,6 +113,14 @@ if os.environ.get("HIRADIX_E2E_STOCK_ON_CPU") == "1":
     _phc._cuda_host_unregister = lambda *args, **kwargs: None
     _phb.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
     _phm.transfer_kv_direct = _transfer_kv_direct
+
+
+if os.environ.get("HIRADIX_E2E_PD_ON_CPU") == "1":
+    from sglang.srt.disaggregation.mooncake import conn as _mooncake_conn
+
+    if getattr(_mooncake_conn.MooncakeKVSender, "supports_host_tensor_indices", False):  # 0.5.23, not 0.5.18
+        _mooncake_conn.MooncakeKVSender.supports_host_tensor_indices = False
+        print("hiradix e2e harness: Mooncake's KV sender on its CPU index path", file=sys.stderr, flush=True)
 
 
 if os.environ.get("HIRADIX_E2E_NAIVE_PAGED_ALLOC") == "1":
