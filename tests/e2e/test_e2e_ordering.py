@@ -22,8 +22,9 @@ from tests.e2e.test_e2e_outputs import HIRADIX
 from tests.e2e.workload import conversations, serve_conversations
 
 pytestmark = only_on_mark(
-    ("0.5.20", "0.5.23"),
-    "the versions whose overlap scheduler differs from 0.5.18's at the finish (0.5.20's wrong answers under load)",
+    ("0.5.20",),
+    "where the wrong answers were seen; 0.5.23 ran it on 2026-11-29 (72 of 72 answers exact, "
+    "docs/sglang/versions.md), and CI's real-server minutes are spent on 0.5.20",
 )
 
 STALL = {"HIRADIX_E2E_STALL_AFTER_FINISH_S": "5", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
