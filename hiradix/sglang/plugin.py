@@ -46,7 +46,14 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is not create_cache:
         register_radix_cache_backend(BACKEND_NAME, create_cache)
-    register_tree_core()
+    try:
+        register_tree_core()
+    except Exception:  # the cache backend above must serve whatever the tree core's import does
+        logger.warning(
+            "hiradix tree core not registered (SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=hiradix will not be "
+            "found); --radix-cache-backend hiradix is unaffected",
+            exc_info=True,
+        )
 
 
 def register_tree_core() -> bool:

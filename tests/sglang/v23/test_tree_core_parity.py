@@ -414,6 +414,23 @@ def test_selected_by_the_environment_variable(sglang_cpu: None, monkeypatch: pyt
     assert isinstance(cache.tree_core, HiradixTreeCore)
 
 
+def test_a_tree_core_that_fails_to_register_leaves_the_cache_backend_serving(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    from hiradix.sglang import plugin
+
+    def broken() -> bool:
+        raise ImportError("planted: the tree core's module does not import")
+
+    monkeypatch.setattr(plugin, "register_tree_core", broken)
+    with caplog.at_level("WARNING", logger="hiradix.sglang.plugin"):
+        plugin.register()
+    assert get_radix_cache_factory(plugin.BACKEND_NAME) is plugin.create_cache
+    assert "hiradix tree core not registered" in caplog.text and "planted" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
