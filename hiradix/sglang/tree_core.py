@@ -23,6 +23,7 @@ and per call for the methods that only serve those (:func:`_refuse`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -53,9 +54,11 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
     UnifiedTreeCoreInterface,
 )
 
-from hiradix.tree import UnifiedFullTree
+from hiradix.tree import UNIFIED_IMPLEMENTATION, UnifiedFullTree
 
 __all__ = ["TREE_CORE_NAME", "HiradixTreeCore", "create_tree_core"]
+
+logger = logging.getLogger(__name__)
 
 #: The name to give ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` (or
 #: ``CacheInitParams.tree_core_backend``).
@@ -103,6 +106,12 @@ def create_tree_core(params: Any, components: dict[ComponentType, Any]) -> Hirad
             + "; ".join(refused)
             + " (the rust or python core does)"
         )
+    logger.info(
+        "hiradix: tree core %r serving SGLang's UnifiedRadixCache (FULL component, device tier, page %d; %s tree)",
+        TREE_CORE_NAME,
+        params.page_size,
+        UNIFIED_IMPLEMENTATION,
+    )
     return HiradixTreeCore(params)
 
 
