@@ -564,6 +564,9 @@ class UnifiedFullTree:
         assert seen == len(self._nodes), f"{len(self._nodes) - seen} nodes in the arena are not in the tree"
         assert evictable == self._evictable, f"evictable {self._evictable}, recount {evictable}"
         assert protected == self._protected, f"protected {self._protected}, recount {protected}"
+        if self._heap_fresh and not self._walking:
+            kept = sorted((t, i) for t, i, _ in self._heap)
+            assert kept == sorted((n.last_access_time, n.id) for n in self._leaves), "kept eviction heap is stale"
 
     def dump(self) -> str:
         """The tree, one node a line (id, tokens, value length, lock_ref, time)."""
