@@ -926,7 +926,7 @@ cdef class UnifiedFullTree:
     def _check(self):
         cdef node_t root = self.root_slot
         cdef node_t s, c
-        cdef int64_t evictable = 0, protected = 0, seen = 0, leaves = 0, kids, dev_kids
+        cdef int64_t evictable = 0, protected = 0, seen = 0, leaves = 0, kids, dev_kids, i
         cdef UNode* n
         assert self.nodes[root].alive and self.nodes[root].parent == NO_NODE, "root"
         assert self.nodes[root].lock_ref == 1, "root lock_ref"
@@ -974,6 +974,14 @@ cdef class UnifiedFullTree:
         assert leaves == self.n_leaves, f"leaf list holds {self.n_leaves}, recount {leaves}"
         assert evictable == self.evictable, f"evictable {self.evictable}, recount {evictable}"
         assert protected == self.protected, f"protected {self.protected}, recount {protected}"
+        if self.heap_fresh and not self.walking:
+            kept = set()
+            for i in range(self.heap_len):
+                c = self.heap[i].node
+                assert (self.nodes[c].alive and self.nodes[c].gen == self.heap[i].gen and self.nodes[c].in_leaves
+                        and self.nodes[c].last_access_time == self.heap[i].t), "kept eviction heap is stale"
+                kept.add(c)
+            assert len(kept) == self.heap_len == self.n_leaves, "kept eviction heap is not the leaf set"
 
     def dump(self):
         """The tree, one node a line (id, tokens, value length, lock_ref, time)."""
