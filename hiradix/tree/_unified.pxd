@@ -83,6 +83,9 @@ cdef class UnifiedFullTree:
     cdef int64_t walk_quota
     cdef node_t walk_parent       # the last victim's parent (NO_NODE: none)
     cdef int32_t walk_parent_gen
+    cdef node_t walk_victim       # the last victim until evict_leaf takes it (NO_NODE: none)
+    cdef bint heap_fresh          # the kept heap holds exactly the evictable leaves, times current
+    cdef int _heap_settle(self) except -1
     # private helpers (_unified.pyx)
     cdef int _reset(self) except -1
     cdef inline double _tick(self) noexcept

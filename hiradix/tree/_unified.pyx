@@ -57,6 +57,14 @@ cdef inline bint _heap_less(WalkEntry* a, WalkEntry* b) noexcept nogil:
     return a.t < b.t or (a.t == b.t and a.uid < b.uid)
 
 
+cdef inline Py_ssize_t _vlen(object value) except -1:
+    # len() of a torch tensor runs Tensor.__len__ in Python; its shape is read in C
+    try:
+        return value.shape[0]
+    except AttributeError:
+        return len(value)
+
+
 cdef const token_t[::1] _as_tokens(object tokens) except *:
     # a buffer of int64 token ids (array('q'), as SGLang's RadixKey holds them) as it is;
     # anything else (a list, a tuple, another width) copied into one
@@ -124,6 +132,8 @@ cdef class UnifiedFullTree:
         self.n_leaves = 0
         self.walking = False
         self.heap_len = 0
+        self.heap_fresh = False
+        self.walk_victim = NO_NODE
         self.walk_parent = NO_NODE
         self._ht_init(64)
         self.root_slot = self._alloc_node(0)
@@ -519,6 +529,7 @@ cdef class UnifiedFullTree:
         cdef node_t node = self.root_slot
         cdef int64_t cut = 0, hit = 0
         cdef double stamp
+        self.heap_fresh = False  # stamps times
         if n and nsi >= 0:
             with nogil:
                 hit = self._walk(&mv[0], n, nsi, &node, &cut)
@@ -625,6 +636,7 @@ cdef class UnifiedFullTree:
         cdef int64_t offset = 0, plen, m, dup_start
         cdef int32_t nsi
         cdef token_t* toks
+        self.heap_fresh = False
         root.last_access_time = self._tick()
         if priority > root.priority:
             root.priority = priority
@@ -664,7 +676,7 @@ cdef class UnifiedFullTree:
             raise MemoryError()
         memcpy(toks, &mv[offset], (n - offset) * sizeof(token_t))
         try:
-            piece = self._keep(value[offset:n] if offset or len(value) != n else value)
+            piece = self._keep(value[offset:n] if offset or _vlen(value) != n else value)
             self._ht_reserve()
             leaf = self._alloc_node(priority)
         except BaseException:
@@ -706,6 +718,7 @@ cdef class UnifiedFullTree:
         cdef node_t s = anchor
         cdef int64_t delta = 0
         cdef UNode* n
+        self.heap_fresh = False
         while self.nodes[s].parent != NO_NODE and not self.nodes[s].on_device:
             self.nodes[s].lock_ref += 1
             s = self.nodes[s].parent
@@ -727,6 +740,7 @@ cdef class UnifiedFullTree:
         cdef node_t anchor = self._slot(node_id)
         cdef node_t s = anchor
         cdef UNode* n
+        self.heap_fresh = False
         while self.nodes[s].parent != NO_NODE:
             n = &self.nodes[s]
             if n.lock_ref <= 0:
@@ -781,14 +795,35 @@ cdef class UnifiedFullTree:
             i = c
         self.heap[i] = e
 
+    cdef int _heap_settle(self) except -1:
+        # the walk's pending moves: the last victim's parent, if that made it a leaf, joins
+        # the heap; a victim evict_leaf did not take leaves the heap stale
+        cdef node_t s = self.walk_parent
+        if self.walk_victim != NO_NODE:
+            self.heap_fresh = False
+            self.walk_victim = NO_NODE
+        if (s != NO_NODE and self.nodes[s].alive and self.nodes[s].gen == self.walk_parent_gen
+                and self.nodes[s].in_leaves):
+            self._heap_push(s)
+        self.walk_parent = NO_NODE
+        return 0
+
     def evict_start(self, int64_t quota):
-        """Begin an eviction walk that stops once ``quota`` tokens were freed.
-        Runtime complexity: ``O(leaves)``."""
+        """Begin an eviction walk that stops once ``quota`` tokens were freed. The heap
+        of the last walk is kept and reused when the tree did not change since but by
+        that walk's own evictions (it then holds exactly the evictable leaves).
+        Runtime complexity: ``O(leaves)``, ``O(1)`` when reused."""
         cdef void* p
         cdef node_t s
         cdef int64_t i
         if self.walking:
             raise AssertionError("FULL device eviction already in progress")
+        self.walk_quota = quota
+        self.walk_parent = NO_NODE
+        self.walk_victim = NO_NODE
+        if self.heap_fresh:
+            self.walking = True
+            return
         if self.heap_cap < self.n_leaves:
             p = realloc(self.heap, (self.n_leaves + 64) * sizeof(WalkEntry))
             if p == NULL:
@@ -808,21 +843,17 @@ cdef class UnifiedFullTree:
         while i >= 0:
             self._sift_down(i)
             i -= 1
+        self.heap_fresh = True
         self.walking = True
-        self.walk_quota = quota
-        self.walk_parent = NO_NODE
 
     def evict_next(self, int64_t freed):
         """The next victim (a device leaf), or ``None`` when ``freed`` reached the quota
         or no leaf is left. Runtime complexity: ``O(log leaves)`` per victim."""
-        cdef node_t s = self.walk_parent
+        cdef node_t s
         cdef WalkEntry e
         if not self.walking:
             raise AssertionError("FULL device eviction not started")
-        if (s != NO_NODE and self.nodes[s].alive and self.nodes[s].gen == self.walk_parent_gen
-                and self.nodes[s].in_leaves):
-            self._heap_push(s)
-        self.walk_parent = NO_NODE
+        self._heap_settle()
         while freed < self.walk_quota and self.heap_len > 0:
             e = self.heap[0]
             self.heap_len -= 1
@@ -833,15 +864,15 @@ cdef class UnifiedFullTree:
             if self.nodes[s].alive and self.nodes[s].gen == e.gen and self.nodes[s].in_leaves:
                 self.walk_parent = self.nodes[s].parent
                 self.walk_parent_gen = self.nodes[self.walk_parent].gen
+                self.walk_victim = s
                 return self._handle(s)
         return None
 
     def evict_end(self):
         if not self.walking:
             raise AssertionError("FULL device eviction not started")
+        self._heap_settle()  # the heap stays for the next walk
         self.walking = False
-        self.heap_len = 0
-        self.walk_parent = NO_NODE
 
     def evict_leaf(self, node_id):
         """Delete device leaf ``node_id`` (it has no host copy) and the ancestors it
@@ -849,8 +880,13 @@ cdef class UnifiedFullTree:
         Runtime complexity: ``O(1)`` plus the ancestors deleted."""
         cdef node_t s = self._slot(node_id)
         cdef node_t cur, parent
+        # the kept heap stays exact only when this is the walk's victim and no ancestor goes
+        cdef bint fresh = self.heap_fresh and self.walking and s == self.walk_victim
         if not self.nodes[s].in_leaves:
             raise AssertionError(f"node {node_id} is not an evictable device leaf")
+        self.heap_fresh = False
+        if s == self.walk_victim:
+            self.walk_victim = NO_NODE
         freed = [self.values[s]]
         self.evictable -= self.nodes[s].key_len
         self._leaf_discard(s)
@@ -865,6 +901,8 @@ cdef class UnifiedFullTree:
             self._remove(cur)
             self._refresh_leaf(parent)
             cur = parent
+            fresh = False
+        self.heap_fresh = fresh
         return freed
 
     cdef void _remove(self, node_t s):
@@ -888,7 +926,7 @@ cdef class UnifiedFullTree:
     def _check(self):
         cdef node_t root = self.root_slot
         cdef node_t s, c
-        cdef int64_t evictable = 0, protected = 0, seen = 0, leaves = 0, kids, dev_kids
+        cdef int64_t evictable = 0, protected = 0, seen = 0, leaves = 0, kids, dev_kids, i
         cdef UNode* n
         assert self.nodes[root].alive and self.nodes[root].parent == NO_NODE, "root"
         assert self.nodes[root].lock_ref == 1, "root lock_ref"
@@ -936,6 +974,14 @@ cdef class UnifiedFullTree:
         assert leaves == self.n_leaves, f"leaf list holds {self.n_leaves}, recount {leaves}"
         assert evictable == self.evictable, f"evictable {self.evictable}, recount {evictable}"
         assert protected == self.protected, f"protected {self.protected}, recount {protected}"
+        if self.heap_fresh and not self.walking:
+            kept = set()
+            for i in range(self.heap_len):
+                c = self.heap[i].node
+                assert (self.nodes[c].alive and self.nodes[c].gen == self.heap[i].gen and self.nodes[c].in_leaves
+                        and self.nodes[c].last_access_time == self.heap[i].t), "kept eviction heap is stale"
+                kept.add(c)
+            assert len(kept) == self.heap_len == self.n_leaves, "kept eviction heap is not the leaf set"
 
     def dump(self):
         """The tree, one node a line (id, tokens, value length, lock_ref, time)."""

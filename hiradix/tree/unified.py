@@ -112,9 +112,14 @@ class UnifiedFullTree:
         self._evictable = 0  # device tokens under no lock
         self._protected = 0  # device tokens under a lock
         self._leaves: set[_Node] = set()  # evictable device leaves
-        self._walk: list[tuple[float, int, _Node]] | None = None  # the eviction walk's heap
+        self._walking = False
+        # the eviction walk's heap, kept between walks: while _heap_fresh it holds exactly
+        # the evictable leaves with their current times (the tree changed only by the walks)
+        self._heap: list[tuple[float, int, _Node]] = []
+        self._heap_fresh = False
         self._walk_quota = 0
         self._walk_last: _Node | None = None
+        self._walk_victim: _Node | None = None  # the last victim until evict_leaf takes it
 
     def _tick(self) -> float:
         t = self._clock
@@ -251,6 +256,7 @@ class UnifiedFullTree:
         """The longest cached device prefix of ``tokens`` (cut to whole pages) in namespace
         ``ns``: ``(matched tokens, deepest matched node)``. Splits the node where the match
         ends inside it, and stamps the matched path. Runtime complexity: ``O(len(tokens))``."""
+        self._heap_fresh = False  # stamps times
         tokens = self._aligned(tokens)
         node = self._nodes[self.root]
         offset = 0
@@ -330,6 +336,7 @@ class UnifiedFullTree:
         past ``prev_prefix_len`` comes back in ``frees`` (slices of ``value``: the caller's
         duplicate slots); the rest becomes one new leaf. Nodes past ``inserted_len`` count a
         hit. Runtime complexity: ``O(len(tokens))``."""
+        self._heap_fresh = False
         tokens = self._aligned(tokens)
         root = self._nodes[self.root]
         root.last_access_time = self._tick()
@@ -388,6 +395,7 @@ class UnifiedFullTree:
     def inc_lock_ref(self, node_id: int) -> int:
         """Lock the path from ``node_id`` to the root; the tokens moved from evictable to
         protected. Runtime complexity: ``O(depth)``."""
+        self._heap_fresh = False
         node: _Node | None = self._node(node_id)
         assert node is not None
         anchor = node
@@ -411,6 +419,7 @@ class UnifiedFullTree:
     def dec_lock_ref(self, node_id: int) -> None:
         """Release a lock :meth:`inc_lock_ref` took on ``node_id``.
         Runtime complexity: ``O(depth)``."""
+        self._heap_fresh = False
         anchor = node = self._node(node_id)
         while node.parent is not None:
             if node.lock_ref <= 0:
@@ -426,38 +435,53 @@ class UnifiedFullTree:
         self._refresh_leaf(anchor)
 
     # ------------------------------------------------------------------ eviction
+    def _heap_settle(self) -> None:
+        # the walk's pending moves: the last victim's parent, if that made it a leaf, joins
+        # the heap; a victim evict_leaf did not take leaves the heap stale
+        if self._walk_victim is not None:
+            self._heap_fresh = False
+            self._walk_victim = None
+        last = self._walk_last
+        if last is not None and last.parent is not None and last.parent in self._leaves:
+            p = last.parent
+            heapq.heappush(self._heap, (p.last_access_time, p.id, p))
+        self._walk_last = None
+
     def evict_start(self, quota: int) -> None:
-        """Begin an eviction walk that stops once ``quota`` tokens were freed.
-        Runtime complexity: ``O(leaves)``."""
-        if self._walk is not None:
+        """Begin an eviction walk that stops once ``quota`` tokens were freed. The heap
+        of the last walk is kept and reused when the tree did not change since but by
+        that walk's own evictions (it then holds exactly the evictable leaves).
+        Runtime complexity: ``O(leaves)``, ``O(1)`` when reused."""
+        if self._walking:
             raise AssertionError("FULL device eviction already in progress")
-        self._walk = [(n.last_access_time, n.id, n) for n in self._leaves]
-        heapq.heapify(self._walk)
+        if not self._heap_fresh:
+            self._heap = [(n.last_access_time, n.id, n) for n in self._leaves]
+            heapq.heapify(self._heap)
+            self._heap_fresh = True
+        self._walking = True
         self._walk_quota = quota
         self._walk_last = None
+        self._walk_victim = None
 
     def evict_next(self, freed: int) -> int | None:
         """The next victim (a device leaf), or ``None`` when ``freed`` reached the quota
         or no leaf is left. Runtime complexity: ``O(log leaves)`` per victim."""
-        if self._walk is None:
+        if not self._walking:
             raise AssertionError("FULL device eviction not started")
-        last = self._walk_last
-        if last is not None and last.parent is not None and last.parent in self._leaves:
-            p = last.parent
-            heapq.heappush(self._walk, (p.last_access_time, p.id, p))
-        self._walk_last = None
-        while freed < self._walk_quota and self._walk:
-            node = heapq.heappop(self._walk)[2]
+        self._heap_settle()
+        heap = self._heap
+        while freed < self._walk_quota and heap:
+            node = heapq.heappop(heap)[2]
             if node in self._leaves:
-                self._walk_last = node
+                self._walk_last = self._walk_victim = node
                 return node.id
         return None
 
     def evict_end(self) -> None:
-        if self._walk is None:
+        if not self._walking:
             raise AssertionError("FULL device eviction not started")
-        self._walk = None
-        self._walk_last = None
+        self._heap_settle()  # the heap stays for the next walk
+        self._walking = False
 
     def evict_leaf(self, node_id: int) -> list[Any]:
         """Delete device leaf ``node_id`` (it has no host copy) and the ancestors it
@@ -466,6 +490,10 @@ class UnifiedFullTree:
         node = self._node(node_id)
         if node not in self._leaves:
             raise AssertionError(f"node {node_id} is not an evictable device leaf")
+        # the kept heap stays exact only when this is the walk's victim and no ancestor goes
+        fresh = self._heap_fresh and self._walking and node is self._walk_victim
+        if node is self._walk_victim:
+            self._walk_victim = None
         freed = [node.value]
         self._evictable -= len(node.value)
         self._leaves.discard(node)
@@ -482,6 +510,8 @@ class UnifiedFullTree:
             self._remove(cur)
             self._refresh_leaf(parent)
             cur = parent
+            fresh = False
+        self._heap_fresh = fresh
         return freed
 
     def _remove(self, node: _Node) -> None:
@@ -534,6 +564,9 @@ class UnifiedFullTree:
         assert seen == len(self._nodes), f"{len(self._nodes) - seen} nodes in the arena are not in the tree"
         assert evictable == self._evictable, f"evictable {self._evictable}, recount {evictable}"
         assert protected == self._protected, f"protected {self._protected}, recount {protected}"
+        if self._heap_fresh and not self._walking:
+            kept = sorted((t, i) for t, i, _ in self._heap)
+            assert kept == sorted((n.last_access_time, n.id) for n in self._leaves), "kept eviction heap is stale"
 
     def dump(self) -> str:
         """The tree, one node a line (id, tokens, value length, lock_ref, time)."""

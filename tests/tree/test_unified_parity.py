@@ -209,3 +209,28 @@ def test_compiled_tree_takes_any_token_sequence() -> None:
     assert tree.match(array("i", [5, 6, 7]))[0] == 2
     assert tree.match((5, 6, 7, 8, 9))[0] == 4
     tree.check_invariants()
+
+
+@pytest.mark.parametrize("mod", [unified, _unified], ids=["twin", "compiled"])
+def test_kept_heap_follows_a_match_between_walks(mod: Any) -> None:
+    """The heap kept between eviction walks must not serve stale times: a match between two
+    walks makes the oldest leaf the newest, so the second walk takes the next one."""
+    if mod is None:
+        pytest.skip("hiradix.tree._unified is not built here (or HIRADIX_PUREPYTHON=1)")
+    tree = mod.UnifiedFullTree(1, copy_value=tuple)
+    leaves = [tree.insert([k, k], (2 * k, 2 * k + 1))[1] for k in (1, 2, 3, 4)]
+
+    def evict_one() -> int:
+        tree.evict_start(1)
+        victim = tree.evict_next(0)
+        tree.evict_leaf(victim)
+        assert tree.evict_next(2) is None
+        tree.evict_end()
+        tree.check_invariants()
+        return victim
+
+    assert evict_one() == leaves[0]
+    assert tree.match([2, 2])[1] == leaves[1]  # leaves[1] is now the newest
+    assert evict_one() == leaves[2]
+    assert evict_one() == leaves[3]
+    assert evict_one() == leaves[1]
