@@ -54,21 +54,29 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-import sglang_api as sa  # noqa: E402
 from workload import make_workload  # noqa: E402
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-import hiradix.sglang as hs  # noqa: E402
-from hiradix.sglang.tree_core import HiradixTreeCore  # noqa: E402
 from hiradix.tree import UNIFIED_IMPLEMENTATION  # noqa: E402
+
+
+def _import_sglang() -> None:
+    """SGLang 0.5.23's cache and hiradix's tree core, imported once the arguments are parsed
+    (``--help`` works without them)."""
+    global EvictParams, InsertParams, MatchPrefixParams, CacheInitParams, checkpoint_kv_cache
+    global release_kv_cache, RadixKey, ComponentType, UnifiedRadixCache, hs, HiradixTreeCore, sa
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sglang_api as sa
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        import hiradix.sglang as hs
+        from hiradix.sglang.tree_core import HiradixTreeCore
+
 
 CORES = {"rust": "RustUnifiedTreeCore", "python": "UnifiedTreeCore", "hiradix": "HiradixTreeCore"}
 RATES = ("insert_per_s", "match_per_s", "core_match_per_s", "checkpoint_per_s", "release_per_s")
@@ -238,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", default="rust,python,hiradix")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    _import_sglang()
     torch.set_num_threads(1)
     hs.register()
     sa.Api23().setup()
