@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang import unified_hicache
+from tests.sglang import tree_core_seam, unified_hicache
 
 _STUBS = Path(__file__).resolve().parent / "tests" / "stubs"
 
@@ -62,6 +62,8 @@ collect_ignore = (
         if unified_hicache()
         else ["tests/sglang/v23", "hiradix/sglang/api_v23.py"]
     )
+    # the tree core implements 0.5.23's UnifiedTreeCoreInterface, which 0.5.18/0.5.20 predate
+    + ([] if tree_core_seam() else ["hiradix/sglang/tree_core.py"])
 )
 
 

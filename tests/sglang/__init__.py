@@ -28,6 +28,23 @@ def unified_hicache() -> bool:
     return (mem_cache / "unified_radix_cache.py").exists() and not (mem_cache / "hiradix_cache.py").exists()
 
 
+def tree_core_seam() -> bool:
+    """Whether the installed SGLang's ``UnifiedTreeCoreInterface`` is 0.5.23's, the one
+    ``hiradix.sglang.tree_core`` implements (it has ``TreePathNodeInfo``; 0.5.18 and 0.5.20
+    ship an older one). Read from the file, without importing SGLang, at collection."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    interface = (
+        Path(next(iter(spec.submodule_search_locations)))
+        / "srt"
+        / "mem_cache"
+        / "unified_cache"
+        / "unified_tree_core_interface.py"
+    )
+    return interface.exists() and "class TreePathNodeInfo" in interface.read_text(encoding="utf-8")
+
+
 def require_sglang() -> None:
     """Skip the calling test module, saying why, without a supported SGLang (called at its
     top, as the shared tests here do)."""
