@@ -398,10 +398,9 @@ def test_the_rust_core_joins_where_the_wheel_has_it() -> None:
     assert "rust" in _backends()
 
 
-def test_selected_by_the_environment_variable(sglang_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    hs.register()
-    assert tree_core_registry.get_tree_core_factory(TREE_CORE_NAME) is not None
-    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", TREE_CORE_NAME)
+def _small_cache(**more: Any) -> UnifiedRadixCache:
+    """A FULL-only ``UnifiedRadixCache`` at page 4 on 256 CPU slots (``more``: further
+    ``CacheInitParams`` fields)."""
     _, alloc, req_to_token = sglang_pools(4, 256, False)
     params = CacheInitParams(
         disable=False,
@@ -409,8 +408,16 @@ def test_selected_by_the_environment_variable(sglang_cpu: None, monkeypatch: pyt
         token_to_kv_pool_allocator=alloc,
         page_size=4,
         tree_components=(FULL,),
+        **more,
     )
-    cache = UnifiedRadixCache(params)
+    return UnifiedRadixCache(params)
+
+
+def test_selected_by_the_environment_variable(sglang_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    hs.register()
+    assert tree_core_registry.get_tree_core_factory(TREE_CORE_NAME) is not None
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", TREE_CORE_NAME)
+    cache = _small_cache()
     assert isinstance(cache.tree_core, HiradixTreeCore)
 
 
@@ -460,15 +467,6 @@ def test_what_it_does_not_serve_is_refused_by_name(sglang_cpu: None, change: dic
 
 def test_hicache_is_refused_when_the_host_tier_is_wired(sglang_cpu: None) -> None:
     hs.register()
-    _, alloc, req_to_token = sglang_pools(4, 256, False)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=req_to_token,
-        token_to_kv_pool_allocator=alloc,
-        page_size=4,
-        tree_components=(FULL,),
-        tree_core_backend=TREE_CORE_NAME,
-    )
-    cache = UnifiedRadixCache(params)
+    cache = _small_cache(tree_core_backend=TREE_CORE_NAME)
     with pytest.raises(NotImplementedError, match="HiCache"):
         cache.tree_core.set_hicache_enabled()
